@@ -1,0 +1,55 @@
+"""The one exception tree of the coordinator.
+
+    AgentloopError                  every error agentloop itself raises
+    ├── ConfigError                 bad option, duration, config file; fix the input
+    ├── WorkerError                 a worker could not be started or talked to
+    │   ├── WorkerStartError        the process did not come up / handshake failed
+    │   └── WorkerClosed            the handle was closed; start a new worker
+    ├── SandboxError                the requested sandbox cannot be applied here
+    └── ModelError                  the model endpoint failed us
+        ├── ModelUnreachable        connection refused / DNS / timeout, after retries
+        └── ModelResponseError      HTTP error status or a body we cannot read
+
+Faults of the *model's code* (exceptions, timeouts, kills, sandbox denials) are not
+exceptions here: they are results, reported to the model as words.  Errors of the
+libraries below (zmq, msgpack, httpx) are translated once, at the edge, with
+``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+
+class AgentloopError(Exception):
+    """Base of every error agentloop raises; the message says what to do next."""
+
+
+class ConfigError(AgentloopError):
+    """An option, duration or configuration file is invalid."""
+
+
+class WorkerError(AgentloopError):
+    """A worker process could not be started or talked to."""
+
+
+class WorkerStartError(WorkerError):
+    """The worker did not start or did not complete the handshake in time."""
+
+
+class WorkerClosed(WorkerError):
+    """The worker handle was closed; start a new worker to run more code."""
+
+
+class SandboxError(AgentloopError):
+    """The requested sandbox cannot be applied on this machine."""
+
+
+class ModelError(AgentloopError):
+    """The model endpoint failed."""
+
+
+class ModelUnreachable(ModelError):
+    """The model endpoint could not be reached, even after retries."""
+
+
+class ModelResponseError(ModelError):
+    """The model endpoint answered with an error status or an unreadable body."""
