@@ -1,0 +1,138 @@
+"""Starting a worker process and killing it with everything it started.
+
+Killing is one small function, run shielded from cancellation, that always reaps.  With a
+PID namespace (bubblewrap) the kill is atomic: SIGKILL to the namespace's outer process
+takes its init down, and the kernel kills every process in the namespace, daemons that
+double-forked or called ``setsid`` included.  Without one, the worker is a child subreaper
+(orphans stay below it), and we freeze the whole tree with SIGSTOP until it stops growing,
+then SIGKILL all of it: a fork loop cannot outrun a stopped parent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Sequence
+from pathlib import Path
+
+log = logging.getLogger("agentloop")
+
+#: Diagnostics kept from a worker's own stderr (its last words before the capture is up).
+STDERR_TAIL = 4096
+
+
+class Process:
+    """A started worker process; ``stderr_tail`` holds the end of what it said on its own."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, pid_namespace: bool) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+        self.pid_namespace = pid_namespace
+        self.stderr_tail = b""
+        self._stderr_task = asyncio.get_running_loop().create_task(self._read_stderr())
+
+    async def _read_stderr(self) -> None:
+        stream = self.proc.stderr
+        if stream is None:
+            return
+        with contextlib.suppress(Exception):
+            while chunk := await stream.read(65536):
+                self.stderr_tail = (self.stderr_tail + chunk)[-STDERR_TAIL:]
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    async def wait(self) -> int:
+        return await self.proc.wait()
+
+    async def kill(self, timeout: float = 10.0) -> None:
+        """SIGKILL the worker and every process it started; reap it.  Idempotent."""
+        await asyncio.shield(self._kill(timeout))
+
+    async def _kill(self, timeout: float) -> None:
+        if self.proc.returncode is None:
+            if self.pid_namespace:
+                _signal(self.pid, signal.SIGKILL)
+            else:
+                kill_tree(self.pid)
+        try:
+            await asyncio.wait_for(self.proc.wait(), timeout)
+        except TimeoutError:
+            log.error("worker %d did not exit %.0f s after SIGKILL", self.pid, timeout)
+        if not self.pid_namespace:
+            kill_tree(self.pid, include_root=False)  # stragglers reparented while we waited
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._stderr_task, 1.0)
+
+
+async def spawn(argv: Sequence[str], *, env: dict[str, str], cwd: Path,
+                pid_namespace: bool) -> Process:
+    """Start a worker in its own session, stdin empty, stderr kept for diagnostics."""
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+        cwd=str(cwd),
+        start_new_session=True,
+        close_fds=True,
+    )
+    return Process(proc, pid_namespace)
+
+
+def _signal(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+def _children_map() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # The command name may hold spaces and parentheses: parse after the last ')'.
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) > 1:
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    return children
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process below ``root`` (children, grandchildren, ...)."""
+    tree = _children_map()
+    out, todo = [], [root]
+    while todo:
+        for child in tree.get(todo.pop(), ()):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(root: int, *, include_root: bool = True, rounds: int = 50) -> None:
+    """Freeze the tree below ``root`` until it stops changing, then SIGKILL all of it."""
+    frozen: set[int] = set()
+    if include_root:
+        _signal(root, signal.SIGSTOP)
+        frozen.add(root)
+    for _ in range(rounds):
+        found = set(descendants(root)) - frozen
+        if not found:
+            break
+        for pid in found:
+            _signal(pid, signal.SIGSTOP)
+        frozen |= found
+    for pid in frozen:
+        _signal(pid, signal.SIGKILL)
+    if include_root:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(root, signal.SIGKILL)  # the worker's session leader group, if still there

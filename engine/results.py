@@ -1,0 +1,74 @@
+"""What running a block produces: live output chunks, then exactly one ``BlockResult``."""
+
+from __future__ import annotations
+
+import signal as _signal
+from dataclasses import dataclass, field
+from typing import Literal
+
+Status = Literal["ok", "error", "timeout", "cancelled", "died", "killed"]
+
+
+@dataclass(frozen=True)
+class OutputChunk:
+    """Output of a running block, as it arrives.  ``stream`` is "stdout" or "stderr"."""
+
+    block_id: str
+    stream: str
+    data: bytes
+
+
+@dataclass
+class BlockResult:
+    """How a block ended.
+
+    ``status``: ok (finished), error (raised; ``error`` holds the user's traceback),
+    timeout (hit its deadline), cancelled (stopped on request), died (the worker crashed),
+    killed (the worker was killed because of another block).  ``message`` says in words what
+    happened whenever the status is not ok; ``lost_vars`` names the variables a worker
+    kill took with it.
+    """
+
+    id: str
+    status: Status
+    output: str
+    output_bytes: int
+    truncated: bool
+    output_file: str | None
+    duration_s: float
+    error: str = ""
+    message: str = ""
+    signal: int | None = None
+    exit_code: int | None = None
+    worker_killed: bool = False
+    lost_vars: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def text(self) -> str:
+        """Output, traceback and what happened, as one text for a model or a log."""
+        parts = [self.output]
+        if self.error:
+            parts.append(self.error)
+        if self.message:
+            parts.append(f"[{self.message}]")
+        return "".join(p if p.endswith("\n") or not p else p + "\n" for p in parts if p).rstrip("\n")
+
+
+def describe_exit(returncode: int | None, *, via_namespace: bool) -> tuple[str, int | None]:
+    """Words for a worker's end, and the signal that ended it (if any).
+
+    bubblewrap reports a child killed by signal N as exit status 128+N.
+    """
+    if returncode is None:
+        return "worker died", None
+    sig = -returncode if returncode < 0 else (returncode - 128 if via_namespace and returncode > 128 else None)
+    if sig:
+        try:
+            name = _signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        return f"worker died: signal {sig} ({name})", sig
+    return f"worker died: exit code {returncode}", None

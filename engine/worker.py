@@ -1,0 +1,479 @@
+"""The coordinator's handle on one worker process.
+
+A ``Worker`` outlives the processes behind it: when a block has to be killed, or the
+process crashes, the handle starts a fresh one and the next block runs there (with an
+empty namespace, which the result says).  Deadlines are kept here, never trusted to the
+worker: at the deadline the block is cancelled cooperatively; if it has not stopped within
+``grace`` seconds, the whole process tree is killed with SIGKILL.
+
+Everything a worker sends is checked: frames are size-bounded and decoded without
+unpickling, messages from a peer that did not complete the handshake are dropped, and a
+malformed message is logged and ignored — it never reaches the caller as an exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import hmac
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
+
+import zmq
+import zmq.asyncio
+
+from worker import wire
+
+from ._process import Process, spawn
+from .errors import WorkerClosed, WorkerStartError
+from .output import OutputSink
+from .results import BlockResult, OutputChunk, describe_exit
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+log = logging.getLogger("agentloop")
+
+_STREAMS = {wire.STDOUT: "stdout", wire.STDERR: "stderr"}
+_MAX_ERROR = 64 * 1024
+_MAX_VAR_NAME = 100
+_MAX_VARS = 200
+
+
+class WorkerState(enum.Enum):
+    STARTING = "starting"  # process launched, handshake not yet complete
+    READY = "ready"  # handshake done; accepts blocks, any number at once
+    DEAD = "dead"  # process gone (crash or kill); the next block starts a fresh one
+    CLOSED = "closed"  # closed by its owner; every further call raises WorkerClosed
+
+
+class _Block:
+    """Coordinator-side state of one running block."""
+
+    def __init__(self, block_id: str, sink: OutputSink, timeout: float,
+                 on_output: Callable[[OutputChunk], None] | None) -> None:
+        self.id = block_id
+        self.sink = sink
+        self.timeout = timeout
+        self.on_output = on_output
+        self.queue: asyncio.Queue | None = None
+        self.started = time.monotonic()
+        self.future: asyncio.Future[BlockResult] = asyncio.get_running_loop().create_future()
+        self.timed_out = False
+
+    def finish(self, status: str, *, error: str = "", message: str = "", **extra) -> None:
+        if self.future.done():
+            return
+        self.sink.close()
+        file = self.sink.file
+        self.future.set_result(BlockResult(
+            id=self.id, status=status, output=self.sink.render(), output_bytes=self.sink.total,
+            truncated=self.sink.truncated, output_file=str(file) if file else None,
+            duration_s=time.monotonic() - self.started, error=error, message=message, **extra))
+
+
+class _Session:
+    """One process generation of a worker: its socket, process and reader."""
+
+    def __init__(self, sock: zmq.asyncio.Socket, token: str, sock_dir) -> None:
+        self.sock = sock
+        self.token = token
+        self.sock_dir = sock_dir
+        self.peer: bytes | None = None
+        self.hello: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
+        self.proc: Process | None = None
+        self.reader: asyncio.Task | None = None
+        self.watcher: asyncio.Task | None = None
+        self.killing = False
+        self.dropped = 0
+
+
+class Worker:
+    """A persistent namespace in a sandboxed process; blocks run in it concurrently."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, engine: Engine, name: str = "worker") -> None:
+        self.engine = engine
+        self.name = name
+        self.index = next(Worker._ids)
+        self.state = WorkerState.STARTING
+        self.generation = 0
+        self.vars: list[str] = []
+        self.notes: list[str] = []
+        self._session: _Session | None = None
+        self._blocks: dict[str, _Block] = {}
+        self._lock = asyncio.Lock()
+        self._block_ids = itertools.count(1)
+        self._restarting: asyncio.Task | None = None
+
+    def __repr__(self) -> str:
+        pid = self.pid
+        return f"<Worker {self.name!r} {self.state.value} pid={pid}>"
+
+    @property
+    def pid(self) -> int | None:
+        s = self._session
+        return s.proc.pid if s and s.proc else None
+
+    @property
+    def running(self) -> list[str]:
+        return list(self._blocks)
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> Worker:
+        async with self._lock:
+            if self.state is WorkerState.CLOSED:
+                raise WorkerClosed(f"worker {self.name!r} is closed; start a new one")
+            if self._session is None or self.state is WorkerState.DEAD:
+                await self._start_locked()
+        return self
+
+    async def _start_locked(self) -> None:
+        self.generation += 1
+        self.state = WorkerState.STARTING
+        engine = self.engine
+        endpoint, sock_dir = engine._endpoint(self.index, self.generation)
+        sock = engine._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME)
+        sock.setsockopt(zmq.RCVHWM, 64)
+        sock.bind(endpoint)
+        endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if engine.connect_host and endpoint.startswith("tcp://"):
+            endpoint = "tcp://%s:%s" % (engine.connect_host, endpoint.rsplit(":", 1)[1])
+        session = _Session(sock, secrets.token_hex(16), sock_dir)
+        self._session = session
+        session.reader = asyncio.get_running_loop().create_task(self._read_loop(session))
+        argv, env, pid_ns, notes = engine._launch(endpoint, sock_dir, session.token)
+        self.notes = notes
+        try:
+            session.proc = await spawn(argv, env=env, cwd=engine.cwd, pid_namespace=pid_ns)
+        except OSError as exc:
+            await self._discard(session)
+            self.state = WorkerState.DEAD
+            raise WorkerStartError(f"could not start a worker ({argv[0]}): {exc}") from exc
+        exited = asyncio.ensure_future(session.proc.wait())
+        try:
+            done, _ = await asyncio.wait({session.hello, exited}, timeout=engine.start_timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            exited.cancel()
+        if session.hello not in done or session.hello.exception():
+            await session.proc.kill()
+            await self._discard(session)
+            self.state = WorkerState.DEAD
+            said = session.proc.stderr_tail.decode("utf-8", "replace").strip()
+            if session.hello.done() and session.hello.exception():
+                reason = str(session.hello.exception())
+            elif session.proc.returncode is not None:
+                reason = describe_exit(session.proc.returncode, via_namespace=pid_ns)[0]
+            else:
+                reason = f"no handshake within {engine.start_timeout:.0f} s"
+            raise WorkerStartError(f"worker {self.name!r} failed to start: {reason}"
+                                   + (f"\n{said}" if said else ""))
+        session.watcher = asyncio.get_running_loop().create_task(self._watch(session))
+        self.state = WorkerState.READY
+
+    async def _discard(self, session: _Session) -> None:
+        if session.reader:
+            session.reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await session.reader
+        session.sock.close(linger=0)
+        self.engine._release_endpoint(session.sock_dir)
+
+    async def _ensure_ready(self) -> _Session:
+        if self.state is WorkerState.CLOSED:
+            raise WorkerClosed(f"worker {self.name!r} is closed; start a new one")
+        if self._restarting is not None:
+            with contextlib.suppress(Exception):
+                await self._restarting
+        if self.state is not WorkerState.READY:
+            await self.start()
+        assert self._session is not None
+        return self._session
+
+    async def restart(self) -> None:
+        """Kill the process (namespace lost) and start a fresh one."""
+        async with self._lock:
+            await self._kill_locked("worker restarted", status="killed")
+            if self.state is not WorkerState.CLOSED:
+                await self._start_locked()
+
+    async def close(self) -> None:
+        """Shut the worker down (politely, then by force).  Idempotent."""
+        async with self._lock:
+            if self.state is WorkerState.CLOSED:
+                return
+            session = self._session
+            if session and session.proc and session.proc.returncode is None and session.peer:
+                with contextlib.suppress(Exception):
+                    await session.sock.send_multipart([session.peer, wire.encode({"t": "shutdown"})])
+                    await asyncio.wait_for(asyncio.shield(session.proc.wait()), 2.0)
+            await self._kill_locked("worker closed", status="cancelled")
+            self.state = WorkerState.CLOSED
+
+    async def _kill_locked(self, why: str, *, status: str = "killed", cause: _Block | None = None,
+                           cause_message: str = "") -> None:
+        """Kill the current process tree; end every running block with words saying why."""
+        session = self._session
+        if session is None:
+            return
+        session.killing = True
+        lost = list(self.vars)
+        if session.proc is not None:
+            await session.proc.kill()
+        if session.watcher:
+            session.watcher.cancel()
+        await self._discard(session)
+        self._session = None
+        self.vars = []
+        if self.state is not WorkerState.CLOSED:
+            self.state = WorkerState.DEAD
+        reset = _reset_words(lost)
+        for block in list(self._blocks.values()):
+            if block is cause:
+                block.finish("timeout" if block.timed_out else "cancelled",
+                             message=f"{cause_message}; {reset}", worker_killed=True, lost_vars=lost)
+            else:
+                block.finish(status, message=f"{why}; {reset}", worker_killed=True, lost_vars=lost)
+        self._blocks.clear()
+
+    async def _watch(self, session: _Session) -> None:
+        """Notice a process that dies on its own: end its blocks with the cause, clean up."""
+        assert session.proc is not None
+        rc = await session.proc.wait()
+        if session.killing:
+            return
+        async with self._lock:
+            if self._session is not session or session.killing:
+                return
+            words, sig = describe_exit(rc, via_namespace=session.proc.pid_namespace)
+            lost = list(self.vars)
+            session.killing = True
+            await session.proc.kill()  # reap anything it left behind
+            await self._discard(session)
+            self._session = None
+            self.vars = []
+            self.state = WorkerState.DEAD
+            for block in list(self._blocks.values()):
+                block.finish("died", message=f"{words}; {_reset_words(lost)}", signal=sig,
+                             exit_code=rc, worker_killed=True, lost_vars=lost)
+            self._blocks.clear()
+            log.warning("worker %s: %s", self.name, words)
+
+    # -- receiving --------------------------------------------------------------------------
+    def _drop(self, session: _Session, why: str) -> None:
+        session.dropped += 1
+        if session.dropped <= 10 or session.dropped % 1000 == 0:
+            log.warning("worker %s: dropped a frame (%s); %d so far", self.name, why, session.dropped)
+
+    async def _read_loop(self, session: _Session) -> None:
+        sock = session.sock
+        while True:
+            try:
+                parts = await sock.recv_multipart(copy=True)
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            if len(parts) != 2:
+                self._drop(session, "not a [peer, payload] frame")
+                continue
+            ident, frame = parts
+            try:
+                msg = wire.decode(frame)
+            except wire.WireError as exc:
+                self._drop(session, str(exc))
+                continue
+            if session.peer is None:
+                self._handshake(session, ident, msg)
+            elif ident != session.peer:
+                self._drop(session, "sender is not this worker")
+            else:
+                try:
+                    await self._dispatch(session, msg)
+                except Exception as exc:  # noqa: BLE001 - a hostile message must not kill the reader
+                    self._drop(session, f"bad {msg.get('t')!r} message: {exc!r}")
+
+    def _handshake(self, session: _Session, ident: bytes, msg: dict) -> None:
+        token = msg.get("token")
+        if msg.get("t") != "hello" or not isinstance(token, str) or \
+                not hmac.compare_digest(token.encode(), session.token.encode()):
+            self._drop(session, "not a valid hello")
+            return
+        if msg.get("v") != wire.PROTOCOL_VERSION:
+            if not session.hello.done():
+                session.hello.set_exception(WorkerStartError(
+                    f"worker speaks protocol {msg.get('v')!r}, coordinator {wire.PROTOCOL_VERSION}: "
+                    "reinstall agentloop so both sides match"))
+            return
+        session.peer = ident
+        session.sock.send_multipart([ident, wire.encode({"t": "welcome", "v": wire.PROTOCOL_VERSION})])
+        if not session.hello.done():
+            session.hello.set_result(msg)
+
+    async def _dispatch(self, session: _Session, msg: dict) -> None:
+        kind = msg["t"]
+        if kind == "out":
+            block = self._blocks.get(msg.get("id"))  # type: ignore[arg-type]
+            chunks = msg.get("o")
+            if block is None or not isinstance(chunks, list):
+                self._drop(session, "output for no running block")
+                return
+            for item in chunks:
+                if not (isinstance(item, list) and len(item) == 2 and item[0] in _STREAMS
+                        and isinstance(item[1], bytes)):
+                    self._drop(session, "malformed output chunk")
+                    continue
+                block.sink.add(item[1])
+                chunk = OutputChunk(block.id, _STREAMS[item[0]], item[1])
+                if block.on_output is not None:
+                    block.on_output(chunk)
+                if block.queue is not None:
+                    await block.queue.put(chunk)
+        elif kind == "done":
+            block = self._blocks.pop(msg.get("id"), None)  # type: ignore[arg-type]
+            if block is None:
+                self._drop(session, "done for no running block")
+                return
+            names = msg.get("vars")
+            if isinstance(names, list):
+                self.vars = [n for n in names if isinstance(n, str) and len(n) <= _MAX_VAR_NAME][:_MAX_VARS]
+            status = msg.get("status")
+            error = msg.get("error") if isinstance(msg.get("error"), str) else ""
+            error = error[:_MAX_ERROR]
+            if status == "cancelled" and block.timed_out:
+                block.finish("timeout", message=f"timed out after {_secs(block.timeout)}")
+            elif status == "cancelled":
+                block.finish("cancelled", message="cancelled")
+            elif status in ("ok", "error"):
+                block.finish(status, error=error)
+            else:
+                block.finish("error", error=error, message=f"worker reported status {status!r}")
+        elif kind == "bye":
+            pass
+        else:
+            handler = self.engine.host_handler
+            if handler is not None and kind == "call":
+                await handler(self, msg)
+            else:
+                self._drop(session, f"unexpected message type {kind!r}")
+
+    async def send(self, msg: dict) -> None:
+        """Send a protocol message to the current process (used by host-call replies)."""
+        session = self._session
+        if session is not None and session.peer is not None:
+            await session.sock.send_multipart([session.peer, wire.encode(msg)])
+
+    # -- running blocks -----------------------------------------------------------------------
+    async def _submit(self, code: str, timeout: float, block_id: str | None,
+                      on_output: Callable[[OutputChunk], None] | None) -> _Block:
+        session = await self._ensure_ready()
+        if block_id is None:
+            block_id = f"b{next(self._block_ids)}"
+            while block_id in self._blocks:
+                block_id = f"b{next(self._block_ids)}"
+        elif block_id in self._blocks:
+            raise ValueError(f"block {block_id!r} is already running")
+        sink = OutputSink(self.engine._output_path(self.index, block_id),
+                          file_cap=self.engine.output_file_cap)
+        block = _Block(block_id, sink, timeout, on_output)
+        self._blocks[block_id] = block
+        await session.sock.send_multipart(
+            [session.peer, wire.encode({"t": "run", "id": block_id, "code": code})])
+        return block
+
+    async def run(self, code: str, *, timeout: float = 10.0, block_id: str | None = None,
+                  on_output: Callable[[OutputChunk], None] | None = None) -> BlockResult:
+        """Run one block and return how it ended.  Never raises for what the code did."""
+        block = await self._submit(code, timeout, block_id, on_output)
+        return await self._supervise(block)
+
+    async def stream(self, code: str, *, timeout: float = 10.0,
+                     block_id: str | None = None) -> AsyncIterator[OutputChunk | BlockResult]:
+        """Run one block, yielding its output chunks as they arrive and then its result.
+
+        Leaving the iteration early cancels the block.
+        """
+        block = await self._submit(code, timeout, block_id, None)
+        block.queue = asyncio.Queue(maxsize=64)  # backpressure up to the worker
+        supervisor = asyncio.ensure_future(self._supervise(block))
+        try:
+            while True:
+                getter = asyncio.ensure_future(block.queue.get())
+                await asyncio.wait({getter, supervisor}, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield getter.result()
+                    continue
+                getter.cancel()
+                while not block.queue.empty():
+                    yield block.queue.get_nowait()
+                yield supervisor.result()
+                return
+        finally:
+            queue, block.queue = block.queue, None
+            while queue is not None and not queue.empty():
+                queue.get_nowait()
+            if not supervisor.done():
+                supervisor.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await supervisor
+
+    async def _supervise(self, block: _Block) -> BlockResult:
+        try:
+            return await asyncio.wait_for(asyncio.shield(block.future), block.timeout)
+        except TimeoutError:
+            block.timed_out = True
+            return await asyncio.shield(self._stop(block, f"timed out after {_secs(block.timeout)}"))
+        except asyncio.CancelledError:
+            await asyncio.shield(self._stop(block, "cancelled"))
+            raise
+
+    async def cancel(self, block_id: str) -> BlockResult | None:
+        """Stop a running block; returns its result, or None if no such block runs."""
+        block = self._blocks.get(block_id)
+        if block is None:
+            return None
+        return await asyncio.shield(self._stop(block, "cancelled"))
+
+    async def _stop(self, block: _Block, why: str) -> BlockResult:
+        """Cooperative cancel, then — after ``grace`` — the hard kill of the whole tree."""
+        await self.send({"t": "cancel", "id": block.id})
+        grace = self.engine.grace
+        try:
+            return await asyncio.wait_for(asyncio.shield(block.future), grace)
+        except TimeoutError:
+            pass
+        async with self._lock:
+            if not block.future.done():
+                log.info("worker %s: block %s ignored cancellation for %.1f s; killing the worker",
+                         self.name, block.id, grace)
+                await self._kill_locked(f"the worker was killed because block {block.id} {why}",
+                                        cause=block,
+                                        cause_message=f"{why}; it did not stop within {_secs(grace)} "
+                                                      "of being cancelled, so the worker was killed")
+                if self.state is WorkerState.DEAD:
+                    self._restarting = asyncio.ensure_future(self._restart_quietly())
+        return await block.future
+
+    async def _restart_quietly(self) -> None:
+        try:
+            await self.start()
+        except Exception as exc:  # noqa: BLE001 - the next run() reports it
+            log.warning("worker %s: replacement failed to start: %s", self.name, exc)
+
+
+def _secs(seconds: float) -> str:
+    return f"{seconds:g} s"
+
+
+def _reset_words(lost: list[str]) -> str:
+    if not lost:
+        return "the namespace was reset"
+    shown = ", ".join(lost[:20]) + (f" and {len(lost) - 20} more" if len(lost) > 20 else "")
+    return f"the namespace was reset (lost variables: {shown})"

@@ -1,0 +1,60 @@
+"""Worker entry point: ``python -m worker ENDPOINT``.
+
+The coordinator passes the handshake token, the confinement spec and its own pid through
+the environment (removed from ``os.environ`` before any user code runs).  Order matters:
+confinement is applied first, while the process still has a single thread, so every thread
+started later (ZeroMQ's, the capture pump, user code) inherits it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import os
+import signal
+import sys
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _guard_parent(parent: int) -> None:
+    """Die with the coordinator, and keep orphaned descendants (double forks) under us so a
+    tree kill can still find them when no PID namespace is available."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except OSError:
+        pass
+    if parent and os.getppid() != parent and os.getppid() == 1:
+        os._exit(70)  # the coordinator died before we could arm the death signal
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        print("usage: python -m worker ENDPOINT (started by the agentloop coordinator)", file=sys.stderr)
+        sys.exit(2)
+    endpoint = sys.argv[1]
+    token = os.environ.pop("AGENTLOOP_TOKEN", "")
+    confine = os.environ.pop("AGENTLOOP_CONFINE", "")
+    parent = int(os.environ.pop("AGENTLOOP_PARENT", "0") or 0)
+    _guard_parent(parent)
+    if confine:
+        from . import _confine
+
+        try:
+            _confine.apply(json.loads(confine))
+        except Exception as exc:  # noqa: BLE001 - a half-applied sandbox must not run code
+            print(f"agentloop worker: sandbox could not be applied: {exc}", file=sys.stderr)
+            os._exit(71)
+    from .serve import serve
+
+    code = asyncio.run(serve(endpoint, token))
+    sys.stdout.flush() if hasattr(sys.stdout, "flush") else None
+    os._exit(code)  # never wait for threads user code left running
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""The block runtime: one persistent namespace, many concurrent blocks.
+
+A block without ``await`` runs in a thread of its own; a block with top-level ``await`` runs
+as a task on the worker's event loop.  Both see the same namespace, so imports, variables
+and functions persist across blocks.
+
+Cancellation is cooperative here (cancel the task; raise ``BlockCancelled`` in the block's
+thread).  Code stuck in C ignores both; the coordinator then kills the whole worker — this
+module never has to be the last line of defence.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import builtins
+import contextvars
+import ctypes
+import inspect
+import linecache
+import os
+import threading
+import traceback
+from collections.abc import Awaitable, Callable
+
+from .capture import FdCapture, Router, current_block
+
+_WORKER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_MAX_VARS = 100
+
+
+class BlockCancelled(BaseException):
+    """Raised inside a block's thread to cancel it.  A BaseException, so that a broad
+    ``except Exception`` in user code does not swallow the cancellation."""
+
+
+def block_filename(block_id: str) -> str:
+    return f"<block {block_id}>"
+
+
+def _is_user_file(filename: str) -> bool:
+    return not filename.startswith(_WORKER_DIR) and "asyncio" + os.sep not in filename.replace(
+        "/", os.sep)
+
+
+def _trim(te: traceback.TracebackException, seen: set[int]) -> None:
+    """Drop the worker's own frames (and asyncio's scaffolding around a task) from a traceback."""
+    if id(te) in seen:
+        return
+    seen.add(id(te))
+    frames = list(te.stack)
+    start = next((i for i, f in enumerate(frames) if f.filename.startswith("<block ")), 0)
+    te.stack = traceback.StackSummary.from_list(
+        [f for f in frames[start:] if _is_user_file(f.filename)])
+    for nested in (te.__cause__, te.__context__):
+        if nested is not None:
+            _trim(nested, seen)
+
+
+def format_user_error(exc: BaseException) -> str:
+    """A traceback of the user's frames only, with the block's own line numbers and source."""
+    te = traceback.TracebackException.from_exception(exc)
+    if not isinstance(exc, SyntaxError):
+        _trim(te, set())
+    return "".join(te.format())
+
+
+class Runtime:
+    """Runs blocks in one namespace and reports each one's end through ``on_done``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, router: Router, fdcap: FdCapture | None,
+                 on_done: Callable[[str, str, str], Awaitable[None]],
+                 namespace: dict | None = None) -> None:
+        self._loop = loop
+        self._router = router
+        self._fdcap = fdcap
+        self._on_done = on_done
+        self.namespace: dict = {"__name__": "__main__", "__builtins__": builtins, "asyncio": asyncio}
+        if namespace:
+            self.namespace.update(namespace)
+        self._base = set(self.namespace)
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._threads: dict[str, threading.Thread] = {}
+
+    def base_names(self, names: set[str]) -> None:
+        """Names injected by the host (tools, ``self``): not reported as the user's variables."""
+        self._base |= names
+
+    def user_vars(self) -> list[str]:
+        out = []
+        for name, value in list(self.namespace.items()):
+            if name in self._base or name.startswith("_") or inspect.ismodule(value):
+                continue
+            out.append(name)
+            if len(out) >= _MAX_VARS:
+                break
+        return out
+
+    @property
+    def running(self) -> list[str]:
+        return [*self._tasks, *self._threads]
+
+    def start(self, block_id: str, code: str) -> None:
+        filename = block_filename(block_id)
+        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        self._router.begin(block_id)
+        try:
+            compiled = compile(code, filename, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
+                               dont_inherit=True)
+        except (SyntaxError, ValueError) as exc:  # ValueError: source with NUL bytes
+            self._loop.create_task(self._finish(block_id, "error", format_user_error(exc)))
+            return
+        ctx = contextvars.copy_context()
+        ctx.run(current_block.set, block_id)
+        if compiled.co_flags & inspect.CO_COROUTINE:
+            coro = eval(compiled, self.namespace)  # noqa: S307 - running user code is the job
+            task = self._loop.create_task(self._run_async(block_id, coro), context=ctx)
+            self._tasks[block_id] = task
+        else:
+            thread = threading.Thread(target=ctx.run, args=(self._run_sync, block_id, compiled),
+                                      name=f"block-{block_id}", daemon=True)
+            self._threads[block_id] = thread
+            thread.start()
+
+    async def _run_async(self, block_id: str, coro) -> None:
+        try:
+            await coro
+        except asyncio.CancelledError:
+            outcome = ("cancelled", "")
+        except BaseException as exc:  # noqa: BLE001 - user code may raise anything
+            outcome = ("error", format_user_error(exc))
+        else:
+            outcome = ("ok", "")
+        finally:
+            self._tasks.pop(block_id, None)
+        if self._fdcap is not None:
+            self._fdcap.drain(0.02)
+        await self._finish(block_id, *outcome)
+
+    def _run_sync(self, block_id: str, compiled) -> None:
+        try:
+            exec(compiled, self.namespace)  # noqa: S102
+        except BlockCancelled:
+            outcome = ("cancelled", "")
+        except BaseException as exc:  # noqa: BLE001
+            outcome = ("error", format_user_error(exc))
+        else:
+            outcome = ("ok", "")
+        if self._fdcap is not None:
+            self._fdcap.drain()
+        asyncio.run_coroutine_threadsafe(self._finish_thread(block_id, *outcome), self._loop)
+
+    async def _finish_thread(self, block_id: str, status: str, error: str) -> None:
+        self._threads.pop(block_id, None)
+        await self._finish(block_id, status, error)
+
+    async def _finish(self, block_id: str, status: str, error: str) -> None:
+        self._router.end(block_id)
+        await self._router.flush(block_id)
+        await self._on_done(block_id, status, error)
+
+    def cancel(self, block_id: str) -> bool:
+        """Ask a block to stop.  Returns False when no such block runs."""
+        task = self._tasks.get(block_id)
+        if task is not None:
+            task.cancel()
+            return True
+        thread = self._threads.get(block_id)
+        if thread is not None and thread.ident is not None:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(thread.ident), ctypes.py_object(BlockCancelled))
+            return True
+        return False

@@ -1,0 +1,75 @@
+"""The wire format between coordinator and worker: one msgpack map per ZeroMQ message.
+
+Every message is a map with a string ``t`` (its type).  Requests that concern a block carry
+its ``id``; every ``run`` ends with exactly one ``done`` for the same id.  The handshake is
+versioned: the worker opens with ``hello`` (protocol version, token, pid) and the
+coordinator answers ``welcome`` or drops the connection.
+
+Coordinator -> worker
+    welcome  {v}
+    run      {id, code, opts}             start a block
+    cancel   {id}                         cooperative cancel (the coordinator kills if ignored)
+    reply    {cid, ok, value|error}       answer to a worker's ``call``
+    shutdown {}                           finish: answer ``bye`` and exit
+
+Worker -> coordinator
+    hello    {v, token, pid}
+    out      {id, o: [[stream, bytes], ...]}   batched output; stream 1 = stdout, 2 = stderr
+    done     {id, status, error, vars}    status: ok | error | cancelled
+    call     {cid, name, args, kwargs}    call a host function (``self``, tools)
+    event    {kind, ...}                  anything else the coordinator may log
+    bye      {}
+
+Decoding is bounded: the coordinator never trusts sizes a worker claims.  This module
+imports only msgpack, so the worker stays cheap to start.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+#: Largest frame either side accepts.  Big enough for a batch of output or a pickled
+#: object handed to a sub-agent; anything larger is a hostile or broken peer.
+MAX_FRAME = 32 * 1024 * 1024
+
+STDOUT = 1
+STDERR = 2
+
+
+class WireError(ValueError):
+    """A frame that is not a well-formed message of this protocol."""
+
+
+def encode(msg: dict[str, Any]) -> bytes:
+    """Pack one message.  Bytes stay bytes, str stays str (``use_bin_type``)."""
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def decode(frame: bytes, max_size: int = MAX_FRAME) -> dict[str, Any]:
+    """Unpack one message with every length bounded by the frame itself.
+
+    Raises WireError for oversized frames, bad msgpack, trailing data, or a payload that
+    is not a map with a string ``t``.
+    """
+    if len(frame) > max_size:
+        raise WireError(f"frame of {len(frame)} bytes exceeds {max_size}")
+    try:
+        msg = msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=len(frame),
+            max_bin_len=len(frame),
+            max_array_len=len(frame),
+            max_map_len=len(frame) // 2 + 1,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise WireError(f"undecodable frame: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
+        raise WireError("frame is not a message map with a string 't'")
+    return msg
