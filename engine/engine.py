@@ -119,11 +119,15 @@ class Engine:
         """Create the run's directories and the ZeroMQ context (idempotent)."""
         if self._ctx is not None:
             return
-        self.workspace.mkdir(parents=True, exist_ok=True)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.run_dir, 0o700)
-        self._sock_root = _private_dir(_runtime_home()) / self.run_id
-        self._sock_root.mkdir(mode=0o700)
+        try:
+            self.workspace.mkdir(parents=True, exist_ok=True)
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            os.chmod(self.run_dir, 0o700)
+            self._sock_root = _private_dir(_runtime_home()) / self.run_id
+            self._sock_root.mkdir(mode=0o700)
+        except OSError as exc:
+            raise ConfigError(f"cannot create the run's directories: {exc}; "
+                              "choose another --workspace or check permissions") from exc
         self._ctx = zmq.asyncio.Context()
         self.notes = self._plan(self._sock_root).notes
 

@@ -146,7 +146,7 @@ class Worker:
         sock.bind(endpoint)
         endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if engine.connect_host and endpoint.startswith("tcp://"):
-            endpoint = "tcp://%s:%s" % (engine.connect_host, endpoint.rsplit(":", 1)[1])
+            endpoint = f"tcp://{engine.connect_host}:{endpoint.rsplit(':', 1)[1]}"
         session = _Session(sock, secrets.token_hex(16), sock_dir)
         self._session = session
         session.reader = asyncio.get_running_loop().create_task(self._read_loop(session))
@@ -266,7 +266,7 @@ class Worker:
                 block.finish("died", message=f"{words}; {_reset_words(lost)}", signal=sig,
                              exit_code=rc, worker_killed=True, lost_vars=lost)
             self._blocks.clear()
-            log.warning("worker %s: %s", self.name, words)
+            log.info("worker %s: %s", self.name, words)
 
     # -- receiving --------------------------------------------------------------------------
     def _drop(self, session: _Session, why: str) -> None:

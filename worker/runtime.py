@@ -59,9 +59,10 @@ def _trim(te: traceback.TracebackException, seen: set[int]) -> None:
 
 def format_user_error(exc: BaseException) -> str:
     """A traceback of the user's frames only, with the block's own line numbers and source."""
+    if isinstance(exc, SyntaxError) and exc.filename and exc.filename.startswith("<block "):
+        return "".join(traceback.format_exception_only(exc))  # raised by compile(): no user frames
     te = traceback.TracebackException.from_exception(exc)
-    if not isinstance(exc, SyntaxError):
-        _trim(te, set())
+    _trim(te, set())
     return "".join(te.format())
 
 

@@ -1,0 +1,276 @@
+"""A console renderer for agent events: plain lines on stderr, one per thing that happened.
+
+Streamed reply text is prefixed by the agent's name, code blocks and their output are indented under
+it, sub-agents are indented by depth. Everything is printed as rich Text (never markup), so brackets
+in a reply are shown as written; terminal control sequences in untrusted text are removed. Without a
+terminal rich writes no colour codes.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.text import Text
+
+from engine.display import DispatchDisplay
+from engine.durations import format_duration
+
+# ANSI CSI sequences and C0 controls other than tab and newline: model text and program output
+# must not move the cursor or recolour the user's terminal.
+_CONTROL_RE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def _clean(text: Any) -> str:
+    return _CONTROL_RE.sub("", text if isinstance(text, str) else str(text))
+
+
+def _terminal_line(line: str) -> str:
+    """What a terminal would leave visible of a line rewritten with carriage returns (progress bars)."""
+    return line.rstrip("\r").rsplit("\r", 1)[-1]
+
+
+def _seconds(value: Any, fmt: str = "{:.1f}s") -> str:
+    try:
+        return fmt.format(float(value))
+    except (TypeError, ValueError):
+        return "?"
+
+
+@dataclass
+class _Block:
+    live: bool = False  # output arrives as `output` chunks; cumulative `progress` output is then ignored
+    shown_chars: int = 0  # how much of the cumulative progress output has been shown
+    partial: dict[str, str] = field(default_factory=dict)  # unterminated line per stream
+    lines: int = 0
+    hidden: int = 0
+
+
+class ConsoleDisplay(DispatchDisplay):
+    """Renders events to a rich Console (stderr by default). `verbose` also shows system prompts, sent
+    messages, whole code blocks and all output lines; otherwise code shows its first `code_lines` lines
+    and each block at most `output_lines` lines of output. Handlers never raise on missing fields."""
+
+    def __init__(self, console: Console | None = None, verbose: bool = False, *,
+                 code_lines: int = 4, output_lines: int = 40):
+        self.console = console or Console(stderr=True, highlight=False)
+        self.verbose = verbose
+        self.code_lines = code_lines
+        self.output_lines = output_lines
+        self._depth: dict[str, int] = {}
+        self._open_line: str | None = None  # agent whose streamed reply line is not yet terminated
+        self._streamed: set[str] = set()  # agents whose current reply arrived as deltas
+        self._blocks: dict[tuple[str, str], _Block] = {}
+        self._lock = threading.RLock()
+
+    def event(self, type: str, **fields: Any) -> None:
+        with self._lock:
+            super().event(type, **fields)
+
+    # ------------------------------------------------------------ writing
+
+    def _indent(self, name: str) -> str:
+        return "  " * self._depth.get(name, 0)
+
+    def _write(self, text: Text, end: str = "") -> None:
+        self.console.print(text, end=end, soft_wrap=True, highlight=False)
+
+    def _close_stream(self) -> None:
+        if self._open_line is not None:
+            self._write(Text(""), end="\n")
+            self._open_line = None
+
+    def _line(self, name: str, *parts: str | Text | tuple[str, str]) -> None:
+        """One whole line for agent `name`, indented by its depth; ends any open streamed line first.
+        String parts are cleaned of control characters here, so callers need not."""
+        self._close_stream()
+        cleaned = [(_clean(part[0]), part[1]) if isinstance(part, tuple) else
+                   _clean(part) if isinstance(part, str) else part for part in parts]
+        self._write(Text.assemble(self._indent(name), *cleaned), end="\n")
+
+    def _prefix(self, name: str) -> Text:
+        return Text(f"{_clean(name)} › ", style="bold cyan")
+
+    def _text_lines(self, name: str, text: str) -> None:
+        for line in _clean(text).split("\n"):
+            self._line(name, self._prefix(name), line)
+
+    # ------------------------------------------------------------ the model's side
+
+    def system(self, name: str = "?", prompt: str = "") -> None:
+        if self.verbose:
+            self._line(name, (f"{name} system prompt:", "dim"))
+            for line in _clean(prompt).split("\n"):
+                self._line(name, ("  " + line, "dim"))
+
+    def sent(self, name: str = "?", message: str = "", count: Any = None) -> None:
+        if self.verbose:
+            self._line(name, (f"→ {name} message {count if count is not None else ''}".rstrip(), "dim"))
+            for line in _clean(message).split("\n"):
+                self._line(name, ("  " + line, "dim"))
+
+    def delta(self, name: str = "?", text: str = "") -> None:
+        text = _clean(text)
+        if not text:
+            return
+        self._streamed.add(name)
+        if self._open_line != name:
+            self._close_stream()
+        for piece in text.splitlines(keepends=True):
+            if self._open_line is None:
+                self._write(Text.assemble(self._indent(name), self._prefix(name)))
+                self._open_line = name
+            self._write(Text(piece.rstrip("\n")))
+            if piece.endswith("\n"):
+                self._write(Text(""), end="\n")
+                self._open_line = None
+
+    def replied(self, name: str = "?", message: str = "", stats: Any = None, latency: Any = None) -> None:
+        if name in self._streamed:
+            self._streamed.discard(name)
+            if self._open_line == name:
+                self._close_stream()
+        elif message:
+            self._text_lines(name, message)
+        parts = [name]
+        if latency is not None:
+            parts.append(_seconds(latency))
+        parts.extend(_format_stats(stats))
+        if len(parts) > 1:
+            self._line(name, ("  " + " · ".join(parts), "dim"))
+
+    # ------------------------------------------------------------ code blocks
+
+    def _block(self, name: str, id: Any) -> _Block:
+        return self._blocks.setdefault((name, str(id)), _Block())
+
+    def launched(self, name: str = "?", id: Any = "?", timeout: Any = None, heartbeat: Any = None,
+                 code: str = "") -> None:
+        self._blocks[(name, str(id))] = _Block()
+        limits = []
+        if isinstance(timeout, (int, float)):
+            limits.append(f"timeout {format_duration(timeout)}")
+        if isinstance(heartbeat, (int, float)) and heartbeat:
+            limits.append(f"heartbeat {format_duration(heartbeat)}")
+        self._line(name, "  ▸ ", (f"{name}/{id}", "bold"), (f"  {', '.join(limits)}" if limits else "", "dim"))
+        lines = _clean(code).strip("\n").split("\n") if code else []
+        shown = lines if self.verbose else lines[:self.code_lines]
+        for line in shown:
+            self._line(name, ("    ┆ " + line, "dim"))
+        if len(lines) > len(shown):
+            self._line(name, (f"    ┆ … {len(lines) - len(shown)} more lines", "dim"))
+
+    def _feed(self, name: str, id: Any, block: _Block, stream: str, text: str) -> None:
+        text = block.partial.pop(stream, "") + _clean_output(text)
+        *complete, rest = text.split("\n")
+        if rest:
+            block.partial[stream] = rest
+        for line in complete:
+            self._output_line(name, id, block, stream, _terminal_line(line))
+
+    def _output_line(self, name: str, id: Any, block: _Block, stream: str, line: str) -> None:
+        if not self.verbose and block.lines >= self.output_lines:
+            block.hidden += 1
+            return
+        block.lines += 1
+        self._line(name, (f"    {name}/{id} │ ", "dim"), (line, "red" if stream == "stderr" else ""))
+
+    def output(self, name: str = "?", id: Any = "?", stream: str = "stdout", text: str = "") -> None:
+        block = self._block(name, id)
+        block.live = True
+        self._feed(name, id, block, stream, text)
+
+    def progress(self, name: str = "?", id: Any = "?", current: Any = None, output: Any = None) -> None:
+        block = self._block(name, id)
+        if not block.live and isinstance(output, str) and len(output) > block.shown_chars:
+            self._feed(name, id, block, "stdout", output[block.shown_chars:])
+            block.shown_chars = len(output)
+        else:
+            self._line(name, (f"    {name}/{id} … running {_seconds(current, '{:.0f}s')}", "dim"))
+
+    def finished(self, name: str = "?", id: Any = "?", duration: Any = None, cancelled: Any = False,
+                 output: Any = None, status: str | None = None) -> None:
+        block = self._blocks.pop((name, str(id)), None) or _Block()
+        if not block.live and isinstance(output, str):
+            self._feed(name, id, block, "stdout", output[block.shown_chars:])
+        for stream, rest in list(block.partial.items()):
+            self._output_line(name, id, block, stream, _terminal_line(rest))
+        if block.hidden:
+            self._line(name, (f"    {name}/{id} │ … {block.hidden} more lines not shown", "dim"))
+        if status is None:
+            if isinstance(output, str) and output.endswith("[timed out]"):
+                status = "timed out"
+            else:
+                status = "cancelled" if cancelled else "done"
+        mark, style = _STATUS_STYLE.get(status, ("✗", "red"))
+        self._line(name, ("  " + mark + " ", style), (f"{name}/{id}", "bold"),
+                   (f" {status}", style), f" in {_seconds(duration, '{:.2f}s')}")
+
+    # ------------------------------------------------------------ agents and notices
+
+    def agent_started(self, name: str = "?", parent: str | None = None, model: Any = None, task: str = "") -> None:
+        self._depth[name] = self._depth.get(parent, 0) + 1 if parent else 0
+        lines = _clean(task).strip().split("\n")
+        first = lines[0] if self.verbose or len(lines[0]) <= 100 else lines[0][:100] + "…"
+        self._line(name, ("▶ ", "bold"), (name, "bold cyan"), (f" ({model})" if model else "", "dim"), f" {first}")
+        if self.verbose:
+            for line in lines[1:]:
+                self._line(name, "  " + line)
+        elif len(lines) > 1:
+            self._line(name, (f"  … {len(lines) - 1} more lines", "dim"))
+
+    def agent_finished(self, name: str = "?", status: str = "done", duration: Any = None) -> None:
+        mark, style = _STATUS_STYLE.get(status, ("✗", "red"))
+        took = f" in {_seconds(duration, '{:.0f}s')}" if duration is not None else ""
+        self._line(name, (mark + " ", style), (name, "bold cyan"), (f" {status}", style), took)
+
+    def cancelled(self, name: str = "?", label: str = "") -> None:
+        self._line(name, ("✗ ", "yellow"), (name, "bold"), (f" cancelled: {_clean(label)}", "yellow"))
+
+    def failed(self, name: str = "?", message: str = "") -> None:
+        self._line(name, ("! ", "bold red"), (name, "bold"), (f" {_clean(message)}", "red"))
+
+    def note(self, name: str = "?", message: str = "") -> None:
+        self._line(name, ("• ", "yellow"), (f"{name}: {_clean(message)}", "yellow"))
+
+
+_STATUS_STYLE = {
+    "done": ("✓", "green"),
+    "ok": ("✓", "green"),
+    "cancelled": ("✗", "yellow"),
+    "timed out": ("✗", "red"),
+    "timeout": ("✗", "red"),
+}
+
+
+def _clean_output(text: Any) -> str:
+    # Keep carriage returns for _terminal_line; everything else as _clean.
+    return re.sub(r"\x1b\[[0-?]*[ -/]*[@-~]|[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]", "", str(text))
+
+
+def _format_stats(stats: Any) -> list[str]:
+    """Tokens and cost from a stats mapping; keys it does not know are left out."""
+    if stats is None:
+        return []
+    if not isinstance(stats, Mapping):
+        return [_clean(stats)]
+    def number(*keys: str) -> float | None:
+        for key in keys:
+            value = stats.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return value
+        return None
+
+    parts = []
+    for keys, label in ((("context",), "ctx"), (("prompt_tokens",), "in"), (("generated", "completion_tokens"), "out")):
+        value = number(*keys)
+        if value is not None:
+            parts.append(f"{value:,.0f} {label}")
+    cost = number("cost")
+    if cost is not None:
+        parts.append(f"${cost:.4f}")
+    return parts

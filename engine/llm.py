@@ -1,0 +1,450 @@
+"""The chat client: one conversation with one OpenAI-compatible endpoint.
+
+``Chat`` keeps the transcript, streams replies (``/chat/completions`` with ``stream: true``),
+retries what is worth retrying, and counts tokens, money and time.  It copes with the common
+deviations of local servers: a JSON body where SSE was asked for, a 400 for ``stream_options``,
+no ``usage`` at all.  Failures leave as ``ModelUnreachable`` or ``ModelResponseError`` with one
+message that says what to do; the API key never appears in a message, an event or a repr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import re
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+import httpx
+
+from engine.errors import ModelResponseError, ModelUnreachable
+from engine.models import ModelConfig
+
+_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
+_RETRY_STATUS = {408, 429}
+_BODY_PREVIEW = 400
+
+
+class Display(Protocol):
+    def event(self, type: str, **fields: Any) -> None: ...
+
+
+def strip_think(text: str) -> str:
+    """The reply without its reasoning: every ``<think>...</think>`` span is removed, and so is a
+    leading span closed by a ``</think>`` whose opening tag was part of the prompt template
+    (Qwen3-style).  Reasoning is for this turn only; the transcript keeps the conclusion."""
+    text = _THINK.sub("", text)
+    head, closed, tail = text.partition("</think>")
+    if closed and "<think>" not in head:
+        text = tail
+    return text.strip()
+
+
+class _Transient(Exception):
+    """One failed attempt that may succeed if repeated; carries the error to raise if it does not."""
+
+    def __init__(self, final: Exception, reason: str, retry_after: float | None = None) -> None:
+        super().__init__(reason)
+        self.final = final
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+class _StreamRefused(Exception):
+    """The server rejected ``stream``/``stream_options``; ask again without streaming."""
+
+
+class Chat:
+    """A transcript plus the client that extends it.
+
+    ``send(text)`` appends a user message, asks the model and appends (and returns) its reply
+    with any ``<think>`` part removed.  ``request(messages)`` is the lower layer: one completion
+    for any message list, returning the assistant message dict (with ``tool_calls`` when the
+    model made some) and leaving the transcript alone.  One ``httpx.AsyncClient`` per Chat,
+    opened on first use and closed by ``aclose()`` (or ``async with``).
+
+    Token counts come from the server's ``usage``.  When a server reports none, they are
+    estimated as characters // 4 and ``usage_estimated`` becomes True; cost follows from
+    whichever counts there are.
+    """
+
+    def __init__(self, system: str, model: ModelConfig, *, display: Display | None = None, name: str = "main",
+                 transport: httpx.AsyncBaseTransport | None = None, max_retries: int = 4,
+                 stop: list[str] | None = None, extra_body: dict[str, Any] | None = None,
+                 backoff: float = 0.5, backoff_max: float = 8.0, retry_after_max: float = 30.0) -> None:
+        self.model = model
+        self.name = name
+        self.display = display
+        self.messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+        self.stop = list(stop) if stop else None
+        self.extra_body = dict(extra_body or {})
+        self.max_retries = max_retries
+        self.backoff = backoff
+        self.backoff_max = backoff_max
+        self.retry_after_max = retry_after_max
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._stream = True  # turned off for good once a server refuses streaming
+        self._lock = asyncio.Lock()  # one send() at a time: the transcript is sequential
+        # accounting
+        self.context = 0
+        self.last_latency = 0.0
+        self.tokens_in = 0
+        self.tokens_out = 0
+        self.seconds = 0.0
+        self.requests = 0
+        self.usage_estimated = False
+        self.last_finish_reason: str | None = None
+        self._emit("system", prompt=system, model=model.alias)
+
+    # ------------------------------------------------------------------ public surface
+
+    @property
+    def system(self) -> str:
+        return self.messages[0]["content"]
+
+    @property
+    def cost(self) -> float:
+        """USD spent by this conversation at the model's configured prices."""
+        return self.model.cost(self.tokens_in, self.tokens_out)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Cumulative use: context (tokens of the last exchange), generated, cost (USD), seconds,
+        requests, tokens_in, tokens_out.  A fresh dict each time."""
+        return {"context": self.context, "generated": self.tokens_out, "cost": self.cost,
+                "seconds": self.seconds, "requests": self.requests,
+                "tokens_in": self.tokens_in, "tokens_out": self.tokens_out}
+
+    async def send(self, message: str) -> str:
+        """Append ``message`` as the user's turn, get the model's reply, append it and return it
+        (reasoning stripped).  If the request fails, the transcript is left as it was, so the
+        same message can be sent again.  A user message directly after another (as after
+        ``compact``) is merged into it, since many chat templates require alternating roles."""
+        async with self._lock:
+            saved = list(self.messages)
+            last = self.messages[-1]
+            if last["role"] == "user" and isinstance(last.get("content"), str):
+                self.messages[-1] = {**last, "content": f"{last['content']}\n\n{message}"}
+            else:
+                self.messages.append({"role": "user", "content": message})
+            self._emit("sent", message=message, count=len(self.messages))
+            try:
+                reply = await self.request(self.messages)
+            except BaseException:
+                self.messages = saved
+                raise
+            text = strip_think(reply.get("content") or "")
+            self.messages.append({"role": "assistant", "content": text})
+            self._emit("replied", message=text, stats=self.stats, latency=self.last_latency)
+            return text
+
+    async def request(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                      tool_choice: Any = None) -> dict[str, Any]:
+        """One completion for ``messages``: the assistant message dict, ``content`` always a
+        string, ``tool_calls`` (OpenAI shape, assembled from stream deltas) when there are any.
+        Retries connection errors, timeouts, 408, 429 and 5xx with exponential backoff; then
+        raises ``ModelUnreachable`` (no connection) or ``ModelResponseError`` (error status)."""
+        body: dict[str, Any] = {"model": self.model.model, "messages": messages, **self.extra_body}
+        if self.stop:
+            body["stop"] = self.stop
+        if tools:
+            body["tools"] = tools
+            if tool_choice is not None:
+                body["tool_choice"] = tool_choice
+        started = time.monotonic()
+        try:
+            message, usage = await self._with_retries(body)
+        finally:
+            self.last_latency = time.monotonic() - started
+            self.seconds += self.last_latency
+        self._account(messages, message, usage)
+        return message
+
+    def compact(self, summary: str) -> None:
+        """Replace the whole history after the system prompt with one user message holding
+        ``summary``.  What the summary leaves out is gone."""
+        self.messages = [self.messages[0], {"role": "user", "content": summary}]
+        self.context = _estimate_prompt(self.messages)
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            client, self._client = self._client, None
+            await client.aclose()
+
+    async def __aenter__(self) -> Chat:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"Chat(name={self.name!r}, model={self.model.alias!r}, messages={len(self.messages)})"
+
+    # ------------------------------------------------------------------ transport
+
+    @property
+    def _url(self) -> str:
+        return f"{self.model.base_url}/chat/completions"
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            timeout = httpx.Timeout(self.model.timeout, connect=min(self.model.timeout, 30.0))
+            self._client = httpx.AsyncClient(transport=self._transport, timeout=timeout)
+        return self._client
+
+    async def _with_retries(self, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        attempt = 0
+        while True:
+            try:
+                return await self._attempt(body, stream=self._stream)
+            except _StreamRefused:
+                self._stream = False  # remembered for every later request of this Chat
+                continue
+            except _Transient as failure:
+                if attempt >= self.max_retries:
+                    raise failure.final from failure.final.__cause__
+                if failure.retry_after is not None:
+                    wait = min(failure.retry_after, self.retry_after_max)
+                else:
+                    wait = min(self.backoff * 2**attempt, self.backoff_max)
+                attempt += 1
+                self._emit("retrying", attempt=attempt, of=self.max_retries, wait=wait, reason=failure.reason)
+                await asyncio.sleep(wait)
+
+    async def _attempt(self, body: dict[str, Any], *, stream: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        payload = dict(body)
+        if stream:
+            payload["stream"] = True
+            payload["stream_options"] = {"include_usage": True}
+        headers = {"Accept": "text/event-stream" if stream else "application/json"}
+        key = self.model.api_key()
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        try:
+            async with self._http().stream("POST", self._url, json=payload, headers=headers) as response:
+                if response.status_code >= 400:
+                    text = (await response.aread()).decode("utf-8", errors="replace")
+                    raise self._status_error(response, text, stream=stream)
+                ctype = response.headers.get("content-type", "")
+                if stream and "text/event-stream" in ctype:
+                    return await self._read_events(response.aiter_lines())
+                raw = (await response.aread()).decode("utf-8", errors="replace")
+                if stream and raw.lstrip().startswith("data:"):  # SSE under the wrong content type
+                    return await self._read_events(_lines(raw))
+                return self._read_plain(raw)
+        except httpx.UnsupportedProtocol as exc:
+            raise ModelUnreachable(f"cannot use the model URL {self.model.base_url}: it must start with "
+                                   f"http:// or https://; fix base_url or LLM_URL") from exc
+        except httpx.TimeoutException as exc:
+            reason = f"no answer within {self.model.timeout:g}s"
+            raise _Transient(self._unreachable(reason, exc), reason) from exc
+        except httpx.TransportError as exc:
+            reason = _transport_reason(exc)
+            raise _Transient(self._unreachable(reason, exc), reason) from exc
+
+    def _status_error(self, response: httpx.Response, text: str, *, stream: bool) -> Exception:
+        status = response.status_code
+        if stream and status == 400 and "stream" in text.lower():
+            return _StreamRefused()
+        hint = ""
+        if status in (401, 403):
+            hint = f" (check the key in ${self.model.api_key_env})"
+        elif status == 404:
+            hint = f" (check the URL {self.model.base_url} and the model id {self.model.model!r})"
+        error = ModelResponseError(self._redact(
+            f"the model endpoint {self._url} answered HTTP {status}{hint}: {text[:_BODY_PREVIEW]}"))
+        if status in _RETRY_STATUS or status >= 500:
+            return _Transient(error, f"HTTP {status}", _retry_after(response.headers.get("retry-after")))
+        return error
+
+    def _unreachable(self, reason: str, exc: Exception) -> ModelUnreachable:
+        error = ModelUnreachable(
+            f"cannot reach the model at {self.model.base_url} ({reason}). Start one: "
+            "`llama-server -m MODEL.gguf --port 8080 --jinja`, or Ollama "
+            "(`LLM_URL=http://localhost:11434/v1 LLM_MODEL=qwen3:4b`), or set LLM_URL.")
+        error.__cause__ = exc
+        return error
+
+    def _redact(self, text: str) -> str:
+        key = self.model.api_key()
+        return text.replace(key, "***") if key else text
+
+    # ------------------------------------------------------------------ reading replies
+
+    async def _read_events(self, lines: AsyncIterator[str]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """Consume an SSE stream: ``data:`` lines (joined per event), ``[DONE]`` ends it; comments
+        and other fields are ignored.  Content deltas go to the display as they arrive."""
+        reply = _Assembly()
+        data: list[str] = []
+        async for line in lines:
+            if line.startswith("data:"):
+                data.append(line[5:].removeprefix(" "))
+                continue
+            if line.strip() or not data:
+                continue  # a comment, another field, or a blank line between events
+            event, data = "\n".join(data), []
+            if event.strip() == "[DONE]":
+                break
+            self._chunk(reply, event)
+        else:
+            if data and "\n".join(data).strip() != "[DONE]":
+                self._chunk(reply, "\n".join(data))
+        self.last_finish_reason = reply.finish_reason
+        return reply.message(), reply.usage
+
+    def _chunk(self, reply: _Assembly, event: str) -> None:
+        try:
+            chunk = json.loads(event)
+        except json.JSONDecodeError:
+            raise ModelResponseError(self._redact(
+                f"the model endpoint {self._url} streamed a chunk that is not JSON: {event[:_BODY_PREVIEW]}")) from None
+        if not isinstance(chunk, dict):
+            return
+        if chunk.get("error"):
+            raise ModelResponseError(self._redact(
+                f"the model endpoint {self._url} reported an error mid-stream: {json.dumps(chunk['error'])[:_BODY_PREVIEW]}"))
+        piece = reply.add(chunk)
+        if piece:
+            self._emit("delta", text=piece)
+
+    def _read_plain(self, raw: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        try:
+            data = json.loads(raw)
+            message = data["choices"][0]["message"]
+            if not isinstance(message, dict):
+                raise TypeError("message is not an object")
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+            raise ModelResponseError(self._redact(
+                f"the model endpoint {self._url} answered with a body that is not a chat completion: "
+                f"{raw[:_BODY_PREVIEW]}")) from None
+        self.last_finish_reason = data["choices"][0].get("finish_reason")
+        result: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+        calls = [_normal_call(call, i) for i, call in enumerate(message.get("tool_calls") or [])]
+        if calls:
+            result["tool_calls"] = calls
+        if result["content"]:
+            self._emit("delta", text=result["content"])
+        usage = data.get("usage")
+        return result, usage if isinstance(usage, dict) else None
+
+    def _account(self, messages: list[dict[str, Any]], reply: dict[str, Any], usage: dict[str, Any] | None) -> None:
+        prompt = _int(usage, "prompt_tokens")
+        completion = _int(usage, "completion_tokens")
+        if prompt is None or completion is None:
+            self.usage_estimated = True
+            if prompt is None:
+                prompt = _estimate_prompt(messages)
+            if completion is None:
+                args = "".join(c["function"]["arguments"] for c in reply.get("tool_calls", []))
+                completion = (len(reply.get("content") or "") + len(args)) // 4
+        self.requests += 1
+        self.tokens_in += prompt
+        self.tokens_out += completion
+        self.context = prompt + completion
+
+    def _emit(self, type: str, **fields: Any) -> None:
+        if self.display is not None:
+            self.display.event(type, name=self.name, **fields)
+
+
+class _Assembly:
+    """The assistant message under construction from stream chunks."""
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.usage: dict[str, Any] | None = None
+        self.finish_reason: str | None = None
+
+    def add(self, chunk: dict[str, Any]) -> str:
+        """Fold one chunk in; return its content text (possibly empty)."""
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+        choices = chunk.get("choices") or []
+        if not choices or not isinstance(choices[0], dict):
+            return ""
+        choice = choices[0]
+        self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        delta = choice.get("delta") or choice.get("message") or {}
+        piece = delta.get("content") or ""
+        if piece:
+            self.content.append(piece)
+        for position, fragment in enumerate(delta.get("tool_calls") or []):
+            index = fragment.get("index", position)
+            call = self.calls.setdefault(index, {"id": "", "type": "function",
+                                                 "function": {"name": "", "arguments": ""}})
+            if fragment.get("id") and not call["id"]:
+                call["id"] = fragment["id"]
+            function = fragment.get("function") or {}
+            call["function"]["name"] += function.get("name") or ""
+            arguments = function.get("arguments") or ""
+            call["function"]["arguments"] += arguments if isinstance(arguments, str) else json.dumps(arguments)
+        return piece
+
+    def message(self) -> dict[str, Any]:
+        result: dict[str, Any] = {"role": "assistant", "content": "".join(self.content)}
+        if self.calls:
+            calls = [self.calls[i] for i in sorted(self.calls)]
+            for i, call in enumerate(calls):
+                call["id"] = call["id"] or f"call_{i}"
+            result["tool_calls"] = calls
+        return result
+
+
+def _normal_call(call: dict[str, Any], position: int) -> dict[str, Any]:
+    function = call.get("function") or {}
+    arguments = function.get("arguments") or ""
+    return {"id": call.get("id") or f"call_{position}", "type": "function",
+            "function": {"name": function.get("name") or "",
+                         "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}}
+
+
+async def _lines(text: str) -> AsyncIterator[str]:
+    for line in text.splitlines():
+        yield line
+    yield ""
+
+
+def _estimate_prompt(messages: list[dict[str, Any]]) -> int:
+    return sum(len(str(m.get("content") or "")) for m in messages) // 4
+
+
+def _int(usage: dict[str, Any] | None, key: str) -> int | None:
+    value = (usage or {}).get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds from a Retry-After header (delta-seconds or an HTTP date); None if absent or unreadable."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def _transport_reason(exc: httpx.TransportError) -> str:
+    """A few words on why the connection failed, from the OS error underneath when there is one
+    (httpx reports every refused connect as "All connection attempts failed")."""
+    cause: BaseException | None = exc
+    for _ in range(8):
+        if cause is None:
+            break
+        if isinstance(cause, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(cause, OSError) and cause.strerror:
+            return cause.strerror.lower()
+        cause = cause.__cause__ or cause.__context__
+    text = str(exc)
+    if isinstance(exc, httpx.ConnectError):
+        return f"cannot connect: {text}" if text else "cannot connect"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

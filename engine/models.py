@@ -1,0 +1,243 @@
+"""Model aliases: which endpoint, model id, key variable, context size and price each name means.
+
+Two sources, both optional.  Environment variables (``LLM_URL``, ``LLM_MODEL``, ``LLM_TIMEOUT``,
+``LLM_API_KEY``) describe one endpoint under the alias ``default``; an ``agentloop.toml`` file
+describes any number of them::
+
+    default = "flash"            # the alias used when none is named (optional)
+
+    [models.flash]
+    base_url = "http://127.0.0.1:8080/v1"
+    model = "qwen3-coder"        # the id sent in requests (default: the alias)
+    api_key_env = "LLM_API_KEY"  # name of the variable holding the key, never the key
+    context_window = 32768
+    price_in = 0.1               # USD per million prompt tokens
+    price_out = 0.4              # USD per million completion tokens
+    protocol = "tags"            # "tags" (<run_code> blocks) or "tools" (native tool calls)
+    timeout = 300                # seconds per request
+
+The environment alias is kept next to the file's models when the user set ``LLM_URL`` or
+``LLM_MODEL`` explicitly, or when the file defines no models; otherwise listing it would offer
+the model an endpoint nobody configured.  Keys are never stored: only the variable's name is,
+and it is read at request time.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from engine.errors import ConfigError
+
+DEFAULT_URL = "http://127.0.0.1:8080/v1"
+DEFAULT_MODEL_ID = "qwen3-coder"
+DEFAULT_TIMEOUT = 300.0
+DEFAULT_ALIAS = "default"
+CONFIG_FILE = "agentloop.toml"
+PROTOCOLS = ("tags", "tools")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One named model endpoint.  Holds the *name* of the key's environment variable, so the
+    key itself never appears in a repr, a log line or an event."""
+
+    alias: str
+    base_url: str
+    model: str
+    api_key_env: str = "LLM_API_KEY"
+    context_window: int | None = None
+    price_in: float = 0.0
+    price_out: float = 0.0
+    protocol: str = "tags"
+    timeout: float = DEFAULT_TIMEOUT
+
+    def api_key(self) -> str | None:
+        """The key from the environment, read now (so a key exported later is picked up); None if unset."""
+        return os.environ.get(self.api_key_env) or None
+
+    def cost(self, tokens_in: int, tokens_out: int) -> float:
+        """USD for that many prompt and completion tokens at this model's prices."""
+        return (tokens_in * self.price_in + tokens_out * self.price_out) / 1_000_000
+
+    def describe(self) -> str:
+        """One line for the system prompt: alias, model id, context and prices when known."""
+        details = []
+        if self.context_window:
+            details.append(f"context {self.context_window}")
+        if self.price_in or self.price_out:
+            details.append(f"${self.price_in:.2f}/${self.price_out:.2f} per M tokens")
+        suffix = f" ({', '.join(details)})" if details else ""
+        return f"- {self.alias}: {self.model}{suffix}"
+
+
+class ModelRegistry:
+    """The aliases known to this run, in definition order, and which one is the default."""
+
+    def __init__(self, models: Mapping[str, ModelConfig], default: str) -> None:
+        if not models:
+            raise ConfigError("no models configured")
+        if default not in models:
+            raise ConfigError(f"default model {default!r} is not defined; known aliases: {', '.join(models)}")
+        self._models = dict(models)
+        self._default = default
+
+    @property
+    def default(self) -> ModelConfig:
+        return self._models[self._default]
+
+    def get(self, name: str | None = None) -> ModelConfig:
+        """The model for an alias, or failing that for a model id; the default for None or "".
+
+        An unknown name raises ConfigError listing the aliases, worded so a model can read it
+        and pick again."""
+        if not name:
+            return self.default
+        if name in self._models:
+            return self._models[name]
+        for config in self._models.values():
+            if config.model == name:
+                return config
+        raise ConfigError(f"unknown model {name!r}; known aliases: {', '.join(self._models)}")
+
+    def aliases(self) -> list[str]:
+        return list(self._models)
+
+    def describe(self) -> str:
+        """The "Available models:" lines of the system prompt, one per alias."""
+        return "\n".join(config.describe() for config in self._models.values())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._models
+
+    def __iter__(self) -> Iterator[ModelConfig]:
+        return iter(self._models.values())
+
+    def __len__(self) -> int:
+        return len(self._models)
+
+    def __repr__(self) -> str:
+        return f"ModelRegistry(aliases={self.aliases()!r}, default={self._default!r})"
+
+
+def load_models(path: str | Path | None = None, env: Mapping[str, str] = os.environ) -> ModelRegistry:
+    """The registry from the environment plus, when present, a TOML file.
+
+    With ``path=None`` the file ``./agentloop.toml`` is read if it exists; a path that is given
+    must exist.  Any problem raises ConfigError naming the file and what to fix.  ``env`` supplies
+    LLM_URL / LLM_MODEL / LLM_TIMEOUT; keys are always read from the process environment, when a
+    request is made (see ``ModelConfig.api_key``)."""
+    env_model = _from_env(env)
+    if path is None:
+        candidate = Path(CONFIG_FILE)
+        if not candidate.is_file():
+            return ModelRegistry({DEFAULT_ALIAS: env_model}, DEFAULT_ALIAS)
+        path = candidate
+    path = Path(path)
+    file_models, file_default = _from_file(path, env_model)
+
+    models: dict[str, ModelConfig] = {}
+    env_explicit = "LLM_URL" in env or "LLM_MODEL" in env
+    if (not file_models or env_explicit) and DEFAULT_ALIAS not in file_models:
+        models[DEFAULT_ALIAS] = env_model
+    models.update(file_models)
+
+    if file_default is not None:
+        if file_default not in models:
+            raise ConfigError(f"{path}: default = {file_default!r} names no model; "
+                              f"define [models.{file_default}] or use one of: {', '.join(models)}")
+        default = file_default
+    else:
+        default = DEFAULT_ALIAS if DEFAULT_ALIAS in models else next(iter(models))
+    return ModelRegistry(models, default)
+
+
+def _from_env(env: Mapping[str, str]) -> ModelConfig:
+    url = env.get("LLM_URL") or DEFAULT_URL
+    timeout_text = env.get("LLM_TIMEOUT") or str(DEFAULT_TIMEOUT)
+    try:
+        timeout = float(timeout_text)
+    except ValueError:
+        raise ConfigError(f"LLM_TIMEOUT must be a number of seconds, got {timeout_text!r}") from None
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise ConfigError(f"LLM_TIMEOUT must be a positive number of seconds, got {timeout_text!r}")
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"LLM_URL must start with http:// or https://, got {url!r}")
+    return ModelConfig(alias=DEFAULT_ALIAS, base_url=url.rstrip("/"), model=env.get("LLM_MODEL") or DEFAULT_MODEL_ID,
+                       timeout=timeout)
+
+
+_KEYS = {f.name for f in fields(ModelConfig)} - {"alias"}
+
+
+def _from_file(path: Path, env_model: ModelConfig) -> tuple[dict[str, ModelConfig], str | None]:
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such model configuration file") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+
+    default = data.get("default")
+    if default is not None and not (isinstance(default, str) and default):
+        raise ConfigError(f"{path}: default must be the alias of a model, as a string")
+    tables = data.get("models", {})
+    if not isinstance(tables, dict):
+        raise ConfigError(f"{path}: models must be a table of [models.ALIAS] sections")
+    models = {}
+    for alias, table in tables.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: models.{alias} must be a table ([models.{alias}]), not a value")
+        models[alias] = _model(path, alias, table, env_model)
+    return models, default
+
+
+def _model(path: Path, alias: str, table: dict[str, Any], env_model: ModelConfig) -> ModelConfig:
+    where = f"{path}: [models.{alias}]"
+    unknown = sorted(set(table) - _KEYS)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; known keys: {', '.join(sorted(_KEYS))}")
+
+    def text(key: str, default: str) -> str:
+        value = table.get(key, default)
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{where}: {key} must be a non-empty string")
+        return value
+
+    def number(key: str, default: float, *, positive: bool) -> float:
+        value = table.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ConfigError(f"{where}: {key} must be a number, got {value!r}")
+        if value < 0 or (positive and value == 0):
+            raise ConfigError(f"{where}: {key} must be {'positive' if positive else 'zero or more'}, got {value!r}")
+        return float(value)
+
+    base_url = text("base_url", env_model.base_url)
+    if not base_url.startswith(("http://", "https://")):
+        raise ConfigError(f"{where}: base_url must start with http:// or https://, got {base_url!r}")
+    protocol = text("protocol", "tags")
+    if protocol not in PROTOCOLS:
+        raise ConfigError(f"{where}: protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    context_window = table.get("context_window")
+    if context_window is not None and (isinstance(context_window, bool) or not isinstance(context_window, int)
+                                       or context_window <= 0):
+        raise ConfigError(f"{where}: context_window must be a positive whole number of tokens, got {context_window!r}")
+    return ModelConfig(
+        alias=alias,
+        base_url=base_url.rstrip("/"),
+        model=text("model", alias),
+        api_key_env=text("api_key_env", "LLM_API_KEY"),
+        context_window=context_window,
+        price_in=number("price_in", 0.0, positive=False),
+        price_out=number("price_out", 0.0, positive=False),
+        protocol=protocol,
+        timeout=number("timeout", env_model.timeout, positive=True),
+    )

@@ -1,0 +1,515 @@
+"""A scripted OpenAI-compatible model server: real HTTP on 127.0.0.1, replies from a script.
+
+It lets the engine run end to end without a model (``agentloop demo``, the tests, a user trying
+things out).  It answers ``POST /v1/chat/completions`` (plain JSON or SSE streaming, with usage,
+tool calls and ``stop`` handling) and ``GET /v1/models``, and records every request it gets.
+
+A script maps *keys* to lists of turns.  A request belongs to the first key (in script order)
+that is a substring of its first user message, else to ``"*"``; its turn is the number of
+assistant messages it already carries.  So concurrent conversations, each with its own task
+text, get their own deterministic replies.  A turn is
+
+- a string: the assistant's content;
+- a dict ``{"content": ..., "tool_calls": [{"id": ..., "name": ..., "arguments": "{...}"}]}``;
+- ``Fail(status, times)``: answer that error status ``times`` times before the turn after it
+  (Fails do not count as turns, so retried requests land on the right reply);
+- ``Delay(seconds, then=turn)``: wait, then answer ``then``;
+- a callable ``(request_body) -> turn`` for replies computed from the request.
+
+A conversation past its last turn gets ``"(script exhausted)"``, plain text, so loops end.
+
+Run one by hand: ``python -m engine.scripted SCRIPT.json --port 8080`` (JSON turns: strings,
+tool-call dicts, ``{"fail": 500, "times": 2}``, ``{"delay": 1.5, "then": ...}``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import socket
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+EXHAUSTED = "(script exhausted)"
+FALLBACK = "*"
+_MAX_BODY = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Fail:
+    """Answer HTTP ``status`` (``times`` times) before the next real turn.  ``retry_after`` sets
+    the Retry-After header; ``body`` replaces the default JSON error body."""
+
+    status: int = 500
+    times: int = 1
+    retry_after: float | None = None
+    body: str = ""
+
+
+@dataclass(frozen=True)
+class Delay:
+    """Wait ``seconds`` before answering with ``then`` (any turn)."""
+
+    seconds: float
+    then: Any = ""
+
+
+@dataclass
+class _Step:
+    fails: list[Fail]
+    turn: Any
+
+
+class Script:
+    """Conversations keyed by a substring of their task; a bare list of turns is the ``"*"`` one."""
+
+    def __init__(self, conversations: Mapping[str, Sequence[Any]] | Sequence[Any] | None = None) -> None:
+        if conversations is None:
+            conversations = {}
+        elif not isinstance(conversations, Mapping):
+            conversations = {FALLBACK: conversations}
+        self._steps: dict[str, list[_Step]] = {}
+        for key, turns in conversations.items():
+            if isinstance(turns, str | bytes) or not isinstance(turns, Sequence):
+                raise TypeError(f"script for {key!r} must be a list of turns, not {type(turns).__name__}")
+            steps: list[_Step] = []
+            fails: list[Fail] = []
+            for turn in turns:
+                if isinstance(turn, Fail):
+                    fails.append(turn)
+                else:
+                    steps.append(_Step(fails, turn))
+                    fails = []
+            if fails:  # failures after the last turn precede the exhausted reply
+                steps.append(_Step(fails, EXHAUSTED))
+            self._steps[key] = steps
+
+    def keys(self) -> list[str]:
+        return list(self._steps)
+
+    def match(self, task: str) -> str | None:
+        """The key of the conversation ``task`` belongs to, or None."""
+        for key in self._steps:
+            if key != FALLBACK and key in task:
+                return key
+        return FALLBACK if FALLBACK in self._steps else None
+
+    def step(self, key: str, index: int) -> _Step | None:
+        steps = self._steps.get(key, [])
+        return steps[index] if 0 <= index < len(steps) else None
+
+    @classmethod
+    def from_json(cls, data: Any) -> Script:
+        """A script from parsed JSON: ``{key: [turn, ...]}`` or a bare list (the ``"*"`` key)."""
+        if isinstance(data, list):
+            data = {FALLBACK: data}
+        if not isinstance(data, dict):
+            raise ValueError("a JSON script is an object {key: [turns]} or a list of turns")
+        return cls({key: [_turn_from_json(t) for t in turns] for key, turns in data.items()})
+
+
+def _turn_from_json(turn: Any) -> Any:
+    if isinstance(turn, dict) and "fail" in turn:
+        return Fail(int(turn["fail"]), int(turn.get("times", 1)), turn.get("retry_after"), turn.get("body", ""))
+    if isinstance(turn, dict) and "delay" in turn:
+        return Delay(float(turn["delay"]), _turn_from_json(turn.get("then", "")))
+    if isinstance(turn, str | dict):
+        return turn
+    raise ValueError(f"a JSON turn is a string or an object, not {turn!r}")
+
+
+@dataclass
+class Received:
+    """One request as the server saw it: headers lower-cased, body parsed, and the conversation
+    key and turn index it was matched to (None for requests that are not completions)."""
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: Any
+    key: str | None = None
+    turn: int | None = None
+    status: int = 200
+    at: float = field(default_factory=time.monotonic)
+
+
+class ScriptedServer:
+    """The server; ``with ScriptedServer(script) as srv:`` starts it and ``srv.url`` is its base URL.
+
+    ``streaming=False`` answers streaming requests with plain JSON (as some servers do);
+    ``usage=False`` leaves ``usage`` out.  ``requests`` and ``received`` grow as requests
+    arrive; read them from any thread."""
+
+    def __init__(self, script: Script | Mapping[str, Sequence[Any]] | Sequence[Any], *, host: str = "127.0.0.1",
+                 port: int = 0, chunk_chars: int = 20, streaming: bool = True, usage: bool = True,
+                 model_id: str = "scripted") -> None:
+        self.script = script if isinstance(script, Script) else Script(script)
+        self.host = host
+        self.port = port
+        self.chunk_chars = max(1, chunk_chars)
+        self.streaming = streaming
+        self.usage = usage
+        self.model_id = model_id
+        self.received: list[Received] = []
+        self._fails_used: dict[tuple[str, int, int], int] = {}
+        self._lock = threading.Condition()
+        self._closing = threading.Event()
+        self._httpd: _HTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> ScriptedServer:
+        if self._httpd is not None:
+            return self
+        self._httpd = _HTTPServer((self.host, self.port), _Handler, self)
+        self.port = self._httpd.server_address[1]
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name=f"scripted-model:{self.port}", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop serving and cut open connections; returns within about ``timeout`` seconds."""
+        httpd, self._httpd = self._httpd, None
+        if httpd is None:
+            return
+        self._closing.set()
+        httpd.shutdown()
+        httpd.server_close()
+        httpd.cut_connections()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> ScriptedServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    # ------------------------------------------------------------------ what was received
+
+    @property
+    def requests(self) -> list[Any]:
+        """The parsed JSON bodies of every completion request, in arrival order."""
+        with self._lock:
+            return [r.body for r in self.received if r.turn is not None]
+
+    def conversation(self, key: str) -> list[Any]:
+        """The request bodies that were matched to ``key``."""
+        with self._lock:
+            return [r.body for r in self.received if r.key == key]
+
+    def wait_requests(self, count: int, timeout: float = 10.0) -> bool:
+        """Block until at least ``count`` completion requests arrived; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while len([r for r in self.received if r.turn is not None]) < count:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(left)
+            return True
+
+    # ------------------------------------------------------------------ answering
+
+    def _record(self, received: Received) -> None:
+        with self._lock:
+            self.received.append(received)
+            self._lock.notify_all()
+
+    def _choose(self, body: dict[str, Any]) -> tuple[str | None, int, Any]:
+        """(key, turn index, what to answer): a Fail to send now, or the turn."""
+        messages = body.get("messages") or []
+        task = next((_text(m.get("content")) for m in messages if isinstance(m, dict) and m.get("role") == "user"), "")
+        index = sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
+        key = self.script.match(task)
+        if key is None:
+            return None, index, f"(no scripted conversation matches this task; keys: {', '.join(self.script.keys())})"
+        step = self.script.step(key, index)
+        if step is None:
+            return key, index, EXHAUSTED
+        with self._lock:
+            for position, fail in enumerate(step.fails):
+                used = self._fails_used.get((key, index, position), 0)
+                if used < fail.times:
+                    self._fails_used[key, index, position] = used + 1
+                    return key, index, fail
+        return key, index, step.turn
+
+    def _resolve(self, turn: Any, body: dict[str, Any]) -> Any:
+        """Follow Delays and callables down to a Fail, a str or a dict."""
+        for _ in range(32):
+            if isinstance(turn, Delay):
+                self._closing.wait(turn.seconds)
+                turn = turn.then
+            elif isinstance(turn, Fail | str | dict):
+                return turn
+            elif callable(turn):
+                turn = turn(body)
+            else:
+                raise TypeError(f"unsupported script turn {turn!r}")
+        raise TypeError("script turn nests Delays or callables more than 32 deep")
+
+    def _completion(self, handler: _Handler, body: dict[str, Any]) -> None:
+        key, index, turn = self._choose(body)
+        record = Received("POST", handler.path, _headers(handler), body, key, index)
+        self._record(record)  # on arrival, so a delayed reply is already visible
+        try:
+            turn = self._resolve(turn, body)
+        except Exception as exc:  # a broken script is reported to the client, not swallowed
+            record.status = 500
+            handler.send_json(500, {"error": {"message": f"script error: {exc!r}", "type": "script_error"}})
+            return
+        if self._closing.is_set():  # closed during a Delay: the client sees the connection drop
+            handler.close_connection = True
+            return
+        if isinstance(turn, Fail):
+            record.status = turn.status
+            headers = {"Retry-After": f"{turn.retry_after:g}"} if turn.retry_after is not None else {}
+            if turn.body:
+                handler.send_raw(turn.status, turn.body.encode(), "text/plain; charset=utf-8", headers)
+            else:
+                handler.send_json(turn.status, {"error": {"message": f"scripted failure (HTTP {turn.status})",
+                                                          "type": "scripted_failure"}}, headers)
+            return
+        content, calls = _reply_parts(turn, key or "", index)
+        content, stopped = _apply_stop(content, body.get("stop"))
+        finish = "tool_calls" if calls and not stopped else "stop"
+        usage = self._usage(body, content, calls)
+        model = body.get("model") or self.model_id
+        if body.get("stream") and self.streaming:
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            handler.send_events(self._chunks(model, content, calls, finish, usage if include_usage else None))
+        else:
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            reply: dict[str, Any] = {"id": _completion_id(), "object": "chat.completion", "created": int(time.time()),
+                                     "model": model, "choices": [{"index": 0, "message": message,
+                                                                  "finish_reason": finish}]}
+            if usage is not None:
+                reply["usage"] = usage
+            handler.send_json(200, reply)
+
+    def _usage(self, body: dict[str, Any], content: str, calls: list[dict[str, Any]]) -> dict[str, int] | None:
+        if not self.usage:
+            return None
+        prompt = "".join(_text(m.get("content")) for m in body.get("messages") or [] if isinstance(m, dict))
+        generated = content + "".join(c["function"]["arguments"] for c in calls)
+        tokens_in, tokens_out = max(1, len(prompt) // 4), max(1, len(generated) // 4)
+        return {"prompt_tokens": tokens_in, "completion_tokens": tokens_out, "total_tokens": tokens_in + tokens_out}
+
+    def _chunks(self, model: str, content: str, calls: list[dict[str, Any]], finish: str,
+                usage: dict[str, int] | None) -> list[dict[str, Any]]:
+        ident, created = _completion_id(), int(time.time())
+
+        def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+            return {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+
+        size = self.chunk_chars
+        out = [chunk({"role": "assistant", "content": ""})]
+        out += [chunk({"content": content[i:i + size]}) for i in range(0, len(content), size)]
+        for index, call in enumerate(calls):
+            function = call["function"]
+            out.append(chunk({"tool_calls": [{"index": index, "id": call["id"], "type": "function",
+                                              "function": {"name": function["name"], "arguments": ""}}]}))
+            arguments = function["arguments"]
+            out += [chunk({"tool_calls": [{"index": index, "function": {"arguments": arguments[i:i + size]}}]})
+                    for i in range(0, len(arguments), size)]
+        out.append(chunk({}, finish))
+        if usage is not None:
+            out.append({"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
+                        "choices": [], "usage": usage})
+        return out
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False  # close() cuts connections itself, with a bound
+
+    def __init__(self, address: tuple[str, int], handler: type, owner: ScriptedServer) -> None:
+        self.owner = owner
+        self._open: set[socket.socket] = set()
+        self._open_lock = threading.Lock()
+        super().__init__(address, handler)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        with self._open_lock:
+            self._open.add(request)
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._open_lock:
+                self._open.discard(request)
+
+    def cut_connections(self) -> None:
+        with self._open_lock:
+            sockets = list(self._open)
+        for sock in sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a client that went away mid-reply is not the server's problem
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    timeout = 30  # idle keep-alive connections end on their own
+    server: _HTTPServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        owner = self.server.owner
+        owner._record(Received("GET", self.path, _headers(self), None))
+        if self.path.rstrip("/").endswith("/models"):
+            self.send_json(200, {"object": "list", "data": [{"id": owner.model_id, "object": "model",
+                                                             "owned_by": "agentloop"}]})
+        else:
+            self.send_json(404, {"error": {"message": f"no route {self.path}", "type": "not_found"}})
+
+    def do_POST(self) -> None:
+        owner = self.server.owner
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(min(length, _MAX_BODY)) if length else b""
+        if not self.path.rstrip("/").endswith("/chat/completions"):
+            owner._record(Received("POST", self.path, _headers(self), None, status=404))
+            self.send_json(404, {"error": {"message": f"no route {self.path}", "type": "not_found"}})
+            return
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError("body is not a JSON object")
+        except ValueError as exc:
+            owner._record(Received("POST", self.path, _headers(self), None, status=400))
+            self.send_json(400, {"error": {"message": f"invalid JSON body: {exc}", "type": "invalid_request"}})
+            return
+        owner._completion(self, body)
+
+    # ------------------------------------------------------------------ writing
+
+    def send_raw(self, status: int, data: bytes, ctype: str, headers: Mapping[str, str] | None = None) -> None:
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(data)
+            self.wfile.flush()
+        except OSError:
+            self.close_connection = True
+
+    def send_json(self, status: int, obj: Any, headers: Mapping[str, str] | None = None) -> None:
+        self.send_raw(status, json.dumps(obj).encode(), "application/json", headers)
+
+    def send_events(self, chunks: list[dict[str, Any]]) -> None:
+        """SSE over chunked transfer encoding, one flush per event so clients see deltas arrive."""
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for data in [json.dumps(c) for c in chunks] + ["[DONE]"]:
+                event = f"data: {data}\n\n".encode()
+                self.wfile.write(b"%X\r\n%s\r\n" % (len(event), event))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except OSError:
+            self.close_connection = True
+
+
+def _headers(handler: BaseHTTPRequestHandler) -> dict[str, str]:
+    return {name.lower(): value for name, value in handler.headers.items()}
+
+
+def _text(content: Any) -> str:
+    """The text of a message content: a string, or the text parts of a list of parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+def _reply_parts(turn: str | dict[str, Any], key: str, index: int) -> tuple[str, list[dict[str, Any]]]:
+    if isinstance(turn, str):
+        return turn, []
+    calls = []
+    for position, call in enumerate(turn.get("tool_calls") or []):
+        function = call.get("function") or call
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments)
+        calls.append({"id": call.get("id") or f"call_{index}_{position}", "type": "function",
+                      "function": {"name": function.get("name", ""), "arguments": arguments}})
+    return str(turn.get("content") or ""), calls
+
+
+def _apply_stop(content: str, stop: Any) -> tuple[str, bool]:
+    """Cut ``content`` before the earliest stop string, as real servers do (stop not included)."""
+    if isinstance(stop, str):
+        stop = [stop]
+    cuts = [content.find(s) for s in stop or [] if isinstance(s, str) and s and s in content]
+    if not cuts:
+        return content, False
+    return content[:min(cuts)], True
+
+
+_ids = itertools.count(1)
+
+
+def _completion_id() -> str:
+    return f"chatcmpl-scripted-{next(_ids)}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.scripted",
+                                     description="Serve a scripted OpenAI-compatible model from a JSON script.")
+    parser.add_argument("script", type=Path, help='JSON: {"task substring": [turns]} or a list of turns')
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--host", default="127.0.0.1")
+    args = parser.parse_args(argv)
+    try:
+        script = Script.from_json(json.loads(args.script.read_text()))
+    except (OSError, ValueError, TypeError) as exc:
+        print(f"cannot load script {args.script}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        server = ScriptedServer(script, host=args.host, port=args.port).start()
+    except OSError as exc:
+        print(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    print(f"scripted model at {server.url} (LLM_URL={server.url}); Ctrl-C to stop", flush=True)
+    try:
+        while not server._closing.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Shared fixtures: real engines with real workers, in a private directory per test."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from engine.engine import Engine
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    """A working directory for the run (the worker's cwd), with state kept under tmp."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    return cwd
+
+
+@pytest.fixture
+async def engine(run_dir: Path, tmp_path: Path):
+    async with Engine(cwd=run_dir, state_dir=tmp_path / "state") as eng:
+        yield eng
+
+
+@pytest.fixture
+async def worker(engine: Engine):
+    return await engine.start_worker("test")
+
+
+def processes_with(token: str) -> list[int]:
+    """Host pids whose command line contains ``token``."""
+    found = []
+    me = os.getpid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                if token.encode() in f.read():
+                    found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until true or ``timeout`` seconds pass; returns the last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)

@@ -1,0 +1,309 @@
+"""The engine core with real worker processes over real ZeroMQ sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from engine.engine import Engine
+from engine.sandbox import SandboxPolicy
+from engine.worker import WorkerState
+from worker import wire
+
+from .conftest import processes_with, wait_until
+
+
+async def test_namespace_persists_across_blocks(worker):
+    assert (await worker.run("import math\nx = 40\ndef f(v):\n    return v + 2")).ok
+    result = await worker.run("print(f(x), math.pi > 3)")
+    assert result.status == "ok"
+    assert result.output == "42 True\n"
+    assert {"x", "f"} <= set(worker.vars)
+
+
+async def test_two_sleeping_blocks_run_concurrently(worker):
+    started = time.monotonic()
+    a, b = await asyncio.gather(worker.run("import time; time.sleep(1); print('a')"),
+                                worker.run("import time; time.sleep(1); print('b')"))
+    elapsed = time.monotonic() - started
+    assert (a.output, b.output) == ("a\n", "b\n")
+    assert elapsed < 1.9
+
+
+async def test_concurrent_output_never_mixes(worker):
+    code = ("import time, threading\n"
+            "def spam_{tag}():\n"  # one name per block: the namespace is shared
+            "    for i in range(300):\n"
+            "        print('{tag}', i)\n"
+            "        if i % 50 == 0: time.sleep(0.01)\n"
+            "t_{tag} = threading.Thread(target=spam_{tag}); t_{tag}.start()\n"
+            "spam_{tag}(); t_{tag}.join()\n")
+    results = await asyncio.gather(*(worker.run(code.format(tag=tag), timeout=30) for tag in "ABC"))
+    for tag, result in zip("ABC", results, strict=True):
+        # A block's own two threads may interleave within a line, as in plain Python;
+        # another block's output never appears.
+        assert result.output.count(tag) == 600
+        assert set(result.output) <= set(tag + "0123456789 \n"), result.output[:200]
+
+
+async def test_top_level_await(worker):
+    result = await worker.run("await asyncio.sleep(0.05)\nv = await asyncio.to_thread(lambda: 7)\nprint(v)")
+    assert result.status == "ok" and result.output == "7\n"
+    assert (await worker.run("print(v * 6)")).output == "42\n"
+
+
+async def test_output_arrives_before_the_block_ends(worker, run_dir: Path):
+    flag = run_dir / "files" / "go"
+    code = ("import os, time\nprint('first')\n"
+            "while not os.path.exists('files/go'):\n    time.sleep(0.01)\nprint('second')")
+    seen = []
+    async for item in worker.stream(code, timeout=20):
+        if hasattr(item, "data"):
+            seen.append(item.data)
+            if b"first" in item.data:
+                flag.touch()  # only possible if 'first' streamed while the block was waiting
+        else:
+            result = item
+    assert result.status == "ok"
+    assert b"".join(seen) == b"first\nsecond\n"
+
+
+async def test_fd_level_output_is_captured(worker):
+    code = ("import os, subprocess, sys\n"
+            "os.write(1, b'fd-one\\n')\n"
+            "subprocess.run([sys.executable, '-c', 'import sys; print(\"child\"); print(\"err\", file=sys.stderr)'])\n"
+            "sys.stdout.buffer.write(b'bytes\\n')\n")
+    result = await worker.run(code, timeout=20)
+    assert result.status == "ok"
+    for piece in ("fd-one\n", "child\n", "err\n", "bytes\n"):
+        assert piece in result.output
+
+
+async def test_while_true_is_cancelled_cooperatively(worker):
+    await worker.run("keep = 1")
+    started = time.monotonic()
+    result = await worker.run("while True:\n    pass", timeout=0.5)
+    assert result.status == "timeout"
+    assert "timed out after 0.5 s" in result.message
+    assert not result.worker_killed
+    assert time.monotonic() - started < 5
+    assert (await worker.run("print(keep)")).output == "1\n"  # same namespace: no kill was needed
+
+
+@pytest.mark.parametrize("stuck", ["import time; time.sleep(10**6)",
+                                   "import threading; threading.Event().wait()"])
+async def test_block_stuck_in_c_is_killed_and_replaced(worker, stuck):
+    await worker.run("precious = [1, 2, 3]")
+    first_pid = worker.pid
+    started = time.monotonic()
+    result = await worker.run(stuck, timeout=0.5)
+    elapsed = time.monotonic() - started
+    assert result.status == "timeout"
+    assert result.worker_killed
+    assert "precious" in result.lost_vars
+    assert "killed" in result.message and "precious" in result.message
+    assert elapsed < 5
+    after = await worker.run("print('fresh', 'precious' in globals())")
+    assert after.output == "fresh False\n"
+    assert worker.pid != first_pid
+
+
+async def test_double_forked_daemon_dies_with_the_worker(worker):
+    token = f"99{secrets.randbelow(10**6)}"
+    code = ("import os, subprocess\n"
+            "if os.fork() == 0:\n"
+            "    os.setsid()\n"
+            "    if os.fork() == 0:\n"
+            f"        os.execvp('sleep', ['sleep', '{token}'])\n"
+            "    os._exit(0)\n"
+            "import time; time.sleep(10**6)\n")
+    task = asyncio.ensure_future(worker.run(code, timeout=1.5))
+    assert await asyncio.to_thread(wait_until, lambda: processes_with(token), 10)
+    result = await task
+    assert result.status == "timeout" and result.worker_killed
+    assert await asyncio.to_thread(wait_until, lambda: not processes_with(token), 5), "daemon survived"
+
+
+@pytest.mark.parametrize("code, words, sig", [
+    ("import ctypes; ctypes.string_at(0)", "signal 11 (SIGSEGV)", 11),
+    ("import os; os._exit(3)", "exit code 3", None),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "signal 9 (SIGKILL)", 9),
+])
+async def test_crash_ends_blocks_with_a_clear_status(worker, code, words, sig):
+    await worker.run("lost_me = 1")
+    bystander = asyncio.ensure_future(worker.run("import time; time.sleep(30)", timeout=60))
+    result = await worker.run(code, timeout=20)
+    assert result.status == "died"
+    assert f"worker died: {words}" in result.message
+    assert result.signal == sig
+    assert "lost_me" in result.message
+    other = await bystander
+    assert other.status == "died"
+    assert worker.state is WorkerState.DEAD
+    again = await worker.run("print('alive')")
+    assert again.output == "alive\n" and worker.state is WorkerState.READY
+
+
+async def test_traceback_shows_only_user_frames(worker):
+    result = await worker.run("def inner():\n    return 1 / 0\n\ninner()\n")
+    assert result.status == "error"
+    assert result.error == (
+        "Traceback (most recent call last):\n"
+        '  File "<block b1>", line 4, in <module>\n'
+        "    inner()\n"
+        '  File "<block b1>", line 2, in inner\n'
+        "    return 1 / 0\n"
+        "           ~~^~~\n"
+        "ZeroDivisionError: division by zero\n")
+    syntax = await worker.run("x = (", block_id="syn")
+    assert syntax.status == "error"
+    assert 'File "<block syn>", line 1' in syntax.error and "SyntaxError" in syntax.error
+    assert "worker" not in syntax.error and "<string>" not in syntax.error
+    awaited = await worker.run("await asyncio.sleep(0)\nraise KeyError('k')", block_id="aw")
+    assert awaited.error.splitlines()[1] == '  File "<block aw>", line 2, in <module>'
+    assert "asyncio" not in awaited.error.split("\n", 1)[1].split("KeyError")[0]
+
+
+async def test_input_fails_at_once(worker):
+    started = time.monotonic()
+    result = await worker.run("input('name? ')", timeout=10)
+    assert result.status == "error"
+    assert "no interactive input" in result.error
+    assert time.monotonic() - started < 5
+
+
+async def test_secrets_do_not_reach_the_worker(run_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("LLM_API_KEY", "sk-very-secret")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-very-secret")
+    async with Engine(cwd=run_dir, state_dir=tmp_path / "state") as engine:
+        worker = await engine.start_worker()
+        result = await worker.run(
+            "import os\nprint(sorted(os.environ))\n"
+            "print(open('/proc/self/environ','rb').read().count(b'very-secret'))")
+    assert "LLM_API_KEY" not in result.output and "AWS_SECRET_ACCESS_KEY" not in result.output
+    assert "AGENTLOOP_TOKEN" not in result.output
+    assert result.output.splitlines()[-1] == "0"
+
+
+async def test_working_directory_and_workspace(worker, run_dir: Path):
+    result = await worker.run("import os\nprint(os.getcwd())\nopen('files/out.txt','w').write('hi')")
+    assert result.output == f"{run_dir}\n"
+    assert (run_dir / "files" / "out.txt").read_text() == "hi"
+
+
+async def test_output_flood_is_bounded(worker):
+    size_mb = 200
+    code = (f"import sys\nline = 'y' * 1023 + '\\n'\n"
+            f"for _ in range({size_mb} * 1024):\n    sys.stdout.write(line)\nprint('END')")
+    with open("/proc/self/status") as f:
+        before = _vm_rss(f.read())
+    peak = before
+    done = asyncio.Event()
+
+    async def sample():
+        nonlocal peak
+        while not done.is_set():
+            with open("/proc/self/status") as f:
+                peak = max(peak, _vm_rss(f.read()))
+            await asyncio.sleep(0.05)
+
+    sampler = asyncio.ensure_future(sample())
+    result = await worker.run(code, timeout=120)
+    done.set()
+    await sampler
+    total = size_mb * 1024 * 1024 + 4
+    assert result.status == "ok"
+    assert result.output_bytes == total and result.truncated
+    assert result.output.endswith("END\n")
+    head, note_and_tail = result.output.split("\n[... ", 1)
+    note, tail = note_and_tail.split(" ...]\n", 1)
+    cut = int(note.split(" bytes cut")[0])
+    assert len(head.encode()) + cut + len(tail.encode()) == total  # the count of what was cut is exact
+    assert result.output_file in note
+    assert result.output_file and os.path.getsize(result.output_file) == total
+    assert (peak - before) < 100 * 1024 * 1024, f"coordinator grew by {(peak - before) >> 20} MiB"
+
+
+def _vm_rss(status: str) -> int:
+    for line in status.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+async def test_garbage_frames_are_dropped(worker, engine, caplog):
+    session = worker._session
+    endpoint = session.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    ctx = zmq.asyncio.Context()
+    intruder = ctx.socket(zmq.DEALER)
+    intruder.setsockopt(zmq.LINGER, 0)
+    intruder.connect(endpoint)
+    running = asyncio.ensure_future(worker.run("import time; time.sleep(0.5); print('real')", timeout=20,
+                                               block_id="victim"))
+    try:
+        for frame in (b"", b"\xc1garbage", b"\x92\x01\x02", wire.encode({"no": "type"}),
+                      wire.encode({"t": "done", "id": "victim", "status": "ok", "error": ""}),
+                      wire.encode({"t": "out", "id": "victim", "o": [[1, b"injected"]]}),
+                      wire.encode({"t": "hello", "v": 1, "token": "guess", "pid": 1}),
+                      b"\xdd\xff\xff\xff\xff"):
+            await intruder.send(frame)
+        await intruder.send_multipart([b"a", b"b", b"c"])
+        result = await running
+    finally:
+        intruder.close(0)
+        ctx.term()
+    assert result.status == "ok" and result.output == "real\n"
+    assert (await worker.run("print(1)")).output == "1\n"
+
+
+async def test_hostile_worker_frames_are_dropped(worker):
+    # The worker's own code speaks the protocol on its socket: invalid messages are ignored.
+    code = ("import gc, zmq\n"
+            "socks = [o for o in gc.get_objects() if isinstance(o, zmq.Socket)]\n"
+            "from worker import wire\n"
+            "for s in socks:\n"
+            "    for frame in (b'\\x00\\x01junk', wire.encode({'t': 'out', 'id': 'nope', 'o': [[7, 'x']]}),\n"
+            "                  wire.encode({'t': 'out', 'id': 'me', 'o': [[7, 'x'], 'bad']}),\n"
+            "                  wire.encode({'t': 'done', 'id': 'nope', 'status': 'ok'}),\n"
+            "                  wire.encode({'t': 'weird'}), wire.encode({'t': 'done', 'id': 'me', 'vars': 5})):\n"
+            "        await s.send(frame)\n"
+            "print('sent', len(socks))\n")
+    result = await worker.run(code, timeout=20, block_id="me")
+    # Code may end its own block with a forged 'done'; it can do no more than that.
+    assert result.status == "error" and "worker reported status None" in result.message
+    assert (await worker.run("print(2)")).output == "2\n"
+
+
+async def test_restart_and_close(worker):
+    await worker.run("a = 1")
+    await worker.restart()
+    assert (await worker.run("print('a' in globals())")).output == "False\n"
+    await worker.close()
+    assert worker.state is WorkerState.CLOSED
+    from engine.errors import WorkerClosed
+    with pytest.raises(WorkerClosed):
+        await worker.run("print(1)")
+
+
+async def test_cancel_a_running_block(worker):
+    task = asyncio.ensure_future(worker.run("await asyncio.sleep(30)", block_id="long", timeout=60))
+    assert await asyncio.to_thread(wait_until, lambda: "long" in worker.running, 10)
+    result = await worker.cancel("long")
+    assert result.status == "cancelled"
+    assert (await task).status == "cancelled"
+
+
+async def test_tcp_transport(run_dir, tmp_path):
+    # A worker reaching its coordinator over TCP needs a network: a private one has no route.
+    policy = SandboxPolicy(network=True)
+    async with Engine(cwd=run_dir, state_dir=tmp_path / "state", transport="tcp", sandbox=policy) as engine:
+        worker = await engine.start_worker()
+        assert worker._session.sock.getsockopt_string(zmq.LAST_ENDPOINT).startswith("tcp://127.0.0.1:")
+        assert (await worker.run("print('over tcp')")).output == "over tcp\n"

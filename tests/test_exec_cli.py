@@ -1,0 +1,127 @@
+"""`agentloop exec` as a user runs it: a real process, real workers, exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .conftest import processes_with, wait_until
+
+AGENTLOOP = [sys.executable, "-m", "engine.cli"]
+
+
+def run_exec(tmp_path: Path, code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}
+    return subprocess.run([*AGENTLOOP, "exec", *args, "-"], input=code, capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=timeout)
+
+
+def test_exec_finished(tmp_path):
+    proc = run_exec(tmp_path, "import sys\nprint('out')\nprint('err', file=sys.stderr)")
+    assert proc.returncode == 0
+    assert proc.stdout == "out\n"
+    assert proc.stderr.endswith("err\n")
+
+
+def test_exec_raised_prints_the_traceback(tmp_path):
+    proc = run_exec(tmp_path, "print('before')\nraise ValueError('bad')")
+    assert proc.returncode == 1
+    assert proc.stdout == "before\n"
+    assert 'File "<block main>", line 2' in proc.stderr and "ValueError: bad" in proc.stderr
+
+
+def test_exec_deadline(tmp_path):
+    started = time.monotonic()
+    proc = run_exec(tmp_path, "import time; time.sleep(60)", "--timeout", "500ms")
+    assert proc.returncode == 124
+    assert "timed out after 0.5 s" in proc.stderr
+    assert time.monotonic() - started < 30
+
+
+def test_exec_worker_signal(tmp_path):
+    proc = run_exec(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    assert proc.returncode == 128 + 11
+    assert "worker died: signal 11 (SIGSEGV)" in proc.stderr
+
+
+def test_exec_json(tmp_path):
+    proc = run_exec(tmp_path, "print('x' * 10)", "--json")
+    assert proc.returncode == 0
+    report = json.loads(proc.stdout)
+    assert report["status"] == "ok" and report["exit_code"] == 0
+    assert report["output_bytes"] == 11 and report["truncated"] is False
+    assert set(report) == {"status", "exit_code", "duration_s", "output_bytes", "truncated", "output_file"}
+    assert "xxxxxxxxxx" in proc.stderr  # the code's stdout moves aside for the JSON
+
+
+def test_exec_bad_duration_is_a_usage_error(tmp_path):
+    proc = run_exec(tmp_path, "pass", "--timeout", "soon")
+    assert proc.returncode == 2
+    assert "250ms, 30s, 5m, 1h or plain seconds" in proc.stderr
+
+
+def test_exec_own_error(tmp_path):
+    (tmp_path / "blocker").write_text("")
+    proc = run_exec(tmp_path, "pass", "--workspace", str(tmp_path / "blocker" / "ws"))
+    assert proc.returncode == 125
+    assert proc.stderr.startswith("agentloop: ") and "Traceback" not in proc.stderr
+
+
+def test_exec_from_file(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text("print(sum(range(10)))")
+    proc = subprocess.run([*AGENTLOOP, "exec", str(script)], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "45\n"
+
+
+COORDINATOR = """
+import asyncio, sys
+from engine.engine import Engine
+DAEMON = ("import os\\n"
+          "if os.fork() == 0:\\n"
+          "    os.setsid()\\n"
+          "    if os.fork() == 0:\\n"
+          "        os.execvp('sleep', ['sleep', '{token}'])\\n"
+          "    os._exit(0)\\n")
+async def main():
+    engine = Engine()
+    engine.open()
+    for _ in range(2):
+        w = await engine.start_worker()
+        await w.run(DAEMON)
+        asyncio.ensure_future(w.run("import time; time.sleep(1000)", timeout=1000))
+    print("ready", flush=True)
+    await asyncio.sleep(1000)
+asyncio.run(main())
+"""
+
+
+def test_coordinator_sigkill_leaves_no_process_behind(tmp_path):
+    token = f"77{os.getpid()}{int(time.time()) % 100000}"
+    script = tmp_path / "coord.py"
+    script.write_text(COORDINATOR.replace("{token}", token))
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "PYTHONPATH": str(Path(__file__).parent.parent)}
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, cwd=tmp_path, env=env, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        assert wait_until(lambda: len(processes_with(token)) == 2, 10)
+        before = processes_with("-m\0worker")
+        assert before
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        started = time.monotonic()
+        assert wait_until(lambda: not processes_with(token), 5), "daemons survived the coordinator"
+        assert wait_until(lambda: not (set(processes_with("-m\0worker")) & set(before)), 5)
+        assert time.monotonic() - started < 5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in processes_with(token):
+            os.kill(pid, signal.SIGKILL)
