@@ -241,6 +241,11 @@ class ConsoleDisplay(DispatchDisplay):
 _STATUS_STYLE = {
     "done": ("✓", "green"),
     "ok": ("✓", "green"),
+    "answered": ("✓", "green"),
+    "error": ("✗", "red"),
+    "died": ("✗", "red"),
+    "killed": ("✗", "red"),
+    "failed": ("✗", "red"),
     "cancelled": ("✗", "yellow"),
     "timed out": ("✗", "red"),
     "timeout": ("✗", "red"),

@@ -23,7 +23,7 @@ import secrets
 import shutil
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 import zmq
@@ -39,8 +39,6 @@ from .worker import Worker
 #: (API keys, cloud credentials, tokens) stays behind.
 ENV_ALLOWLIST = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "LC_MESSAGES", "LC_NUMERIC",
                  "TERM", "TZ", "PYTHONIOENCODING", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
-
-HostHandler = Callable[[Worker, dict], Awaitable[None]]
 
 
 def _state_home() -> Path:
@@ -101,7 +99,6 @@ class Engine:
         self.run_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
         self.run_dir = Path(state_dir or _state_home()) / "runs" / self.run_id
         self.output_dir = self.run_dir / "outputs"
-        self.host_handler: HostHandler | None = None
         self.workers: list[Worker] = []
         self.notes: list[str] = []
         self._ctx: zmq.asyncio.Context | None = None

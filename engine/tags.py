@@ -16,16 +16,15 @@ Parsing never raises at the model: a malformed attribute or an unclosed block be
 
 from __future__ import annotations
 
-import inspect
 import re
 import secrets
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
 from engine.durations import parse_duration
 from engine.errors import ConfigError
+from worker.describe import describe_object  # noqa: F401 - re-exported: one implementation
 
 ATTR_RE = re.compile(r'(\w+)\s*=\s*(?:"([^"]*)"|([^\s>]+))')
 
@@ -42,6 +41,14 @@ def _find_blocks(message: str, tag: str) -> Iterator[tuple[dict[str, str], str, 
         boundary = attrs.get("boundary")
         close = f'</{tag} boundary="{boundary}">' if boundary else f"</{tag}>"
         found = re.search(rf"^[ \t]*{re.escape(close)}", message[match.end():], re.MULTILINE)
+        if found is None and tag == "run_agent":
+            # The system prompt shows <run_agent ...>task</run_agent> on one line; accept that
+            # form too when no close starts a line (a reply the seed would have refused).
+            found = re.match(rf"[^\n]*?({re.escape(close)})", message[match.end():])
+            if found:
+                body = message[match.end():match.end() + found.start(1)]
+                yield attrs, body, match.start(), match.end() + found.end()
+                continue
         if found:
             body = message[match.end():match.end() + found.start()]
             yield attrs, body, match.start(), match.end() + found.end()
@@ -320,42 +327,6 @@ def build_system(*, model_alias: str, model: str, available_models: str, python:
         packages=", ".join(packages),
         namespace=namespace_block,
     )
-
-
-def _signature(value: Any) -> str:
-    # Annotations postponed by `from __future__ import annotations` are resolved where possible, so the
-    # model reads `path: str`, not `path: 'str'`. Some builtins have no introspectable signature: say so
-    # instead of failing the whole prompt.
-    try:
-        return str(inspect.signature(value, eval_str=True))
-    except Exception:  # a NameError or anything else an annotation's evaluation raises
-        pass
-    try:
-        return str(inspect.signature(value))
-    except (TypeError, ValueError):
-        return "(...)"
-
-
-def describe_object(name: str, value: Any) -> str:
-    """One entry of the namespace listing: a callable as its signature and docstring, an object as its
-    public methods, a plain value as its type and a repr cut at 80 characters."""
-    if callable(value):
-        prefix = "async " if inspect.iscoroutinefunction(value) else ""
-        return f"{prefix}{name}{_signature(value)}: {inspect.getdoc(value) or ''}"
-    if type(value).__module__ != "builtins":
-        methods = [(attr, getattr(value, attr)) for attr in dir(value)
-                   if not attr.startswith("_") and callable(getattr(value, attr, None))]
-        if methods:
-            doc = inspect.getdoc(value)
-            lines = [f"{name}: {type(value).__name__}" + (f" — {doc.splitlines()[0]}" if doc else "")]
-            for attr, method in methods:
-                prefix = "async " if inspect.iscoroutinefunction(method) else ""
-                lines.append(f" {prefix}{name}.{attr}{_signature(method)}: {inspect.getdoc(method) or ''}")
-            return "\n".join(lines)
-    preview = repr(value)
-    if len(preview) > 80:
-        preview = preview[:80] + "…"
-    return f"{name}: {type(value).__name__} = {preview}"
 
 
 def describe_namespace(descriptions: Sequence[str]) -> str:

@@ -21,8 +21,8 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
@@ -30,7 +30,7 @@ import zmq.asyncio
 from worker import wire
 
 from ._process import Process, spawn
-from .errors import WorkerClosed, WorkerStartError
+from .errors import WorkerClosed, WorkerError, WorkerStartError
 from .output import OutputSink
 from .results import BlockResult, OutputChunk, describe_exit
 
@@ -56,8 +56,9 @@ class _Block:
     """Coordinator-side state of one running block."""
 
     def __init__(self, block_id: str, sink: OutputSink, timeout: float,
-                 on_output: Callable[[OutputChunk], None] | None) -> None:
+                 on_output: Callable[[OutputChunk], None] | None, budget: int | None = None) -> None:
         self.id = block_id
+        self.budget = budget
         self.sink = sink
         self.timeout = timeout
         self.on_output = on_output
@@ -72,7 +73,7 @@ class _Block:
         self.sink.close()
         file = self.sink.file
         self.future.set_result(BlockResult(
-            id=self.id, status=status, output=self.sink.render(), output_bytes=self.sink.total,
+            id=self.id, status=status, output=self.sink.render(self.budget), output_bytes=self.sink.total,
             truncated=self.sink.truncated, output_file=str(file) if file else None,
             duration_s=time.monotonic() - self.started, error=error, message=message, **extra))
 
@@ -104,8 +105,14 @@ class Worker:
         self.index = next(Worker._ids)
         self.state = WorkerState.STARTING
         self.generation = 0
-        self.vars: list[str] = []
+        self.vars: list[str] = []  # names of the user's variables, as of the last finished block
+        self.var_notes: list[str] = []  # the same as ``name:type``, for the model's status note
         self.notes: list[str] = []
+        #: Runs a host call from code in the worker: (name, args, kwargs, block_id) -> value.
+        self.on_call: Callable[[str, list, dict, str | None], Awaitable[Any]] | None = None
+        self._requests: dict[int, asyncio.Future] = {}
+        self._request_ids = itertools.count(1)
+        self._call_tasks: set[asyncio.Task] = set()
         self._session: _Session | None = None
         self._blocks: dict[str, _Block] = {}
         self._lock = asyncio.Lock()
@@ -343,7 +350,8 @@ class Worker:
                 return
             names = msg.get("vars")
             if isinstance(names, list):
-                self.vars = [n for n in names if isinstance(n, str) and len(n) <= _MAX_VAR_NAME][:_MAX_VARS]
+                self.var_notes = [n for n in names if isinstance(n, str) and len(n) <= _MAX_VAR_NAME][:_MAX_VARS]
+                self.vars = [n.split(":", 1)[0] for n in self.var_notes]
             status = msg.get("status")
             error = msg.get("error") if isinstance(msg.get("error"), str) else ""
             error = error[:_MAX_ERROR]
@@ -355,14 +363,58 @@ class Worker:
                 block.finish(status, error=error)
             else:
                 block.finish("error", error=error, message=f"worker reported status {status!r}")
+        elif kind == "resp":
+            future = self._requests.pop(msg.get("rid"), None)  # type: ignore[arg-type]
+            if future is None or future.done():
+                self._drop(session, "response to no request")
+            elif msg.get("ok"):
+                future.set_result(msg.get("value"))
+            else:
+                future.set_exception(WorkerError(str(msg.get("error"))[:_MAX_ERROR]))
+        elif kind == "call" and self.on_call is not None and isinstance(msg.get("name"), str):
+            task = asyncio.get_running_loop().create_task(self._host_call(msg))
+            self._call_tasks.add(task)
+            task.add_done_callback(self._call_tasks.discard)
         elif kind == "bye":
             pass
         else:
-            handler = self.engine.host_handler
-            if handler is not None and kind == "call":
-                await handler(self, msg)
-            else:
-                self._drop(session, f"unexpected message type {kind!r}")
+            self._drop(session, f"unexpected message type {kind!r}")
+
+    async def _host_call(self, msg: dict) -> None:
+        """Run one host call for code in the worker and send back its value or error, in words."""
+        cid = msg.get("cid")
+        args = msg.get("args") if isinstance(msg.get("args"), list) else []
+        kwargs = msg.get("kwargs") if isinstance(msg.get("kwargs"), dict) else {}
+        block = msg.get("block") if isinstance(msg.get("block"), str) else None
+        try:
+            value = await self.on_call(msg["name"], args, kwargs, block)  # type: ignore[misc]
+            reply = {"t": "reply", "cid": cid, "ok": True, "value": value}
+            try:
+                frame = wire.encode(reply)
+            except (TypeError, ValueError):
+                reply = {"t": "reply", "cid": cid, "ok": True, "value": repr(value)}
+                frame = wire.encode(reply)
+        except Exception as exc:  # noqa: BLE001 - the tool's failure goes back to the code as words
+            frame = wire.encode({"t": "reply", "cid": cid, "ok": False, "error": str(exc) or type(exc).__name__})
+        session = self._session
+        if session is not None and session.peer is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                await session.sock.send_multipart([session.peer, frame])
+
+    async def request(self, op: str, args: dict | None = None, timeout: float = 30.0) -> Any:
+        """A control request to the worker (bind, export, inject, describe, env); its value."""
+        session = await self._ensure_ready()
+        rid = next(self._request_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._requests[rid] = future
+        try:
+            await session.sock.send_multipart(
+                [session.peer, wire.encode({"t": "req", "rid": rid, "op": op, "args": args or {}})])
+            return await asyncio.wait_for(future, timeout)
+        except TimeoutError as exc:
+            raise WorkerError(f"worker {self.name!r} did not answer {op!r} within {timeout:g} s") from exc
+        finally:
+            self._requests.pop(rid, None)
 
     async def send(self, msg: dict) -> None:
         """Send a protocol message to the current process (used by host-call replies)."""
@@ -372,7 +424,7 @@ class Worker:
 
     # -- running blocks -----------------------------------------------------------------------
     async def _submit(self, code: str, timeout: float, block_id: str | None,
-                      on_output: Callable[[OutputChunk], None] | None) -> _Block:
+                      on_output: Callable[[OutputChunk], None] | None, budget: int | None = None) -> _Block:
         session = await self._ensure_ready()
         if block_id is None:
             block_id = f"b{next(self._block_ids)}"
@@ -382,16 +434,20 @@ class Worker:
             raise ValueError(f"block {block_id!r} is already running")
         sink = OutputSink(self.engine._output_path(self.index, block_id),
                           file_cap=self.engine.output_file_cap)
-        block = _Block(block_id, sink, timeout, on_output)
+        block = _Block(block_id, sink, timeout, on_output, budget)
         self._blocks[block_id] = block
         await session.sock.send_multipart(
             [session.peer, wire.encode({"t": "run", "id": block_id, "code": code})])
         return block
 
     async def run(self, code: str, *, timeout: float = 10.0, block_id: str | None = None,
-                  on_output: Callable[[OutputChunk], None] | None = None) -> BlockResult:
-        """Run one block and return how it ended.  Never raises for what the code did."""
-        block = await self._submit(code, timeout, block_id, on_output)
+                  on_output: Callable[[OutputChunk], None] | None = None,
+                  budget: int | None = None) -> BlockResult:
+        """Run one block and return how it ended.  Never raises for what the code did.
+
+        ``budget`` caps ``result.output`` in bytes (head and tail, with the count cut between).
+        """
+        block = await self._submit(code, timeout, block_id, on_output, budget)
         return await self._supervise(block)
 
     async def stream(self, code: str, *, timeout: float = 10.0,

@@ -186,7 +186,8 @@ async def test_secrets_do_not_reach_the_worker(run_dir, tmp_path, monkeypatch):
         worker = await engine.start_worker()
         result = await worker.run(
             "import os\nprint(sorted(os.environ))\n"
-            "print(open('/proc/self/environ','rb').read().count(b'very-secret'))")
+            "try:\n    print(open('/proc/self/environ','rb').read().count(b'very-secret'))\n"
+            "except PermissionError:\n    print(0)  # a sandbox may hide it altogether\n")
     assert "LLM_API_KEY" not in result.output and "AWS_SECRET_ACCESS_KEY" not in result.output
     assert "AGENTLOOP_TOKEN" not in result.output
     assert result.output.splitlines()[-1] == "0"

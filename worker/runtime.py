@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import builtins
+import concurrent.futures
 import contextvars
 import ctypes
 import inspect
@@ -23,6 +24,7 @@ import threading
 import traceback
 from collections.abc import Awaitable, Callable
 
+from . import proxy
 from .capture import FdCapture, Router, current_block
 
 _WORKER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -67,12 +69,18 @@ def format_user_error(exc: BaseException) -> str:
 
 
 class Runtime:
-    """Runs blocks in one namespace and reports each one's end through ``on_done``."""
+    """Runs blocks in one namespace and reports each one's end through ``on_done``.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, router: Router, fdcap: FdCapture | None,
-                 on_done: Callable[[str, str, str], Awaitable[None]],
+    ``loop`` is the connection loop (sending, bookkeeping); ``user_loop`` runs awaiting blocks.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, user_loop: asyncio.AbstractEventLoop,
+                 router: Router, fdcap: FdCapture | None,
+                 on_done: Callable[[str, str, str], Awaitable[None]], call: proxy.Call,
                  namespace: dict | None = None) -> None:
         self._loop = loop
+        self._user_loop = user_loop
+        self._call = call
         self._router = router
         self._fdcap = fdcap
         self._on_done = on_done
@@ -80,7 +88,7 @@ class Runtime:
         if namespace:
             self.namespace.update(namespace)
         self._base = set(self.namespace)
-        self._tasks: dict[str, asyncio.Task] = {}
+        self._tasks: dict[str, concurrent.futures.Future] = {}
         self._threads: dict[str, threading.Thread] = {}
 
     def base_names(self, names: set[str]) -> None:
@@ -88,11 +96,16 @@ class Runtime:
         self._base |= names
 
     def user_vars(self) -> list[str]:
+        """``name:type`` of the user's variables (``type(len)`` for sized builtins), as the
+        status note shows them."""
         out = []
         for name, value in list(self.namespace.items()):
             if name in self._base or name.startswith("_") or inspect.ismodule(value):
                 continue
-            out.append(name)
+            descr = type(value).__name__
+            if isinstance(value, (str, bytes, list, dict, tuple, set)):
+                descr += f"({len(value)})"
+            out.append(f"{name}:{descr}")
             if len(out) >= _MAX_VARS:
                 break
         return out
@@ -115,13 +128,17 @@ class Runtime:
         ctx.run(current_block.set, block_id)
         if compiled.co_flags & inspect.CO_COROUTINE:
             coro = eval(compiled, self.namespace)  # noqa: S307 - running user code is the job
-            task = self._loop.create_task(self._run_async(block_id, coro), context=ctx)
-            self._tasks[block_id] = task
+            future = asyncio.run_coroutine_threadsafe(self._spawn(block_id, coro, ctx), self._user_loop)
+            self._tasks[block_id] = future
         else:
             thread = threading.Thread(target=ctx.run, args=(self._run_sync, block_id, compiled),
                                       name=f"block-{block_id}", daemon=True)
             self._threads[block_id] = thread
             thread.start()
+
+    async def _spawn(self, block_id: str, coro, ctx: contextvars.Context) -> None:
+        # A task of its own on the user loop, in the block's context.
+        await asyncio.get_running_loop().create_task(self._run_async(block_id, coro), context=ctx)
 
     async def _run_async(self, block_id: str, coro) -> None:
         try:
@@ -132,11 +149,13 @@ class Runtime:
             outcome = ("error", format_user_error(exc))
         else:
             outcome = ("ok", "")
-        finally:
-            self._tasks.pop(block_id, None)
         if self._fdcap is not None:
             self._fdcap.drain(0.02)
-        await self._finish(block_id, *outcome)
+        asyncio.run_coroutine_threadsafe(self._finish_task(block_id, *outcome), self._loop)
+
+    async def _finish_task(self, block_id: str, status: str, error: str) -> None:
+        self._tasks.pop(block_id, None)
+        await self._finish(block_id, status, error)
 
     def _run_sync(self, block_id: str, compiled) -> None:
         try:
@@ -162,9 +181,9 @@ class Runtime:
 
     def cancel(self, block_id: str) -> bool:
         """Ask a block to stop.  Returns False when no such block runs."""
-        task = self._tasks.get(block_id)
-        if task is not None:
-            task.cancel()
+        future = self._tasks.get(block_id)
+        if future is not None:
+            future.cancel()  # cancels the _spawn task, which cancels the block's task
             return True
         thread = self._threads.get(block_id)
         if thread is not None and thread.ident is not None:
@@ -172,3 +191,32 @@ class Runtime:
                 ctypes.c_ulong(thread.ident), ctypes.py_object(BlockCancelled))
             return True
         return False
+
+    # -- control requests from the coordinator ------------------------------------------------
+    async def control(self, op: str, args: dict) -> object:
+        """Bind host stubs and ``self``, export or inject objects, describe, report the environment."""
+        if op == "bind":
+            added = {}
+            for spec in args.get("host", []):
+                added[spec["name"]] = proxy.host_stub(self._call, spec)
+            if args.get("self"):
+                added["self"] = proxy.AgentSelf(self._call, self.namespace)
+            self.namespace.update(added)
+            self.base_names(set(added))
+            return sorted(added)
+        if op == "export":
+            items, errors = proxy.export(self.namespace, list(args.get("names", [])))
+            return {"items": items, "errors": errors}
+        if op == "inject":
+            names = proxy.inject(self.namespace, args.get("items", {}), self._call)
+            self.base_names(set(names))
+            return names
+        if op == "describe":
+            from .describe import describe_object
+
+            return [describe_object(n, self.namespace[n]) for n in args.get("names", []) if n in self.namespace]
+        if op == "env":
+            from .environment import describe_environment
+
+            return describe_environment()
+        raise ValueError(f"unknown request {op!r}")
