@@ -76,7 +76,24 @@ def _policy(sandbox: str, network: bool) -> SandboxPolicy:
     return SandboxPolicy(mode=sandbox, network=network)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _LazyGroup(click.Group):
+    """Commands with heavy or optional imports load only when called."""
+
+    lazy = {"batch": "engine.batch:batch", "chat": "engine.chat:chat", "demo": "engine.demo:demo"}
+
+    def list_commands(self, ctx):
+        return sorted({*super().list_commands(ctx), *self.lazy})
+
+    def get_command(self, ctx, name):
+        if name in self.lazy and name not in self.commands:
+            module, attr = self.lazy[name].split(":")
+            import importlib
+
+            return getattr(importlib.import_module(module), attr)
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="agentloop")
 @click.option("-v", "--verbose", is_flag=True, help="Log what the engine does to stderr.")
 def main(verbose: bool) -> None:
@@ -131,6 +148,117 @@ async def _exec(code: str, timeout: float, as_json: bool, policy: SandboxPolicy,
         for note in worker.notes:
             click.echo(f"agentloop: {note}", err=True)
         return await worker.run(code, timeout=timeout, block_id="main", on_output=show)
+
+
+def agent_options(f):
+    """Options shared by the commands that run agents (run, chat, batch, demo)."""
+    f = click.option("--model", "model", default=None, help="Model alias (see `agentloop models`).")(f)
+    f = click.option("--models", "models_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                     help="Model aliases file (default ./agentloop.toml, else LLM_URL/LLM_MODEL).")(f)
+    f = click.option("--max-messages", type=click.IntRange(1), default=200, show_default=True,
+                     help="Messages to the model before the run gives up.")(f)
+    f = click.option("--record", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                     help="Record every display event to this JSONL file.")(f)
+    f = click.option("--tools", type=click.Choice(["none", "repo"]), default="none", show_default=True,
+                     help="Host functions to offer: repo = list_dir, read_file, search (read-only).")(f)
+    f = click.option("--root", type=click.Path(file_okay=False, exists=True, path_type=Path), default=".",
+                     help="Directory the repo tools may read (default: current directory).")(f)
+    f = click.option("-q", "--quiet", is_flag=True, help="No live display on stderr.")(f)
+    return _sandbox_options(f)
+
+
+def load_registry(models_file: Path | None):
+    from .models import load_models
+
+    try:
+        return load_models(models_file)
+    except AgentloopError as exc:
+        _fail(str(exc))
+
+
+def host_functions(tools: str, root: Path) -> dict:
+    if tools == "repo":
+        from .repo_tools import RepoTools
+
+        return RepoTools(root).functions()
+    return {}
+
+
+def make_display(record: Path | None, quiet: bool):
+    """The live console on stderr (unless quiet), plus a JSONL recorder when asked."""
+    from .console import ConsoleDisplay
+    from .display import AgentDisplay, FanoutDisplay, JsonlRecorder
+
+    displays = [] if quiet else [ConsoleDisplay()]
+    if record is not None:
+        displays.append(JsonlRecorder(record))
+    if not displays:
+        return AgentDisplay()
+    return displays[0] if len(displays) == 1 else FanoutDisplay(displays)
+
+
+def close_display(display) -> None:
+    for d in getattr(display, "displays", [display]):
+        if hasattr(d, "close"):
+            d.close()
+
+
+_RUN_EXIT = {"answered": 0, "failed": 1, "timed_out": EXIT_TIMEOUT, "cancelled": 128 + signal.SIGINT}
+
+
+@main.command("run")
+@click.argument("task")
+@agent_options
+@click.option("--timeout", type=Duration(), default=None, help="Wall-clock cap for the whole run.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object (answer, status, messages, tokens, cost, duration_s).")
+def run_cmd(task: str, model, models_file, max_messages, record, tools, root, quiet, sandbox, network,
+            workspace, timeout, as_json) -> None:
+    """Run TASK to its end: the final answer alone on stdout, the live display on stderr."""
+    from .agent import run_task
+
+    registry = load_registry(models_file)
+    try:
+        registry.get(model)
+    except AgentloopError as exc:
+        _fail(str(exc))
+    display = make_display(record, quiet)
+    functions = host_functions(tools, root)
+    policy = _policy(sandbox, network)
+
+    async def go():
+        async with Engine(sandbox=policy, workspace=workspace) as engine:
+            return await run_task(task, models=registry, model=model, engine=engine, functions=functions,
+                                  display=display, max_messages=max_messages, timeout=timeout)
+
+    try:
+        result = asyncio.run(go())
+    except KeyboardInterrupt:
+        click.echo("agentloop: interrupted", err=True)
+        sys.exit(128 + signal.SIGINT)
+    except AgentloopError as exc:
+        _fail(str(exc))
+    finally:
+        close_display(display)
+    if as_json:
+        click.echo(json.dumps(result.as_dict()))
+    elif result.status == "answered":
+        click.echo(result.answer)
+    if result.status != "answered":
+        click.echo(f"agentloop: {result.status}: {result.error}", err=True)
+    sys.exit(_RUN_EXIT.get(result.status, 1))
+
+
+@main.command("models")
+@click.option("--models", "models_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Model aliases file (default ./agentloop.toml).")
+def models_cmd(models_file) -> None:
+    """List the model aliases agents can use."""
+    registry = load_registry(models_file)
+    for alias in registry.aliases():
+        config = registry.get(alias)
+        mark = "*" if config is registry.default else " "
+        click.echo(f"{mark} {config.describe()}  [{config.base_url}, protocol {config.protocol}]")
 
 
 if __name__ == "__main__":  # pragma: no cover

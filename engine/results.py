@@ -48,13 +48,9 @@ class BlockResult:
         return self.status == "ok"
 
     def text(self) -> str:
-        """Output, traceback and what happened, as one text for a model or a log."""
-        parts = [self.output]
-        if self.error:
-            parts.append(self.error)
-        if self.message:
-            parts.append(f"[{self.message}]")
-        return "".join(p if p.endswith("\n") or not p else p + "\n" for p in parts if p).rstrip("\n")
+        """Output, traceback and a ``[what happened]`` suffix, concatenated as the seed does
+        (``output + "[timed out]"``), for a model or a log."""
+        return self.output + self.error + (f"[{self.message}]" if self.message else "")
 
 
 def describe_exit(returncode: int | None, *, via_namespace: bool) -> tuple[str, int | None]:

@@ -1,0 +1,441 @@
+"""Three read-only repository tools, and the guard that runs tool calls without raising at the model.
+
+``RepoTools(root)`` offers ``list_dir``, ``read_file`` and ``search``, confined to ``root`` with
+symlinks resolved. The same tools reach a model two ways:
+
+- as host functions: ``RepoTools(root).functions()`` gives plain callables whose signature and
+  docstring are what the model reads; a refusal is a ``ToolError`` whose message is the text to show.
+- as OpenAI function tools: ``TOOL_SCHEMAS`` describes them, and
+  ``execute_tool_call(call, impls)`` runs one ``tool_calls`` entry and always returns text.
+
+``schema_for(name, fn)`` builds a function-tool schema from any callable, so other host functions
+can be offered the second way too. Read-only on purpose: an agent is exactly as dangerous as its
+tools.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import stat
+import types
+import typing
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from engine.errors import ConfigError
+
+MAX_RESULT = 8_000  # chars of tool output fed back per call
+SKIP_DIRS = frozenset({".git", "target", "node_modules", "build", "__pycache__", ".cache"})
+MAX_MATCHES = 100
+MAX_SEARCH_FILE = 2_000_000  # bytes; bigger files are skipped by search
+MAX_READ_LIMIT = 1000  # lines one read_file call may show
+_MATCH_LINE_CHARS = 200
+
+# The contract shown to a model that speaks OpenAI tool calls; kept word for word.
+TOOL_SCHEMAS: list[dict[str, Any]] = [
+    {"type": "function", "function": {
+        "name": "list_dir",
+        "description": "List one directory: entries with a trailing / for "
+                       "subdirectories and a byte size for files.",
+        "parameters": {"type": "object", "properties": {
+            "path": {"type": "string",
+                     "description": "directory, relative to the project root"},
+        }, "required": ["path"]}}},
+    {"type": "function", "function": {
+        "name": "read_file",
+        "description": "Read a text file with line numbers. Large files are "
+                       "windowed — pass offset (1-based first line) and limit "
+                       "(max lines) to page through.",
+        "parameters": {"type": "object", "properties": {
+            "path": {"type": "string", "description": "file, relative to the project root"},
+            "offset": {"type": "integer", "description": "first line to show, 1-based (default 1)"},
+            "limit": {"type": "integer", "description": "max lines to show (default 200)"},
+        }, "required": ["path"]}}},
+    {"type": "function", "function": {
+        "name": "search",
+        "description": "Search file contents under a directory with a Python "
+                       "regular expression. Returns path:line: text matches. "
+                       "Use a specific pattern — results cap at 100 matches.",
+        "parameters": {"type": "object", "properties": {
+            "pattern": {"type": "string", "description": "Python regex to find"},
+            "path": {"type": "string",
+                     "description": "directory to search, relative to the project root (default: whole root)"},
+        }, "required": ["pattern"]}}},
+]
+
+
+class ToolError(Exception):
+    """A tool refusing a request the model made; the message is what the model reads. Never fatal.
+
+    Deliberately outside ``AgentloopError``: it is a fault of the model's request, reported as words.
+    """
+
+
+def truncate(text: str, max_result: int = MAX_RESULT) -> str:
+    """``text`` cut so that it, with the note saying so, fits in ``max_result`` chars.
+
+    The note is counted inside the limit, so truncating twice changes nothing: a result capped by a
+    tool and then by ``execute_tool_call`` reads the same. (A limit shorter than the note itself
+    leaves just the note.)
+    """
+    if len(text) <= max_result:
+        return text
+    note = (f"\n[agent] truncated — {len(text)} chars total; "
+            "narrow the request (offset/limit, tighter pattern)")
+    return text[:max(0, max_result - len(note))] + note
+
+
+class RepoTools:
+    """Read-only views of the files under one root; nothing the model passes reaches outside it."""
+
+    def __init__(self, root: str | os.PathLike[str], max_result: int = MAX_RESULT) -> None:
+        real = os.path.realpath(os.fspath(root))
+        if not os.path.isdir(real):
+            raise ConfigError(f"repository root is not a directory: {root}")
+        self._root = real
+        self.max_result = max_result
+
+    @property
+    def root(self) -> Path:
+        """The root, with symlinks resolved."""
+        return Path(self._root)
+
+    def _resolve(self, path: str) -> str:
+        """Confine a path the model asked for to the root, symlinks resolved (``..`` and links alike)."""
+        try:
+            full = os.path.realpath(os.path.join(self._root, path))
+        except ValueError as exc:  # embedded NUL byte
+            raise ToolError(f"bad path {path!r}: {exc}") from None
+        if full != self._root and not full.startswith(self._root.rstrip(os.sep) + os.sep):  # root "/" too
+            raise ToolError(f"path escapes the project root: {path}")
+        return full
+
+    def list_dir(self, path: str = ".") -> str:
+        """List one directory: entries with a trailing / for
+        subdirectories and a byte size for files.
+
+        Args:
+            path: directory, relative to the project root
+        """
+        full = self._resolve(path)
+        if not os.path.isdir(full):
+            raise ToolError(f"not a directory: {path}")
+        rows = []
+        for name in sorted(os.listdir(full)):
+            entry = os.path.join(full, name)
+            if os.path.isdir(entry):
+                rows.append(f"{name}/")
+                continue
+            try:
+                rows.append(f"{name} ({os.path.getsize(entry)} bytes)")
+            except OSError:  # a dangling link; one bad entry must not hide the rest
+                rows.append(f"{name} (unreadable)")
+        return truncate("\n".join(rows) or "(empty directory)", self.max_result)
+
+    def read_file(self, path: str, offset: int = 1, limit: int = 200) -> str:
+        """Read a text file with line numbers. Large files are
+        windowed — pass offset (1-based first line) and limit
+        (max lines) to page through.
+
+        Args:
+            path: file, relative to the project root
+            offset: first line to show, 1-based (default 1)
+            limit: max lines to show (default 200)
+        """
+        full = self._resolve(path)
+        if os.path.isdir(full):
+            raise ToolError(f"{path} is a directory — use list_dir")
+        if not os.path.exists(full):
+            raise ToolError(f"no such file: {path}")
+        if not os.path.isfile(full):  # a FIFO or device would block or never end
+            raise ToolError(f"not a regular file: {path}")
+        offset = _as_int("offset", offset)
+        limit = _as_int("limit", limit)
+        with open(full, errors="replace") as f:
+            lines = f.readlines()
+        if not lines:
+            return "(empty file)"
+        offset = max(1, offset)
+        limit = max(1, min(limit, MAX_READ_LIMIT))
+        window = lines[offset - 1:offset - 1 + limit]
+        if not window:
+            raise ToolError(f"{path} has only {len(lines)} lines; offset {offset} is past the end")
+        out = "".join(f"{i}\t{line}" for i, line in enumerate(window, offset))
+        last = offset + len(window) - 1
+        if last < len(lines):
+            out += (f"\n[agent] showing lines {offset}-{last} of {len(lines)} — "
+                    f"call again with offset={last + 1} for more")
+        return truncate(out, self.max_result)
+
+    def search(self, pattern: str, path: str = ".") -> str:
+        """Search file contents under a directory with a Python
+        regular expression. Returns path:line: text matches.
+        Use a specific pattern — results cap at 100 matches.
+
+        Args:
+            pattern: Python regex to find
+            path: directory to search, relative to the project root (default: whole root)
+        """
+        try:
+            rx = re.compile(pattern)
+        except re.error as exc:
+            raise ToolError(f"bad regex {pattern!r}: {exc}") from None
+        start = self._resolve(path)
+        if os.path.isfile(start):  # one file named: search just it, rather than report nothing
+            files = [start]
+        elif os.path.isdir(start):
+            files = self._walk(start)
+        else:
+            raise ToolError(f"not a directory: {path}")
+        hits: list[str] = []
+        for full in files:
+            for lineno, line in _matching_lines(full, rx):
+                rel = os.path.relpath(full, self._root)
+                hits.append(f"{rel}:{lineno}: {line.rstrip()[:_MATCH_LINE_CHARS]}")
+                if len(hits) >= MAX_MATCHES:
+                    hits.append(f"[agent] {MAX_MATCHES}-match cap hit — tighten the pattern or narrow the path")
+                    return truncate("\n".join(hits), self.max_result)
+        return truncate("\n".join(hits) or f"no matches for {pattern!r} under {path}", self.max_result)
+
+    def _walk(self, start: str) -> Iterator[str]:
+        """Regular files under ``start`` in sorted order; SKIP_DIRS pruned, symlinks never followed."""
+        for dirpath, dirnames, filenames in os.walk(start):
+            dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+            for fname in sorted(filenames):
+                yield os.path.join(dirpath, fname)
+
+    def functions(self) -> dict[str, Callable[..., str]]:
+        """The three tools as plain functions bound to this root, for use as host functions.
+
+        Each keeps the method's name, signature and docstring (``inspect.signature`` and
+        ``inspect.getdoc`` give what the model should see); refusals raise ``ToolError``.
+        """
+        return {name: _as_function(getattr(self, name)) for name in ("list_dir", "read_file", "search")}
+
+
+def _as_function(method: Callable[..., str]) -> Callable[..., str]:
+    """A plain function calling ``method``, wearing its name, docstring and (self-less) signature."""
+    def tool(*args: Any, **kwargs: Any) -> str:
+        return method(*args, **kwargs)
+
+    tool.__name__ = tool.__qualname__ = method.__name__
+    tool.__doc__ = method.__doc__
+    tool.__module__ = method.__module__
+    tool.__signature__ = inspect.signature(method, eval_str=True)  # type: ignore[attr-defined]
+    tool.__annotations__ = dict(typing.get_type_hints(method))
+    return tool
+
+
+def _as_int(name: str, value: Any) -> int:
+    """``value`` as an int, or a ToolError the model can act on (``"12"`` and ``12.0`` are accepted)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ToolError(f"{name} must be an integer, got {value!r}") from None
+
+
+def _matching_lines(full: str, rx: re.Pattern[str]) -> Iterator[tuple[int, str]]:
+    """(line number, line) of each match in one file; links, non-regular, big and binary files yield nothing."""
+    try:
+        st = os.lstat(full)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SEARCH_FILE:
+            return
+        with open(full, errors="replace") as f:
+            if "\0" in f.read(1024):  # binary
+                return
+            f.seek(0)
+            for lineno, line in enumerate(f, 1):
+                if rx.search(line):
+                    yield lineno, line
+    except OSError:  # unreadable, or gone since the walk: skip it like the rest
+        return
+
+
+# ---------------------------------------------------------------- executing tool calls
+# The rule that keeps a loop alive: whatever goes wrong comes back as the tool result, in words.
+
+def execute_tool_call(call: Mapping[str, Any], impls: Mapping[str, Callable[..., Any]],
+                      max_result: int = MAX_RESULT) -> str:
+    """Run one OpenAI ``tool_calls`` entry against ``impls``; always returns text, never raises.
+
+    Arguments are bound to the signature before the call, so a TypeError from inside a tool is
+    reported as its failure, not as the model's bad arguments.
+    """
+    fn_block = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(fn_block, Mapping):
+        fn_block = {}
+    name = fn_block.get("name", "")
+    impl = impls.get(name) if isinstance(name, str) else None
+    if impl is None:
+        return f"[agent] unknown tool {name!r} — available: {', '.join(impls) or '(none)'}"
+    raw = fn_block.get("arguments")
+    if isinstance(raw, Mapping):  # some servers send the object already parsed
+        args: Any = dict(raw)
+    else:
+        try:
+            args = json.loads(raw or "{}")
+        except (json.JSONDecodeError, TypeError) as exc:
+            return f"[agent] arguments were not valid JSON ({exc}) — resend the call with corrected JSON"
+    if not isinstance(args, dict):
+        return "[agent] arguments must be a JSON object"
+    checked = True
+    try:
+        inspect.signature(impl).bind(**args)
+    except TypeError as exc:
+        return f"[agent] bad arguments for {name}: {exc}"
+    except ValueError:  # no signature to check against (some builtins): a TypeError will have to tell
+        checked = False
+    try:
+        out = impl(**args)
+    except ToolError as exc:
+        return f"[agent] {exc}"
+    except TypeError as exc:
+        if not checked:
+            return f"[agent] bad arguments for {name}: {exc}"
+        return f"[agent] {name} failed: {exc}"
+    except Exception as exc:  # OSError and anything else a tool lets out
+        return f"[agent] {name} failed: {exc}"
+    return truncate(out if isinstance(out, str) else str(out), max_result)
+
+
+# ---------------------------------------------------------------- schemas from callables
+
+_JSON_TYPES: dict[Any, str] = {
+    str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object",
+}
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_ARGS_HEADERS = {"args:", "arguments:", "parameters:", "params:"}
+_SECTION_RE = re.compile(r"^[A-Z][A-Za-z ]*:$")  # "Returns:", "Raises:", "Example:" ...
+
+
+def schema_for(name: str, fn: Callable[..., Any]) -> dict[str, Any]:
+    """An OpenAI function-tool schema for ``fn``, from its signature and docstring.
+
+    The description is the docstring up to its first section (``Args:``, ``Returns:`` ...);
+    parameter descriptions come from an ``Args:`` section of ``name: text`` lines. Types map
+    str/int/float/bool/list/dict (and their generic forms, and ``X | None``) to JSON types; anything
+    else gets no type. Required = parameters without a default. ``*args``/``**kwargs`` are left out;
+    positional-only parameters cannot be passed by name, so they are refused (ConfigError).
+    """
+    if not _NAME_RE.match(name):
+        raise ConfigError(f"tool name {name!r} must be 1-64 letters, digits, '_' or '-'")
+    try:
+        sig = _signature(fn)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"cannot read the signature of {name!r}: {exc}") from exc
+    description, param_docs = _parse_docstring(inspect.getdoc(fn) or "")
+    properties: dict[str, Any] = {}
+    required: list[str] = []
+    for param in sig.parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if param.kind is param.POSITIONAL_ONLY:
+            raise ConfigError(f"{name}: parameter {param.name!r} is positional-only; "
+                              "tool arguments are passed by name")
+        prop: dict[str, Any] = {}
+        json_type = _json_type(param.annotation)
+        if json_type:
+            prop["type"] = json_type
+        if param.name in param_docs:
+            prop["description"] = param_docs[param.name]
+        properties[param.name] = prop
+        if param.default is param.empty:
+            required.append(param.name)
+    function: dict[str, Any] = {"name": name}
+    if description:
+        function["description"] = description
+    function["parameters"] = {"type": "object", "properties": properties, "required": required}
+    return {"type": "function", "function": function}
+
+
+def _signature(fn: Callable[..., Any]) -> inspect.Signature:
+    """The signature with string annotations evaluated one by one; those that cannot be stay strings."""
+    sig = inspect.signature(fn)
+    scope = getattr(inspect.unwrap(fn), "__globals__", {})
+    params = []
+    for param in sig.parameters.values():
+        annotation = param.annotation
+        if isinstance(annotation, str):
+            try:
+                annotation = eval(annotation, scope)  # what inspect's eval_str does, per parameter
+            except Exception:  # a name only the function's body knows, or not an expression at all
+                pass
+        params.append(param.replace(annotation=annotation))
+    return sig.replace(parameters=params)
+
+
+def _json_type(annotation: Any) -> str | None:
+    """The JSON Schema type for a Python annotation, or None when there is no plain answer."""
+    if annotation is inspect.Parameter.empty:
+        return None
+    if isinstance(annotation, str):  # unevaluated: only the bare builtin names are certain
+        return {t.__name__: j for t, j in _JSON_TYPES.items()}.get(annotation.strip())
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _json_type(members[0]) if len(members) == 1 else None
+    return _JSON_TYPES.get(origin or annotation)
+
+
+def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
+    """(description, {parameter: description}) from a cleaned docstring.
+
+    In an ``Args:`` section an entry is a line at the section's own indent reading ``name: text``
+    (or ``name (type): text``); deeper lines continue it. Description lines of one paragraph are
+    joined with spaces, paragraphs kept apart by a blank line.
+    """
+    lines = doc.splitlines()
+    i = 0
+    while i < len(lines) and not _SECTION_RE.match(lines[i].strip()):
+        i += 1
+    description = _paragraphs(lines[:i])
+    params: dict[str, str] = {}
+    while i < len(lines):
+        header = lines[i].strip().lower()
+        i += 1
+        section: list[str] = []
+        while i < len(lines) and (not lines[i].strip() or lines[i][0].isspace()):
+            section.append(lines[i])
+            i += 1
+        if header in _ARGS_HEADERS:
+            params.update(_parse_args(section))
+    return description, params
+
+
+def _parse_args(section: list[str]) -> dict[str, str]:
+    entries = [line for line in section if line.strip()]
+    if not entries:
+        return {}
+    base = _indent(entries[0])
+    params: dict[str, str] = {}
+    current: str | None = None
+    for line in entries:
+        text = line.strip()
+        head, sep, rest = text.partition(":")
+        name = head.split("(")[0].strip()
+        if _indent(line) <= base and sep and name.isidentifier():
+            current = name
+            params[name] = rest.strip()
+        elif current is not None:
+            params[current] = f"{params[current]} {text}".strip()
+    return params
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def _paragraphs(lines: list[str]) -> str:
+    paragraphs: list[str] = []
+    current: list[str] = []
+    for line in [*lines, ""]:
+        if line.strip():
+            current.append(line.strip())
+        elif current:
+            paragraphs.append(" ".join(current))
+            current = []
+    return "\n\n".join(paragraphs)
