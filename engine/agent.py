@@ -165,7 +165,7 @@ class Agent:
                  functions: Mapping[str, Callable] | None = None, display: AgentDisplay | None = None,
                  depth: int = 0, max_depth: int = 3, name: str = "main", context: str = "",
                  max_messages: int = 200, handed: dict | None = None,
-                 chat_factory: Callable[..., Chat] | None = None) -> None:
+                 chat_factory: Callable[..., Chat] | None = None, protocol: str | None = None) -> None:
         self.engine = engine
         self.models = models
         self.model = model if isinstance(model, ModelConfig) else models.get(model)
@@ -180,6 +180,8 @@ class Agent:
                       if context else "")
         self._handed = dict(handed or {})
         self._chat_factory = chat_factory or Chat
+        self._protocol_override = protocol  # --protocol: applies to sub-agents too
+        self.protocol = protocol or self.model.protocol
         self.worker: Worker | None = None
         self.chat: Chat | None = None
         self.blocks: list[_CodeTask] = []
@@ -222,7 +224,7 @@ class Agent:
             model_alias=self.model.alias, model=self.model.model, available_models=self.models.describe(),
             python=env["python"], os=env["os"], cpu=env["cpu"], ram=env["ram"], packages=env["packages"],
             namespace_block=tags.describe_namespace(descriptions),
-            minimal=os.environ.get("AGENT_MINIMAL_SYSTEM") == "1")
+            minimal=os.environ.get("AGENT_MINIMAL_SYSTEM") == "1", guide=self.guide)
         self.chat = self._chat_factory(system, self.model, display=self.display, name=self.name,
                                        stop=STOP_SEQUENCES)
 
@@ -236,6 +238,9 @@ class Agent:
             await self.worker.close()
         if self.chat is not None:
             await self.chat.aclose()
+
+    #: The format guide at the top of the system prompt.
+    guide: str = tags.SYSTEM
 
     # -- the seed's loop -------------------------------------------------------------------------
     def on_heartbeat(self, report: str) -> None:
@@ -366,10 +371,11 @@ class Agent:
             config = self.models.get(model) if model else self.model
         except ConfigError as exc:
             raise AgentError(str(exc)) from exc
-        child = Agent(engine=self.engine, models=self.models, model=config, functions=functions,
-                      display=self.display, depth=self.depth + 1, max_depth=self.max_depth,
-                      name=self._unique_name(name or "sub"), context=context,
-                      max_messages=self.max_messages, handed=handed, chat_factory=self._chat_factory)
+        child = make_agent(engine=self.engine, models=self.models, model=config, functions=functions,
+                           display=self.display, depth=self.depth + 1, max_depth=self.max_depth,
+                           name=self._unique_name(name or "sub"), context=context,
+                           max_messages=self.max_messages, handed=handed, chat_factory=self._chat_factory,
+                           protocol=self._protocol_override)
         self.children[child.name] = child
         self.display.event("agent_started", name=child.name, parent=self.name, model=config.alias, task=task)
         child.start_task(task, heartbeat, self.on_heartbeat, supervisor=self)
@@ -534,10 +540,24 @@ def _task_text(task: asyncio.Task) -> str:
     return task.result()
 
 
+def make_agent(*, model: ModelConfig | str | None = None, models: ModelRegistry, protocol: str | None = None,
+               **kwargs: Any) -> Agent:
+    """An agent speaking ``protocol`` (default: its model's, from agentloop.toml; else tags)."""
+    config = model if isinstance(model, ModelConfig) else models.get(model)
+    chosen = protocol or config.protocol
+    if chosen == "tools":
+        from .tool_protocol import ToolAgent
+
+        return ToolAgent(model=config, models=models, protocol=protocol, **kwargs)
+    if chosen not in ("tags", None):
+        raise ConfigError(f"unknown protocol {chosen!r}: use 'tags' or 'tools'")
+    return Agent(model=config, models=models, protocol=protocol, **kwargs)
+
+
 async def run_task(task: str, *, models: ModelRegistry, model: str | None = None, engine: Engine | None = None,
                    functions: Mapping[str, Callable] | None = None, display: AgentDisplay | None = None,
                    max_messages: int = 200, timeout: float | None = None,
-                   chat_factory: Callable[..., Chat] | None = None) -> RunResult:
+                   chat_factory: Callable[..., Chat] | None = None, protocol: str | None = None) -> RunResult:
     """Run one task to its end and say how it went.  Never raises for the model's or the
     endpoint's failures: they are the result's ``status`` and ``error``."""
     started = time.monotonic()
@@ -549,8 +569,8 @@ async def run_task(task: str, *, models: ModelRegistry, model: str | None = None
     try:
         if own_engine:
             engine.open()
-        agent = Agent(engine=engine, models=models, model=model, functions=functions, display=display,
-                      max_messages=max_messages, chat_factory=chat_factory)
+        agent = make_agent(engine=engine, models=models, model=model, functions=functions, display=display,
+                           max_messages=max_messages, chat_factory=chat_factory, protocol=protocol)
         answer = await asyncio.wait_for(agent.run(task), timeout)
     except TimeoutError:
         status, error = "timed_out", f"no answer within {timeout:g} s"

@@ -164,6 +164,9 @@ def agent_options(f):
     f = click.option("--root", type=click.Path(file_okay=False, exists=True, path_type=Path), default=".",
                      help="Directory the repo tools may read (default: current directory).")(f)
     f = click.option("-q", "--quiet", is_flag=True, help="No live display on stderr.")(f)
+    f = click.option("--protocol", type=click.Choice(["tags", "tools"]), default=None,
+                     help="How the model acts: <run_code> tags (the default) or native tool calls; "
+                          "default: each model alias's `protocol` in agentloop.toml.")(f)
     return _sandbox_options(f)
 
 
@@ -212,8 +215,8 @@ _RUN_EXIT = {"answered": 0, "failed": 1, "timed_out": EXIT_TIMEOUT, "cancelled":
 @click.option("--timeout", type=Duration(), default=None, help="Wall-clock cap for the whole run.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object (answer, status, messages, tokens, cost, duration_s).")
-def run_cmd(task: str, model, models_file, max_messages, record, tools, root, quiet, sandbox, network,
-            workspace, timeout, as_json) -> None:
+def run_cmd(task: str, model, models_file, max_messages, record, tools, root, quiet, protocol, sandbox,
+            network, workspace, timeout, as_json) -> None:
     """Run TASK to its end: the final answer alone on stdout, the live display on stderr."""
     from .agent import run_task
 
@@ -229,7 +232,8 @@ def run_cmd(task: str, model, models_file, max_messages, record, tools, root, qu
     async def go():
         async with Engine(sandbox=policy, workspace=workspace) as engine:
             return await run_task(task, models=registry, model=model, engine=engine, functions=functions,
-                                  display=display, max_messages=max_messages, timeout=timeout)
+                                  display=display, max_messages=max_messages, timeout=timeout,
+                                  protocol=protocol)
 
     try:
         result = asyncio.run(go())

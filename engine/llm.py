@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import json
-import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
@@ -21,25 +20,14 @@ import httpx
 
 from engine.errors import ModelResponseError, ModelUnreachable
 from engine.models import ModelConfig
+from engine.tags import strip_think
 
-_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
 _RETRY_STATUS = {408, 429}
 _BODY_PREVIEW = 400
 
 
 class Display(Protocol):
     def event(self, type: str, **fields: Any) -> None: ...
-
-
-def strip_think(text: str) -> str:
-    """The reply without its reasoning: every ``<think>...</think>`` span is removed, and so is a
-    leading span closed by a ``</think>`` whose opening tag was part of the prompt template
-    (Qwen3-style).  Reasoning is for this turn only; the transcript keeps the conclusion."""
-    text = _THINK.sub("", text)
-    head, closed, tail = text.partition("</think>")
-    if closed and "<think>" not in head:
-        text = tail
-    return text.strip()
 
 
 class _Transient(Exception):

@@ -15,6 +15,7 @@ tools.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import os
@@ -258,13 +259,9 @@ def _matching_lines(full: str, rx: re.Pattern[str]) -> Iterator[tuple[int, str]]
 # ---------------------------------------------------------------- executing tool calls
 # The rule that keeps a loop alive: whatever goes wrong comes back as the tool result, in words.
 
-def execute_tool_call(call: Mapping[str, Any], impls: Mapping[str, Callable[..., Any]],
-                      max_result: int = MAX_RESULT) -> str:
-    """Run one OpenAI ``tool_calls`` entry against ``impls``; always returns text, never raises.
-
-    Arguments are bound to the signature before the call, so a TypeError from inside a tool is
-    reported as its failure, not as the model's bad arguments.
-    """
+def _prepare(call: Mapping[str, Any], impls: Mapping[str, Callable[..., Any]]
+             ) -> tuple[str, Callable[..., Any], dict, bool] | str:
+    """(name, impl, args, signature_checked) for a tool call, or the words for why it cannot run."""
     fn_block = call.get("function") if isinstance(call, Mapping) else None
     if not isinstance(fn_block, Mapping):
         fn_block = {}
@@ -289,16 +286,50 @@ def execute_tool_call(call: Mapping[str, Any], impls: Mapping[str, Callable[...,
         return f"[agent] bad arguments for {name}: {exc}"
     except ValueError:  # no signature to check against (some builtins): a TypeError will have to tell
         checked = False
+    return name, impl, args, checked
+
+
+def _failure(name: str, exc: Exception, checked: bool) -> str:
+    if isinstance(exc, ToolError):
+        return f"[agent] {exc}"
+    if isinstance(exc, TypeError) and not checked:
+        return f"[agent] bad arguments for {name}: {exc}"
+    return f"[agent] {name} failed: {exc}"  # OSError and anything else a tool lets out
+
+
+def execute_tool_call(call: Mapping[str, Any], impls: Mapping[str, Callable[..., Any]],
+                      max_result: int = MAX_RESULT) -> str:
+    """Run one OpenAI ``tool_calls`` entry against ``impls``; always returns text, never raises.
+
+    Arguments are bound to the signature before the call, so a TypeError from inside a tool is
+    reported as its failure, not as the model's bad arguments.
+    """
+    prepared = _prepare(call, impls)
+    if isinstance(prepared, str):
+        return prepared
+    name, impl, args, checked = prepared
     try:
         out = impl(**args)
-    except ToolError as exc:
-        return f"[agent] {exc}"
-    except TypeError as exc:
-        if not checked:
-            return f"[agent] bad arguments for {name}: {exc}"
-        return f"[agent] {name} failed: {exc}"
-    except Exception as exc:  # OSError and anything else a tool lets out
-        return f"[agent] {name} failed: {exc}"
+    except Exception as exc:  # noqa: BLE001 - never raise at the model
+        return _failure(name, exc, checked)
+    return truncate(out if isinstance(out, str) else str(out), max_result)
+
+
+async def execute_tool_call_async(call: Mapping[str, Any], impls: Mapping[str, Callable[..., Any]],
+                                  max_result: int = MAX_RESULT) -> str:
+    """``execute_tool_call`` for an event loop: coroutine functions are awaited, plain ones run
+    in a thread so a slow tool does not stall the loop."""
+    prepared = _prepare(call, impls)
+    if isinstance(prepared, str):
+        return prepared
+    name, impl, args, checked = prepared
+    try:
+        if inspect.iscoroutinefunction(impl):
+            out = await impl(**args)
+        else:
+            out = await asyncio.to_thread(impl, **args)
+    except Exception as exc:  # noqa: BLE001 - never raise at the model
+        return _failure(name, exc, checked)
     return truncate(out if isinstance(out, str) else str(out), max_result)
 
 

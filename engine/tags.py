@@ -308,14 +308,15 @@ Top-level installed packages: {packages}{namespace}"""
 
 
 def build_system(*, model_alias: str, model: str, available_models: str, python: str, os: str, cpu: int | None,
-                 ram: str, packages: Sequence[str], namespace_block: str, minimal: bool = False) -> str:
+                 ram: str, packages: Sequence[str], namespace_block: str, minimal: bool = False,
+                 guide: str | None = None) -> str:
     """The system prompt: the format guide (SYSTEM) then the filled ENVIRONMENT.
 
     `ram` is ``"12 GB available of 16 GB"`` or "" when unknown; `namespace_block` comes from
     describe_namespace. `minimal` (AGENT_MINIMAL_SYSTEM=1) drops the guide, for models fine-tuned to
-    know the format.
+    know the format. `guide` replaces SYSTEM (the tool-calling protocol has its own).
     """
-    intro = "" if minimal else SYSTEM + "\n"
+    intro = "" if minimal else (guide or SYSTEM) + "\n"
     return intro + ENVIRONMENT.format(
         model_alias=model_alias,
         model=model,
