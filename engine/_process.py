@@ -25,14 +25,35 @@ STDERR_TAIL = 4096
 
 
 class Process:
-    """A started worker process; ``stderr_tail`` holds the end of what it said on its own."""
+    """A started worker process; ``stderr_tail`` holds the end of what it said on its own.
+
+    Exit is watched through a pidfd, not ``asyncio.subprocess.Process.wait()``: on Python 3.11
+    that waits for the stderr pipe to close too, which a surviving grandchild can hold open.
+    """
 
     def __init__(self, proc: asyncio.subprocess.Process, pid_namespace: bool) -> None:
         self.proc = proc
         self.pid = proc.pid
         self.pid_namespace = pid_namespace
         self.stderr_tail = b""
-        self._stderr_task = asyncio.get_running_loop().create_task(self._read_stderr())
+        loop = asyncio.get_running_loop()
+        self._stderr_task = loop.create_task(self._read_stderr())
+        self._exited: asyncio.Future[None] = loop.create_future()
+        try:
+            self._pidfd: int | None = os.pidfd_open(self.pid)
+        except ProcessLookupError:
+            self._pidfd = None
+            self._exited.set_result(None)
+        else:
+            loop.add_reader(self._pidfd, self._on_exit)
+
+    def _on_exit(self) -> None:
+        if self._pidfd is not None:
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+        if not self._exited.done():
+            self._exited.set_result(None)
 
     async def _read_stderr(self) -> None:
         stream = self.proc.stderr
@@ -47,26 +68,42 @@ class Process:
         return self.proc.returncode
 
     async def wait(self) -> int:
-        return await self.proc.wait()
+        """The exit status, once the process has exited (its own children may live on)."""
+        await asyncio.shield(self._exited)
+        # The child watcher reaps it and records the status a moment later.
+        for _ in range(1000):
+            if self.proc.returncode is not None:
+                return self.proc.returncode
+            await asyncio.sleep(0.001)
+        return -signal.SIGKILL
 
     async def kill(self, timeout: float = 10.0) -> None:
         """SIGKILL the worker and every process it started; reap it.  Idempotent."""
         await asyncio.shield(self._kill(timeout))
 
     async def _kill(self, timeout: float) -> None:
-        if self.proc.returncode is None:
-            if self.pid_namespace:
-                _signal(self.pid, signal.SIGKILL)
-            else:
-                kill_tree(self.pid)
+        if self.pid_namespace:
+            # SIGKILL to the namespace's init (bubblewrap's inner process) takes every process
+            # of the namespace with it.  The outer one is killed too, and the inner one
+            # directly: it may not have armed its parent-death signal yet.
+            for pid in [*descendants(self.pid), self.pid]:
+                _signal(pid, signal.SIGKILL)
+        else:
+            kill_tree(self.pid)
         try:
-            await asyncio.wait_for(self.proc.wait(), timeout)
+            await asyncio.wait_for(self.wait(), timeout)
         except TimeoutError:
             log.error("worker %d did not exit %.0f s after SIGKILL", self.pid, timeout)
         if not self.pid_namespace:
             kill_tree(self.pid, include_root=False)  # stragglers reparented while we waited
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._stderr_task, 1.0)
+            await asyncio.wait_for(asyncio.shield(self._stderr_task), 0.2)
+        self._stderr_task.cancel()
+        self._on_exit()
+        # A descendant may still hold the stderr pipe open; don't leave the transport to the GC.
+        transport = getattr(self.proc, "_transport", None)
+        if transport is not None:
+            transport.close()
 
 
 async def spawn(argv: Sequence[str], *, env: dict[str, str], cwd: Path,

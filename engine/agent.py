@@ -327,14 +327,23 @@ class Agent:
                 message = self.next_message() + self.context_note()
             raise AgentError(f"Task unfinished after {max_messages or self.max_messages} messages")
         finally:
-            self.shutdown()
+            await self.settle()
 
     def shutdown(self) -> None:
+        """Cancel every running block and sub-agent (their results are not wanted any more)."""
         for block in self.blocks:
             block.task.cancel()
         for agent in self.sub_agents:
             if agent.task is not None and not agent.task.done():
                 agent.task.cancel()
+
+    async def settle(self) -> None:
+        """``shutdown()`` and wait until all of it has stopped; the next ``run()`` starts clean."""
+        self.shutdown()
+        tasks = [w.task for w in [*self.blocks, *self.sub_agents] if w.task is not None]
+        if tasks:
+            await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
+        self.blocks, self.sub_agents, self.inbox = [], [], []
 
     # -- sub-agents ------------------------------------------------------------------------------
     def _unique_name(self, base: str) -> str:

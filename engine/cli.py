@@ -89,7 +89,16 @@ class _LazyGroup(click.Group):
             module, attr = self.lazy[name].split(":")
             import importlib
 
-            return getattr(importlib.import_module(module), attr)
+            try:
+                return getattr(importlib.import_module(module), attr)
+            except ImportError as exc:  # an optional extra missing: say so, keep the rest working
+                why = f"{name} is unavailable: {exc}"
+
+                @click.command(name, help=f"({why})")
+                def unavailable() -> None:
+                    _fail(why)
+
+                return unavailable
         return super().get_command(ctx, name)
 
 
@@ -143,7 +152,7 @@ async def _exec(code: str, timeout: float, as_json: bool, policy: SandboxPolicy,
         stream.write(chunk.data)
         stream.flush()
 
-    async with Engine(sandbox=policy, workspace=workspace) as engine:
+    async with Engine(sandbox=policy, workspace=workspace, pool=0) as engine:  # one worker: no pool
         worker = await engine.start_worker("exec")
         for note in worker.notes:
             click.echo(f"agentloop: {note}", err=True)

@@ -18,12 +18,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import secrets
 import shutil
 import sys
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
@@ -32,8 +34,23 @@ import zmq.asyncio
 import worker as _worker_pkg
 
 from . import sandbox as _sandbox
-from .errors import ConfigError
+from ._session import Session
+from .errors import AgentloopError, ConfigError
 from .worker import Worker
+
+log = logging.getLogger("agentloop")
+
+
+@dataclass
+class Launch:
+    """Everything needed to start one worker process."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: Path
+    pid_namespace: bool
+    notes: list[str]
+
 
 #: Variables a worker inherits from the coordinator's environment, if set.  Everything else
 #: (API keys, cloud credentials, tokens) stays behind.
@@ -80,6 +97,8 @@ class Engine:
         env_allow: Iterable[str] = (),
         python: str | None = None,
         output_file_cap: int = 256 * 1024 * 1024,
+        pool: int = 1,
+        pool_idle: float = 60.0,
     ) -> None:
         if transport not in ("ipc", "tcp"):
             raise ConfigError(f"transport must be 'ipc' or 'tcp', not {transport!r}")
@@ -96,6 +115,11 @@ class Engine:
         self.env_allow = tuple(env_allow)
         self.python = python or sys.executable
         self.output_file_cap = output_file_cap
+        self.pool_size = max(0, pool)
+        self.pool_idle = pool_idle
+        self._pool: list[Session] = []
+        self._pool_filling: asyncio.Task | None = None
+        self._pool_shrink: asyncio.TimerHandle | None = None
         self.run_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
         self.run_dir = Path(state_dir or _state_home()) / "runs" / self.run_id
         self.output_dir = self.run_dir / "outputs"
@@ -126,7 +150,6 @@ class Engine:
             raise ConfigError(f"cannot create the run's directories: {exc}; "
                               "choose another --workspace or check permissions") from exc
         self._ctx = zmq.asyncio.Context()
-        self.notes = self._plan(self._sock_root).notes
 
     async def start_worker(self, name: str = "worker") -> Worker:
         """Start a worker and wait until it is ready to run code."""
@@ -143,7 +166,15 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        await asyncio.gather(*(w.close() for w in self.workers), return_exceptions=True)
+        if self._pool_filling is not None:
+            self._pool_filling.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._pool_filling
+        if self._pool_shrink is not None:
+            self._pool_shrink.cancel()
+        pooled, self._pool = self._pool, []
+        await asyncio.gather(*(w.close() for w in self.workers), *(s.kill() for s in pooled),
+                             return_exceptions=True)
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
         if self._sock_root is not None:
@@ -152,10 +183,53 @@ class Engine:
             self.output_dir.rmdir()  # only if no block needed a file
             self.run_dir.rmdir()
 
-    # -- used by Worker ------------------------------------------------------------------------
-    def _endpoint(self, index: int, generation: int) -> tuple[str, Path]:
+    # -- the warm pool ---------------------------------------------------------------------------
+    def _pool_take(self) -> Session | None:
+        """A started, handshaken idle worker process, if one is ready; refills in the background."""
+        session = None
+        while self._pool and session is None:
+            candidate = self._pool.pop(0)
+            if candidate.proc is not None and candidate.proc.returncode is None and not candidate.killing:
+                session = candidate
+        self.fill_pool()
+        return session
+
+    def fill_pool(self) -> None:
+        """Start idle workers in the background until ``pool_size`` are ready (no-op when full)."""
+        if self._closed or self.pool_size == 0 or self._ctx is None:
+            return
+        loop = asyncio.get_running_loop()
+        if self._pool_shrink is not None:
+            self._pool_shrink.cancel()
+        self._pool_shrink = loop.call_later(self.pool_idle, lambda: loop.create_task(self._shrink()))
+        if self._pool_filling is None or self._pool_filling.done():
+            self._pool_filling = loop.create_task(self._fill())
+
+    async def _fill(self) -> None:
+        while not self._closed and len(self._pool) < self.pool_size:
+            try:
+                session = await Session.start(self)
+            except AgentloopError as exc:
+                log.warning("could not start an idle worker for the pool: %s", exc)
+                return
+            if self._closed:
+                await session.kill()
+                return
+            self._pool.append(session)
+
+    async def _shrink(self) -> None:
+        """Unused for ``pool_idle`` seconds: give the idle workers' memory back."""
+        idle, self._pool = self._pool, []
+        await asyncio.gather(*(s.kill() for s in idle), return_exceptions=True)
+
+    def _pool_lost(self, session: Session) -> None:
+        if session in self._pool:
+            self._pool.remove(session)
+
+    # -- used by sessions ------------------------------------------------------------------------
+    def _endpoint(self, number: int) -> tuple[str, Path]:
         assert self._sock_root is not None
-        sock_dir = self._sock_root / f"w{index}.{generation}"
+        sock_dir = self._sock_root / f"w{number}"
         sock_dir.mkdir(mode=0o700)
         if self.transport == "tcp":
             return f"tcp://{self.tcp_bind}:*", sock_dir
@@ -172,21 +246,26 @@ class Engine:
         return _sandbox.plan(self.sandbox, socket_dir=sock_dir, workspace=self.workspace,
                              cwd=self.cwd, output_dir=self.output_dir, python=self.python)
 
-    def _env(self, token: str, confine: dict, pid_namespace: bool) -> dict[str, str]:
+    def _env(self, token: str, plan: _sandbox.LaunchPlan) -> dict[str, str]:
         env = {k: os.environ[k] for k in (*ENV_ALLOWLIST, *self.env_allow) if k in os.environ}
         env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
         env["HOME"] = str(self.workspace)
         env["TMPDIR"] = "/tmp"
+        env.update(plan.env)  # what the sandbox needs (a private TMPDIR without bubblewrap)
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         env["PYTHONPATH"] = str(Path(_worker_pkg.__file__).resolve().parent.parent)
         env["AGENTLOOP_TOKEN"] = token
-        if not pid_namespace:  # inside a PID namespace our parent is the namespace's init
+        if not plan.pid_namespace:  # inside a PID namespace our parent is the namespace's init
             env["AGENTLOOP_PARENT"] = str(os.getpid())
-        if confine:
-            env["AGENTLOOP_CONFINE"] = json.dumps(confine)
+        if plan.confine:
+            env["AGENTLOOP_CONFINE"] = json.dumps(plan.confine)
         return env
 
-    def _launch(self, endpoint: str, sock_dir: Path, token: str) -> tuple[list[str], dict, bool, list[str]]:
+    def _launch(self, endpoint: str, sock_dir: Path, token: str) -> Launch:
+        """How to start one worker process whose socket lives in ``sock_dir``."""
         plan = self._plan(sock_dir)
+        if endpoint.startswith("ipc://"):
+            plan.grant(Path(endpoint[len("ipc://"):]))
         argv = [*plan.argv_prefix, self.python, "-m", "worker", endpoint]
-        return argv, self._env(token, plan.confine, plan.pid_namespace), plan.pid_namespace, plan.notes
+        return Launch(argv, self._env(token, plan), Path(plan.cwd) if plan.cwd else self.cwd,
+                      plan.pid_namespace, plan.notes)

@@ -1,65 +1,481 @@
 """Sandbox policy (data) and the launch plan that applies it (a separate step).
 
-STUB: only the PID namespace part is implemented here; the full policy (filesystem view,
-network namespace, Landlock, seccomp, rlimits) is being built against this interface.
+A worker is confined by two cooperating halves:
+
+* outside, `plan()` builds a bubblewrap command line: a fresh mount namespace holding a
+  read-only system, the worker's Python, the current directory read-only, the run's output
+  directory read-only, the workspace and the worker's socket directory read-write, a private
+  size-capped /tmp; new PID, IPC, UTS, cgroup and (unless allowed) network namespaces;
+* inside, `worker._confine.apply(plan.confine)` sets resource limits, drops root to an
+  unprivileged uid, clears capabilities, sets no_new_privs, installs a Landlock ruleset and a
+  seccomp filter before any user code runs.
+
+Where bubblewrap is missing or user namespaces are refused, the inside half still runs and a
+note says what is lost.  Nothing is ever weakened silently: every missing layer is one line in
+`LaunchPlan.notes`, and a mode that requires a layer raises `SandboxError` when it is absent.
+
+Environment: bwrap passes on the environment it was started with, and the coordinator builds
+that from an allowlist.  `--clearenv`/`--setenv` are not used because their values would sit in
+bwrap's command line, which every local user can read in /proc; `LaunchPlan.env` lists the few
+variables the sandbox needs on top (HOME, TMPDIR).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
+import zlib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from engine.errors import ConfigError, SandboxError
+from worker import _confine
+
 GiB = 1024**3
+MiB = 1024**2
+
+MODES = ("auto", "bwrap", "landlock", "none")
+
+_INSTALL_HINT = "Install it: apt-get install bubblewrap"
+_FALLBACK = "running with Landlock+seccomp+rlimits only (no PID/network namespace, no private /tmp)"
+
+# The few host files under /etc that Python, the dynamic linker and name resolution read.
+_ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "passwd", "group", "hosts",
+        "host.conf", "gai.conf", "resolv.conf", "localtime", "timezone", "ssl", "ca-certificates",
+        "ca-certificates.conf", "pki", "crypto-policies", "mime.types", "alternatives", "os-release")
+_TOP = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # merged-/usr symlinks or dirs
+_DEV_FILES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+_CPU_INFO = "/sys/devices/system/cpu"  # read by os.cpu_count() and BLAS thread pools
+
+# Root workers switch to a uid in this range, derived from the workspace (see `_worker_uid`).
+_UID_BASE, _UID_SPAN = 2_000_000_000, 100_000_000
+
+_AF_UNIX, _AF_INET, _AF_NETLINK, _AF_INET6 = 1, 2, 16, 10
 
 
 @dataclass(frozen=True)
 class SandboxPolicy:
-    """What a worker may do. Pure data: `plan()` turns it into a launch."""
+    """What a worker may do. Pure data: `plan()` turns it into a launch.
 
-    mode: str = "auto"  # "auto": strongest available; "bwrap": require it; "none": unsandboxed
+    mode: "auto" strongest available, with a note for every missing layer; "bwrap" require
+    bubblewrap; "landlock" never use bubblewrap (Landlock+seccomp+rlimits, Landlock required);
+    "none" unsandboxed."""
+
+    mode: str = "auto"
     network: bool = False
-    memory_bytes: int = 2 * GiB
-    cpu_seconds: int | None = None
-    max_processes: int = 256
-    max_open_files: int = 1024
-    max_file_bytes: int = 1 * GiB
-    tmp_bytes: int = 512 * 1024**2
+    memory_bytes: int = 2 * GiB          # RLIMIT_DATA, per process
+    cpu_seconds: int | None = None       # RLIMIT_CPU, per process
+    max_processes: int = 256             # RLIMIT_NPROC (threads count too), see `_nproc`
+    max_open_files: int = 1024           # RLIMIT_NOFILE
+    max_file_bytes: int = 1 * GiB        # RLIMIT_FSIZE: largest file the worker can write
+    tmp_bytes: int = 512 * MiB           # size of the private /tmp (and, separately, /dev/shm)
+    workspace_bytes: int | None = 8 * GiB  # checked by the coordinator: `workspace_excess`
+    worker_uid: int | None = None        # root only: the uid workers run as; None derives one
 
 
 @dataclass
 class LaunchPlan:
     """How to start one worker: argv prefix, whether the kill can rely on a PID namespace,
-    the spec the worker applies to itself before user code (JSON-able), one-line notes."""
+    the spec the worker applies to itself before user code (JSON-able), one-line notes.
+
+    `env` holds variables to add to the worker's environment, `cwd` the directory to start it
+    in, `uid` the uid the worker switches to (root only; see `grant`)."""
 
     argv_prefix: list[str]
     pid_namespace: bool
     confine: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    uid: int | None = None
+
+    def grant(self, path: Path) -> None:
+        """Give the worker's uid ownership of `path` (its socket, once bound).  A unix socket
+        can only be connected to by a uid with write permission on it; no-op unless the worker
+        switches uid."""
+        if self.uid is not None:
+            os.chown(path, self.uid, self.uid)
+
+
+# ---------------------------------------------------------------------------------------------
+# What this host offers
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class HostSupport:
+    """The sandbox layers this machine supports for the current user (probed once)."""
+
+    root: bool
+    bwrap: str | None          # path of a bwrap that can build our namespaces
+    bwrap_problem: str         # why not, when bwrap is None
+    landlock_abi: int          # 0: unavailable
+    seccomp: bool
+
+
+def _bwrap_flags(root: bool, network: bool) -> list[str]:
+    flags = ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+    if not network:
+        flags.append("--unshare-net")
+    if root:
+        # Real root needs no user namespace; keep only what apply() needs to switch uid and
+        # empty the bounding set, and the one capability the worker keeps (see `_root_worker`).
+        flags += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
+                  "--cap-add", "CAP_SETPCAP", "--cap-add", "CAP_DAC_READ_SEARCH"]
+    else:
+        # Unprivileged: a user namespace, and no further ones inside it.
+        flags += ["--unshare-user", "--disable-userns"]
+    return flags + ["--die-with-parent", "--new-session"]
 
 
 @lru_cache(maxsize=1)
-def _bwrap_works() -> str | None:
+def host_support() -> HostSupport:
+    """Probe bubblewrap (by running it with the namespaces we use), Landlock and seccomp."""
+    root = os.geteuid() == 0
     exe = shutil.which("bwrap")
-    if not exe:
-        return None
+    problem = ""
+    if exe is None:
+        problem = "bubblewrap not found"
+    else:
+        true = shutil.which("true") or "/bin/true"
+        argv = [exe, *_bwrap_flags(root, network=False), "--ro-bind", "/", "/", "--proc", "/proc",
+                "--dev", "/dev", "--", true]
+        try:
+            done = subprocess.run(argv, capture_output=True, timeout=30, stdin=subprocess.DEVNULL)
+            if done.returncode != 0:
+                err = done.stderr.decode(errors="replace").strip().splitlines()
+                problem = "bubblewrap cannot create namespaces here" + (f" ({err[-1]})" if err else "")
+                exe = None
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            problem, exe = f"bubblewrap failed to run ({exc})", None
+    return HostSupport(root, exe, problem, _confine.landlock_abi(), _confine.seccomp_supported())
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker's Python
+# ---------------------------------------------------------------------------------------------
+
+@lru_cache(maxsize=8)
+def python_paths(python: str) -> tuple[str, ...]:
+    """Directories the interpreter `python` needs read-only: its prefixes and every sys.path
+    entry it starts with (site-packages, editable installs, PYTHONPATH), plus this project's
+    packages.  Asked of the interpreter itself (once), not taken from ours: the coordinator's
+    own sys.path[0] may be any directory, a home among them."""
+    code = ("import sys, json; print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix,"
+            " sys.base_exec_prefix, *sys.path[1:]]))")
     try:
-        ok = subprocess.run([exe, "--unshare-pid", "--dev-bind", "/", "/", "true"],
-                            capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return exe if ok else None
+        out = subprocess.run([python, "-c", code], capture_output=True, timeout=60, cwd="/",
+                             stdin=subprocess.DEVNULL, check=True).stdout
+        info = json.loads(out)
+    except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        raise SandboxError(f"cannot start the worker's python {python}: {exc}") from exc
+    # The worker imports `worker` (and may import `engine`) from wherever this project lives;
+    # an editable install maps them to the source tree without a sys.path entry.
+    info += [str(Path(_confine.__file__).resolve().parent), str(Path(__file__).resolve().parent)]
+    paths = [os.path.normpath(p) for p in info
+             if p and os.path.isabs(p) and os.path.exists(p) and os.path.normpath(p) != "/"]
+    return _outermost(paths)
+
+
+def _outermost(paths: list[str]) -> tuple[str, ...]:
+    """Drop paths that lie beneath another path of the list."""
+    out: list[str] = []
+    for p in sorted(set(paths), key=lambda s: (s.count("/"), s)):
+        if not any(_beneath(p, q) for q in out):
+            out.append(p)
+    return tuple(out)
+
+
+def _beneath(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+# ---------------------------------------------------------------------------------------------
+# Plan
+# ---------------------------------------------------------------------------------------------
+
+def _system_paths() -> tuple[list[str], list[tuple[str, str]]]:
+    """(read-only directories/files, symlinks to recreate) that make up the system view."""
+    ro = ["/usr"]
+    links = []
+    for top in _TOP:
+        if os.path.islink(top):
+            links.append((os.readlink(top), top))
+        elif os.path.isdir(top):
+            ro.append(top)
+    ro += [f"/etc/{name}" for name in _ETC if os.path.lexists(f"/etc/{name}")]
+    if os.path.isdir(_CPU_INFO):
+        ro.append(_CPU_INFO)
+    return ro, links
+
+
+def _shareable_cwd(cwd: Path) -> tuple[bool, str]:
+    """The current directory is shared read-only unless doing so would expose a home
+    directory wholesale (cwd is /, a home, or above one)."""
+    home = os.path.realpath(os.path.expanduser("~"))
+    c = str(cwd)
+    if not cwd.is_dir():
+        return False, f"sandbox: the current directory {c} does not exist; the worker starts in its workspace"
+    if c == "/" or _beneath(home, c) or (os.path.dirname(c) in ("/home", "/Users")):
+        return False, (f"sandbox: the current directory {c} is not shared with the worker "
+                       "(it would expose a home directory); run from a project directory")
+    return True, ""
+
+
+def _worker_uid(policy: SandboxPolicy, workspace: Path) -> int:
+    # One uid per workspace: workers of one run share it (and its process budget), other runs
+    # almost surely get another, so ordinary file permissions separate them too.
+    if policy.worker_uid is not None:
+        return policy.worker_uid
+    return _UID_BASE + zlib.crc32(str(workspace).encode()) % _UID_SPAN
+
+
+def root_blocker(python: str, cwd: Path | None) -> str | None:
+    """For root without bubblewrap: the first path the worker needs that an unprivileged uid
+    could not read (so the worker must keep uid 0), or None when it can switch uid."""
+    needed = [*python_paths(python), *([str(cwd)] if cwd is not None else [])]
+    return next((p for p in needed if not _readable_by_others(p)), None)
+
+
+def _readable_by_others(path: str) -> bool:
+    """Whether an unrelated uid can reach `path`: every ancestor searchable, the path itself
+    readable (and searchable if a directory)."""
+    p = Path(path)
+    for anc in reversed(p.parents):
+        if not os.stat(anc).st_mode & 0o001:
+            return False
+    mode = os.stat(p).st_mode
+    return bool(mode & 0o004) and (not p.is_dir() or bool(mode & 0o001))
+
+
+def _tasks_of(uid: int) -> int:
+    """Tasks (threads included) the kernel counts against RLIMIT_NPROC for `uid` right now."""
+    n = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/status") as f:
+                status = f.read()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if int(fields.get("Uid", "-1").split()[0]) == uid:
+            n += int(fields.get("Threads", "1"))
+    return n
 
 
 def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
          output_dir: Path, python: str) -> LaunchPlan:
-    """The launch plan for one worker under `policy` on this machine."""
+    """The launch plan for one worker under `policy` on this machine.
+
+    Side effects: creates `workspace`, `socket_dir` and `output_dir` if missing; when the
+    coordinator is root, gives the workspace and socket directories (not their contents) to the
+    worker's uid.  Raises SandboxError when the policy's mode requires a layer this host lacks."""
+    if policy.mode not in MODES:
+        raise ConfigError(f"sandbox mode {policy.mode!r} is not one of {', '.join(MODES)}")
     if policy.mode == "none":
         return LaunchPlan([], False, {}, ["sandbox: none — worker code runs with your privileges"])
-    exe = _bwrap_works()
-    if exe is None:
-        return LaunchPlan([], False, {}, ["sandbox: bubblewrap unavailable — process-group kill only"])
-    return LaunchPlan([exe, "--dev-bind", "/", "/", "--proc", "/proc", "--unshare-pid",
-                       "--die-with-parent", "--"], True, {}, [])
+
+    workspace, socket_dir, output_dir, cwd = (Path(os.path.realpath(p))
+                                              for p in (workspace, socket_dir, output_dir, cwd))
+    for d in (workspace, socket_dir, output_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    host = host_support()
+    notes: list[str] = []
+
+    use_bwrap = policy.mode in ("auto", "bwrap") and host.bwrap is not None
+    if policy.mode == "bwrap" and not use_bwrap:
+        raise SandboxError(f"sandbox mode 'bwrap': {host.bwrap_problem}. {_INSTALL_HINT}")
+    if policy.mode == "landlock":
+        if host.landlock_abi < 1:
+            raise SandboxError("sandbox mode 'landlock': Landlock is not available on this kernel "
+                               "(needs Linux 5.13+ with landlock in the lsm= list)")
+        notes.append(f"sandbox: bubblewrap not used (mode landlock) — {_FALLBACK}")
+    elif not use_bwrap:
+        hint = f" {_INSTALL_HINT}" if host.bwrap_problem == "bubblewrap not found" else ""
+        notes.append(f"sandbox: {host.bwrap_problem} — {_FALLBACK}.{hint}")
+
+    share_cwd, why = _shareable_cwd(cwd)
+    if not share_cwd:
+        notes.append(why)
+    start_dir = str(cwd) if share_cwd else str(workspace)
+    sys_ro, links = _system_paths()
+    py_ro = list(python_paths(python))
+    tmp = "/tmp" if use_bwrap else str(workspace / ".tmp")
+    if not use_bwrap:
+        Path(tmp).mkdir(exist_ok=True)
+
+    uid, keep_caps = None, []
+    if host.root:
+        uid, keep_caps, note = _root_worker(policy, host, use_bwrap, python, cwd if share_cwd else None,
+                                            output_dir, workspace, socket_dir)
+        if note:
+            notes.append(note)
+        if uid is not None:
+            for d in (workspace, socket_dir, *([Path(tmp)] if not use_bwrap else [])):
+                os.chown(d, uid, uid)
+            for entry in socket_dir.iterdir():  # the socket, when bound before planning
+                os.chown(entry, uid, uid, follow_symlinks=False)
+
+    confine: dict = {"rlimits": _rlimits(policy, host, use_bwrap, uid), "drop_caps": True,
+                     "no_new_privs": True}
+    if uid is not None:
+        confine["uid"] = [uid, uid]
+        confine["keep_caps"] = keep_caps
+
+    rw = [str(workspace), str(socket_dir)] + (["/tmp", "/dev/shm"] if use_bwrap else [])
+    if host.landlock_abi >= 1:
+        if use_bwrap:
+            # The mount namespace already shows only what may be seen: read all of it.
+            ro, dev = ["/"], [*_DEV_FILES, "/dev/pts"]
+        else:
+            ro = sys_ro + py_ro + ([str(cwd)] if share_cwd else []) + [str(output_dir)]
+            dev = list(_DEV_FILES)
+        confine["landlock"] = {"ro": ro, "rw": rw, "dev": dev, "scope": True,
+                               "deny_tcp": not use_bwrap and not policy.network}
+    elif not use_bwrap:
+        notes.append("sandbox: Landlock is unavailable on this kernel and bubblewrap is not used "
+                     "— the worker can read and write whatever its user can")
+    else:
+        notes.append("sandbox: Landlock is unavailable on this kernel — files are confined by "
+                     "the mount namespace alone")
+
+    if host.seccomp:
+        families = [_AF_UNIX, _AF_NETLINK]
+        if use_bwrap or policy.network:
+            families += [_AF_INET, _AF_INET6]  # in a network namespace: its own loopback only
+        # Without a PID namespace the coordinator kills the process group: keep everyone in it.
+        confine["seccomp"] = {"socket_families": families, "lock_session": not use_bwrap}
+    else:
+        notes.append("sandbox: seccomp filters are unavailable here (kernel or architecture) — "
+                     "dangerous system calls are not filtered")
+        if not use_bwrap and not policy.network:
+            notes.append("sandbox: without seccomp or a network namespace the worker has network access")
+
+    env = {"HOME": tmp, "TMPDIR": tmp}
+    if not use_bwrap:
+        return LaunchPlan([], False, confine, notes, env, start_dir, uid)
+
+    argv = [host.bwrap, *_bwrap_flags(host.root, policy.network), "--hostname", "agentloop"]
+    made = {"/", "/tmp", "/dev", "/proc"}
+    for path in _outermost(sys_ro + py_ro):
+        argv += [*_parents(path, made), "--ro-bind", path, path]
+    for target, link in links:
+        argv += ["--symlink", target, link]
+    size = str(policy.tmp_bytes)
+    argv += ["--proc", "/proc", "--dev", "/dev",
+             "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm",
+             "--perms", "1777", "--size", size, "--tmpfs", "/tmp"]
+    # Host directories last, shallowest first, so a deeper (more specific) bind wins and none
+    # is hidden by the /tmp tmpfs.
+    binds = [("--bind", workspace), ("--bind", socket_dir), ("--ro-bind", output_dir)]
+    if share_cwd and not _beneath(str(cwd), str(workspace)):  # else visible, writable, as workspace
+        binds.append(("--ro-bind", cwd))
+    for kind, path in sorted(binds, key=lambda b: (len(b[1].parts), b[0] == "--bind")):
+        argv += [*_parents(str(path), made), kind, str(path), str(path)]
+    # The root and /dev are tmpfs that bwrap builds; nothing may be written to them.
+    argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", start_dir, "--"]
+    return LaunchPlan(argv, True, confine, notes, env, start_dir, uid)
+
+
+def _root_worker(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, python: str,
+                 cwd: Path | None, output_dir: Path, workspace: Path,
+                 socket_dir: Path) -> tuple[int | None, list[str], str]:
+    """(uid, capabilities kept, note) for a worker started by root.
+
+    Root is exempt from RLIMIT_NPROC, so the worker switches to a uid of its own.  That uid
+    keeps CAP_DAC_READ_SEARCH (ambient, inherited by what it runs): the directories it is shown
+    may be private to root (a 0700 project, the python under /root), and reading them is the
+    point.  What it is shown is decided by the mount namespace and Landlock, and
+    open_by_handle_at, the classic abuse of that capability, is refused by seccomp.  Without
+    either view-limiting layer the capability would expose the host, so it is not kept, and the
+    uid switch happens only where the needed paths are readable by anyone."""
+    uid = _worker_uid(policy, workspace)
+    if use_bwrap or host.landlock_abi >= 1:
+        return uid, ["DAC_READ_SEARCH"], ""
+    blocked = root_blocker(python, cwd)
+    if blocked is None and not _readable_by_others(str(output_dir)):
+        blocked = str(output_dir)
+    for d in (workspace, socket_dir):  # handed to the uid, but reachable through their parents?
+        if blocked is None and not all(os.stat(a).st_mode & 0o001 for a in d.parents):
+            blocked = f"a parent of {d}"
+    if blocked is None:
+        return uid, [], ""
+    return None, [], (f"sandbox: running as root without bubblewrap or Landlock and {blocked} is "
+                      "not readable by an unprivileged user — the worker keeps uid 0 (without "
+                      "capabilities) and its process count is not bounded")
+
+
+def _parents(path: str, made: set[str]) -> list[str]:
+    """bwrap options creating the missing ancestors of a bind target as mode 0755: bwrap would
+    make them 0700, which the worker's uid could not traverse (/root/.pyenv/... for one)."""
+    out: list[str] = []
+    for anc in reversed(Path(path).parents):
+        a = str(anc)
+        if a not in made:
+            made.add(a)
+            out += ["--perms", "0755", "--dir", a]
+    made.add(path)
+    return out
+
+
+def _rlimits(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid: int | None) -> dict:
+    """Resource limits as [soft, hard] by name.
+
+    Memory is RLIMIT_DATA, not RLIMIT_AS: glibc reserves 64 MiB of address space per malloc
+    arena and threads multiply arenas, so an address-space cap fails multi-threaded Python long
+    before it uses the memory; RLIMIT_DATA counts only writable private memory."""
+    limits: dict[str, list[int]] = {
+        "DATA": [policy.memory_bytes] * 2,
+        "NOFILE": [policy.max_open_files] * 2,
+        "FSIZE": [policy.max_file_bytes] * 2,
+        "CORE": [0, 0],  # a core dump would write the worker's memory into its cwd
+    }
+    if policy.cpu_seconds is not None:
+        limits["CPU"] = [policy.cpu_seconds, policy.cpu_seconds + 1]  # SIGXCPU, then SIGKILL
+    nproc = _nproc(policy, host, use_bwrap, uid)
+    if nproc is not None:
+        limits["NPROC"] = [nproc, nproc]
+    return limits
+
+
+def _nproc(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid: int | None) -> int | None:
+    # RLIMIT_NPROC compares the count of tasks of the *real uid* with the limit, and uid 0 is
+    # exempt.  So:
+    # - non-root under bwrap: the user namespace has its own count (Linux 5.14+ ucounts), so
+    #   the limit is the sandbox's own budget;
+    # - root: the worker switches to a uid of its own (`_worker_uid`), whose count holds only
+    #   the workers of that workspace; where it cannot switch, nothing bounds it (a note says so);
+    # - non-root without bwrap: the count is every task of the user on the host, so the budget
+    #   is added to what the user runs now.
+    if host.root:
+        return policy.max_processes if uid is not None else None
+    if use_bwrap:
+        return policy.max_processes
+    return _tasks_of(os.getuid()) + policy.max_processes
+
+
+def workspace_excess(policy: SandboxPolicy, workspace: Path) -> str | None:
+    """Words for the model when the workspace holds more than `policy.workspace_bytes`, else
+    None.  A bind-mounted directory cannot be size-capped without filesystem quotas, so the
+    coordinator calls this between blocks; RLIMIT_FSIZE bounds each file meanwhile."""
+    if policy.workspace_bytes is None:
+        return None
+    used, stack = 0, [str(workspace)]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for e in it:
+                    st = e.stat(follow_symlinks=False)
+                    used += st.st_blocks * 512
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(e.path)
+        except OSError:
+            continue
+    if used <= policy.workspace_bytes:
+        return None
+    return (f"the workspace holds {used / MiB:.0f} MiB, over its {policy.workspace_bytes / MiB:.0f} MiB "
+            "limit: delete files before writing more")

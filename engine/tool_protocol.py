@@ -153,7 +153,7 @@ class ToolAgent(Agent):
             raise AgentError(f"stopped after {limit} tool rounds without a final answer — ask a narrower "
                              "question or raise --max-messages")
         finally:
-            self.shutdown()
+            await self.settle()
 
     async def _answer_calls(self, calls: list[dict]) -> list[tuple[str, str]]:
         """Start every call, wait for the first event if something runs, then answer each."""

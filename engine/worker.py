@@ -16,20 +16,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import hmac
 import itertools
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-import zmq
-import zmq.asyncio
-
 from worker import wire
 
-from ._process import Process, spawn
+from ._session import Session
 from .errors import WorkerClosed, WorkerError, WorkerStartError
 from .output import OutputSink
 from .results import BlockResult, OutputChunk, describe_exit
@@ -78,22 +73,6 @@ class _Block:
             duration_s=time.monotonic() - self.started, error=error, message=message, **extra))
 
 
-class _Session:
-    """One process generation of a worker: its socket, process and reader."""
-
-    def __init__(self, sock: zmq.asyncio.Socket, token: str, sock_dir) -> None:
-        self.sock = sock
-        self.token = token
-        self.sock_dir = sock_dir
-        self.peer: bytes | None = None
-        self.hello: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
-        self.proc: Process | None = None
-        self.reader: asyncio.Task | None = None
-        self.watcher: asyncio.Task | None = None
-        self.killing = False
-        self.dropped = 0
-
-
 class Worker:
     """A persistent namespace in a sandboxed process; blocks run in it concurrently."""
 
@@ -113,7 +92,7 @@ class Worker:
         self._requests: dict[int, asyncio.Future] = {}
         self._request_ids = itertools.count(1)
         self._call_tasks: set[asyncio.Task] = set()
-        self._session: _Session | None = None
+        self._session: Session | None = None
         self._blocks: dict[str, _Block] = {}
         self._lock = asyncio.Lock()
         self._block_ids = itertools.count(1)
@@ -144,58 +123,19 @@ class Worker:
     async def _start_locked(self) -> None:
         self.generation += 1
         self.state = WorkerState.STARTING
-        engine = self.engine
-        endpoint, sock_dir = engine._endpoint(self.index, self.generation)
-        sock = engine._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME)
-        sock.setsockopt(zmq.RCVHWM, 64)
-        sock.bind(endpoint)
-        endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        if engine.connect_host and endpoint.startswith("tcp://"):
-            endpoint = f"tcp://{engine.connect_host}:{endpoint.rsplit(':', 1)[1]}"
-        session = _Session(sock, secrets.token_hex(16), sock_dir)
+        session = self.engine._pool_take()
+        if session is None:
+            try:
+                session = await Session.start(self.engine)
+            except WorkerStartError as exc:
+                self.state = WorkerState.DEAD
+                raise WorkerStartError(f"worker {self.name!r}: {exc}") from exc
+        session.owner = self
         self._session = session
-        session.reader = asyncio.get_running_loop().create_task(self._read_loop(session))
-        argv, env, pid_ns, notes = engine._launch(endpoint, sock_dir, session.token)
-        self.notes = notes
-        try:
-            session.proc = await spawn(argv, env=env, cwd=engine.cwd, pid_namespace=pid_ns)
-        except OSError as exc:
-            await self._discard(session)
-            self.state = WorkerState.DEAD
-            raise WorkerStartError(f"could not start a worker ({argv[0]}): {exc}") from exc
-        exited = asyncio.ensure_future(session.proc.wait())
-        try:
-            done, _ = await asyncio.wait({session.hello, exited}, timeout=engine.start_timeout,
-                                         return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            exited.cancel()
-        if session.hello not in done or session.hello.exception():
-            await session.proc.kill()
-            await self._discard(session)
-            self.state = WorkerState.DEAD
-            said = session.proc.stderr_tail.decode("utf-8", "replace").strip()
-            if session.hello.done() and session.hello.exception():
-                reason = str(session.hello.exception())
-            elif session.proc.returncode is not None:
-                reason = describe_exit(session.proc.returncode, via_namespace=pid_ns)[0]
-            else:
-                reason = f"no handshake within {engine.start_timeout:.0f} s"
-            raise WorkerStartError(f"worker {self.name!r} failed to start: {reason}"
-                                   + (f"\n{said}" if said else ""))
-        session.watcher = asyncio.get_running_loop().create_task(self._watch(session))
+        self.notes = session.notes
         self.state = WorkerState.READY
 
-    async def _discard(self, session: _Session) -> None:
-        if session.reader:
-            session.reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await session.reader
-        session.sock.close(linger=0)
-        self.engine._release_endpoint(session.sock_dir)
-
-    async def _ensure_ready(self) -> _Session:
+    async def _ensure_ready(self) -> Session:
         if self.state is WorkerState.CLOSED:
             raise WorkerClosed(f"worker {self.name!r} is closed; start a new one")
         if self._restarting is not None:
@@ -219,10 +159,9 @@ class Worker:
             if self.state is WorkerState.CLOSED:
                 return
             session = self._session
-            if session and session.proc and session.proc.returncode is None and session.peer:
-                with contextlib.suppress(Exception):
-                    await session.sock.send_multipart([session.peer, wire.encode({"t": "shutdown"})])
-                    await asyncio.wait_for(asyncio.shield(session.proc.wait()), 2.0)
+            if session is not None:
+                session.killing = True
+                await session.shutdown()
             await self._kill_locked("worker closed", status="cancelled")
             self.state = WorkerState.CLOSED
 
@@ -232,13 +171,8 @@ class Worker:
         session = self._session
         if session is None:
             return
-        session.killing = True
         lost = list(self.vars)
-        if session.proc is not None:
-            await session.proc.kill()
-        if session.watcher:
-            session.watcher.cancel()
-        await self._discard(session)
+        await session.kill()
         self._session = None
         self.vars = []
         if self.state is not WorkerState.CLOSED:
@@ -252,20 +186,15 @@ class Worker:
                 block.finish(status, message=f"{why}; {reset}", worker_killed=True, lost_vars=lost)
         self._blocks.clear()
 
-    async def _watch(self, session: _Session) -> None:
-        """Notice a process that dies on its own: end its blocks with the cause, clean up."""
-        assert session.proc is not None
-        rc = await session.proc.wait()
-        if session.killing:
-            return
+    async def _on_exit(self, session: Session, rc: int) -> None:
+        """A process that died on its own: end its blocks with the cause, clean up."""
         async with self._lock:
             if self._session is not session or session.killing:
                 return
+            assert session.proc is not None
             words, sig = describe_exit(rc, via_namespace=session.proc.pid_namespace)
             lost = list(self.vars)
-            session.killing = True
-            await session.proc.kill()  # reap anything it left behind
-            await self._discard(session)
+            await session.kill()  # reap anything it left behind
             self._session = None
             self.vars = []
             self.state = WorkerState.DEAD
@@ -275,67 +204,18 @@ class Worker:
             self._blocks.clear()
             log.info("worker %s: %s", self.name, words)
 
-    # -- receiving --------------------------------------------------------------------------
-    def _drop(self, session: _Session, why: str) -> None:
-        session.dropped += 1
-        if session.dropped <= 10 or session.dropped % 1000 == 0:
-            log.warning("worker %s: dropped a frame (%s); %d so far", self.name, why, session.dropped)
-
-    async def _read_loop(self, session: _Session) -> None:
-        sock = session.sock
-        while True:
-            try:
-                parts = await sock.recv_multipart(copy=True)
-            except (zmq.ZMQError, asyncio.CancelledError):
-                return
-            if len(parts) != 2:
-                self._drop(session, "not a [peer, payload] frame")
-                continue
-            ident, frame = parts
-            try:
-                msg = wire.decode(frame)
-            except wire.WireError as exc:
-                self._drop(session, str(exc))
-                continue
-            if session.peer is None:
-                self._handshake(session, ident, msg)
-            elif ident != session.peer:
-                self._drop(session, "sender is not this worker")
-            else:
-                try:
-                    await self._dispatch(session, msg)
-                except Exception as exc:  # noqa: BLE001 - a hostile message must not kill the reader
-                    self._drop(session, f"bad {msg.get('t')!r} message: {exc!r}")
-
-    def _handshake(self, session: _Session, ident: bytes, msg: dict) -> None:
-        token = msg.get("token")
-        if msg.get("t") != "hello" or not isinstance(token, str) or \
-                not hmac.compare_digest(token.encode(), session.token.encode()):
-            self._drop(session, "not a valid hello")
-            return
-        if msg.get("v") != wire.PROTOCOL_VERSION:
-            if not session.hello.done():
-                session.hello.set_exception(WorkerStartError(
-                    f"worker speaks protocol {msg.get('v')!r}, coordinator {wire.PROTOCOL_VERSION}: "
-                    "reinstall agentloop so both sides match"))
-            return
-        session.peer = ident
-        session.sock.send_multipart([ident, wire.encode({"t": "welcome", "v": wire.PROTOCOL_VERSION})])
-        if not session.hello.done():
-            session.hello.set_result(msg)
-
-    async def _dispatch(self, session: _Session, msg: dict) -> None:
+    async def _dispatch(self, session: Session, msg: dict) -> None:
         kind = msg["t"]
         if kind == "out":
             block = self._blocks.get(msg.get("id"))  # type: ignore[arg-type]
             chunks = msg.get("o")
             if block is None or not isinstance(chunks, list):
-                self._drop(session, "output for no running block")
+                session.drop("output for no running block")
                 return
             for item in chunks:
                 if not (isinstance(item, list) and len(item) == 2 and item[0] in _STREAMS
                         and isinstance(item[1], bytes)):
-                    self._drop(session, "malformed output chunk")
+                    session.drop("malformed output chunk")
                     continue
                 block.sink.add(item[1])
                 chunk = OutputChunk(block.id, _STREAMS[item[0]], item[1])
@@ -346,7 +226,7 @@ class Worker:
         elif kind == "done":
             block = self._blocks.pop(msg.get("id"), None)  # type: ignore[arg-type]
             if block is None:
-                self._drop(session, "done for no running block")
+                session.drop("done for no running block")
                 return
             names = msg.get("vars")
             if isinstance(names, list):
@@ -366,7 +246,7 @@ class Worker:
         elif kind == "resp":
             future = self._requests.pop(msg.get("rid"), None)  # type: ignore[arg-type]
             if future is None or future.done():
-                self._drop(session, "response to no request")
+                session.drop("response to no request")
             elif msg.get("ok"):
                 future.set_result(msg.get("value"))
             else:
@@ -378,7 +258,7 @@ class Worker:
         elif kind == "bye":
             pass
         else:
-            self._drop(session, f"unexpected message type {kind!r}")
+            session.drop(f"unexpected message type {kind!r}")
 
     async def _host_call(self, msg: dict) -> None:
         """Run one host call for code in the worker and send back its value or error, in words."""
@@ -396,10 +276,8 @@ class Worker:
                 frame = wire.encode(reply)
         except Exception as exc:  # noqa: BLE001 - the tool's failure goes back to the code as words
             frame = wire.encode({"t": "reply", "cid": cid, "ok": False, "error": str(exc) or type(exc).__name__})
-        session = self._session
-        if session is not None and session.peer is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                await session.sock.send_multipart([session.peer, frame])
+        if self._session is not None:
+            await self._session.send_frame(frame)
 
     async def request(self, op: str, args: dict | None = None, timeout: float = 30.0) -> Any:
         """A control request to the worker (bind, export, inject, describe, env); its value."""
@@ -408,8 +286,7 @@ class Worker:
         future = asyncio.get_running_loop().create_future()
         self._requests[rid] = future
         try:
-            await session.sock.send_multipart(
-                [session.peer, wire.encode({"t": "req", "rid": rid, "op": op, "args": args or {}})])
+            await session.send({"t": "req", "rid": rid, "op": op, "args": args or {}})
             return await asyncio.wait_for(future, timeout)
         except TimeoutError as exc:
             raise WorkerError(f"worker {self.name!r} did not answer {op!r} within {timeout:g} s") from exc
@@ -418,9 +295,8 @@ class Worker:
 
     async def send(self, msg: dict) -> None:
         """Send a protocol message to the current process (used by host-call replies)."""
-        session = self._session
-        if session is not None and session.peer is not None:
-            await session.sock.send_multipart([session.peer, wire.encode(msg)])
+        if self._session is not None:
+            await self._session.send(msg)
 
     # -- running blocks -----------------------------------------------------------------------
     async def _submit(self, code: str, timeout: float, block_id: str | None,
@@ -436,8 +312,7 @@ class Worker:
                           file_cap=self.engine.output_file_cap)
         block = _Block(block_id, sink, timeout, on_output, budget)
         self._blocks[block_id] = block
-        await session.sock.send_multipart(
-            [session.peer, wire.encode({"t": "run", "id": block_id, "code": code})])
+        await session.send({"t": "run", "id": block_id, "code": code})
         return block
 
     async def run(self, code: str, *, timeout: float = 10.0, block_id: str | None = None,

@@ -10,7 +10,18 @@ import sys
 import time
 from pathlib import Path
 
+from engine._process import descendants
+
 from .conftest import processes_with, wait_until
+
+
+def _alive(pid: int) -> bool:
+    """Running, not merely a zombie waiting for a parent that does not reap."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
 
 AGENTLOOP = [sys.executable, "-m", "engine.cli"]
 
@@ -111,13 +122,13 @@ def test_coordinator_sigkill_leaves_no_process_behind(tmp_path):
     try:
         assert proc.stdout.readline().strip() == "ready"
         assert wait_until(lambda: len(processes_with(token)) == 2, 10)
-        before = processes_with("-m\0worker")
-        assert before
+        before = set(descendants(proc.pid))  # bwrap, its init, the workers, the daemons
+        assert set(processes_with("-m\0worker")) & before
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         started = time.monotonic()
         assert wait_until(lambda: not processes_with(token), 5), "daemons survived the coordinator"
-        assert wait_until(lambda: not (set(processes_with("-m\0worker")) & set(before)), 5)
+        assert wait_until(lambda: not [p for p in before if _alive(p)], 5), "workers survived the coordinator"
         assert time.monotonic() - started < 5
     finally:
         if proc.poll() is None:

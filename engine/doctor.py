@@ -1,0 +1,111 @@
+"""What the sandbox can do on this machine, layer by layer, for `agentloop doctor`.
+
+`report(policy)` never starts a worker and changes nothing on disk: it reads the same host probe
+`plan()` uses and says, for each layer, whether the kernel and the installation offer it
+(`available`), whether a worker under `policy` would get it (`active`), and why.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.sandbox import HostSupport, SandboxPolicy, host_support, root_blocker
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One sandbox layer: offered here (`available`), used by the policy (`active`), and why."""
+
+    name: str
+    available: bool
+    active: bool
+    reason: str
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
+
+
+def _userns_reason(host: HostSupport) -> tuple[bool, str]:
+    if host.root:
+        return True, "not needed: running as root, bubblewrap needs no user namespace"
+    if _read("/proc/sys/kernel/unprivileged_userns_clone") == "0":
+        return False, "disabled: sysctl kernel.unprivileged_userns_clone=0"
+    if _read("/proc/sys/user/max_user_namespaces") == "0":
+        return False, "disabled: sysctl user.max_user_namespaces=0"
+    if _read("/proc/sys/kernel/apparmor_restrict_unprivileged_userns") == "1" and host.bwrap is None:
+        return False, ("restricted by AppArmor (kernel.apparmor_restrict_unprivileged_userns=1); "
+                       "the distribution's bwrap profile lifts it")
+    if host.bwrap is None and "namespace" in host.bwrap_problem:
+        return False, host.bwrap_problem
+    return True, "unprivileged user namespaces allowed"
+
+
+def report(policy: SandboxPolicy) -> list[Layer]:
+    """The sandbox layers, in the order they are applied, for a worker under `policy`."""
+    host = host_support()
+    on = policy.mode != "none"
+    bw = on and policy.mode in ("auto", "bwrap") and host.bwrap is not None
+    arch = platform.machine()
+    layers: list[Layer] = []
+
+    if host.bwrap:
+        bw_reason = f"{host.bwrap} builds the namespaces"
+    elif host.bwrap_problem == "bubblewrap not found":
+        bw_reason = "not found — install it: apt-get install bubblewrap"
+    else:
+        bw_reason = host.bwrap_problem
+    if on and not bw and host.bwrap and policy.mode == "landlock":
+        bw_reason += " (not used: mode landlock)"
+    layers.append(Layer("bubblewrap", host.bwrap is not None, bw, bw_reason))
+    ok, why = _userns_reason(host)
+    layers.append(Layer("user namespace", ok, bw and not host.root, why))
+    ns_why = "needs bubblewrap" if host.bwrap is None else "via bubblewrap"
+    layers.append(Layer("mount namespace (read-only system, private /tmp)", host.bwrap is not None,
+                        bw, ns_why))
+    layers.append(Layer("pid namespace", host.bwrap is not None, bw, ns_why))
+    net_why = ns_why if not policy.network else "policy allows the network"
+    layers.append(Layer("network namespace", host.bwrap is not None, bw and not policy.network, net_why))
+
+    layers.append(Layer("rlimits", True, on, "memory (RLIMIT_DATA), open files, file size, core, cpu"))
+    switches = True
+    if host.root:
+        view_limited = bw or host.landlock_abi >= 1
+        blocked = None if view_limited else root_blocker(sys.executable, Path.cwd())
+        if blocked:
+            why = f"root without bubblewrap or Landlock keeps uid 0: {blocked} is not readable by other users"
+        elif view_limited:
+            why = "root workers switch to a uid of their own, keeping only CAP_DAC_READ_SEARCH"
+        else:
+            why = "root workers switch to a uid of their own, without capabilities"
+        switches = not blocked
+        layers.append(Layer("unprivileged uid", True, on and switches, why))
+    else:
+        layers.append(Layer("unprivileged uid", True, on, f"already uid {os.getuid()}"))
+    if not switches:
+        nproc = "not bounded: uid 0 is exempt"
+    elif host.root:
+        nproc = "counted for the worker's own uid"
+    elif bw:
+        nproc = "counted inside the worker's user namespace"
+    else:
+        nproc = "counted against all of your processes (budget added to your current count)"
+    layers.append(Layer("process limit (RLIMIT_NPROC)", True, on and "not bounded" not in nproc, nproc))
+    layers.append(Layer("no_new_privs", True, on, "blocks privilege gain through setuid binaries"))
+
+    abi = host.landlock_abi
+    if abi:
+        ll_why = f"ABI {abi}" + ("" if abi >= 6 else " (signal/abstract-socket scoping needs ABI 6)")
+    else:
+        ll_why = "unavailable: needs Linux 5.13+ with landlock in the lsm= boot list"
+    layers.append(Layer("landlock", abi > 0, on and abi > 0, ll_why))
+    sc_why = f"BPF filter for {arch}" if host.seccomp else f"unavailable (kernel or architecture {arch})"
+    layers.append(Layer("seccomp", host.seccomp, on and host.seccomp, sc_why))
+    return layers

@@ -1,0 +1,510 @@
+"""Confinement a worker applies to itself before any user code runs.
+
+`apply(spec)` takes the JSON-able spec that `engine.sandbox.plan()` produced and installs, in
+order: resource limits, the drop to an unprivileged uid (root only), an empty capability set,
+no_new_privs, a Landlock ruleset and a seccomp-BPF filter.  Either every layer the spec names is
+in place when it returns, or it raises `ConfinementError` and the worker must exit: a half-applied
+sandbox never runs user code.
+
+This module imports only the standard library and nothing from `engine`, so the worker can use
+it before anything else; ctypes is imported lazily.  It must run while the process has a single
+thread: Landlock and no_new_privs are per thread, and threads started earlier would escape them.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import resource
+import stat
+import struct
+
+__all__ = ["ConfinementError", "apply", "landlock_abi", "seccomp_supported"]
+
+
+class ConfinementError(RuntimeError):
+    """A layer the spec requires could not be applied; the worker must not run user code."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Architectures.  The seccomp program carries both tables and checks the architecture of every
+# call, so a filter built on one machine is still exact on the other.
+# ---------------------------------------------------------------------------------------------
+
+_AUDIT_ARCH_X86_64 = 0xC000003E
+_AUDIT_ARCH_AARCH64 = 0xC00000B7
+_X32_SYSCALL_BIT = 0x40000000
+
+# Syscalls refused with EPERM, and the threat each one carries.
+_DENY = {
+    # Rearranging the filesystem view: escape the bind mounts, hide or replace files.
+    "mount": (165, 40), "umount2": (166, 39), "pivot_root": (155, 41), "chroot": (161, 51),
+    # The new mount API does the same without mount(2).
+    "open_tree": (428, 428), "move_mount": (429, 429), "fsopen": (430, 430),
+    "fsconfig": (431, 431), "fsmount": (432, 432), "fspick": (433, 433),
+    "mount_setattr": (442, 442), "open_tree_attr": (467, 467),
+    # Reading or writing another process's memory, stealing its file descriptors.
+    "ptrace": (101, 117), "process_vm_readv": (310, 270), "process_vm_writev": (311, 271),
+    "pidfd_getfd": (438, 438), "process_madvise": (440, 440), "kcmp": (312, 272),
+    # Loading kernel code, replacing the kernel, rebooting.
+    "init_module": (175, 105), "finit_module": (313, 273), "delete_module": (176, 106),
+    "kexec_load": (246, 104), "kexec_file_load": (320, 294), "reboot": (169, 142),
+    # Large kernel attack surfaces that sandboxed code has no use for.
+    "bpf": (321, 280), "perf_event_open": (298, 241), "userfaultfd": (323, 282),
+    "keyctl": (250, 219), "add_key": (248, 217), "request_key": (249, 218),
+    "lookup_dcookie": (212, 18),
+    # io_uring runs socket/open operations that seccomp never sees.
+    "io_uring_setup": (425, 425), "io_uring_enter": (426, 426), "io_uring_register": (427, 427),
+    # New namespaces: a user namespace hands out a full capability set inside it.
+    "unshare": (272, 97), "setns": (308, 268),
+    # Opening files by handle bypasses the path walk and so the mount view.
+    "open_by_handle_at": (304, 265), "name_to_handle_at": (303, 264),
+    # Host-wide state: swap, process accounting, quotas, the clock.
+    "swapon": (167, 224), "swapoff": (168, 225), "acct": (163, 89),
+    "quotactl": (179, 60), "quotactl_fd": (443, 443),
+    "settimeofday": (164, 170), "clock_settime": (227, 112),
+    # Raw I/O port access (x86 only).
+    "iopl": (172, None), "ioperm": (173, None),
+}
+# Syscalls whose arguments are inspected.
+_NR = {
+    "clone": (56, 220), "clone3": (435, 435), "personality": (135, 92), "ioctl": (16, 29),
+    "socket": (41, 198), "setsid": (112, 157), "setpgid": (109, 154),
+    "seccomp": (317, 277), "capget": (125, 90), "capset": (126, 91),
+    "landlock_create_ruleset": (444, 444), "landlock_add_rule": (445, 445),
+    "landlock_restrict_self": (446, 446),
+}
+_ARCHES = (("x86_64", _AUDIT_ARCH_X86_64, 0), ("aarch64", _AUDIT_ARCH_AARCH64, 1))
+
+_CLONE_NEW_MASK = (0x00020000 | 0x02000000 | 0x04000000 | 0x08000000   # NEWNS CGROUP UTS IPC
+                   | 0x10000000 | 0x20000000 | 0x40000000)              # NEWUSER NEWPID NEWNET
+_TIOCSTI, _TIOCLINUX = 0x5412, 0x541C
+_PERSONALITY_QUERY = 0xFFFFFFFF
+
+
+def _machine() -> str | None:
+    m = os.uname().machine.lower()
+    return {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}.get(m)
+
+
+def _nr(name: str) -> int:
+    arch = _machine()
+    if arch is None:
+        raise ConfinementError(f"unsupported architecture {os.uname().machine!r}")
+    return _NR[name][0 if arch == "x86_64" else 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# libc access
+# ---------------------------------------------------------------------------------------------
+
+_libc = None
+
+
+def _lib():
+    global _libc
+    if _libc is None:
+        import ctypes
+
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.syscall.restype = ctypes.c_long
+        _libc.prctl.restype = ctypes.c_int
+    return _libc
+
+
+def _syscall(nr: int, *args) -> int:
+    """Raw syscall; ints travel as C longs, bytes as pointers.  Raises OSError on -1."""
+    import ctypes
+
+    conv = [a if not isinstance(a, int) else ctypes.c_long(a) for a in args]
+    ret = _lib().syscall(ctypes.c_long(nr), *conv)
+    if ret == -1:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return ret
+
+
+def _prctl(option: int, a2: int = 0, a3: int = 0, a4: int = 0, a5: int = 0) -> int:
+    import ctypes
+
+    ret = _lib().prctl(option, ctypes.c_ulong(a2), ctypes.c_ulong(a3), ctypes.c_ulong(a4),
+                       ctypes.c_ulong(a5))
+    if ret == -1:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return ret
+
+
+# ---------------------------------------------------------------------------------------------
+# Probes (used by the coordinator to plan, and here to check)
+# ---------------------------------------------------------------------------------------------
+
+def landlock_abi() -> int:
+    """The Landlock ABI version this kernel offers; 0 when Landlock is absent or disabled."""
+    if _machine() is None:
+        return 0
+    try:
+        return _syscall(_nr("landlock_create_ruleset"), None, 0, 1)  # ..._CREATE_RULESET_VERSION
+    except OSError:
+        return 0
+
+
+def seccomp_supported() -> bool:
+    """Whether seccomp filters can be installed here (kernel support, known architecture)."""
+    if _machine() is None:
+        return False
+    try:
+        _prctl(21)  # PR_GET_SECCOMP: EINVAL when the kernel lacks CONFIG_SECCOMP
+    except OSError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------------------------
+
+def _single_threaded() -> None:
+    # Landlock, no_new_privs and seccomp (without TSYNC) bind only the calling thread: a thread
+    # started before apply() would run unconfined.
+    try:
+        threads = os.listdir("/proc/self/task")
+    except OSError:
+        return  # no /proc: nothing to check against; seccomp still uses TSYNC
+    if len(threads) > 1:
+        raise ConfinementError(f"apply() must run before any thread starts ({len(threads)} running)")
+
+
+def _rlimits(limits: dict) -> None:
+    for name, (soft, hard) in limits.items():
+        kind = getattr(resource, "RLIMIT_" + name, None)
+        if kind is None:
+            raise ConfinementError(f"unknown resource limit {name}")
+        _, cur_hard = resource.getrlimit(kind)
+        # Never ask for more than the inherited hard limit: lower is stricter, and raising it
+        # would need CAP_SYS_RESOURCE.
+        if cur_hard != resource.RLIM_INFINITY:
+            hard = cur_hard if hard in (None, -1) else min(hard, cur_hard)
+        if soft in (None, -1) or (hard not in (None, -1) and soft > hard):
+            soft = hard
+        lim = (resource.RLIM_INFINITY if soft in (None, -1) else soft,
+               resource.RLIM_INFINITY if hard in (None, -1) else hard)
+        try:
+            resource.setrlimit(kind, lim)
+        except (OSError, ValueError) as exc:
+            raise ConfinementError(f"setrlimit({name}, {lim}) failed: {exc}") from exc
+        if resource.getrlimit(kind) != lim:
+            raise ConfinementError(f"RLIMIT_{name} did not take")
+
+
+_CAP_SETPCAP = 8
+_CAP_NAMES = {"DAC_READ_SEARCH": 2}
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+
+
+def _capabilities() -> tuple[int, int, int]:
+    """(effective, permitted, inheritable) of this thread, 64-bit masks."""
+    import ctypes
+
+    hdr = struct.pack("Ii", _LINUX_CAPABILITY_VERSION_3, 0)  # this thread
+    data = ctypes.create_string_buffer(24)
+    _syscall(_nr("capget"), hdr, data)
+    e0, p0, i0, e1, p1, i1 = struct.unpack("6I", data.raw)
+    return e0 | e1 << 32, p0 | p1 << 32, i0 | i1 << 32
+
+
+def _keep_mask(names: list[str]) -> int:
+    try:
+        return sum(1 << _CAP_NAMES[n] for n in names)
+    except KeyError as exc:
+        raise ConfinementError(f"capability {exc} may not be kept") from None
+
+
+def _drop_bounding_set(keep: int) -> None:
+    # The bounding set caps what any later exec could gain.  Dropping needs CAP_SETPCAP; without
+    # it there is nothing to gain anyway once no_new_privs is set.
+    eff, _, _ = _capabilities()
+    if not eff >> _CAP_SETPCAP & 1:
+        return
+    cap = 0
+    while True:
+        if not keep >> cap & 1:
+            try:
+                _prctl(24, cap)  # PR_CAPBSET_DROP
+            except OSError as exc:
+                if exc.errno == errno.EINVAL:  # past CAP_LAST_CAP
+                    break
+                raise ConfinementError(f"cannot drop capability {cap} from the bounding set: {exc}") from exc
+        cap += 1
+        if cap > 63:
+            break
+
+
+def _drop_uid(uid: int, gid: int) -> None:
+    # Root is exempt from RLIMIT_NPROC and may override file permissions: the worker becomes an
+    # ordinary user, so the process limit holds and DAC applies to it.
+    import ctypes
+
+    deathsig = ctypes.c_int(0)
+    try:
+        _prctl(2, ctypes.addressof(deathsig))  # PR_GET_PDEATHSIG
+        _prctl(8, 1)  # PR_SET_KEEPCAPS: keep the permitted set across the switch (see _set_caps)
+        os.setgroups([])
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+        _prctl(8, 0)
+        # A credential change clears the parent-death signal; the caller armed it on purpose.
+        if deathsig.value:
+            _prctl(1, deathsig.value)  # PR_SET_PDEATHSIG
+    except OSError as exc:
+        raise ConfinementError(f"cannot switch to uid {uid}: {exc}") from exc
+    if os.getresuid() != (uid, uid, uid) or os.getresgid() != (gid, gid, gid) or os.getgroups():
+        raise ConfinementError(f"uid switch to {uid} incomplete")
+
+
+def _set_caps(keep: int) -> None:
+    """Empty every capability set except `keep`, which becomes effective and ambient (so the
+    programs the worker runs hold it too).  Threat: capabilities would let the worker raise its
+    limits, signal any process, override file permissions."""
+    _prctl(47, 4)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
+    if _capabilities() != (keep, keep, keep):
+        e0, e1 = keep & 0xFFFFFFFF, keep >> 32
+        hdr = struct.pack("Ii", _LINUX_CAPABILITY_VERSION_3, 0)
+        try:
+            _syscall(_nr("capset"), hdr, struct.pack("6I", e0, e0, e0, e1, e1, e1))
+        except OSError as exc:
+            raise ConfinementError(f"cannot set capabilities: {exc}") from exc
+    for cap in range(64):
+        if keep >> cap & 1:
+            _prctl(47, 2, cap)  # PR_CAP_AMBIENT_RAISE
+    if _capabilities() != (keep, keep, keep):
+        raise ConfinementError(f"capabilities {_capabilities()} remain, wanted {keep:#x}")
+
+
+def _no_new_privs() -> None:
+    # Threat: exec of a setuid or file-capability binary regaining privileges.  Also the
+    # precondition for unprivileged seccomp and Landlock.
+    _prctl(38, 1)  # PR_SET_NO_NEW_PRIVS
+    if _prctl(39) != 1:  # PR_GET_NO_NEW_PRIVS
+        raise ConfinementError("no_new_privs did not take")
+
+
+# Landlock access rights (include/uapi/linux/landlock.h).
+_FS_EXECUTE, _FS_WRITE_FILE, _FS_READ_FILE, _FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+_FS_MAKE_CHAR, _FS_MAKE_BLOCK = 1 << 6, 1 << 11
+_FS_REFER, _FS_TRUNCATE, _FS_IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15
+_FS_FILE_RIGHTS = _FS_EXECUTE | _FS_WRITE_FILE | _FS_READ_FILE | _FS_TRUNCATE | _FS_IOCTL_DEV
+_NET_BIND_TCP, _NET_CONNECT_TCP = 1 << 0, 1 << 1
+_SCOPE_ABSTRACT_UNIX, _SCOPE_SIGNAL = 1 << 0, 1 << 1
+
+
+def _landlock(rules: dict) -> int:
+    """Read-only beneath `ro`, read-write beneath `rw`, device files in `dev`; nothing else.
+    Returns the ABI used.  Rights this kernel does not know are left out (graceful degradation);
+    the ABI the spec requires (`min_abi`) is enforced."""
+    abi = landlock_abi()
+    if abi < max(1, rules.get("min_abi", 1)):
+        raise ConfinementError(f"Landlock ABI {abi} < required {rules.get('min_abi', 1)}")
+    handled = (1 << 13) - 1                     # ABI 1: execute .. make_sym
+    if abi >= 2:
+        handled |= _FS_REFER                    # rename/link across directories
+    if abi >= 3:
+        handled |= _FS_TRUNCATE
+    if abi >= 5:
+        handled |= _FS_IOCTL_DEV                # ioctls on devices opened later (TIOCSTI &c)
+    net = _NET_BIND_TCP | _NET_CONNECT_TCP if abi >= 4 and rules.get("deny_tcp") else 0
+    # Threat (ABI 6): signalling processes outside the sandbox (the coordinator) and reaching
+    # abstract unix sockets of the host (they ignore the filesystem view).
+    scoped = _SCOPE_SIGNAL | _SCOPE_ABSTRACT_UNIX if abi >= 6 and rules.get("scope", True) else 0
+    size = 8 if abi < 4 else 16 if abi < 6 else 24
+    attr = struct.pack("QQQ", handled, net, scoped)[:size]
+    try:
+        ruleset = _syscall(_nr("landlock_create_ruleset"), attr, size, 0)
+    except OSError as exc:
+        raise ConfinementError(f"landlock_create_ruleset: {exc}") from exc
+    ro = _FS_EXECUTE | _FS_READ_FILE | _FS_READ_DIR
+    rw = handled & ~(_FS_MAKE_CHAR | _FS_MAKE_BLOCK | _FS_IOCTL_DEV)
+    dev = (_FS_READ_FILE | _FS_WRITE_FILE | _FS_TRUNCATE | _FS_IOCTL_DEV) & handled
+    try:
+        for key, access, required in (("ro", ro, False), ("rw", rw, True), ("dev", dev, False)):
+            for path in rules.get(key, []):
+                _landlock_rule(ruleset, path, access, handled, required)
+        _syscall(_nr("landlock_restrict_self"), ruleset, 0)
+    except OSError as exc:
+        raise ConfinementError(f"Landlock: {exc}") from exc
+    finally:
+        os.close(ruleset)
+    return abi
+
+
+def _landlock_rule(ruleset: int, path: str, access: int, handled: int, required: bool) -> None:
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if required:
+            raise ConfinementError(f"Landlock: writable path {path} does not exist") from None
+        return  # an optional read-only path this host lacks
+    try:
+        access &= handled
+        if not stat.S_ISDIR(os.fstat(fd).st_mode):
+            access &= _FS_FILE_RIGHTS
+        attr = struct.pack("=Qi", access, fd)  # struct landlock_path_beneath_attr, packed
+        _syscall(_nr("landlock_add_rule"), ruleset, 1, attr, 0)  # LANDLOCK_RULE_PATH_BENEATH
+    finally:
+        os.close(fd)
+
+
+# Classic BPF opcodes and seccomp return values.
+_LD_ABS = 0x20          # BPF_LD | BPF_W | BPF_ABS
+_JEQ, _JGE, _JSET = 0x15, 0x35, 0x45
+_RET = 0x06
+_RET_ALLOW, _RET_KILL_PROCESS, _RET_ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
+_OFF_NR, _OFF_ARCH = 0, 4
+
+
+def _arg_lo(i: int) -> int:
+    return 16 + 8 * i  # low 32 bits of seccomp_data.args[i] (little endian on both arches)
+
+
+def seccomp_program(socket_families: list[int] | None = None, lock_session: bool = False) -> bytes:
+    """The filter as packed `struct sock_filter`s.  `socket_families`: the address families
+    socket(2) may create (None: any).  `lock_session`: refuse setsid/setpgid, so every
+    descendant stays in the worker's process group and one killpg reaches it."""
+    prog: list[list] = []
+    labels: dict[str, int] = {}
+
+    def op(code: int, k: int = 0, jt: int | str = 0, jf: int | str = 0) -> None:
+        prog.append([code, jt, jf, k])
+
+    def label(name: str) -> None:
+        labels[name] = len(prog)
+
+    # Threat: a foreign calling convention (i386 int 0x80, arm32 compat) uses different numbers
+    # and would walk past every rule below.  Anything but the two known arches is killed.
+    op(_LD_ABS, _OFF_ARCH)
+    for name, audit, col in _ARCHES:
+        label(f"{name}")
+        op(_JEQ, audit, 0, f"{name}_next")
+        op(_LD_ABS, _OFF_NR)
+        if name == "x86_64":
+            op(_JGE, _X32_SYSCALL_BIT, "kill", 0)  # x32 syscalls reuse the x86_64 arch value
+        for nrs in _DENY.values():
+            if nrs[col] is not None:
+                op(_JEQ, nrs[col], f"{name}_eperm", 0)
+        # clone3 passes its flags in memory that BPF cannot read: ENOSYS makes libc fall back
+        # to clone, whose flags can be checked.
+        op(_JEQ, _NR["clone3"][col], f"{name}_enosys", 0)
+        op(_JEQ, _NR["clone"][col], f"{name}_clone", 0)
+        op(_JEQ, _NR["personality"][col], f"{name}_personality", 0)
+        op(_JEQ, _NR["ioctl"][col], f"{name}_ioctl", 0)
+        if socket_families is not None:
+            op(_JEQ, _NR["socket"][col], f"{name}_socket", 0)
+        if lock_session:
+            op(_JEQ, _NR["setsid"][col], f"{name}_eperm", 0)
+            op(_JEQ, _NR["setpgid"][col], f"{name}_eperm", 0)
+        op(_RET, _RET_ALLOW)
+        # Threat: clone(CLONE_NEW*) creates namespaces just like unshare(2).
+        label(f"{name}_clone")
+        op(_LD_ABS, _arg_lo(0))
+        op(_JSET, _CLONE_NEW_MASK, f"{name}_eperm", f"{name}_allow")
+        # Threat: personality(ADDR_NO_RANDOMIZE | READ_IMPLIES_EXEC) weakens ASLR/NX for what
+        # is exec'd next.  Only the query (0xffffffff) and plain PER_LINUX (0) pass.
+        label(f"{name}_personality")
+        op(_LD_ABS, _arg_lo(0))
+        op(_JEQ, 0, f"{name}_allow", 0)
+        op(_JEQ, _PERSONALITY_QUERY, f"{name}_allow", f"{name}_eperm")
+        # Threat: TIOCSTI / TIOCLINUX push keystrokes into a terminal the worker inherited.
+        label(f"{name}_ioctl")
+        op(_LD_ABS, _arg_lo(1))
+        op(_JEQ, _TIOCSTI, f"{name}_eperm", 0)
+        op(_JEQ, _TIOCLINUX, f"{name}_eperm", f"{name}_allow")
+        if socket_families is not None:
+            # Threat: the network (no namespace to cut it) and exotic families such as
+            # AF_VSOCK, which reach the hypervisor whatever the network namespace.
+            label(f"{name}_socket")
+            op(_LD_ABS, _arg_lo(0))
+            for fam in socket_families:
+                op(_JEQ, fam, f"{name}_allow", 0)
+            op(_RET, _RET_ERRNO | errno.EPERM)
+        label(f"{name}_allow")
+        op(_RET, _RET_ALLOW)
+        label(f"{name}_eperm")
+        op(_RET, _RET_ERRNO | errno.EPERM)
+        label(f"{name}_enosys")
+        op(_RET, _RET_ERRNO | errno.ENOSYS)
+        label(f"{name}_next")
+    label("kill")
+    op(_RET, _RET_KILL_PROCESS)
+
+    out = bytearray()
+    for i, (code, jt, jf, k) in enumerate(prog):
+        offs = []
+        for j in (jt, jf):
+            off = labels[j] - i - 1 if isinstance(j, str) else j
+            if not 0 <= off <= 255:
+                raise ConfinementError(f"BPF jump out of range at {i}")
+            offs.append(off)
+        out += struct.pack("HBBI", code, offs[0], offs[1], k)
+    return bytes(out)
+
+
+def _seccomp(opts: dict) -> None:
+    import ctypes
+
+    prog = seccomp_program(opts.get("socket_families"), bool(opts.get("lock_session")))
+    buf = ctypes.create_string_buffer(prog, len(prog))
+
+    class _Fprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    fprog = _Fprog(len(prog) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    try:
+        # SECCOMP_SET_MODE_FILTER with SECCOMP_FILTER_FLAG_TSYNC: every thread, or failure.
+        ret = _syscall(_nr("seccomp"), 1, 1, ctypes.addressof(fprog))
+    except OSError as exc:
+        raise ConfinementError(f"seccomp: {exc}") from exc
+    if ret != 0:
+        raise ConfinementError(f"seccomp: thread {ret} could not be synchronised")
+    if _prctl(21) != 2:  # PR_GET_SECCOMP -> SECCOMP_MODE_FILTER
+        raise ConfinementError("seccomp filter not active")
+
+
+def apply(spec: dict) -> list[str]:
+    """Install every layer `spec` names, strongest last; return the names applied.
+
+    Raises ConfinementError when any of them fails: the caller must exit without running
+    user code.  An empty spec (sandbox mode "none") applies nothing."""
+    applied: list[str] = []
+    if not spec:
+        return applied
+    _single_threaded()
+    try:
+        if spec.get("rlimits"):
+            _rlimits(spec["rlimits"])
+            applied.append("rlimits")
+        keep = _keep_mask(spec.get("keep_caps", []))
+        if keep and spec.get("uid") is None:
+            raise ConfinementError("capabilities may only be kept by a worker that leaves uid 0")
+        if spec.get("drop_caps"):
+            _drop_bounding_set(keep)
+        if spec.get("uid") is not None:
+            uid, gid = spec["uid"]
+            _drop_uid(uid, gid)
+            applied.append("uid")
+        if spec.get("drop_caps") or spec.get("uid") is not None:  # KEEPCAPS left a permitted set
+            _set_caps(keep)
+            applied.append("caps")
+        if spec.get("no_new_privs") or spec.get("landlock") or spec.get("seccomp"):
+            _no_new_privs()
+            applied.append("no_new_privs")
+        if spec.get("landlock"):
+            abi = _landlock(spec["landlock"])
+            applied.append(f"landlock(abi {abi})")
+        if spec.get("seccomp"):
+            _seccomp(spec["seccomp"] if isinstance(spec["seccomp"], dict) else {})
+            applied.append("seccomp")
+    except ConfinementError:
+        raise
+    except OSError as exc:
+        raise ConfinementError(f"sandbox layer failed after {applied or 'none'}: {exc}") from exc
+    return applied
