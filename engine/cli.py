@@ -61,13 +61,20 @@ def _exit_code(result: BlockResult) -> int:
     return EXIT_ERROR
 
 
-def _sandbox_options(f):
-    f = click.option("--sandbox", type=click.Choice(["auto", "bwrap", "landlock", "none"]), default="auto",
-                     show_default=True, help="How workers are contained; 'none' runs them unsandboxed.")(f)
-    f = click.option("--network", is_flag=True, help="Give workers the host's network.")(f)
-    f = click.option("--workspace", type=click.Path(file_okay=False, path_type=Path), default=None,
-                     help="The directory workers may write (default ./files).")(f)
+def _apply(f, options):
+    for option in reversed(options):  # so --help lists them in the order written here
+        f = option(f)
     return f
+
+
+def _sandbox_options(f):
+    return _apply(f, [
+        click.option("--sandbox", type=click.Choice(["auto", "bwrap", "landlock", "none"]), default="auto",
+                     show_default=True, help="How workers are contained; 'none' runs them unsandboxed."),
+        click.option("--network", is_flag=True, help="Give workers the host's network."),
+        click.option("--workspace", type=click.Path(file_okay=False, path_type=Path), default=None,
+                     help="The directory workers may write (default ./files)."),
+    ])
 
 
 def _policy(sandbox: str, network: bool) -> SandboxPolicy:
@@ -161,22 +168,23 @@ async def _exec(code: str, timeout: float, as_json: bool, policy: SandboxPolicy,
 
 def agent_options(f):
     """Options shared by the commands that run agents (run, chat, batch, demo)."""
-    f = click.option("--model", "model", default=None, help="Model alias (see `agentloop models`).")(f)
-    f = click.option("--models", "models_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
-                     help="Model aliases file (default ./agentloop.toml, else LLM_URL/LLM_MODEL).")(f)
-    f = click.option("--max-messages", type=click.IntRange(1), default=200, show_default=True,
-                     help="Messages to the model before the run gives up.")(f)
-    f = click.option("--record", type=click.Path(dir_okay=False, path_type=Path), default=None,
-                     help="Record every display event to this JSONL file.")(f)
-    f = click.option("--tools", type=click.Choice(["none", "repo"]), default="none", show_default=True,
-                     help="Host functions to offer: repo = list_dir, read_file, search (read-only).")(f)
-    f = click.option("--root", type=click.Path(file_okay=False, exists=True, path_type=Path), default=".",
-                     help="Directory the repo tools may read (default: current directory).")(f)
-    f = click.option("-q", "--quiet", is_flag=True, help="No live display on stderr.")(f)
-    f = click.option("--protocol", type=click.Choice(["tags", "tools"]), default=None,
+    return _sandbox_options(_apply(f, [
+        click.option("--model", "model", default=None, help="Model alias (see `agentloop models`)."),
+        click.option("--models", "models_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                     help="Model aliases file (default ./agentloop.toml, else LLM_URL/LLM_MODEL)."),
+        click.option("--protocol", type=click.Choice(["tags", "tools"]), default=None,
                      help="How the model acts: <run_code> tags (the default) or native tool calls; "
-                          "default: each model alias's `protocol` in agentloop.toml.")(f)
-    return _sandbox_options(f)
+                          "default: each model alias's `protocol` in agentloop.toml."),
+        click.option("--max-messages", type=click.IntRange(1), default=200, show_default=True,
+                     help="Messages to the model before the run gives up."),
+        click.option("--tools", type=click.Choice(["none", "repo"]), default="none", show_default=True,
+                     help="Host functions to offer: repo = list_dir, read_file, search (read-only)."),
+        click.option("--root", type=click.Path(file_okay=False, exists=True, path_type=Path), default=".",
+                     help="Directory the repo tools may read (default: current directory)."),
+        click.option("--record", type=click.Path(dir_okay=False, path_type=Path), default=None,
+                     help="Record every display event to this JSONL file."),
+        click.option("-q", "--quiet", is_flag=True, help="No live display on stderr."),
+    ]))
 
 
 def load_registry(models_file: Path | None):
@@ -262,6 +270,64 @@ def run_cmd(task: str, model, models_file, max_messages, record, tools, root, qu
     sys.exit(_RUN_EXIT.get(result.status, 1))
 
 
+@main.command("doctor")
+@click.option("--models", "models_file", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option("--model", default=None, help="Model alias whose endpoint to check.")
+@_sandbox_options
+def doctor_cmd(models_file, model, sandbox, network, workspace) -> None:
+    """Which sandbox layers are available and active here, whether a sandboxed worker really
+    starts, and whether the model endpoint answers.  Exit 1 when something does not work."""
+    from .doctor import report
+
+    policy = SandboxPolicy(mode=sandbox, network=network)
+    healthy = True
+    try:
+        layers = report(policy)
+    except AgentloopError as exc:
+        _fail(str(exc))
+    click.echo("sandbox layers (available / active here):")
+    for layer in layers:
+        mark = "✓" if layer.active else ("·" if layer.available else "✗")
+        click.echo(f"  {mark} {layer.name:<34} {'yes' if layer.available else 'no ':>3} / "
+                   f"{'yes' if layer.active else 'no ':>3}  {layer.reason}")
+
+    async def try_worker():
+        async with Engine(sandbox=policy, workspace=workspace, pool=0) as engine:
+            worker = await engine.start_worker("doctor")
+            result = await worker.run("import os; print(os.getuid(), os.getpid())", timeout=20)
+            return worker.notes, result
+
+    try:
+        notes, result = asyncio.run(try_worker())
+        started = result.ok
+        click.echo(f"worker: {'starts and runs code' if started else 'started but failed: ' + result.text()}")
+        for note in notes:
+            click.echo(f"  note: {note}")
+    except AgentloopError as exc:
+        click.echo(f"worker: does not start: {exc}")
+        started = False
+    healthy &= started
+    registry = load_registry(models_file)
+    try:
+        config = registry.get(model)
+    except AgentloopError as exc:
+        _fail(str(exc))
+    import httpx
+
+    headers = {"Authorization": f"Bearer {config.api_key()}"} if config.api_key() else {}
+    try:
+        reply = httpx.get(f"{config.base_url.rstrip('/')}/models", headers=headers, timeout=5)
+        answers = reply.status_code < 500
+        click.echo(f"model endpoint {config.base_url}: answers (HTTP {reply.status_code})")
+    except httpx.HTTPError as exc:
+        answers = False
+        click.echo(f"model endpoint {config.base_url}: does not answer ({type(exc).__name__}). Start one: "
+                   "`llama-server -m MODEL.gguf --port 8080 --jinja`, or Ollama "
+                   "(`LLM_URL=http://localhost:11434/v1 LLM_MODEL=qwen3:4b`), or set LLM_URL.")
+    healthy &= answers
+    sys.exit(0 if healthy else 1)
+
+
 @main.command("models")
 @click.option("--models", "models_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Model aliases file (default ./agentloop.toml).")
@@ -271,7 +337,7 @@ def models_cmd(models_file) -> None:
     for alias in registry.aliases():
         config = registry.get(alias)
         mark = "*" if config is registry.default else " "
-        click.echo(f"{mark} {config.describe()}  [{config.base_url}, protocol {config.protocol}]")
+        click.echo(f"{mark} {config.describe().removeprefix('- ')}  [{config.base_url}, protocol {config.protocol}]")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -90,3 +90,15 @@ def test_sub_agent_model_alias_from_toml(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert child[0]["model"] == "small-model" and parent[0]["model"] == "big-model"
     assert "- flash: small-model" in parent[0]["messages"][0]["content"]
+
+
+def test_doctor_tells_the_truth(tmp_path):
+    with ScriptedServer({"*": ["hi"]}) as server:
+        proc = agentloop(tmp_path, "doctor", url=server.url)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "worker: starts and runs code" in proc.stdout
+    assert f"model endpoint {server.url}: answers" in proc.stdout
+    for layer in ("pid namespace", "network namespace", "landlock", "seccomp", "rlimits"):
+        assert layer in proc.stdout
+    down = agentloop(tmp_path, "doctor", url="http://127.0.0.1:9/v1")
+    assert down.returncode == 1 and "does not answer" in down.stdout and "LLM_URL" in down.stdout
