@@ -225,11 +225,18 @@ def _shareable_cwd(cwd: Path) -> tuple[bool, str]:
 
 
 def _worker_uid(policy: SandboxPolicy, workspace: Path) -> int:
-    # One uid per workspace: workers of one run share it (and its process budget), other runs
-    # almost surely get another, so ordinary file permissions separate them too.
+    # One uid (and gid) per workspace: the group of the run's workers; other runs almost surely
+    # get another, so ordinary file permissions separate them too.
     if policy.worker_uid is not None:
         return policy.worker_uid
     return _UID_BASE + zlib.crc32(str(workspace).encode()) % _UID_SPAN
+
+
+def _own_uid(run_uid: int, socket_dir: Path) -> int:
+    # Each worker process its own uid, so RLIMIT_NPROC (counted per uid) is each worker's own
+    # budget, not one shared by every worker of the run; they share the run's gid, and the
+    # workspace is group-writable and setgid, so files still pass freely between them.
+    return run_uid + 1 + zlib.crc32(str(socket_dir).encode()) % 1_000_000
 
 
 def root_blocker(python: str, cwd: Path | None) -> str | None:
@@ -315,15 +322,20 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
         if note:
             notes.append(note)
         if uid is not None:
-            for d in (workspace, socket_dir, *([Path(tmp)] if not use_bwrap else [])):
-                os.chown(d, uid, uid)
+            gid, uid = uid, _own_uid(uid, socket_dir)
+            for d in (workspace, *([Path(tmp)] if not use_bwrap else [])):
+                if os.stat(d).st_gid != gid:
+                    os.chown(d, gid, gid)
+                os.chmod(d, 0o2775)  # setgid: what any worker of the run creates stays the group's
+            os.chown(socket_dir, uid, gid)
             for entry in socket_dir.iterdir():  # the socket, when bound before planning
-                os.chown(entry, uid, uid, follow_symlinks=False)
+                os.chown(entry, uid, gid, follow_symlinks=False)
 
     confine: dict = {"rlimits": _rlimits(policy, host, use_bwrap, uid), "drop_caps": True,
                      "no_new_privs": True}
     if uid is not None:
-        confine["uid"] = [uid, uid]
+        confine["uid"] = [uid, gid]
+        confine["umask"] = 0o002
         confine["keep_caps"] = keep_caps
 
     rw = [str(workspace), str(socket_dir)] + (["/tmp", "/dev/shm"] if use_bwrap else [])

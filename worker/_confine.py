@@ -491,6 +491,8 @@ def apply(spec: dict) -> list[str]:
             uid, gid = spec["uid"]
             _drop_uid(uid, gid)
             applied.append("uid")
+        if spec.get("umask") is not None:
+            os.umask(int(spec["umask"]))  # files in the shared workspace stay group-writable
         if spec.get("drop_caps") or spec.get("uid") is not None:  # KEEPCAPS left a permitted set
             _set_caps(keep)
             applied.append("caps")
