@@ -53,6 +53,7 @@ class Router:
         self._stray_bytes = 0
         self._loop_thread = threading.get_ident()
         self._flush_lock = asyncio.Lock()  # one flush at a time: bounds what is in flight
+        self._urgent = False
 
     # -- block lifecycle ----------------------------------------------------------------
     def begin(self, block_id: str) -> None:
@@ -87,12 +88,17 @@ class Router:
             else:
                 chunks.append([stream, bytearray(data)])
             self._pending_bytes += len(data)
+            if self._pending_bytes >= MAX_BATCH and not self._urgent:
+                # A full batch is waiting: send it now rather than at the next tick, so a
+                # fast writer is limited by the socket, not by the flush interval.
+                self._urgent = True
+                self._loop.call_soon_threadsafe(self._tick)
             self._arm_locked()
             if threading.get_ident() != self._loop_thread:
                 # Backpressure for writer threads; the loop thread itself must never wait here.
                 deadline = time.monotonic() + 30
                 while self._pending_bytes > HIGH_WATER and time.monotonic() < deadline:
-                    self._drained.wait(0.5)
+                    self._drained.wait(0.05)
 
     def _arm_locked(self) -> None:
         if not self._armed:
@@ -108,6 +114,7 @@ class Router:
             if block_id is None:
                 taken, self._pending = list(self._pending.items()), {}
                 self._armed = False
+                self._urgent = False
             else:
                 chunks = self._pending.pop(block_id, None)
                 taken = [(block_id, chunks)] if chunks else []
@@ -117,6 +124,8 @@ class Router:
 
     async def flush(self, block_id: str | None = None) -> None:
         """Send what is pending: for one block (before its ``done``) or for all."""
+        if block_id is not None and block_id not in self._pending and not self._flush_lock.locked():
+            return  # nothing of it pending, and no flush in flight that could hold some
         async with self._flush_lock:
             await self._flush_locked(block_id)
 

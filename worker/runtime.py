@@ -20,6 +20,7 @@ import ctypes
 import inspect
 import linecache
 import os
+import queue
 import threading
 import traceback
 from collections.abc import Awaitable, Callable
@@ -68,6 +69,56 @@ def format_user_error(exc: BaseException) -> str:
     return "".join(te.format())
 
 
+class _BlockThread:
+    """A thread that runs sync blocks one after another (starting a thread per block costs
+    more than the block, for small ones).  ``cancel`` raises ``BlockCancelled`` in it only
+    while the named block runs, and a cancel that lands late is cleared before the next."""
+
+    _idle: list[_BlockThread] = []
+    _idle_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self.block: str | None = None
+        self.thread = threading.Thread(target=self._loop, name="agentloop-block", daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def take(cls) -> _BlockThread:
+        with cls._idle_lock:
+            if cls._idle:
+                return cls._idle.pop()
+        return cls()
+
+    def submit(self, block_id: str, ctx: contextvars.Context, fn: Callable, *args) -> None:
+        with self._lock:
+            self.block = block_id
+        self._jobs.put((ctx, fn, args))
+
+    def cancel(self, block_id: str) -> bool:
+        with self._lock:
+            if self.block != block_id or self.thread.ident is None:
+                return False
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(self.thread.ident), ctypes.py_object(BlockCancelled))
+            return True
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                ctx, fn, args = self._jobs.get()
+                ctx.run(fn, *args)
+            except BlockCancelled:  # landed after the block's own handler: nothing to do
+                pass
+            with self._lock:
+                self.block = None
+                # A cancel raised just as the block ended must not hit the next one.
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread.ident), None)
+            with _BlockThread._idle_lock:
+                _BlockThread._idle.append(self)
+
+
 class Runtime:
     """Runs blocks in one namespace and reports each one's end through ``on_done``.
 
@@ -89,7 +140,7 @@ class Runtime:
             self.namespace.update(namespace)
         self._base = set(self.namespace)
         self._tasks: dict[str, concurrent.futures.Future] = {}
-        self._threads: dict[str, threading.Thread] = {}
+        self._threads: dict[str, _BlockThread] = {}
 
     def base_names(self, names: set[str]) -> None:
         """Names injected by the host (tools, ``self``): not reported as the user's variables."""
@@ -131,10 +182,9 @@ class Runtime:
             future = asyncio.run_coroutine_threadsafe(self._spawn(block_id, coro, ctx), self._user_loop)
             self._tasks[block_id] = future
         else:
-            thread = threading.Thread(target=ctx.run, args=(self._run_sync, block_id, compiled),
-                                      name=f"block-{block_id}", daemon=True)
-            self._threads[block_id] = thread
-            thread.start()
+            runner = _BlockThread.take()
+            self._threads[block_id] = runner
+            runner.submit(block_id, ctx, self._run_sync, block_id, compiled)
 
     async def _spawn(self, block_id: str, coro, ctx: contextvars.Context) -> None:
         # A task of its own on the user loop, in the block's context.
@@ -185,12 +235,8 @@ class Runtime:
         if future is not None:
             future.cancel()  # cancels the _spawn task, which cancels the block's task
             return True
-        thread = self._threads.get(block_id)
-        if thread is not None and thread.ident is not None:
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                ctypes.c_ulong(thread.ident), ctypes.py_object(BlockCancelled))
-            return True
-        return False
+        runner = self._threads.get(block_id)
+        return runner is not None and runner.cancel(block_id)
 
     # -- control requests from the coordinator ------------------------------------------------
     async def control(self, op: str, args: dict) -> object:
