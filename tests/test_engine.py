@@ -308,3 +308,22 @@ async def test_tcp_transport(run_dir, tmp_path):
         worker = await engine.start_worker()
         assert worker._session.sock.getsockopt_string(zmq.LAST_ENDPOINT).startswith("tcp://127.0.0.1:")
         assert (await worker.run("print('over tcp')")).output == "over tcp\n"
+
+
+async def test_warm_pool_serves_new_workers_and_replacements(run_dir, tmp_path):
+    async with Engine(cwd=run_dir, state_dir=tmp_path / "state", pool=1) as engine:
+        first = await engine.start_worker("first")
+        assert await asyncio.to_thread(wait_until, lambda: len(engine._pool) == 1, 30)
+        pooled = engine._pool[0]
+        started = time.monotonic()
+        second = await engine.start_worker("second")
+        assert time.monotonic() - started < 1.0  # the target is ~10 ms; no process start happened
+        assert second._session is pooled
+        assert (await second.run("print('warm')")).output == "warm\n"
+        # A kill's replacement comes from the refilled pool too.
+        assert await asyncio.to_thread(wait_until, lambda: len(engine._pool) == 1, 30)
+        refill = engine._pool[0]
+        result = await first.run("import time; time.sleep(10**6)", timeout=0.3)
+        assert result.worker_killed
+        assert (await first.run("print('replaced')")).output == "replaced\n"
+        assert first._session is refill
