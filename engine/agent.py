@@ -575,6 +575,7 @@ async def run_task(task: str, *, models: ModelRegistry, model: str | None = None
     agent: Agent | None = None
     answer: str | None = None
     status, error = "answered", ""
+    extra: dict = {}
     try:
         if own_engine:
             engine.open()
@@ -587,6 +588,9 @@ async def run_task(task: str, *, models: ModelRegistry, model: str | None = None
         status, error = "cancelled", "cancelled"
     except (AgentloopError, ModelError) as exc:
         status, error = "failed", str(exc)
+        extra["error_type"] = type(exc).__name__  # lets batch jobs tell infrastructure from the model
+        if getattr(exc, "status", None) is not None:
+            extra["http_status"] = exc.status
     finally:
         totals = agent.totals() if agent else {"tokens_in": 0, "tokens_out": 0, "cost": 0.0, "messages": 0}
         if agent is not None:
@@ -595,4 +599,4 @@ async def run_task(task: str, *, models: ModelRegistry, model: str | None = None
             await asyncio.shield(engine.shutdown())
     return RunResult(answer=answer, status=status, error=error, messages=totals["messages"],
                      tokens_in=totals["tokens_in"], tokens_out=totals["tokens_out"], cost=totals["cost"],
-                     duration_s=time.monotonic() - started)
+                     duration_s=time.monotonic() - started, extra=extra)

@@ -52,4 +52,8 @@ class ModelUnreachable(ModelError):
 
 
 class ModelResponseError(ModelError):
-    """The model endpoint answered with an error status or an unreadable body."""
+    """The model endpoint answered with an error status (``status``) or an unreadable body."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status

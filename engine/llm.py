@@ -243,7 +243,7 @@ class Chat:
         elif status == 404:
             hint = f" (check the URL {self.model.base_url} and the model id {self.model.model!r})"
         error = ModelResponseError(self._redact(
-            f"the model endpoint {self._url} answered HTTP {status}{hint}: {text[:_BODY_PREVIEW]}"))
+            f"the model endpoint {self._url} answered HTTP {status}{hint}: {text[:_BODY_PREVIEW]}"), status)
         if status in _RETRY_STATUS or status >= 500:
             return _Transient(error, f"HTTP {status}", _retry_after(response.headers.get("retry-after")))
         return error

@@ -56,3 +56,23 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval)
+
+
+# -- Ray: tests marked `ray` start a real local cluster; `--skip-ray` leaves them out ----------
+
+def pytest_addoption(parser):
+    parser.addoption("--skip-ray", action="store_true", default=False,
+                     help="Skip the tests marked `ray` (they start a local Ray cluster).")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "ray: starts a real local Ray cluster (skip with --skip-ray)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--skip-ray"):
+        return
+    skip = pytest.mark.skip(reason="--skip-ray")
+    for item in items:
+        if "ray" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,465 @@
+"""`agentloop batch` as a user runs it: a real process, real workers, the scripted model over HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from engine.agent import RunResult
+from engine.batch import (
+    ResultsFile,
+    RunEngine,
+    default_parallel,
+    is_infrastructure,
+    read_tasks,
+    redo_selector,
+    run_slug,
+)
+from engine.display import read_recording
+from engine.engine import Engine
+from engine.errors import ModelError, WorkerError, WorkerStartError
+from engine.llm import Chat
+from engine.models import ModelConfig, load_models
+from engine.sandbox import GiB, SandboxPolicy
+from engine.scripted import Delay, Fail, ScriptedServer
+
+from .conftest import wait_until
+
+AGENTLOOP = [sys.executable, "-m", "engine.cli"]
+CODE = "<run_code>\n{}\n</run_code>"
+
+
+def echo_last(body: dict) -> str:
+    """A turn that answers with what the last user message (a code result) said, its tags
+    defused (the server cuts a reply at a result tag, as the stop sequences ask)."""
+    return "echo: " + body["messages"][-1]["content"].replace("<", "[")
+
+
+def write_tasks(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def env_for(server: ScriptedServer, tmp_path: Path) -> dict:
+    return {**os.environ, "LLM_URL": server.url, "LLM_MODEL": "scripted", "XDG_STATE_HOME": str(tmp_path / "state")}
+
+
+def run_batch(server: ScriptedServer, tmp_path: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*AGENTLOOP, "batch", *args], capture_output=True, text=True, cwd=tmp_path,
+                          env=env_for(server, tmp_path), timeout=timeout)
+
+
+def start_batch(server: ScriptedServer, tmp_path: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([*AGENTLOOP, "batch", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=tmp_path, env=env_for(server, tmp_path))
+
+
+def processes_under(path: Path) -> list[int]:
+    """Live processes whose command line or working directory lies under ``path`` (workers)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                cmdline = f.read()
+            cwd = os.readlink(f"/proc/{entry.name}/cwd")
+        except OSError:
+            continue
+        if str(path).encode() in cmdline or cwd.startswith(str(path)):
+            found.append(int(entry.name))
+    return found
+
+
+def line_count(path: Path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The task file
+# ---------------------------------------------------------------------------------------------
+
+def test_read_tasks_reports_each_invalid_line(tmp_path):
+    (tmp_path / "in.txt").write_text("x")
+    path = write_tasks(tmp_path / "tasks.jsonl", [
+        {"id": "a", "task": "fine", "files": ["in.txt"], "timeout": "5m", "max_messages": 3, "extra": 1},
+        "not json",
+        "[1, 2]",
+        {"task": "no id"},
+        {"id": "a", "task": "again"},
+        {"id": "b"},
+        {"id": "c", "task": "t", "timeout": "soon"},
+        {"id": "d", "task": "t", "files": ["missing.txt"]},
+        {"id": "e", "task": "t", "model": "nope"},
+        {"id": True, "task": "t"},
+        "",
+        {"id": 7, "task": "an integer id", "max_messages": 0},
+        {"id": 8, "task": "last"},
+    ])
+    specs, problems = read_tasks(path, load_models(None, env={}))
+    assert [s.id for s in specs] == ["a", 8]
+    assert specs[0].timeout == 300 and specs[0].max_messages == 3
+    assert specs[0].files == (str(tmp_path / "in.txt"),)
+    lines = [p.split(":")[0] for p in problems]
+    assert lines == ["line 2", "line 3", "line 4", "line 5", "line 6", "line 7", "line 8", "line 9", "line 10",
+                     "line 12"]
+    assert "duplicate id 'a' (first on line 1)" in problems[3]
+    assert "unknown model 'nope'" in problems[7]
+    assert "missing.txt" in problems[6]
+
+
+def test_invalid_lines_stop_everything_before_it_starts(tmp_path):
+    with ScriptedServer(["answered"]) as server:
+        tasks = write_tasks(tmp_path / "tasks.jsonl", [{"id": "a", "task": "[a]"}, "{oops", {"id": "a", "task": "x"}])
+        proc = run_batch(server, tmp_path, "tasks.jsonl", "-o", "out.jsonl")
+        assert proc.returncode == 125, proc.stderr
+        assert "line 2: not JSON" in proc.stderr and "line 3: duplicate id 'a'" in proc.stderr
+        assert "--skip-invalid" in proc.stderr
+        assert not (tmp_path / "out.jsonl").exists() and server.requests == []
+
+        proc = run_batch(server, tmp_path, str(tasks), "-o", "out.jsonl", "--skip-invalid")
+        assert proc.returncode == 0, proc.stderr
+        assert "skipping 2 invalid line(s)" in proc.stderr
+        assert [(r["id"], r["status"]) for r in records(tmp_path / "out.jsonl")] == [("a", "answered")]
+
+
+# ---------------------------------------------------------------------------------------------
+# A batch with every kind of outcome
+# ---------------------------------------------------------------------------------------------
+
+def test_batch_of_20_with_mixed_outcomes(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "in.txt").write_text("payload-42")
+    script: dict = {}
+    rows: list = []
+    for i in range(8):  # a plain answer
+        script[f"[a{i}]"] = [f"answer {i}"]
+        rows.append({"id": f"a{i}", "task": f"[a{i}] answer"})
+    for i in range(4):  # code that reads (and changes) a file copied into the workspace, then an answer
+        script[f"[f{i}]"] = [CODE.format("print(open('in.txt').read())\nopen('in.txt', 'a').write('+edited')"),
+                             echo_last]
+        rows.append({"id": f"f{i}", "task": f"[f{i}] read", "files": ["data/in.txt"]})
+    for i in range(3):  # the model never finishes within its messages
+        script[f"[m{i}]"] = [CODE.format("print(1)")] * 5
+        rows.append({"id": f"m{i}", "task": f"[m{i}] loop", "max_messages": 2})
+    for i in range(3):  # code that outlives the run's timeout
+        script[f"[t{i}]"] = [CODE.format("import time; time.sleep(120)")]
+        rows.append({"id": f"t{i}", "task": f"[t{i}] hang", "timeout": "1s"})
+    for i in range(2):  # an endpoint that keeps failing
+        script[f"[e{i}]"] = [Fail(500, times=1000, retry_after=0)]
+        rows.append({"id": i + 100, "task": f"[e{i}] broken"})
+    write_tasks(tmp_path / "tasks.jsonl", rows)
+    with ScriptedServer(script) as server:
+        proc = run_batch(server, tmp_path, "tasks.jsonl", "-o", "out.jsonl", "--parallel", "4")
+    assert proc.returncode == 0, proc.stderr
+    out = records(tmp_path / "out.jsonl")
+    assert sorted(map(str, (r["id"] for r in out))) == sorted(str(r["id"]) for r in rows)
+    by_id = {r["id"]: r for r in out}
+    for i in range(8):
+        r = by_id[f"a{i}"]
+        assert (r["status"], r["answer"], r["messages"], r["attempts"]) == ("answered", f"answer {i}", 1, 1)
+        assert r["tokens"]["in"] > 0 and r["tokens"]["out"] > 0 and r["model"] == "default"
+    for i in range(4):
+        r = by_id[f"f{i}"]
+        assert r["status"] == "answered" and "payload-42" in r["answer"]
+        assert Path(r["workspace"], "in.txt").read_text() == "payload-42+edited"
+    for i in range(3):
+        r = by_id[f"m{i}"]
+        assert r["status"] == "failed" and "unfinished after 2 messages" in r["error"]
+        assert r["infrastructure"] is False
+        assert by_id[f"t{i}"]["status"] == "timed_out" and by_id[f"t{i}"]["duration_s"] < 60
+    for i in (100, 101):
+        assert by_id[i]["status"] == "failed" and by_id[i]["infrastructure"] is True
+        assert "HTTP 500" in by_id[i]["error"]
+    for r in out:
+        events = read_recording(r["transcript"])
+        assert events[0]["type"] == "note" and "attempt 1" in events[0]["message"]
+        assert set(r) >= {"id", "status", "answer", "error", "messages", "tokens", "cost", "duration_s",
+                          "attempts", "transcript", "workspace"}
+    assert "[20/20]" in proc.stderr and "batch summary" in proc.stderr
+    assert processes_under(tmp_path) == []
+
+
+def test_files_and_directories_land_in_the_workspace_and_can_be_changed(tmp_path):
+    (tmp_path / "kit" / "sub").mkdir(parents=True)
+    (tmp_path / "kit" / "sub" / "a.txt").write_text("a")
+    (tmp_path / "notes.md").write_text("n")
+    code = ("import os\nopen('kit/sub/a.txt', 'a').write('+')\nopen('kit/sub/b.txt', 'w').write('b')\n"
+            "open('notes.md', 'a').write('+')\nprint(sorted(os.listdir('kit/sub')))")
+    write_tasks(tmp_path / "tasks.jsonl", [{"id": "d", "task": "[d]", "files": ["kit", "notes.md"]}])
+    with ScriptedServer({"[d]": [CODE.format(code), echo_last]}) as server:
+        proc = run_batch(server, tmp_path, "tasks.jsonl", "-o", "out.jsonl")
+    assert proc.returncode == 0, proc.stderr
+    [record] = records(tmp_path / "out.jsonl")
+    assert "['a.txt', 'b.txt']" in record["answer"], record["answer"]
+    workspace = Path(record["workspace"])
+    assert (workspace / "kit" / "sub" / "a.txt").read_text() == "a+"
+    assert (workspace / "notes.md").read_text() == "n+"
+    assert (tmp_path / "kit" / "sub" / "a.txt").read_text() == "a"  # the originals are left alone
+
+
+# ---------------------------------------------------------------------------------------------
+# Crashes and resume
+# ---------------------------------------------------------------------------------------------
+
+def test_sigkill_midway_then_resume_keeps_every_id_once(tmp_path):
+    ids = [f"k{i:02d}" for i in range(20)]
+    script = {f"[{k}]": [Delay(0.3, f"done {k}")] for k in ids}
+    write_tasks(tmp_path / "tasks.jsonl", [{"id": k, "task": f"[{k}] wait"} for k in ids])
+    out = tmp_path / "out.jsonl"
+    with ScriptedServer(script) as server:
+        proc = start_batch(server, tmp_path, "tasks.jsonl", "-o", "out.jsonl", "--parallel", "2")
+        try:
+            assert wait_until(lambda: line_count(out) >= 5, 60)
+        finally:
+            proc.kill()
+            proc.communicate(timeout=30)
+        assert proc.returncode == -signal.SIGKILL
+        assert wait_until(lambda: not processes_under(tmp_path), 60), "workers outlived their batch"
+        data = out.read_bytes()
+        finished = [json.loads(line)["id"] for line in data[:data.rfind(b"\n") + 1].splitlines()]
+        assert 5 <= len(finished) < len(ids)
+        resumed = run_batch(server, tmp_path, "tasks.jsonl", "-o", "out.jsonl", "--parallel", "2")
+        assert resumed.returncode == 0, resumed.stderr
+        counts = Counter(r["id"] for r in records(out))
+        assert sorted(counts) == ids and set(counts.values()) == {1}
+        assert all(r["status"] == "answered" for r in records(out))
+        # What was finished is not asked again; what was running when killed is.
+        assert all(len(server.conversation(f"[{k}]")) == 1 for k in finished)
+        assert f"{len(finished)} done before" in resumed.stderr
+
+
+def test_torn_last_line_is_cut_and_its_run_done_again(tmp_path):
+    good = [json.dumps({"id": "p1", "status": "answered", "answer": "old"}),
+            json.dumps({"id": "p2", "status": "failed", "answer": None})]
+    out = tmp_path / "out.jsonl"
+    out.write_text("\n".join(good) + "\n" + '{"id": "p3", "status": "answ')
+    write_tasks(tmp_path / "tasks.jsonl", [{"id": f"p{i}", "task": f"[p{i}] go"} for i in range(1, 5)])
+    with ScriptedServer({f"[p{i}]": [f"new {i}"] for i in range(1, 5)}) as server:
+        proc = run_batch(server, tmp_path, "tasks.jsonl", "-o", "out.jsonl")
+        assert proc.returncode == 0, proc.stderr
+        assert "torn last line" in proc.stderr
+        assert server.conversation("[p1]") == [] and server.conversation("[p2]") == []
+    lines = out.read_text().splitlines()
+    assert lines[:2] == good
+    assert sorted(json.loads(line)["id"] for line in lines) == ["p1", "p2", "p3", "p4"]
+
+
+def test_a_damaged_line_before_the_end_is_refused(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "a", "status": "answered"}\n{garbage\n{"id": "b", "status": "answered"}\n')
+    write_tasks(tmp_path / "tasks.jsonl", [{"id": "c", "task": "[c]"}])
+    with ScriptedServer(["x"]) as server:
+        proc = run_batch(server, tmp_path, "tasks.jsonl", "-o", "out.jsonl")
+    assert proc.returncode == 125 and "out.jsonl:2: not a result record" in proc.stderr
+
+
+def test_results_file_redo_rewrites_without_the_selected_records(tmp_path):
+    path = tmp_path / "out.jsonl"
+    results = ResultsFile(path)
+    assert results.open().done == {}
+    for ident, status, infra in [("a", "answered", False), ("b", "cancelled", False), ("c", "failed", True),
+                                 ("d", "failed", False)]:
+        results.append({"id": ident, "status": status, "infrastructure": infra})
+    results.close()
+    again = ResultsFile(path)
+    resumed = again.open(redo_selector(["infrastructure"]))
+    again.close()
+    assert resumed.done == {"a": "answered", "d": "failed"} and resumed.dropped == 2
+    assert [r["id"] for r in records(path)] == ["a", "d"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Retries: the infrastructure's failures only
+# ---------------------------------------------------------------------------------------------
+
+def test_retries_an_endpoint_that_fails_then_recovers_but_never_the_model(tmp_path):
+    script = {
+        # 5 failures use up the client's own 4 retries: the first attempt fails, the second works.
+        "[r1]": [Fail(503, times=5, retry_after=0), "recovered"],
+        "[m1]": [CODE.format("print(1)")] * 3,
+    }
+    write_tasks(tmp_path / "tasks.jsonl", [{"id": "r1", "task": "[r1] go"},
+                                           {"id": "m1", "task": "[m1] go", "max_messages": 1}])
+    with ScriptedServer(script) as server:
+        proc = run_batch(server, tmp_path, "tasks.jsonl", "-o", "out.jsonl", "--retries", "2",
+                         "--retry-backoff", "50ms")
+        assert len(server.conversation("[m1]")) == 1
+    assert proc.returncode == 0, proc.stderr
+    by_id = {r["id"]: r for r in records(tmp_path / "out.jsonl")}
+    assert (by_id["r1"]["status"], by_id["r1"]["answer"], by_id["r1"]["attempts"]) == ("answered", "recovered", 2)
+    notes = [e["message"] for e in read_recording(by_id["r1"]["transcript"]) if e["type"] == "note"]
+    assert any("attempt 1" in n for n in notes) and any("attempt 2" in n for n in notes)
+    assert (by_id["m1"]["status"], by_id["m1"]["attempts"], by_id["m1"]["infrastructure"]) == ("failed", 1, False)
+    assert "after 2 attempts" in proc.stderr
+
+
+def test_a_dead_endpoint_stops_the_batch_early(tmp_path):
+    write_tasks(tmp_path / "tasks.jsonl", [{"id": i, "task": f"[{i}] go"} for i in range(12)])
+    with ScriptedServer([Fail(502, times=10_000, retry_after=0)]) as server:
+        proc = run_batch(server, tmp_path, "tasks.jsonl", "-o", "out.jsonl", "--parallel", "1")
+        assert proc.returncode == 1, proc.stderr
+        assert "5 runs in a row failed for infrastructure reasons" in proc.stderr
+        assert len(records(tmp_path / "out.jsonl")) == 5
+        redo = run_batch(server, tmp_path, "tasks.jsonl", "-o", "out.jsonl", "--parallel", "1",
+                         "--redo", "infrastructure")
+    assert "5 record(s) removed to be run again" in redo.stderr
+
+
+async def test_errors_of_the_infrastructure_are_told_apart(tmp_path):
+    closed = ModelConfig(alias="x", base_url="http://127.0.0.1:9/v1", model="m")
+    with pytest.raises(ModelError) as unreachable:
+        await Chat("s", closed, max_retries=0).send("hi")
+    with ScriptedServer({"[500]": [Fail(500, times=10, retry_after=0)], "[404]": [Fail(404)]}) as server:
+        live = ModelConfig(alias="x", base_url=server.url, model="m")
+        with pytest.raises(ModelError) as status_500:
+            await Chat("s", live, max_retries=0).send("[500]")
+        with pytest.raises(ModelError) as status_404:
+            await Chat("s", live, max_retries=0).send("[404]")
+
+    def failed(exc: BaseException) -> RunResult:
+        return RunResult(None, "failed", str(exc))
+
+    assert is_infrastructure(failed(unreachable.value))
+    assert is_infrastructure(failed(status_500.value))
+    assert not is_infrastructure(failed(status_404.value))
+    assert not is_infrastructure(failed("Task unfinished after 3 messages"))
+    assert not is_infrastructure(RunResult(None, "timed_out", "no answer within 1 s"))
+    broken = tmp_path / "python"  # answers the sandbox's questions, dies as a worker
+    broken.write_text(f'#!/bin/sh\n[ "$1" = -m ] && exit 3\nexec {sys.executable} "$@"\n')
+    broken.chmod(0o755)
+    engine = Engine(cwd=tmp_path, state_dir=tmp_path / "state", python=str(broken), start_timeout=20,
+                    sandbox=SandboxPolicy(mode="none"))
+    async with engine:
+        with pytest.raises(WorkerStartError) as no_start:
+            await engine.start_worker("main")
+    assert is_infrastructure(failed(no_start.value))
+
+
+# ---------------------------------------------------------------------------------------------
+# Ctrl-C
+# ---------------------------------------------------------------------------------------------
+
+class Hang:
+    """A turn that hangs (until the server closes) while ``on``, and answers once switched off."""
+
+    def __init__(self) -> None:
+        self.on = threading.Event()
+        self.on.set()
+
+    def __call__(self, body: dict):
+        return Delay(120, "late") if self.on.is_set() else "answered at last"
+
+
+def test_ctrl_c_cancels_running_runs_writes_them_and_resume_redoes_them(tmp_path):
+    hang = Hang()
+    script = {"[q1]": ["quick 1"], "[q2]": ["quick 2"], "*": [hang]}
+    rows = [{"id": "q1", "task": "[q1]"}, {"id": "q2", "task": "[q2]"}]
+    rows += [{"id": f"h{i}", "task": f"[h{i}] hang"} for i in range(6)]
+    write_tasks(tmp_path / "tasks.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    with ScriptedServer(script) as server:
+        proc = start_batch(server, tmp_path, "tasks.jsonl", "-o", "out.jsonl", "--parallel", "3")
+        try:
+            assert server.wait_requests(5, timeout=60)  # q1, q2 done; h0..h2 waiting on the model
+            assert wait_until(lambda: line_count(out) == 2, 30)
+            proc.send_signal(signal.SIGINT)
+            _, stderr = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+        assert proc.returncode == 130, stderr
+        assert "interrupted" in stderr
+        status = {r["id"]: r["status"] for r in records(out)}
+        assert status == {"q1": "answered", "q2": "answered", "h0": "cancelled", "h1": "cancelled",
+                          "h2": "cancelled"}
+        assert wait_until(lambda: not processes_under(tmp_path), 60), "cancelled runs left workers"
+
+        hang.on.clear()
+        resumed = run_batch(server, tmp_path, "tasks.jsonl", "-o", "out.jsonl", "--parallel", "3")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "3 record(s) removed to be run again" in resumed.stderr
+    final = records(out)
+    assert sorted(r["id"] for r in final) == sorted(r["id"] for r in rows)
+    assert all(r["status"] == "answered" for r in final)
+
+
+def test_second_ctrl_c_leaves_at_once_with_finished_lines_intact(tmp_path):
+    # The block ignores cancellation, so the first Ctrl-C waits for the worker's grace period.
+    stubborn = CODE.format("import time\nwhile True:\n    try:\n        time.sleep(60)\n    except BaseException:\n"
+                           "        pass")
+    script = {"[q]": ["quick"], "*": [stubborn]}
+    write_tasks(tmp_path / "tasks.jsonl", [{"id": "q", "task": "[q]"}, {"id": "s", "task": "[s] stubborn"}])
+    out = tmp_path / "out.jsonl"
+    with ScriptedServer(script) as server:
+        proc = start_batch(server, tmp_path, "tasks.jsonl", "-o", "out.jsonl", "--parallel", "2")
+        try:
+            assert server.wait_requests(2, timeout=60)
+            assert wait_until(lambda: line_count(out) == 1, 30)
+            proc.send_signal(signal.SIGINT)
+            for line in proc.stderr:
+                if "interrupted" in line:
+                    break
+            proc.send_signal(signal.SIGINT)
+            _, stderr = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+    assert proc.returncode == 130
+    assert "left at once" in stderr
+    assert [(r["id"], r["status"]) for r in records(out)][:1] == [("q", "answered")]
+    assert wait_until(lambda: not processes_under(tmp_path), 60), "workers outlived their batch"
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress, capacity, the rest
+# ---------------------------------------------------------------------------------------------
+
+def test_progress_bar_and_summary(tmp_path):
+    write_tasks(tmp_path / "tasks.jsonl", [{"id": i, "task": f"[{i}]"} for i in range(3)])
+    with ScriptedServer(["yes"]) as server:
+        proc = run_batch(server, tmp_path, "tasks.jsonl", "-o", "out.jsonl", "--progress", "bar")
+    assert proc.returncode == 0, proc.stderr
+    assert "\x1b[" in proc.stderr and "3/3" in proc.stderr and "answered 3" in proc.stderr
+    assert "runs / minute" in proc.stderr
+
+
+def test_default_parallel_follows_cpus_and_memory():
+    assert default_parallel(cpus=2, memory=23 * GiB) == 4
+    assert default_parallel(cpus=16, memory=4 * GiB + 1) == 4
+    assert default_parallel(cpus=1, memory=100 * 1024 * 1024) == 1
+    assert default_parallel(cpus=256, memory=1024 * GiB) == 64
+    assert default_parallel() >= 1
+
+
+async def test_a_run_holds_at_most_its_workers(tmp_path):
+    engine = RunEngine(max_workers=2, cwd=tmp_path, workspace=tmp_path / "ws", state_dir=tmp_path / "state")
+    async with engine:
+        first = await engine.start_worker("a")
+        await engine.start_worker("b")
+        with pytest.raises(WorkerError, match="already holds 2 workers"):
+            await engine.start_worker("c")
+        await first.close()
+        await engine.start_worker("c")
+
+
+def test_ids_become_distinct_directory_names():
+    assert run_slug("task-7.a_b") == "task-7.a_b"
+    names = {run_slug(k) for k in ["a/b", "a_b", "a b", "..", "", "x" * 200]}
+    assert len(names) == 6 and all("/" not in n and n not in ("", ".", "..") for n in names)
+
+
+def test_batch_module_does_not_import_ray():
+    probe = "import sys, engine.batch; print('ray' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "False", proc.stderr
