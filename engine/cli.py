@@ -223,6 +223,19 @@ def close_display(display) -> None:
             d.close()
 
 
+def run_until_done(coro, display):
+    """Run a command's coroutine; Ctrl-C and agentloop's own errors end the process in one line."""
+    try:
+        return asyncio.run(coro)
+    except KeyboardInterrupt:
+        click.echo("agentloop: interrupted", err=True)
+        sys.exit(128 + signal.SIGINT)
+    except AgentloopError as exc:
+        _fail(str(exc))
+    finally:
+        close_display(display)
+
+
 _RUN_EXIT = {"answered": 0, "failed": 1, "timed_out": EXIT_TIMEOUT, "cancelled": 128 + signal.SIGINT}
 
 
@@ -252,15 +265,7 @@ def run_cmd(task: str, model, models_file, max_messages, record, tools, root, qu
                                   display=display, max_messages=max_messages, timeout=timeout,
                                   protocol=protocol)
 
-    try:
-        result = asyncio.run(go())
-    except KeyboardInterrupt:
-        click.echo("agentloop: interrupted", err=True)
-        sys.exit(128 + signal.SIGINT)
-    except AgentloopError as exc:
-        _fail(str(exc))
-    finally:
-        close_display(display)
+    result = run_until_done(go(), display)
     if as_json:
         click.echo(json.dumps(result.as_dict()))
     elif result.status == "answered":

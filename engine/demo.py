@@ -12,9 +12,7 @@ out of step.  Each turn looks at what the engine has sent back and picks the nex
 
 from __future__ import annotations
 
-import asyncio
 import re
-import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,9 +20,8 @@ from typing import Any
 import click
 
 from .agent import run_task
-from .cli import _fail, _policy, _sandbox_options, close_display, make_display
+from .cli import _policy, _sandbox_options, make_display, run_until_done
 from .engine import Engine
-from .errors import AgentloopError
 from .models import ModelConfig, ModelRegistry
 from .scripted import ScriptedServer
 from .tags import find_tags
@@ -255,15 +252,7 @@ def demo(record: Path | None, quiet: bool, sandbox: str, network: bool, workspac
                 return await run_task(DEMO_TASK, models=demo_registry(server.url), engine=engine,
                                       display=display, timeout=120)
 
-    try:
-        result = asyncio.run(go())
-    except KeyboardInterrupt:
-        click.echo("agentloop: interrupted", err=True)
-        sys.exit(128 + signal.SIGINT)
-    except AgentloopError as exc:
-        _fail(str(exc))
-    finally:
-        close_display(display)
+    result = run_until_done(go(), display)
     if result.status != "answered":
         click.echo(f"agentloop: demo {result.status}: {result.error}", err=True)
         sys.exit(1)

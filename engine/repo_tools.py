@@ -259,6 +259,19 @@ def _matching_lines(full: str, rx: re.Pattern[str]) -> Iterator[tuple[int, str]]
 # ---------------------------------------------------------------- executing tool calls
 # The rule that keeps a loop alive: whatever goes wrong comes back as the tool result, in words.
 
+def parse_arguments(raw: Any) -> dict | str:
+    """A tool call's arguments as a dict, or the words telling the model what was wrong."""
+    if isinstance(raw, Mapping):  # some servers send the object already parsed
+        return dict(raw)
+    try:
+        args = json.loads(raw or "{}")
+    except (json.JSONDecodeError, TypeError) as exc:
+        return f"[agent] arguments were not valid JSON ({exc}) — resend the call with corrected JSON"
+    if not isinstance(args, dict):
+        return "[agent] arguments must be a JSON object"
+    return args
+
+
 def _prepare(call: Mapping[str, Any], impls: Mapping[str, Callable[..., Any]]
              ) -> tuple[str, Callable[..., Any], dict, bool] | str:
     """(name, impl, args, signature_checked) for a tool call, or the words for why it cannot run."""
@@ -269,16 +282,9 @@ def _prepare(call: Mapping[str, Any], impls: Mapping[str, Callable[..., Any]]
     impl = impls.get(name) if isinstance(name, str) else None
     if impl is None:
         return f"[agent] unknown tool {name!r} — available: {', '.join(impls) or '(none)'}"
-    raw = fn_block.get("arguments")
-    if isinstance(raw, Mapping):  # some servers send the object already parsed
-        args: Any = dict(raw)
-    else:
-        try:
-            args = json.loads(raw or "{}")
-        except (json.JSONDecodeError, TypeError) as exc:
-            return f"[agent] arguments were not valid JSON ({exc}) — resend the call with corrected JSON"
-    if not isinstance(args, dict):
-        return "[agent] arguments must be a JSON object"
+    args = parse_arguments(fn_block.get("arguments"))
+    if isinstance(args, str):
+        return args
     checked = True
     try:
         inspect.signature(impl).bind(**args)

@@ -32,7 +32,7 @@ from . import tags
 from .agent import Agent, AgentError, _CodeTask
 from .durations import parse_duration
 from .errors import ConfigError
-from .repo_tools import MAX_RESULT, execute_tool_call_async, schema_for, truncate
+from .repo_tools import MAX_RESULT, execute_tool_call_async, parse_arguments, schema_for, truncate
 
 GUIDE = """You are an AI agent that solves tasks by running Python code and starting sub-agents through your tools.
 - run_code(code, id?, timeout?, heartbeat?) runs Python in your persistent namespace (variables, imports and functions persist). Only what you print comes back. Several run_code calls in one reply run concurrently. Top-level await works. timeout defaults to 10s; past it the code is killed.
@@ -165,7 +165,7 @@ class ToolAgent(Agent):
             fn = call.get("function") or {}
             name = fn.get("name", "")
             if name in ("run_code", "run_agent", "wait"):
-                args = _arguments(fn.get("arguments"))
+                args = parse_arguments(fn.get("arguments"))
                 if isinstance(args, str):
                     answers[call_id] = args
                     continue
@@ -245,18 +245,6 @@ class ToolAgent(Agent):
         except TimeoutError:
             pass
         return self.next_message() or f"nothing arrived within {time.monotonic() - started:.0f}s"
-
-
-def _arguments(raw: Any) -> dict | str:
-    if isinstance(raw, dict):
-        return raw
-    try:
-        args = json.loads(raw or "{}")
-    except (json.JSONDecodeError, TypeError) as exc:
-        return f"[agent] arguments were not valid JSON ({exc}) — resend the call with corrected JSON"
-    if not isinstance(args, dict):
-        return "[agent] arguments must be a JSON object"
-    return args
 
 
 def _text(task: asyncio.Task) -> str:
