@@ -33,11 +33,14 @@ class Process:
 
     def __init__(self, proc: asyncio.subprocess.Process, pid_namespace: bool) -> None:
         self.proc = proc
-        self.pid = proc.pid
+        self._stderr_task = asyncio.get_running_loop().create_task(self._read_stderr())
+        self._init_watch(proc.pid, pid_namespace)
+
+    def _init_watch(self, pid: int, pid_namespace: bool) -> None:
+        self.pid = pid
         self.pid_namespace = pid_namespace
         self.stderr_tail = b""
         loop = asyncio.get_running_loop()
-        self._stderr_task = loop.create_task(self._read_stderr())
         self._exited: asyncio.Future[None] = loop.create_future()
         try:
             self._pidfd: int | None = os.pidfd_open(self.pid)
@@ -70,10 +73,10 @@ class Process:
     async def wait(self) -> int:
         """The exit status, once the process has exited (its own children may live on)."""
         await asyncio.shield(self._exited)
-        # The child watcher reaps it and records the status a moment later.
+        # Whoever reaps it (the child watcher, the fork server) reports the status a moment later.
         for _ in range(1000):
-            if self.proc.returncode is not None:
-                return self.proc.returncode
+            if self.returncode is not None:
+                return self.returncode
             await asyncio.sleep(0.001)
         return -signal.SIGKILL
 
@@ -96,10 +99,13 @@ class Process:
             log.error("worker %d did not exit %.0f s after SIGKILL", self.pid, timeout)
         if not self.pid_namespace:
             kill_tree(self.pid, include_root=False)  # stragglers reparented while we waited
+        self._on_exit()
+        await self._close_pipes()
+
+    async def _close_pipes(self) -> None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(asyncio.shield(self._stderr_task), 0.2)
         self._stderr_task.cancel()
-        self._on_exit()
         # A descendant may still hold the stderr pipe open; don't leave the transport to the GC.
         transport = getattr(self.proc, "_transport", None)
         if transport is not None:

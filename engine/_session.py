@@ -92,7 +92,11 @@ class Session:
         self.notes = launch.notes
         pid_ns = launch.pid_namespace
         try:
-            self.proc = await spawn(launch.argv, env=launch.env, cwd=launch.cwd, pid_namespace=pid_ns)
+            zygote = await engine._fork_server(launch)
+            if zygote is not None:
+                self.proc = await zygote.spawn(launch)
+            else:
+                self.proc = await spawn(launch.argv, env=launch.env, cwd=launch.cwd, pid_namespace=pid_ns)
         except OSError as exc:
             await self.discard()
             raise WorkerStartError(f"could not start a worker ({launch.argv[0]}): {exc}") from exc
@@ -104,6 +108,8 @@ class Session:
             exited.cancel()
         if self._hello not in done or self._hello.exception():
             await self.proc.kill()
+            if self.proc.returncode is None and hasattr(self.proc, "_zygote"):
+                await asyncio.sleep(0.05)  # its status comes from the fork server
             await self.discard()
             said = self.proc.stderr_tail.decode("utf-8", "replace").strip()
             if self._hello.done() and self._hello.exception():

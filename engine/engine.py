@@ -35,6 +35,7 @@ import worker as _worker_pkg
 
 from . import sandbox as _sandbox
 from ._session import Session
+from ._zygote import Zygote
 from .errors import AgentloopError, ConfigError
 from .worker import Worker
 
@@ -99,6 +100,8 @@ class Engine:
         output_file_cap: int = 256 * 1024 * 1024,
         pool: int = 1,
         pool_idle: float = 60.0,
+        zygote: bool | None = None,
+        preload: Iterable[str] = (),
     ) -> None:
         if transport not in ("ipc", "tcp"):
             raise ConfigError(f"transport must be 'ipc' or 'tcp', not {transport!r}")
@@ -117,6 +120,9 @@ class Engine:
         self.output_file_cap = output_file_cap
         self.pool_size = max(0, pool)
         self.pool_idle = pool_idle
+        self.zygote = zygote
+        self.preload = tuple(preload)
+        self._zygote: Zygote | None = None
         self._pool: list[Session] = []
         self._pool_filling: asyncio.Task | None = None
         self._pool_shrink: asyncio.TimerHandle | None = None
@@ -175,6 +181,8 @@ class Engine:
         pooled, self._pool = self._pool, []
         await asyncio.gather(*(w.close() for w in self.workers), *(s.kill() for s in pooled),
                              return_exceptions=True)
+        if self._zygote is not None:
+            await self._zygote.close()
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
         if self._sock_root is not None:
@@ -227,6 +235,19 @@ class Engine:
             self._pool.remove(session)
 
     # -- used by sessions ------------------------------------------------------------------------
+    async def _fork_server(self, launch: Launch) -> Zygote | None:
+        """The fork server to start ``launch`` with, or None to start it cold.
+
+        ``zygote=None`` (the default) uses one where it can give the same isolation: a root
+        coordinator with bubblewrap."""
+        if self.zygote is False or not launch.pid_namespace or not Zygote.usable(launch.argv):
+            if self.zygote:
+                raise ConfigError("the fork server needs bubblewrap and a coordinator running as root")
+            return None
+        if self._zygote is None:
+            self._zygote = Zygote(self, self.preload)
+        return self._zygote
+
     def _endpoint(self, number: int) -> tuple[str, Path]:
         assert self._sock_root is not None
         sock_dir = self._sock_root / f"w{number}"

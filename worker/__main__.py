@@ -36,7 +36,12 @@ def main() -> None:
     if len(sys.argv) != 2:
         print("usage: python -m worker ENDPOINT (started by the agentloop coordinator)", file=sys.stderr)
         sys.exit(2)
-    endpoint = sys.argv[1]
+    run_worker(sys.argv[1])
+
+
+def run_worker(endpoint: str) -> None:
+    """Confine this process as the environment says, then serve the coordinator until told to
+    stop.  Never returns.  Used by ``python -m worker`` and by the zygote's forked children."""
     token = os.environ.pop("AGENTLOOP_TOKEN", "")
     confine = os.environ.pop("AGENTLOOP_CONFINE", "")
     parent = int(os.environ.pop("AGENTLOOP_PARENT", "0") or 0)

@@ -1,0 +1,195 @@
+"""The coordinator's side of the fork server (see ``worker/zygote.py``).
+
+One zygote per engine, started on first use inside the run's sandbox, with one extra
+capability (CAP_SYS_ADMIN, inside bubblewrap's mount namespace) so that each forked worker can
+get namespaces, a /proc and a /tmp of its own; the worker drops it with every other privilege
+before user code runs.  Offered where the coordinator is root and bubblewrap is in use;
+elsewhere workers start cold (the warm pool still hides that cost).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import struct
+import sys
+from typing import TYPE_CHECKING
+
+import msgpack
+
+from ._process import Process, _signal, descendants
+from .errors import WorkerStartError
+
+if TYPE_CHECKING:
+    from .engine import Engine, Launch
+
+log = logging.getLogger("agentloop")
+_READY_TIMEOUT = 30.0
+_MAX_REPLY = 1024 * 1024
+
+
+class ZygoteProcess(Process):
+    """A worker forked by the zygote: killed and watched like a started one, by host pid."""
+
+    def __init__(self, zygote: Zygote, pid: int) -> None:
+        self._zygote = zygote
+        self._init_watch(pid, pid_namespace=True)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._zygote.statuses.get(self.pid)
+
+    @property
+    def stderr_tail(self) -> bytes:  # forked workers share the server's stderr
+        return self._zygote.stderr_tail
+
+    @stderr_tail.setter
+    def stderr_tail(self, value: bytes) -> None:
+        pass
+
+    async def _close_pipes(self) -> None:
+        pass
+
+
+class Zygote:
+    """Starts the fork server and asks it for workers."""
+
+    def __init__(self, engine: Engine, preload: tuple[str, ...]) -> None:
+        self.engine = engine
+        self.preload = preload
+        self.statuses: dict[int, int] = {}  # host pid -> exit status, from 'exited' reports
+        self._proc: asyncio.subprocess.Process | None = None
+        self._reader: asyncio.Task | None = None
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._host_pids: dict[int, int] = {}  # zygote-namespace pid -> host pid
+        self._ids = itertools.count(1)
+        self._lock = asyncio.Lock()
+        self.stderr_tail = b""
+
+    @staticmethod
+    def usable(argv_prefix: list[str]) -> bool:
+        """Root with bubblewrap: the zygote can be given what its children need."""
+        return os.geteuid() == 0 and "--cap-drop" in argv_prefix and sys.platform == "linux"
+
+    async def start(self) -> None:
+        engine = self.engine
+        assert engine._sock_root is not None
+        plan = engine._plan(engine._sock_root)
+        argv = list(plan.argv_prefix)
+        at = argv.index("--cap-drop") + 2
+        argv[at:at] = ["--cap-add", "CAP_SYS_ADMIN"]
+        env = engine._env("", plan)
+        for key in ("AGENTLOOP_TOKEN", "AGENTLOOP_CONFINE", "AGENTLOOP_PARENT"):
+            env.pop(key, None)
+        env["AGENTLOOP_PRELOAD"] = ",".join(self.preload)
+        self._proc = await asyncio.create_subprocess_exec(
+            *argv, engine.python, "-m", "worker.zygote", stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+            cwd=plan.cwd or str(engine.cwd), start_new_session=True)
+        ready = asyncio.get_running_loop().create_future()
+        self._waiting[0] = ready
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+        asyncio.get_running_loop().create_task(self._read_stderr())
+        try:
+            await asyncio.wait_for(ready, _READY_TIMEOUT)
+        except (TimeoutError, EOFError) as exc:
+            await self.close()
+            said = self.stderr_tail.decode("utf-8", "replace").strip()
+            raise WorkerStartError(f"the fork server did not start: {said or exc}") from exc
+
+    async def _read_stderr(self) -> None:
+        assert self._proc is not None and self._proc.stderr is not None
+        with contextlib.suppress(Exception):
+            while chunk := await self._proc.stderr.read(65536):
+                self.stderr_tail = (self.stderr_tail + chunk)[-4096:]
+
+    async def _read(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        stdout = self._proc.stdout
+        try:
+            while True:
+                size = struct.unpack(">I", await stdout.readexactly(4))[0]
+                if size > _MAX_REPLY:
+                    raise ValueError(f"fork server sent a {size}-byte message")
+                msg = msgpack.unpackb(await stdout.readexactly(size), raw=False)
+                self._dispatch(msg)
+        except (asyncio.IncompleteReadError, ValueError, msgpack.UnpackException) as exc:
+            log.info("fork server gone: %s", exc)
+        finally:
+            for future in self._waiting.values():
+                if not future.done():
+                    future.set_exception(EOFError("the fork server exited"))
+            self._waiting.clear()
+
+    def _dispatch(self, msg: dict) -> None:
+        kind = msg.get("t")
+        if kind == "ready":
+            future = self._waiting.pop(0, None)
+        elif kind in ("spawned", "failed"):
+            future = self._waiting.pop(msg.get("id"), None)
+        elif kind == "exited":
+            host = self._host_pids.pop(msg.get("pid"), None)
+            if host is not None:
+                self.statuses[host] = int(msg.get("status", 255))
+            return
+        else:
+            return
+        if future is not None and not future.done():
+            future.set_result(msg)
+
+    async def spawn(self, launch: Launch) -> ZygoteProcess:
+        """Fork a worker for ``launch`` (its env, cwd and confinement); start the server first
+        if needed."""
+        async with self._lock:
+            if self._proc is None or self._proc.returncode is not None:
+                await self.start()
+        assert self._proc is not None and self._proc.stdin is not None
+        rid = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = future
+        request = {"t": "spawn", "id": rid, "endpoint": launch.argv[-1], "env": launch.env,
+                   "cwd": str(launch.cwd), "private_net": not self.engine.sandbox.network}
+        data = msgpack.packb(request, use_bin_type=True)
+        self._proc.stdin.write(struct.pack(">I", len(data)) + data)
+        try:
+            reply = await asyncio.wait_for(future, self.engine.start_timeout)
+        except (TimeoutError, EOFError) as exc:
+            raise WorkerStartError(f"the fork server did not fork: {exc}") from exc
+        if reply["t"] == "failed":
+            raise WorkerStartError(f"the fork server could not fork: {reply.get('error')}")
+        host = self._host_pid(int(reply["pid"]))
+        self._host_pids[int(reply["pid"])] = host
+        return ZygoteProcess(self, host)
+
+    def _host_pid(self, zpid: int) -> int:
+        """The host pid of the server's child ``zpid`` (numbered in the sandbox's namespace)."""
+        assert self._proc is not None
+        for pid in descendants(self._proc.pid):
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    for line in f:
+                        if line.startswith("NSpid:"):
+                            ids = line.split()[1:]
+                            if len(ids) == 2 and int(ids[1]) == zpid:
+                                return pid
+                            break
+            except OSError:
+                continue
+        raise WorkerStartError(f"forked worker {zpid} is not visible from the host")
+
+    async def close(self) -> None:
+        """Kill the server's sandbox: every worker it forked goes with it."""
+        if self._proc is None:
+            return
+        for pid in [*descendants(self._proc.pid), self._proc.pid]:
+            _signal(pid, 9)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._proc.wait(), 5)
+        if self._reader is not None:
+            self._reader.cancel()
+        transport = getattr(self._proc, "_transport", None)
+        if transport is not None:
+            transport.close()

@@ -1,0 +1,179 @@
+"""The fork server: ``python -m worker.zygote``, started once per run inside the run's sandbox.
+
+It imports the worker runtime (and modules named with ``AGENTLOOP_PRELOAD``) once, then forks
+a worker per request in a few milliseconds instead of starting an interpreter.  It runs no
+user code, holds no threads and no ZeroMQ context (neither survives a fork), and talks to the
+coordinator over its stdin/stdout: 4-byte big-endian length, then one msgpack map.
+
+Each worker gets the isolation of a freshly started one:
+
+    zygote ── B (outer: new PID, network, IPC, UTS and mount namespaces for its children)
+               └─ C (pid 1 there: mounts its own /proc, reaps)
+                   └─ D (the worker: applies its own confinement — uid, Landlock, seccomp,
+                         rlimits — then serves)
+
+Killing C ends every process of that namespace; C and B die with their parents, so the
+zygote's death (and the coordinator's, which kills the zygote's sandbox) ends them all.
+Requests:  spawn {id, endpoint, env, cwd, private_net}  ->  spawned {id, pid}  |  failed {id, error}
+Reports:   exited {id, pid, status}  when a worker's B is reaped (status as a shell's $?).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import signal
+import struct
+import sys
+
+import msgpack
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_PR_SET_PDEATHSIG = 1
+_NEW = 0x20000000 | 0x08000000 | 0x04000000 | 0x00020000  # PID IPC UTS NS
+_NEWNET = 0x40000000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 2, 4, 8, 16384, 1 << 18
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _die_with_parent(parent: int | None) -> None:
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if parent is not None and os.getppid() != parent:
+        os._exit(70)  # the parent died before the signal was armed
+
+
+def _exit_status(status: int) -> int:
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
+
+
+def _init(worker: int) -> None:
+    """C, pid 1 of the worker's namespace: reap everything, leave when the worker does."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            os._exit(0)
+        if pid == worker:
+            os._exit(_exit_status(status))
+
+
+def _child(request: dict, control: tuple[int, int]) -> None:
+    """B: runs in the forked child; never returns."""
+    try:
+        signal.set_wakeup_fd(-1)  # the zygote's wake-up pipe is not ours
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in control:
+            os.close(fd)
+        _die_with_parent(int(request["zygote"]))
+        # A network namespace of its own too, unless the run was given the host's network.
+        _check(_libc.unshare(_NEW | (_NEWNET if request.get("private_net", True) else 0)), "unshare")
+        init = os.fork()
+        if init:
+            _, status = os.waitpid(init, 0)
+            os._exit(_exit_status(status))
+        # Our parent lives outside this PID namespace (getppid() says 0), so there is nothing to
+        # check; were it gone already, the kill of the whole tree still reaches us.
+        _die_with_parent(None)
+        _check(_libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "private mounts")
+        _check(_libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None), "/proc")
+        # /tmp stays the sandbox's: the run's workspace and sockets are mounted beneath it.
+        # Workers of one run share it, as they share the workspace.
+        worker = os.fork()
+        if worker:
+            _init(worker)
+        _die_with_parent(1)
+        os.environ.clear()
+        os.environ.update({str(k): str(v) for k, v in request["env"].items()})
+        os.chdir(request["cwd"])
+        os.setsid()
+        from worker.__main__ import run_worker
+
+        run_worker(request["endpoint"])
+    except BaseException as exc:  # noqa: BLE001 - the last words of a child that failed to start
+        os.write(2, f"agentloop zygote: worker start failed: {exc}\n".encode())
+    os._exit(72)
+
+
+class _Wire:
+    def __init__(self) -> None:
+        self.inp = sys.stdin.buffer.fileno()
+        self.out = os.dup(sys.stdout.buffer.fileno())
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # stray prints must not corrupt the channel
+        self.buf = b""
+
+    def send(self, msg: dict) -> None:
+        data = msgpack.packb(msg, use_bin_type=True)
+        os.write(self.out, struct.pack(">I", len(data)) + data)
+
+    def read(self) -> list[dict] | None:
+        chunk = os.read(self.inp, 65536)
+        if not chunk:
+            return None
+        self.buf += chunk
+        messages = []
+        while len(self.buf) >= 4:
+            size = struct.unpack(">I", self.buf[:4])[0]
+            if len(self.buf) < 4 + size:
+                break
+            messages.append(msgpack.unpackb(self.buf[4:4 + size], raw=False))
+            self.buf = self.buf[4 + size:]
+        return messages
+
+
+def serve() -> None:
+    for name in filter(None, os.environ.pop("AGENTLOOP_PRELOAD", "").split(",")):
+        __import__(name.strip())
+    import worker.__main__  # noqa: F401 - everything a worker imports, imported once, shared by all
+    import worker._confine  # noqa: F401
+    import worker.serve  # noqa: F401
+
+    wire = _Wire()
+    children: dict[int, object] = {}
+    # SIGCHLD wakes select(): the self-pipe turns the signal into a readable fd.
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    wire.send({"t": "ready", "pid": os.getpid()})
+    while True:
+        ready, _, _ = select.select([wire.inp, wake_r], [], [])
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+            while True:
+                try:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    break
+                wire.send({"t": "exited", "id": children.pop(pid, None), "pid": pid,
+                           "status": _exit_status(status)})
+        if wire.inp in ready:
+            messages = wire.read()
+            if messages is None:
+                os._exit(0)  # the coordinator is gone
+            for request in messages:
+                if request.get("t") != "spawn":
+                    continue
+                request["zygote"] = os.getpid()
+                try:
+                    pid = os.fork()
+                except OSError as exc:
+                    wire.send({"t": "failed", "id": request.get("id"), "error": str(exc)})
+                    continue
+                if pid == 0:
+                    _child(request, (wire.inp, wire.out, wake_r, wake_w))
+                children[pid] = request.get("id")
+                wire.send({"t": "spawned", "id": request.get("id"), "pid": pid})
+
+
+if __name__ == "__main__":
+    serve()
