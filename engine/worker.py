@@ -61,6 +61,7 @@ class _Block:
         self.started = time.monotonic()
         self.future: asyncio.Future[BlockResult] = asyncio.get_running_loop().create_future()
         self.timed_out = False
+        self.stuck = asyncio.Event()  # the worker says cancellation cannot reach the block
 
     def finish(self, status: str, *, error: str = "", message: str = "", **extra) -> None:
         if self.future.done():
@@ -243,6 +244,12 @@ class Worker:
                 block.finish(status, error=error)
             else:
                 block.finish("error", error=error, message=f"worker reported status {status!r}")
+        elif kind == "stuck":
+            block = self._blocks.get(msg.get("id"))  # type: ignore[arg-type]
+            if block is None:
+                session.drop("stuck for no running block")
+            else:
+                block.stuck.set()
         elif kind == "resp":
             future = self._requests.pop(msg.get("rid"), None)  # type: ignore[arg-type]
             if future is None or future.done():
@@ -383,18 +390,20 @@ class Worker:
         """Cooperative cancel, then — after ``grace`` — the hard kill of the whole tree."""
         await self.send({"t": "cancel", "id": block.id})
         grace = self.engine.grace
+        stuck = asyncio.ensure_future(block.stuck.wait())
         try:
-            return await asyncio.wait_for(asyncio.shield(block.future), grace)
-        except TimeoutError:
-            pass
+            await asyncio.wait([block.future, stuck], timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stuck.cancel()
         async with self._lock:
             if not block.future.done():
-                log.info("worker %s: block %s ignored cancellation for %.1f s; killing the worker",
-                         self.name, block.id, grace)
+                if block.stuck.is_set():
+                    how = "it is blocked outside Python (in C code), where cancellation cannot reach"
+                else:
+                    how = f"it did not stop within {_secs(grace)} of being cancelled"
+                log.info("worker %s: block %s: %s; killing the worker", self.name, block.id, how)
                 await self._kill_locked(f"the worker was killed because block {block.id} {why}",
-                                        cause=block,
-                                        cause_message=f"{why}; it did not stop within {_secs(grace)} "
-                                                      "of being cancelled, so the worker was killed")
+                                        cause=block, cause_message=f"{why}; {how}, so the worker was killed")
                 if self.state is WorkerState.DEAD:
                     self._restarting = asyncio.ensure_future(self._restart_quietly())
         return await block.future

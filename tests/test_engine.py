@@ -327,3 +327,14 @@ async def test_warm_pool_serves_new_workers_and_replacements(run_dir, tmp_path):
         assert result.worker_killed
         assert (await first.run("print('replaced')")).output == "replaced\n"
         assert first._session is refill
+
+
+async def test_cancellation_lets_cleanup_finish_but_not_a_block_in_c(worker):
+    # A block that took the cancellation and is cleaning up gets the grace ...
+    tidy = await worker.run("import time\ntry:\n    while True: time.sleep(0.001)\n"
+                            "finally:\n    time.sleep(0.1)\n    print('cleaned up')", timeout=0.3)
+    assert tidy.status == "timeout" and not tidy.worker_killed
+    assert tidy.output == "cleaned up\n"
+    # ... one sitting in C, where cancellation cannot reach, is killed without waiting it out.
+    stuck = await worker.run("import time; time.sleep(10**6)", timeout=0.3)
+    assert stuck.worker_killed and "blocked outside Python" in stuck.message

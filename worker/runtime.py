@@ -21,6 +21,7 @@ import inspect
 import linecache
 import os
 import queue
+import sys
 import threading
 import traceback
 from collections.abc import Awaitable, Callable
@@ -103,6 +104,19 @@ class _BlockThread:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(
                 ctypes.c_ulong(self.thread.ident), ctypes.py_object(BlockCancelled))
             return True
+
+    def position(self) -> tuple[int, int] | None:
+        """Where the thread is: (frame identity, bytecode offset); None when idle."""
+        frame = sys._current_frames().get(self.thread.ident or -1)
+        return None if frame is None else (id(frame), frame.f_lasti)
+
+    def sleeping(self) -> bool:
+        """Whether the kernel has the thread waiting (state S or D), not running or runnable."""
+        try:
+            with open(f"/proc/self/task/{self.thread.native_id}/stat", "rb") as f:
+                return f.read().rsplit(b")", 1)[1].split()[0] in (b"S", b"D")
+        except (OSError, IndexError):
+            return False
 
     def _loop(self) -> None:
         while True:
@@ -228,6 +242,30 @@ class Runtime:
         self._router.end(block_id)
         await self._router.flush(block_id)
         await self._on_done(block_id, status, error)
+
+    def position(self, block_id: str) -> tuple[int, int] | None:
+        """Where a thread block is (frame, bytecode offset), to compare before and after a cancel."""
+        runner = self._threads.get(block_id)
+        return runner.position() if runner is not None else None
+
+    async def stuck(self, block_id: str, at_cancel: tuple[int, int] | None, window: float = 0.01) -> bool:
+        """After a cancel: is the block where cancellation cannot reach it?  A thread still at
+        the very bytecode it was at when cancelled, ``window`` later, is blocked in C (one that
+        moved on is running its cleanup, and gets the grace); an awaiting block is stuck when its
+        loop does not answer within ``window`` (sync code blocks it).  Either way only a kill
+        stops it, and waiting out the grace would be time lost."""
+        runner = self._threads.get(block_id)
+        if runner is not None:
+            await asyncio.sleep(window)
+            # Waiting in the kernel, at the same place: a spinning thread the scheduler starved
+            # would be runnable, and is given the grace instead.
+            return (block_id in self._threads and at_cancel is not None
+                    and runner.position() == at_cancel and runner.sleeping())
+        if block_id in self._tasks:
+            ping = asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self._user_loop)
+            await asyncio.sleep(window)
+            return block_id in self._tasks and not ping.done()
+        return False
 
     def cancel(self, block_id: str) -> bool:
         """Ask a block to stop.  Returns False when no such block runs."""

@@ -151,7 +151,10 @@ async def serve(endpoint: str, token: str) -> int:
             if isinstance(block_id, str) and isinstance(code, str):
                 runtime.start(block_id, code)
         elif kind == "cancel":
-            runtime.cancel(str(msg.get("id")))
+            block_id = str(msg.get("id"))
+            at_cancel = runtime.position(block_id)
+            if runtime.cancel(block_id):
+                conn_loop.create_task(_report_stuck(conn, runtime, block_id, at_cancel))
         elif kind == "reply":
             conn.resolve(msg)
         elif kind == "req":
@@ -162,6 +165,11 @@ async def serve(endpoint: str, token: str) -> int:
             await conn.drain()
             conn.sock.close(linger=2000)
             return 0
+
+
+async def _report_stuck(conn: Connection, runtime: Runtime, block_id: str, at_cancel) -> None:
+    if await runtime.stuck(block_id, at_cancel):
+        await conn.send({"t": "stuck", "id": block_id})
 
 
 async def _answer(conn: Connection, runtime: Runtime, msg: dict) -> None:

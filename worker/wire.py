@@ -17,6 +17,7 @@ Worker -> coordinator
     out      {id, o: [[stream, bytes], ...]}   batched output; stream 1 = stdout, 2 = stderr
     done     {id, status, error, vars}    status: ok | error | cancelled
     call     {cid, name, args, kwargs}    call a host function (``self``, tools)
+    stuck    {id}                         a cancelled block sits in C code: only a kill stops it
     event    {kind, ...}                  anything else the coordinator may log
     bye      {}
 
