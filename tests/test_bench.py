@@ -1,0 +1,59 @@
+"""``scripts/bench --quick`` runs end to end and prints the report as JSON.
+
+The figures themselves are not judged here (they depend on the machine); only that every
+part ran and reported in the expected shape.  Jupyter is measured when it is installed in
+the venv and reported as null otherwise: the suite never installs it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+FIGURES = ("worker_start_ms", "exec_rtt_ms", "stream_mb_s", "kill_to_ready_ms",
+           "idle_worker_pss_mb", "max_idle_workers", "zmq_floor_us")
+TARGETS = ("warm_start", "cold_start", "exec_rtt_vs_jupyter", "exec_rtt_vs_floor", "stream",
+           "kill_to_ready", "idle_pss", "idle_workers")
+
+
+@pytest.mark.timeout(300)
+def test_quick_bench_prints_a_complete_report(tmp_path: Path) -> None:
+    env = {**os.environ, "AGENTLOOP_BENCH_INSTALL": "0"}
+    out_file = tmp_path / "report.json"
+    done = subprocess.run([str(REPO / "scripts" / "bench"), "--quick", "--json-out", str(out_file)],
+                          cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)  # stdout is not a terminal: nothing but the JSON
+    assert json.loads(out_file.read_text()) == report
+
+    assert {"bench", "machine", "ratios", "targets", "notes", *FIGURES} <= report.keys()
+    assert report["bench"]["mode"] == "quick"
+    assert report["machine"]["cpus"] >= 1 and report["machine"]["python"]
+
+    start, rtt = report["worker_start_ms"], report["exec_rtt_ms"]["agentloop"]
+    assert start["cold"]["p50"] > 0 and start["cold"]["n"] == 3
+    assert start["warm"] is None or start["warm"]["p50"] > 0
+    assert 0 < rtt["p50"] <= rtt["p99"] and rtt["n"] == 50
+    assert report["stream_mb_s"]["agentloop"] > 0
+    assert report["kill_to_ready_ms"]["agentloop"]["p50"] > 0
+    assert report["idle_worker_pss_mb"]["agentloop"] > 0
+    assert report["max_idle_workers"]["count"] >= 1
+    assert report["zmq_floor_us"]["p50"] > 0
+
+    jupyter = all(importlib.util.find_spec(m) for m in ("jupyter_client", "ipykernel"))
+    for value in (start["jupyter"], report["exec_rtt_ms"]["jupyter"], report["stream_mb_s"]["jupyter"],
+                  report["kill_to_ready_ms"]["jupyter_restart"], report["idle_worker_pss_mb"]["jupyter_rss"]):
+        assert (value is not None) == jupyter
+
+    assert set(TARGETS) <= report["targets"].keys()
+    for target in report["targets"].values():
+        assert target["met"] in (True, False, None) and target["target"]
+    assert report["targets"]["idle_workers"]["met"] is None  # --quick does not try 500
