@@ -77,6 +77,10 @@ def _sandbox_options(f):
     ])
 
 
+def _modules(text: str) -> tuple[str, ...]:
+    return tuple(m.strip() for m in text.split(",") if m.strip())
+
+
 def _policy(sandbox: str, network: bool) -> SandboxPolicy:
     if sandbox == "none":
         click.echo("agentloop: warning: --sandbox none runs model code with your privileges", err=True)
@@ -245,8 +249,10 @@ _RUN_EXIT = {"answered": 0, "failed": 1, "timed_out": EXIT_TIMEOUT, "cancelled":
 @click.option("--timeout", type=Duration(), default=None, help="Wall-clock cap for the whole run.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object (answer, status, messages, tokens, cost, duration_s).")
+@click.option("--preload", default="", metavar="MODULES",
+              help="Modules the fork server imports once for every worker, e.g. numpy,pandas.")
 def run_cmd(task: str, model, models_file, max_messages, record, tools, root, quiet, protocol, sandbox,
-            network, workspace, timeout, as_json) -> None:
+            network, workspace, timeout, as_json, preload) -> None:
     """Run TASK to its end: the final answer alone on stdout, the live display on stderr."""
     from .agent import run_task
 
@@ -260,7 +266,7 @@ def run_cmd(task: str, model, models_file, max_messages, record, tools, root, qu
     policy = _policy(sandbox, network)
 
     async def go():
-        async with Engine(sandbox=policy, workspace=workspace) as engine:
+        async with Engine(sandbox=policy, workspace=workspace, preload=_modules(preload)) as engine:
             return await run_task(task, models=registry, model=model, engine=engine, functions=functions,
                                   display=display, max_messages=max_messages, timeout=timeout,
                                   protocol=protocol)

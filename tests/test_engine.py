@@ -338,3 +338,21 @@ async def test_cancellation_lets_cleanup_finish_but_not_a_block_in_c(worker):
     # ... one sitting in C, where cancellation cannot reach, is killed without waiting it out.
     stuck = await worker.run("import time; time.sleep(10**6)", timeout=0.3)
     assert stuck.worker_killed and "blocked outside Python" in stuck.message
+
+
+async def test_fork_server_preloads_and_isolates(run_dir, tmp_path):
+    from engine.sandbox import host_support
+
+    if os.geteuid() != 0 or not host_support().bwrap:
+        pytest.skip(reason="the fork server needs a root coordinator with bubblewrap")
+    async with Engine(cwd=run_dir, state_dir=tmp_path / "state", pool=0, zygote=True,
+                      preload=("decimal",)) as engine:
+        a = await engine.start_worker("a")
+        b = await engine.start_worker("b")
+        seen = await a.run("import os, sys\nprint('decimal' in sys.modules, sorted(os.listdir('/proc'))[:3])")
+        preloaded, first_pids = seen.output.split(" ", 1)
+        assert preloaded == "True"
+        assert first_pids.startswith("['1', '2'")  # a /proc of its own: its init, then itself
+        assert a.pid != b.pid
+        ids = [(await w.run("import os; print(os.getuid())")).output for w in (a, b)]
+        assert ids[0] != ids[1]  # each forked worker has a uid (and process budget) of its own
