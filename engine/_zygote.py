@@ -173,7 +173,7 @@ class Zygote:
                     for line in f:
                         if line.startswith("NSpid:"):
                             ids = line.split()[1:]
-                            if len(ids) == 2 and int(ids[1]) == zpid:
+                            if len(ids) >= 2 and int(ids[1]) == zpid:
                                 return pid
                             break
             except OSError:

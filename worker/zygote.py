@@ -7,13 +7,15 @@ coordinator over its stdin/stdout: 4-byte big-endian length, then one msgpack ma
 
 Each worker gets the isolation of a freshly started one:
 
-    zygote ── B (outer: new PID, network, IPC, UTS and mount namespaces for its children)
-               └─ C (pid 1 there: mounts its own /proc, reaps)
-                   └─ D (the worker: applies its own confinement — uid, Landlock, seccomp,
-                         rlimits — then serves)
+    zygote ── B (new PID, network, IPC, UTS and mount namespaces for its children; forks C,
+               says C's pid, exits)
+          ── C (re-parented to the zygote; pid 1 of its namespace: mounts its own /proc, reaps)
+               └─ D (the worker: applies its own confinement — uid, Landlock, seccomp,
+                     rlimits — then serves)
 
-Killing C ends every process of that namespace; C and B die with their parents, so the
-zygote's death (and the coordinator's, which kills the zygote's sandbox) ends them all.
+Killing C ends every process of that namespace.  C and D are also members of the sandbox's
+PID namespace, so the zygote's death (and the coordinator's, which kills the zygote's
+sandbox) ends them all.
 Requests:  spawn {id, endpoint, env, cwd, private_net}  ->  spawned {id, pid}  |  failed {id, error}
 Reports:   exited {id, pid, status}  when a worker's B is reaped (status as a shell's $?).
 """
@@ -31,6 +33,7 @@ import msgpack
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 _NEW = 0x20000000 | 0x08000000 | 0x04000000 | 0x00020000  # PID IPC UTS NS
 _NEWNET = 0x40000000
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 2, 4, 8, 16384, 1 << 18
@@ -65,23 +68,24 @@ def _init(worker: int) -> None:
             os._exit(_exit_status(status))
 
 
-def _child(request: dict, control: tuple[int, int]) -> None:
-    """B: runs in the forked child; never returns."""
+def _child(request: dict, control: tuple[int, ...], report: int) -> None:
+    """B: runs in the forked child; never returns.  B only makes the namespaces, forks C into
+    them, tells the zygote C's pid and leaves: C is re-parented to the zygote (a subreaper),
+    which reaps it and reports its status."""
     try:
         signal.set_wakeup_fd(-1)  # the zygote's wake-up pipe is not ours
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in control:
             os.close(fd)
-        _die_with_parent(int(request["zygote"]))
         # A network namespace of its own too, unless the run was given the host's network.
         _check(_libc.unshare(_NEW | (_NEWNET if request.get("private_net", True) else 0)), "unshare")
         init = os.fork()
         if init:
-            _, status = os.waitpid(init, 0)
-            os._exit(_exit_status(status))
-        # Our parent lives outside this PID namespace (getppid() says 0), so there is nothing to
-        # check; were it gone already, the kill of the whole tree still reaches us.
-        _die_with_parent(None)
+            os.write(report, struct.pack(">I", init))
+            os._exit(0)
+        os.close(report)
+        # No parent-death signal for C: it would fire as B leaves.  C lives in the sandbox's
+        # PID namespace too, which ends with the zygote and with the coordinator.
         _check(_libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "private mounts")
         _check(_libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None), "/proc")
         # /tmp stays the sandbox's: the run's workspace and sockets are mounted beneath it.
@@ -100,6 +104,12 @@ def _child(request: dict, control: tuple[int, int]) -> None:
     except BaseException as exc:  # noqa: BLE001 - the last words of a child that failed to start
         os.write(2, f"agentloop zygote: worker start failed: {exc}\n".encode())
     os._exit(72)
+
+
+def _read_pid(fd: int, timeout: float = 10.0) -> int | None:
+    ready, _, _ = select.select([fd], [], [], timeout)
+    data = os.read(fd, 4) if ready else b""
+    return struct.unpack(">I", data)[0] if len(data) == 4 else None
 
 
 class _Wire:
@@ -136,6 +146,7 @@ def serve() -> None:
     import worker.serve  # noqa: F401
 
     wire = _Wire()
+    _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # workers' inits come back to us
     children: dict[int, object] = {}
     # SIGCHLD wakes select(): the self-pipe turns the signal into a readable fd.
     wake_r, wake_w = os.pipe()
@@ -154,8 +165,9 @@ def serve() -> None:
                     break
                 if pid == 0:
                     break
-                wire.send({"t": "exited", "id": children.pop(pid, None), "pid": pid,
-                           "status": _exit_status(status)})
+                if pid in children:  # not the short-lived B processes
+                    wire.send({"t": "exited", "id": children.pop(pid), "pid": pid,
+                               "status": _exit_status(status)})
         if wire.inp in ready:
             messages = wire.read()
             if messages is None:
@@ -163,16 +175,25 @@ def serve() -> None:
             for request in messages:
                 if request.get("t") != "spawn":
                     continue
-                request["zygote"] = os.getpid()
+                report_r, report_w = os.pipe()
                 try:
                     pid = os.fork()
                 except OSError as exc:
+                    os.close(report_r)
+                    os.close(report_w)
                     wire.send({"t": "failed", "id": request.get("id"), "error": str(exc)})
                     continue
                 if pid == 0:
-                    _child(request, (wire.inp, wire.out, wake_r, wake_w))
-                children[pid] = request.get("id")
-                wire.send({"t": "spawned", "id": request.get("id"), "pid": pid})
+                    os.close(report_r)
+                    _child(request, (wire.inp, wire.out, wake_r, wake_w), report_w)
+                os.close(report_w)
+                init = _read_pid(report_r)
+                os.close(report_r)
+                if init is None:
+                    wire.send({"t": "failed", "id": request.get("id"), "error": "the worker's init did not start"})
+                    continue
+                children[init] = request.get("id")
+                wire.send({"t": "spawned", "id": request.get("id"), "pid": init})
 
 
 if __name__ == "__main__":
