@@ -1,9 +1,9 @@
 """The coordinator's side of the fork server (see ``worker/zygote.py``).
 
 One zygote per engine, started on first use inside the run's sandbox, with one extra
-capability (CAP_SYS_ADMIN, inside bubblewrap's mount namespace) so that each forked worker can
-get namespaces, a /proc and a /tmp of its own; the worker drops it with every other privilege
-before user code runs.  Offered where the coordinator is root and bubblewrap is in use;
+two capabilities (CAP_SYS_ADMIN and CAP_NET_ADMIN, inside bubblewrap's namespaces) so that each
+forked worker can get namespaces, a /proc, a /tmp and a loopback of its own; the worker drops
+them with every other privilege before user code runs.  Offered where the coordinator is root and bubblewrap is in use;
 elsewhere workers start cold (the warm pool still hides that cost).
 """
 
@@ -80,7 +80,7 @@ class Zygote:
         plan = engine._plan(engine._sock_root)
         argv = list(plan.argv_prefix)
         at = argv.index("--cap-drop") + 2
-        argv[at:at] = ["--cap-add", "CAP_SYS_ADMIN"]
+        argv[at:at] = ["--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_NET_ADMIN"]
         env = engine._env("", plan)
         for key in ("AGENTLOOP_TOKEN", "AGENTLOOP_CONFINE", "AGENTLOOP_PARENT"):
             env.pop(key, None)
@@ -151,7 +151,8 @@ class Zygote:
         future = asyncio.get_running_loop().create_future()
         self._waiting[rid] = future
         request = {"t": "spawn", "id": rid, "endpoint": launch.argv[-1], "env": launch.env,
-                   "cwd": str(launch.cwd), "private_net": not self.engine.sandbox.network}
+                   "cwd": str(launch.cwd), "private_net": not self.engine.sandbox.network,
+                   "tmp_bytes": self.engine.sandbox.tmp_bytes}
         data = msgpack.packb(request, use_bin_type=True)
         self._proc.stdin.write(struct.pack(">I", len(data)) + data)
         try:

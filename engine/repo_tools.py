@@ -16,6 +16,7 @@ tools.
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
 import json
 import os
@@ -111,9 +112,36 @@ class RepoTools:
             full = os.path.realpath(os.path.join(self._root, path))
         except ValueError as exc:  # embedded NUL byte
             raise ToolError(f"bad path {path!r}: {exc}") from None
-        if full != self._root and not full.startswith(self._root.rstrip(os.sep) + os.sep):  # root "/" too
+        if not self._inside(full):
             raise ToolError(f"path escapes the project root: {path}")
         return full
+
+    def _inside(self, full: str) -> bool:
+        return full == self._root or full.startswith(self._root.rstrip(os.sep) + os.sep)  # root "/" too
+
+    def _open(self, full: str, shown: str, flags: int = os.O_RDONLY) -> int:
+        """Open ``full`` (already confined by ``_resolve``) one component at a time from the root,
+        never following a link.  The path was checked a moment ago; code running beside us may
+        swap a directory for a symlink in between, and this open then fails instead of leaving
+        the root."""
+        rel = os.path.relpath(full, self._root)
+        parts = [] if rel == "." else rel.split(os.sep)
+        fd = os.open(self._root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for i, part in enumerate(parts):
+                last = i == len(parts) - 1
+                mode = flags if last else os.O_RDONLY | os.O_DIRECTORY
+                nfd = os.open(part, mode | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=fd)
+                os.close(fd)
+                fd = nfd
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise ToolError(f"{shown} changed while being read (a link appeared in its path)") from None
+            if exc.errno == errno.ENOENT:
+                raise ToolError(f"no such file: {shown}") from None
+            raise
+        return fd
 
     def list_dir(self, path: str = ".") -> str:
         """List one directory: entries with a trailing / for
@@ -125,16 +153,20 @@ class RepoTools:
         full = self._resolve(path)
         if not os.path.isdir(full):
             raise ToolError(f"not a directory: {path}")
+        fd = self._open(full, path, os.O_RDONLY | os.O_DIRECTORY)
         rows = []
-        for name in sorted(os.listdir(full)):
-            entry = os.path.join(full, name)
-            if os.path.isdir(entry):
-                rows.append(f"{name}/")
-                continue
-            try:
-                rows.append(f"{name} ({os.path.getsize(entry)} bytes)")
-            except OSError:  # a dangling link; one bad entry must not hide the rest
-                rows.append(f"{name} (unreadable)")
+        try:
+            for name in sorted(os.listdir(fd)):
+                try:
+                    st = os.stat(name, dir_fd=fd)  # follows links, as the seed's listing did ...
+                    if not self._inside(os.path.realpath(os.path.join(full, name))):
+                        raise OSError  # ... but says nothing of what lies outside the root
+                except OSError:  # a dangling or escaping link; one bad entry must not hide the rest
+                    rows.append(f"{name} (unreadable)")
+                    continue
+                rows.append(f"{name}/" if stat.S_ISDIR(st.st_mode) else f"{name} ({st.st_size} bytes)")
+        finally:
+            os.close(fd)
         return truncate("\n".join(rows) or "(empty directory)", self.max_result)
 
     def read_file(self, path: str, offset: int = 1, limit: int = 200) -> str:
@@ -156,7 +188,12 @@ class RepoTools:
             raise ToolError(f"not a regular file: {path}")
         offset = _as_int("offset", offset)
         limit = _as_int("limit", limit)
-        with open(full, errors="replace") as f:
+        fd = self._open(full, path)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped for a FIFO or device meanwhile
+            os.close(fd)
+            raise ToolError(f"not a regular file: {path}")
+        os.set_blocking(fd, True)
+        with open(fd, errors="replace") as f:
             lines = f.readlines()
         if not lines:
             return "(empty file)"
@@ -187,14 +224,23 @@ class RepoTools:
             raise ToolError(f"bad regex {pattern!r}: {exc}") from None
         start = self._resolve(path)
         if os.path.isfile(start):  # one file named: search just it, rather than report nothing
-            files = [start]
+            parent = self._open(os.path.dirname(start), path, os.O_RDONLY | os.O_DIRECTORY)
+            files: Iterator[tuple[int, str, str]] = iter([(parent, os.path.basename(start), start)])
         elif os.path.isdir(start):
-            files = self._walk(start)
+            parent = self._open(start, path, os.O_RDONLY | os.O_DIRECTORY)
+            files = self._walk(parent, start)
         else:
             raise ToolError(f"not a directory: {path}")
+        try:
+            return self._search(rx, files, pattern, path)
+        finally:
+            os.close(parent)
+
+    def _search(self, rx: re.Pattern[str], files: Iterator[tuple[int, str, str]], pattern: str,
+                path: str) -> str:
         hits: list[str] = []
-        for full in files:
-            for lineno, line in _matching_lines(full, rx):
+        for dir_fd, name, full in files:
+            for lineno, line in _matching_lines(dir_fd, name, rx):
                 rel = os.path.relpath(full, self._root)
                 hits.append(f"{rel}:{lineno}: {line.rstrip()[:_MATCH_LINE_CHARS]}")
                 if len(hits) >= MAX_MATCHES:
@@ -202,12 +248,14 @@ class RepoTools:
                     return truncate("\n".join(hits), self.max_result)
         return truncate("\n".join(hits) or f"no matches for {pattern!r} under {path}", self.max_result)
 
-    def _walk(self, start: str) -> Iterator[str]:
-        """Regular files under ``start`` in sorted order; SKIP_DIRS pruned, symlinks never followed."""
-        for dirpath, dirnames, filenames in os.walk(start):
+    def _walk(self, start_fd: int, start: str) -> Iterator[tuple[int, str, str]]:
+        """(directory fd, name, path) of the files under ``start`` in sorted order; SKIP_DIRS
+        pruned, symlinks never followed.  ``os.fwalk`` descends through directory handles and
+        checks each is the directory it listed, so a directory swapped for a link is not entered."""
+        for dirpath, dirnames, filenames, dir_fd in os.fwalk(".", dir_fd=start_fd):
             dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
             for fname in sorted(filenames):
-                yield os.path.join(dirpath, fname)
+                yield dir_fd, fname, os.path.normpath(os.path.join(start, dirpath, fname))
 
     def functions(self) -> dict[str, Callable[..., str]]:
         """The three tools as plain functions bound to this root, for use as host functions.
@@ -239,13 +287,21 @@ def _as_int(name: str, value: Any) -> int:
         raise ToolError(f"{name} must be an integer, got {value!r}") from None
 
 
-def _matching_lines(full: str, rx: re.Pattern[str]) -> Iterator[tuple[int, str]]:
-    """(line number, line) of each match in one file; links, non-regular, big and binary files yield nothing."""
+def _matching_lines(dir_fd: int, name: str, rx: re.Pattern[str]) -> Iterator[tuple[int, str]]:
+    """(line number, line) of each match in one file; links, non-regular, big and binary files
+    yield nothing.  Opened without following links and checked once open: no swap in between."""
     try:
-        st = os.lstat(full)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+    except OSError:  # a link (ELOOP), unreadable, or gone since the walk: skip it like the rest
+        return
+    try:
+        st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SEARCH_FILE:
             return
-        with open(full, errors="replace") as f:
+        os.set_blocking(fd, True)
+        f = open(fd, errors="replace")
+        fd = -1  # the file object owns it now
+        with f:
             if "\0" in f.read(1024):  # binary
                 return
             f.seek(0)
@@ -254,6 +310,9 @@ def _matching_lines(full: str, rx: re.Pattern[str]) -> Iterator[tuple[int, str]]
                     yield lineno, line
     except OSError:  # unreadable, or gone since the walk: skip it like the rest
         return
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 # ---------------------------------------------------------------- executing tool calls

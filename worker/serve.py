@@ -56,8 +56,14 @@ class Connection:
     async def _send_loop(self) -> None:
         while True:
             frame = await self._queue.get()
-            await self.sock.send(frame, copy=len(frame) < 65536)
-            self._queue.task_done()
+            try:
+                # copy=True always: the zero-copy path needs a new file descriptor, and user code
+                # that used them all up must not cut the channel.
+                await self.sock.send(frame, copy=True)
+            except zmq.ZMQError as exc:
+                os.write(2, f"agentloop worker: a frame was not sent: {exc}\n".encode())
+            finally:
+                self._queue.task_done()
 
     async def recv(self) -> dict | None:
         frame = await self.sock.recv(copy=True)

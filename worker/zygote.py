@@ -9,14 +9,15 @@ Each worker gets the isolation of a freshly started one:
 
     zygote ── B (new PID, network, IPC, UTS and mount namespaces for its children; forks C,
                says C's pid, exits)
-          ── C (re-parented to the zygote; pid 1 of its namespace: mounts its own /proc, reaps)
+          ── C (re-parented to the zygote; pid 1 of its namespace: mounts its own /proc, /tmp
+               and /dev/shm, shows only its worker's socket, brings its loopback up, reaps)
                └─ D (the worker: applies its own confinement — uid, Landlock, seccomp,
                      rlimits — then serves)
 
 Killing C ends every process of that namespace.  C and D are also members of the sandbox's
 PID namespace, so the zygote's death (and the coordinator's, which kills the zygote's
 sandbox) ends them all.
-Requests:  spawn {id, endpoint, env, cwd, private_net}  ->  spawned {id, pid}  |  failed {id, error}
+Requests:  spawn {id, endpoint, env, cwd, private_net, tmp_bytes}  ->  spawned {id, pid}  |  failed {id, error}
 Reports:   exited {id, pid, status}  when a worker's B is reaped (status as a shell's $?).
 """
 
@@ -36,7 +37,8 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _NEW = 0x20000000 | 0x08000000 | 0x04000000 | 0x00020000  # PID IPC UTS NS
 _NEWNET = 0x40000000
-_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 2, 4, 8, 16384, 1 << 18
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
+_MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
 
 
 def _check(result: int, what: str) -> None:
@@ -55,6 +57,62 @@ def _exit_status(status: int) -> int:
     if os.WIFSIGNALED(status):
         return 128 + os.WTERMSIG(status)
     return os.WEXITSTATUS(status)
+
+
+def _mount_points_under(top: str) -> list[tuple[str, bool]]:
+    """(mount point, read-only) of every mount strictly below ``top``, shallowest first."""
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            point = fields[4].encode().decode("unicode_escape")  # octal escapes such as \040
+            if point.startswith(top.rstrip("/") + "/"):
+                found.append((point, "ro" in fields[5].split(",")))
+    return sorted(found, key=lambda item: item.count("/"))
+
+
+def _bind(fd: int, where: str, read_only: bool) -> None:
+    os.makedirs(where, exist_ok=True)
+    _check(_libc.mount(f"/proc/self/fd/{fd}".encode(), where.encode(), None, _MS_BIND, None), where)
+    if read_only:
+        flags = _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV
+        _check(_libc.mount(None, where.encode(), None, flags, None), where)
+
+
+def _private_tmp(request: dict) -> None:
+    """A /tmp and /dev/shm of this worker's own.  What the sandbox mounted beneath /tmp (the
+    project, the workspace, the outputs) is mounted again on top; of the run's socket
+    directories, only this worker's own, so no worker sees another's."""
+    endpoint = str(request.get("endpoint", ""))
+    own = os.path.dirname(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
+    run_sockets = os.path.dirname(own) if own else None
+    keep = [(point, ro, os.open(point, os.O_PATH)) for point, ro in _mount_points_under("/tmp")
+            if point != run_sockets]
+    own_fd = os.open(own, os.O_PATH) if own else None
+    size = f"size={int(request['tmp_bytes'])},mode=1777".encode()
+    _check(_libc.mount(b"tmpfs", b"/tmp", b"tmpfs", _MS_NOSUID | _MS_NODEV, size), "/tmp")
+    for point, ro, fd in keep:
+        _bind(fd, point, ro)
+        os.close(fd)
+    if own and own_fd is not None:
+        if not own.startswith("/tmp/"):  # the run's sockets live elsewhere: hide the others there
+            _check(_libc.mount(b"tmpfs", run_sockets.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV,
+                               b"size=1m,mode=0755"), run_sockets)
+        _bind(own_fd, own, False)
+        os.close(own_fd)
+    if os.path.isdir("/dev/shm"):
+        _check(_libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", _MS_NOSUID | _MS_NODEV, size), "/dev/shm")
+
+
+def _loopback_up() -> None:
+    """A new network namespace starts with its loopback down: servers the code starts on
+    127.0.0.1 should work, as they do in a cold-started worker."""
+    import fcntl
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        flags = 0x1 | 0x8 | 0x40  # IFF_UP | IFF_LOOPBACK | IFF_RUNNING
+        fcntl.ioctl(s, 0x8914, struct.pack("16sH14x", b"lo", flags))  # SIOCSIFFLAGS
 
 
 def _init(worker: int) -> None:
@@ -88,8 +146,9 @@ def _child(request: dict, control: tuple[int, ...], report: int) -> None:
         # PID namespace too, which ends with the zygote and with the coordinator.
         _check(_libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "private mounts")
         _check(_libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None), "/proc")
-        # /tmp stays the sandbox's: the run's workspace and sockets are mounted beneath it.
-        # Workers of one run share it, as they share the workspace.
+        _private_tmp(request)
+        if request.get("private_net", True):
+            _loopback_up()
         worker = os.fork()
         if worker:
             _init(worker)
