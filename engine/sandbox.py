@@ -373,14 +373,16 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
 
     argv = [host.bwrap, *_bwrap_flags(host.root, policy.network), "--hostname", "agentloop"]
     made = {"/", "/tmp", "/dev", "/proc"}
+    size = str(policy.tmp_bytes)
+    # The private /tmp first: a Python installed beneath /tmp (a checkout there) is bound on top
+    # of it, not hidden by it.
+    argv += ["--proc", "/proc", "--dev", "/dev",
+             "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm",
+             "--perms", "1777", "--size", size, "--tmpfs", "/tmp"]
     for path in _outermost(sys_ro + py_ro):
         argv += [*_parents(path, made), "--ro-bind", path, path]
     for target, link in links:
         argv += ["--symlink", target, link]
-    size = str(policy.tmp_bytes)
-    argv += ["--proc", "/proc", "--dev", "/dev",
-             "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm",
-             "--perms", "1777", "--size", size, "--tmpfs", "/tmp"]
     # Host directories last, shallowest first, so a deeper (more specific) bind wins and none
     # is hidden by the /tmp tmpfs.
     binds = [("--bind", workspace), ("--bind", socket_dir), ("--ro-bind", output_dir)]
