@@ -1,5 +1,6 @@
 """agentloop's coordinator: engine, workers, results, errors."""
 
+from .agent import Agent, RunResult, make_agent, run_task
 from .engine import Engine
 from .errors import (
     AgentloopError,
@@ -17,6 +18,7 @@ from .sandbox import SandboxPolicy
 from .worker import Worker, WorkerState
 
 __all__ = [
+    "Agent",
     "AgentloopError",
     "BlockResult",
     "ConfigError",
@@ -25,6 +27,7 @@ __all__ = [
     "ModelResponseError",
     "ModelUnreachable",
     "OutputChunk",
+    "RunResult",
     "SandboxError",
     "SandboxPolicy",
     "Worker",
@@ -32,4 +35,6 @@ __all__ = [
     "WorkerError",
     "WorkerStartError",
     "WorkerState",
+    "make_agent",
+    "run_task",
 ]

@@ -1,0 +1,26 @@
+"""The public surface is what we mean it to be, and the worker stays free of the coordinator."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import engine
+
+
+def test_engine_exports():
+    assert sorted(engine.__all__) == sorted([
+        "Agent", "AgentloopError", "BlockResult", "ConfigError", "Engine", "ModelError",
+        "ModelResponseError", "ModelUnreachable", "OutputChunk", "RunResult", "SandboxError",
+        "SandboxPolicy", "Worker", "WorkerClosed", "WorkerError", "WorkerStartError", "WorkerState",
+        "make_agent", "run_task"])
+    for name in engine.__all__:
+        assert getattr(engine, name) is not None
+
+
+def test_worker_imports_nothing_from_engine():
+    code = ("import sys, worker.serve, worker.zygote, worker._confine, worker.proxy, worker.environment\n"
+            "print(sorted(m for m in sys.modules if m == 'engine' or m.startswith('engine.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
