@@ -67,6 +67,38 @@ def _apply(f, options):
     return f
 
 
+_SIZE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+
+class Size(click.ParamType):
+    """A byte count: ``512M``, ``2G``, ``1GiB``, ``64k`` or plain bytes."""
+
+    name = "SIZE"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().lower().removesuffix("b").removesuffix("i")
+        number, unit = text.rstrip("kmgt"), text[len(text.rstrip("kmgt")):]
+        try:
+            size = int(float(number) * _SIZE_UNITS[unit])
+        except (ValueError, KeyError):
+            self.fail(f"expected a size like 512M, 2G, 1GiB or plain bytes, got {value!r}", param, ctx)
+        if size <= 0:
+            self.fail(f"a size must be positive, got {value!r}", param, ctx)
+        return size
+
+
+def _limit(name: str, field: str, kind: click.ParamType, what: str):
+    """A resource-limit option; its value goes to the sandbox policy, not to the command."""
+    def remember(ctx, param, value):
+        if value is not None:
+            ctx.meta.setdefault("agentloop.limits", {})[field] = value
+
+    return click.option(name, field, type=kind, default=None, expose_value=False, callback=remember,
+                        help=what)
+
+
 def _sandbox_options(f):
     return _apply(f, [
         click.option("--sandbox", type=click.Choice(["auto", "bwrap", "landlock", "none"]), default="auto",
@@ -74,6 +106,12 @@ def _sandbox_options(f):
         click.option("--network", is_flag=True, help="Give workers the host's network."),
         click.option("--workspace", type=click.Path(file_okay=False, path_type=Path), default=None,
                      help="The directory workers may write (default ./files)."),
+        _limit("--memory", "memory_bytes", Size(), "Memory per worker (default 2G)."),
+        _limit("--cpu-time", "cpu_seconds", click.IntRange(1), "CPU seconds per worker (default: no limit)."),
+        _limit("--max-processes", "max_processes", click.IntRange(1), "Processes per worker (default 256)."),
+        _limit("--max-open-files", "max_open_files", click.IntRange(16), "Open files per worker (default 1024)."),
+        _limit("--max-file-size", "max_file_bytes", Size(), "Largest file a worker may write (default 1G)."),
+        _limit("--tmp-size", "tmp_bytes", Size(), "Size of a worker's /tmp (default 512M)."),
     ])
 
 
@@ -82,9 +120,12 @@ def _modules(text: str) -> tuple[str, ...]:
 
 
 def _policy(sandbox: str, network: bool) -> SandboxPolicy:
+    """The sandbox policy of the current command: mode, network and the limit options."""
     if sandbox == "none":
         click.echo("agentloop: warning: --sandbox none runs model code with your privileges", err=True)
-    return SandboxPolicy(mode=sandbox, network=network)
+    ctx = click.get_current_context(silent=True)
+    limits = ctx.meta.get("agentloop.limits", {}) if ctx is not None else {}
+    return SandboxPolicy(mode=sandbox, network=network, **limits)
 
 
 class _LazyGroup(click.Group):
@@ -290,7 +331,7 @@ def doctor_cmd(models_file, model, sandbox, network, workspace) -> None:
     starts, and whether the model endpoint answers.  Exit 1 when something does not work."""
     from .doctor import report
 
-    policy = SandboxPolicy(mode=sandbox, network=network)
+    policy = _policy(sandbox, network)
     healthy = True
     try:
         layers = report(policy)

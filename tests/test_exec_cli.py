@@ -136,3 +136,12 @@ def test_coordinator_sigkill_leaves_no_process_behind(tmp_path):
             proc.wait()
         for pid in processes_with(token):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_exec_limits_are_settable(tmp_path):
+    proc = run_exec(tmp_path, "x = bytearray(300 * 1024 * 1024)", "--memory", "100M")
+    assert proc.returncode == 1 and "MemoryError" in proc.stderr
+    fine = run_exec(tmp_path, "x = bytearray(30 * 1024 * 1024); print('fits')", "--memory", "200M")
+    assert fine.returncode == 0 and fine.stdout == "fits\n"
+    bad = run_exec(tmp_path, "pass", "--memory", "lots")
+    assert bad.returncode == 2 and "512M, 2G" in bad.stderr
