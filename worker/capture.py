@@ -49,6 +49,7 @@ class Router:
         self._pending_bytes = 0
         self._armed = False
         self._running: list[str] = []  # in start order
+        self._running_set: set[str] = set()
         self._stray: list[list] = []
         self._stray_bytes = 0
         self._loop_thread = threading.get_ident()
@@ -59,6 +60,7 @@ class Router:
     def begin(self, block_id: str) -> None:
         with self._lock:
             self._running.append(block_id)
+            self._running_set.add(block_id)
             if self._stray:
                 self._pending.setdefault(block_id, []).extend(self._stray)
                 self._stray, self._stray_bytes = [], 0
@@ -66,35 +68,42 @@ class Router:
 
     def end(self, block_id: str) -> None:
         with self._lock:
-            if block_id in self._running:
+            if block_id in self._running_set:
                 self._running.remove(block_id)
+                self._running_set.discard(block_id)
 
     # -- writing (any thread) -----------------------------------------------------------
     def write(self, stream: int, data: bytes, block_id: str | None = None) -> None:
-        if not data:
+        # The hot path of every print: keep it to one lock and a few dict and list operations.
+        size = len(data)
+        if not size:
             return
+        target = block_id or current_block.get()
         with self._lock:
-            target = block_id or current_block.get()
-            if target is None or target not in self._running:
+            if target is None or target not in self._running_set:
                 target = self._running[0] if self._running else None
-            if target is None:
-                if self._stray_bytes < MAX_STRAY:
-                    self._stray.append([stream, data])
-                    self._stray_bytes += len(data)
-                return
-            chunks = self._pending.setdefault(target, [])
-            if chunks and chunks[-1][0] == stream and len(chunks[-1][1]) < MAX_BATCH:
-                chunks[-1][1] += data
+                if target is None:
+                    if self._stray_bytes < MAX_STRAY:
+                        self._stray.append([stream, data])
+                        self._stray_bytes += size
+                    return
+            chunks = self._pending.get(target)
+            if chunks is None:
+                chunks = self._pending[target] = []
+            last = chunks[-1] if chunks else None
+            if last is not None and last[0] == stream and len(last[1]) < MAX_BATCH:
+                last[1] += data
             else:
                 chunks.append([stream, bytearray(data)])
-            self._pending_bytes += len(data)
-            if self._pending_bytes >= MAX_BATCH and not self._urgent:
+            pending = self._pending_bytes = self._pending_bytes + size
+            if not self._armed:
+                self._arm_locked()
+            if pending >= MAX_BATCH and not self._urgent:
                 # A full batch is waiting: send it now rather than at the next tick, so a
                 # fast writer is limited by the socket, not by the flush interval.
                 self._urgent = True
                 self._loop.call_soon_threadsafe(self._tick)
-            self._arm_locked()
-            if threading.get_ident() != self._loop_thread:
+            if pending > HIGH_WATER and threading.get_ident() != self._loop_thread:
                 # Backpressure for writer threads; the loop thread itself must never wait here.
                 deadline = time.monotonic() + 30
                 while self._pending_bytes > HIGH_WATER and time.monotonic() < deadline:
@@ -154,12 +163,13 @@ class TextStream:
     def __init__(self, router: Router, stream: int) -> None:
         self._router = router
         self._stream = stream
+        self._write = router.write
         self.buffer = _BinaryStream(router, stream)
 
     def write(self, s: str) -> int:
-        if not isinstance(s, str):
+        if type(s) is not str and not isinstance(s, str):
             raise TypeError(f"write() argument must be str, not {type(s).__name__}")
-        self._router.write(self._stream, s.encode("utf-8", "backslashreplace"))
+        self._write(self._stream, s.encode("utf-8", "backslashreplace"))
         return len(s)
 
     def writelines(self, lines) -> None:
