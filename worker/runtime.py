@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import builtins
+import collections
 import concurrent.futures
 import contextvars
 import ctypes
@@ -31,6 +32,7 @@ from .capture import FdCapture, Router, current_block
 
 _WORKER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _MAX_VARS = 100
+_KEPT_SOURCES = 1000  # block sources kept for tracebacks; a long session must not grow forever
 
 
 class BlockCancelled(BaseException):
@@ -155,6 +157,7 @@ class Runtime:
         self._base = set(self.namespace)
         self._tasks: dict[str, concurrent.futures.Future] = {}
         self._threads: dict[str, _BlockThread] = {}
+        self._sources: collections.deque[str] = collections.deque()
 
     def base_names(self, names: set[str]) -> None:
         """Names injected by the host (tools, ``self``): not reported as the user's variables."""
@@ -182,6 +185,9 @@ class Runtime:
     def start(self, block_id: str, code: str) -> None:
         filename = block_filename(block_id)
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        self._sources.append(filename)
+        if len(self._sources) > _KEPT_SOURCES:  # tracebacks of old blocks lose their source lines
+            linecache.cache.pop(self._sources.popleft(), None)
         self._router.begin(block_id)
         try:
             compiled = compile(code, filename, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
