@@ -157,7 +157,7 @@ class Runtime:
         self._base = set(self.namespace)
         self._tasks: dict[str, concurrent.futures.Future] = {}
         self._threads: dict[str, _BlockThread] = {}
-        self._sources: collections.deque[str] = collections.deque()
+        self._sources: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def base_names(self, names: set[str]) -> None:
         """Names injected by the host (tools, ``self``): not reported as the user's variables."""
@@ -185,9 +185,10 @@ class Runtime:
     def start(self, block_id: str, code: str) -> None:
         filename = block_filename(block_id)
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
-        self._sources.append(filename)
+        self._sources[filename] = None
+        self._sources.move_to_end(filename)
         if len(self._sources) > _KEPT_SOURCES:  # tracebacks of old blocks lose their source lines
-            linecache.cache.pop(self._sources.popleft(), None)
+            linecache.cache.pop(self._sources.popitem(last=False)[0], None)
         self._router.begin(block_id)
         try:
             compiled = compile(code, filename, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
