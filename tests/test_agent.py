@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import re
 
-import pytest
-
 from engine.agent import Agent, run_task
 from engine.display import AgentDisplay
-from engine.engine import Engine
 from engine.models import ModelConfig, ModelRegistry
 from engine.scripted import Fail, ScriptedServer
 
@@ -26,13 +23,6 @@ class Recorder(AgentDisplay):
     def event(self, type, **fields):
         self.events.append((type, fields))
 
-
-@pytest.fixture
-async def engine(tmp_path):
-    cwd = tmp_path / "cwd"
-    cwd.mkdir()
-    async with Engine(cwd=cwd, state_dir=tmp_path / "state") as eng:
-        yield eng
 
 
 async def solve(engine, script, task, **kwargs):

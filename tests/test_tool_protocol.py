@@ -8,7 +8,6 @@ import re
 import pytest
 
 from engine.agent import run_task
-from engine.engine import Engine
 from engine.models import ModelConfig, ModelRegistry
 from engine.scripted import ScriptedServer
 from engine.tool_protocol import embedded_calls
@@ -22,13 +21,6 @@ def registry(url: str, protocol: str) -> ModelRegistry:
 def call(tool: str, call_id: str | None = None, /, **args) -> dict:
     return {"id": call_id or f"call_{tool}", "name": tool, "arguments": json.dumps(args)}
 
-
-@pytest.fixture
-async def engine(tmp_path):
-    cwd = tmp_path / "cwd"
-    cwd.mkdir()
-    async with Engine(cwd=cwd, state_dir=tmp_path / "state") as eng:
-        yield eng
 
 
 def check_every_call_answered(requests: list[dict]) -> None:
