@@ -526,9 +526,10 @@ async def _attempt(spec: TaskSpec, settings: RunSettings, attempt: int, display:
     recorder.event("note", name="batch", message=f"run {spec.key!r}, attempt {attempt}")
     shown: AgentDisplay = FanoutDisplay([recorder, display]) if display is not None else recorder
     # No warm pool: an idle spare worker per run would double a batch's processes for the rare
-    # run that starts a sub-agent.
+    # run that starts a sub-agent.  No fork server either: each run has a sandbox (and so a
+    # server) of its own, and starting one costs more than the one or two workers a run starts.
     engine = RunEngine(max_workers=settings.max_workers, cwd=workspace, workspace=workspace,
-                       sandbox=settings.sandbox, state_dir=run_dir / "state", pool=0)
+                       sandbox=settings.sandbox, state_dir=run_dir / "state", pool=0, zygote=False)
     infrastructure = False
     try:
         engine.placed = await asyncio.to_thread(_place_files, workspace, spec, packed)
