@@ -130,7 +130,6 @@ class Engine:
         self.run_dir = Path(state_dir or _state_home()) / "runs" / self.run_id
         self.output_dir = self.run_dir / "outputs"
         self.workers: list[Worker] = []
-        self.notes: list[str] = []
         self._ctx: zmq.asyncio.Context | None = None
         self._sock_root: Path | None = None
         self._closed = False
