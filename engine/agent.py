@@ -32,6 +32,7 @@ from .errors import AgentloopError, ConfigError, ModelError
 from .llm import Chat
 from .models import ModelConfig, ModelRegistry
 from .results import BlockResult, OutputChunk
+from .sandbox import workspace_excess
 from .worker import Worker
 
 #: Stop sequences: a model starting a result tag on a new line is inventing output.
@@ -114,6 +115,11 @@ class _CodeTask:
             body, status = "[cancelled]", "cancelled"
         except AgentloopError as exc:  # the worker could not even be started again
             body, status = f"[failed] {exc}", "error"
+        # The workspace is a bind mount that no quota caps: its size is checked between blocks.
+        engine = agent.engine
+        excess = await asyncio.to_thread(workspace_excess, engine.sandbox, engine.workspace)
+        if excess:
+            body += f"[{excess}]"
         duration = time.monotonic() - self.started
         agent._event("finished", id=self.id, duration=duration, cancelled=status != "ok" and status != "error",
                      output=body, status=status)

@@ -6,6 +6,7 @@ import re
 
 from engine.agent import Agent, run_task
 from engine.display import AgentDisplay
+from engine.engine import Engine
 from engine.models import ModelConfig, ModelRegistry
 from engine.scripted import Fail, ScriptedServer
 
@@ -229,3 +230,18 @@ async def test_max_messages_bound(engine):
     script = {"loop": ["<run_code>\nprint(1)\n</run_code>"] * 10}
     result, server = await solve(engine, script, "loop", max_messages=3)
     assert result.status == "failed" and "unfinished after 3 messages" in result.error
+
+
+async def test_workspace_size_is_checked_between_blocks(tmp_path):
+    from engine.sandbox import SandboxPolicy
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    policy = SandboxPolicy(workspace_bytes=1024 * 1024)
+    script = {"fill": ["<run_code>\nopen('files/big.bin', 'wb').write(b'x' * 3 * 1024 * 1024)\n</run_code>",
+                       "<run_code>\nimport os\nos.remove('files/big.bin')\n</run_code>", "done"]}
+    async with Engine(cwd=cwd, state_dir=tmp_path / "state", sandbox=policy) as engine:
+        result, server = await solve(engine, script, "fill")
+    assert result.answer == "done"
+    assert "over its 1 MiB limit: delete files before writing more" in last_user(server.requests[1])
+    assert "limit" not in last_user(server.requests[2])
