@@ -107,9 +107,7 @@ class Session:
         finally:
             exited.cancel()
         if self._hello not in done or self._hello.exception():
-            await self.proc.kill()
-            if self.proc.returncode is None and hasattr(self.proc, "_zygote"):
-                await asyncio.sleep(0.05)  # its status comes from the fork server
+            await self.proc.kill()  # waits for the exit status too, wherever it comes from
             await self.discard()
             said = self.proc.stderr_tail.decode("utf-8", "replace").strip()
             if self._hello.done() and self._hello.exception():

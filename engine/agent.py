@@ -71,7 +71,6 @@ class _CodeTask:
         self._fresh_skipped = 0
         self._reported = 0  # bytes already shown in earlier heartbeats
         self._work: asyncio.Future[BlockResult] | None = None
-        self.cancelled = False
         self.task = asyncio.ensure_future(self._run())
 
     def _on_output(self, chunk: OutputChunk) -> None:
@@ -85,12 +84,6 @@ class _CodeTask:
 
     def is_running(self) -> bool:
         return not self.task.done()
-
-    def cancel(self) -> None:
-        """Stop the block; its result still reaches the model, saying it was cancelled."""
-        self.cancelled = True
-        if self._work is not None and not self._work.done():
-            self._work.cancel()
 
     async def _run(self) -> str:
         agent, req = self.agent, self.request

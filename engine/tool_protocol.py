@@ -29,10 +29,10 @@ import time
 from typing import Any
 
 from . import tags
-from .agent import Agent, AgentError, _CodeTask
+from .agent import Agent, AgentError, _CodeTask, _task_text
 from .durations import parse_duration
 from .errors import ConfigError
-from .repo_tools import MAX_RESULT, execute_tool_call_async, parse_arguments, schema_for, truncate
+from .repo_tools import MAX_RESULT, execute_tool_call_async, parse_arguments, schema_for
 
 GUIDE = """You are an AI agent that solves tasks by running Python code and starting sub-agents through your tools.
 - run_code(code, id?, timeout?, heartbeat?) runs Python in your persistent namespace (variables, imports and functions persist). Only what you print comes back. Several run_code calls in one reply run concurrently. Top-level await works. timeout defaults to 10s; past it the code is killed.
@@ -229,7 +229,7 @@ class ToolAgent(Agent):
                 self.blocks.remove(work)
             if work in self.sub_agents:
                 self.sub_agents.remove(work)
-            return _text(work.task)
+            return _task_text(work.task)  # the same words the tags protocol sends
         if isinstance(work, _CodeTask):
             return (work.heartbeat() + f"(still running; its <run_code_result id={work.id}> will arrive later — "
                     "call wait() for it or reply in plain text to keep going)")
@@ -245,11 +245,3 @@ class ToolAgent(Agent):
         except TimeoutError:
             pass
         return self.next_message() or f"nothing arrived within {time.monotonic() - started:.0f}s"
-
-
-def _text(task: asyncio.Task) -> str:
-    if task.cancelled():
-        return "[cancelled]"
-    if task.exception() is not None:
-        return f"[agent] failed: {task.exception()}"
-    return truncate(task.result(), 4 * MAX_RESULT)

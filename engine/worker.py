@@ -84,7 +84,6 @@ class Worker:
         self.name = name
         self.index = next(Worker._ids)
         self.state = WorkerState.STARTING
-        self.generation = 0
         self.vars: list[str] = []  # names of the user's variables, as of the last finished block
         self.var_notes: list[str] = []  # the same as ``name:type``, for the model's status note
         self.notes: list[str] = []
@@ -122,7 +121,6 @@ class Worker:
         return self
 
     async def _start_locked(self) -> None:
-        self.generation += 1
         self.state = WorkerState.STARTING
         session = self.engine._pool_take()
         if session is None:
@@ -167,8 +165,9 @@ class Worker:
             self.state = WorkerState.CLOSED
 
     async def _kill_locked(self, why: str, *, status: str = "killed", cause: _Block | None = None,
-                           cause_message: str = "") -> None:
-        """Kill the current process tree; end every running block with words saying why."""
+                           cause_message: str = "", **extra: Any) -> None:
+        """Kill the current process tree (reaping whatever it left) and end every running block
+        with words saying why; ``extra`` goes into their results (signal, exit code)."""
         session = self._session
         if session is None:
             return
@@ -184,7 +183,8 @@ class Worker:
                 block.finish("timeout" if block.timed_out else "cancelled",
                              message=f"{cause_message}; {reset}", worker_killed=True, lost_vars=lost)
             else:
-                block.finish(status, message=f"{why}; {reset}", worker_killed=True, lost_vars=lost)
+                block.finish(status, message=f"{why}; {reset}", worker_killed=True, lost_vars=lost,
+                             **extra)
         self._blocks.clear()
 
     async def _on_exit(self, session: Session, rc: int) -> None:
@@ -194,15 +194,7 @@ class Worker:
                 return
             assert session.proc is not None
             words, sig = describe_exit(rc, via_namespace=session.proc.pid_namespace)
-            lost = list(self.vars)
-            await session.kill()  # reap anything it left behind
-            self._session = None
-            self.vars = []
-            self.state = WorkerState.DEAD
-            for block in list(self._blocks.values()):
-                block.finish("died", message=f"{words}; {_reset_words(lost)}", signal=sig,
-                             exit_code=rc, worker_killed=True, lost_vars=lost)
-            self._blocks.clear()
+            await self._kill_locked(words, status="died", signal=sig, exit_code=rc)
             log.info("worker %s: %s", self.name, words)
 
     async def _dispatch(self, session: Session, msg: dict) -> None:

@@ -195,18 +195,24 @@ def _flag_script(flag: Path) -> dict:
     ]}
 
 
-def test_a_steer_line_reaches_the_model_while_a_block_runs(start_chat, tmp_path):
+@pytest.mark.parametrize("terminal, line, steer", [
+    (False, "/steer prefer the fast path", "prefer the fast path"),  # piped: only /steer steers
+    (True, "hurry up", "hurry up"),  # a terminal: any line typed during a turn steers
+])
+def test_a_line_during_a_turn_steers_the_model(start_chat, tmp_path, terminal, line, steer):
     flag = tmp_path / "ws" / "flag"
     with ScriptedServer(_flag_script(flag)) as server:
-        chat = start_chat(server.url)
+        chat = start_chat(server.url, terminal=terminal)
         chat.send("Wait for the flag")
         chat.err.wait_for(r"main/wait │ waiting")
-        chat.send("/steer prefer the fast path")
+        chat.send(line)
         assert server.wait_requests(2, WAIT)
-        assert "<steer>\nprefer the fast path\n</steer>" in _last_user(server.requests[1])
+        assert f"<steer>\n{steer}\n</steer>" in _last_user(server.requests[1])
         flag.write_text("")
         chat.out.wait_for(r"wait printed waiting\nflag seen\n")
         assert chat.end_input() == 0
+    if terminal:
+        assert "a line typed while it works steers it" in chat.err.text
 
 
 def test_ctrl_c_cancels_the_turn_not_the_chat(start_chat):
@@ -256,16 +262,3 @@ def test_an_endpoint_failure_is_one_line_and_the_chat_goes_on(start_chat):
     assert "Traceback" not in chat.err.text
 
 
-def test_in_a_terminal_a_line_typed_during_a_turn_steers(start_chat, tmp_path):
-    flag = tmp_path / "ws" / "flag"
-    with ScriptedServer(_flag_script(flag)) as server:
-        chat = start_chat(server.url, terminal=True)
-        chat.send("Wait for the flag")
-        chat.err.wait_for(r"main/wait │ waiting")
-        chat.send("hurry up")
-        assert server.wait_requests(2, WAIT)
-        assert "<steer>\nhurry up\n</steer>" in _last_user(server.requests[1])
-        flag.write_text("")
-        chat.out.wait_for(r"wait printed waiting\nflag seen\n")
-        assert chat.end_input() == 0
-    assert "a line typed while it works steers it" in chat.err.text
