@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
-import zmq.asyncio
 
 import worker as _worker_pkg
 
@@ -130,7 +129,7 @@ class Engine:
         self.run_dir = Path(state_dir or _state_home()) / "runs" / self.run_id
         self.output_dir = self.run_dir / "outputs"
         self.workers: list[Worker] = []
-        self._ctx: zmq.asyncio.Context | None = None
+        self._ctx: zmq.Context | None = None
         self._sock_root: Path | None = None
         self._closed = False
 
@@ -154,7 +153,7 @@ class Engine:
         except OSError as exc:
             raise ConfigError(f"cannot create the run's directories: {exc}; "
                               "choose another --workspace or check permissions") from exc
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
 
     async def start_worker(self, name: str = "worker") -> Worker:
         """Start a worker and wait until it is ready to run code."""

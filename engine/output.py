@@ -9,6 +9,7 @@ only once the output outgrows the head, so small blocks leave no files behind.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 HEAD_BYTES = 64 * 1024
@@ -19,7 +20,7 @@ FILE_CAP = 256 * 1024 * 1024
 class OutputSink:
     """Collects one block's output; memory use is bounded whatever the block prints."""
 
-    def __init__(self, path: Path | None, *, head_bytes: int = HEAD_BYTES,
+    def __init__(self, path: Path | Callable[[], Path] | None, *, head_bytes: int = HEAD_BYTES,
                  tail_bytes: int = TAIL_BYTES, file_cap: int = FILE_CAP) -> None:
         self.path = path
         self.head_bytes = head_bytes
@@ -52,6 +53,8 @@ class OutputSink:
 
     def _open_file(self) -> None:
         self._file_used = True
+        if callable(self.path):  # named only when needed: most blocks never need a file
+            self.path = self.path()
         assert self.path is not None
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)

@@ -61,6 +61,7 @@ class _Block:
         self.started = time.monotonic()
         self.future: asyncio.Future[BlockResult] = asyncio.get_running_loop().create_future()
         self.timed_out = False
+        self.stopping: asyncio.Future | None = None  # the stop a deadline started
         self.stuck = asyncio.Event()  # the worker says cancellation cannot reach the block
 
     def finish(self, status: str, *, error: str = "", message: str = "", **extra) -> None:
@@ -197,14 +198,17 @@ class Worker:
             await self._kill_locked(words, status="died", signal=sig, exit_code=rc)
             log.info("worker %s: %s", self.name, words)
 
-    async def _dispatch(self, session: Session, msg: dict) -> None:
+    def _dispatch(self, session: Session, msg: dict) -> Awaitable[None] | None:
+        """Act on one message from the worker.  Returns an awaitable only when a consumer of
+        ``stream()`` is behind: the session reads nothing more until it is done."""
         kind = msg["t"]
         if kind == "out":
             block = self._blocks.get(msg.get("id"))  # type: ignore[arg-type]
             chunks = msg.get("o")
             if block is None or not isinstance(chunks, list):
                 session.drop("output for no running block")
-                return
+                return None
+            waiting = []
             for item in chunks:
                 if not (isinstance(item, list) and len(item) == 2 and item[0] in _STREAMS
                         and isinstance(item[1], bytes)):
@@ -215,7 +219,12 @@ class Worker:
                 if block.on_output is not None:
                     block.on_output(chunk)
                 if block.queue is not None:
-                    await block.queue.put(chunk)
+                    if waiting or block.queue.full():
+                        waiting.append(chunk)
+                    else:
+                        block.queue.put_nowait(chunk)
+            if waiting and block.queue is not None:
+                return _put_all(block.queue, waiting)
         elif kind == "done":
             block = self._blocks.pop(msg.get("id"), None)  # type: ignore[arg-type]
             if block is None:
@@ -258,6 +267,7 @@ class Worker:
             pass
         else:
             session.drop(f"unexpected message type {kind!r}")
+        return None
 
     async def _host_call(self, msg: dict) -> None:
         """Run one host call for code in the worker and send back its value or error, in words."""
@@ -276,7 +286,7 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - the tool's failure goes back to the code as words
             frame = wire.encode({"t": "reply", "cid": cid, "ok": False, "error": str(exc) or type(exc).__name__})
         if self._session is not None:
-            await self._session.send_frame(frame)
+            self._session.send_frame(frame)
 
     async def request(self, op: str, args: dict | None = None, timeout: float = 30.0) -> Any:
         """A control request to the worker (bind, export, inject, describe, env); its value."""
@@ -285,17 +295,17 @@ class Worker:
         future = asyncio.get_running_loop().create_future()
         self._requests[rid] = future
         try:
-            await session.send({"t": "req", "rid": rid, "op": op, "args": args or {}})
+            session.send({"t": "req", "rid": rid, "op": op, "args": args or {}})
             return await asyncio.wait_for(future, timeout)
         except TimeoutError as exc:
             raise WorkerError(f"worker {self.name!r} did not answer {op!r} within {timeout:g} s") from exc
         finally:
             self._requests.pop(rid, None)
 
-    async def send(self, msg: dict) -> None:
-        """Send a protocol message to the current process (used by host-call replies)."""
+    def send(self, msg: dict) -> None:
+        """Send a protocol message to the current process (never waits)."""
         if self._session is not None:
-            await self._session.send(msg)
+            self._session.send(msg)
 
     # -- running blocks -----------------------------------------------------------------------
     async def _submit(self, code: str, timeout: float, block_id: str | None,
@@ -307,11 +317,11 @@ class Worker:
                 block_id = f"b{next(self._block_ids)}"
         elif block_id in self._blocks:
             raise ValueError(f"block {block_id!r} is already running")
-        sink = OutputSink(self.engine._output_path(self.index, block_id),
+        sink = OutputSink(lambda: self.engine._output_path(self.index, block_id),
                           file_cap=self.engine.output_file_cap)
         block = _Block(block_id, sink, timeout, on_output, budget)
         self._blocks[block_id] = block
-        await session.send({"t": "run", "id": block_id, "code": code})
+        session.send({"t": "run", "id": block_id, "code": code})
         return block
 
     async def run(self, code: str, *, timeout: float = 10.0, block_id: str | None = None,
@@ -355,21 +365,24 @@ class Worker:
                     await supervisor
 
     async def _supervise(self, block: _Block) -> BlockResult:
-        # The deadline is a timer, not wait_for(): cheaper on the hot path of short blocks.
+        # The deadline is a timer that starts the stop, not wait_for() or wait(): on the round
+        # trip of a short block each of those costs an extra pass of the event loop.
         loop = asyncio.get_running_loop()
-        expired = loop.create_future()
-        timer = loop.call_later(block.timeout, lambda: expired.done() or expired.set_result(None))
+        timer = loop.call_later(block.timeout, self._expire, block)
         try:
-            await asyncio.wait([block.future, expired], return_when=asyncio.FIRST_COMPLETED)
+            return await block.future
         except asyncio.CancelledError:
+            if block.future.cancelled():  # our cancellation reached the future: it needs a new one
+                block.future = loop.create_future()
             await asyncio.shield(self._stop(block, "cancelled"))
             raise
         finally:
             timer.cancel()
-        if block.future.done():
-            return block.future.result()
-        block.timed_out = True
-        return await asyncio.shield(self._stop(block, f"timed out after {_secs(block.timeout)}"))
+
+    def _expire(self, block: _Block) -> None:
+        if not block.future.done():
+            block.timed_out = True
+            block.stopping = asyncio.ensure_future(self._stop(block, f"timed out after {_secs(block.timeout)}"))
 
     async def cancel(self, block_id: str) -> BlockResult | None:
         """Stop a running block; returns its result, or None if no such block runs."""
@@ -380,7 +393,7 @@ class Worker:
 
     async def _stop(self, block: _Block, why: str) -> BlockResult:
         """Cooperative cancel, then — after ``grace`` — the hard kill of the whole tree."""
-        await self.send({"t": "cancel", "id": block.id})
+        self.send({"t": "cancel", "id": block.id})
         grace = self.engine.grace
         stuck = asyncio.ensure_future(block.stuck.wait())
         try:
@@ -405,6 +418,11 @@ class Worker:
             await self.start()
         except Exception as exc:  # noqa: BLE001 - the next run() reports it
             log.warning("worker %s: replacement failed to start: %s", self.name, exc)
+
+
+async def _put_all(queue: asyncio.Queue, chunks: list[OutputChunk]) -> None:
+    for chunk in chunks:
+        await queue.put(chunk)
 
 
 def _secs(seconds: float) -> str:

@@ -274,7 +274,7 @@ async def test_hostile_worker_frames_are_dropped(worker):
             "                  wire.encode({'t': 'out', 'id': 'me', 'o': [[7, 'x'], 'bad']}),\n"
             "                  wire.encode({'t': 'done', 'id': 'nope', 'status': 'ok'}),\n"
             "                  wire.encode({'t': 'weird'}), wire.encode({'t': 'done', 'id': 'me', 'vars': 5})):\n"
-            "        await s.send(frame)\n"
+            "        s.send(frame)\n"
             "print('sent', len(socks))\n")
     result = await worker.run(code, timeout=20, block_id="me")
     # Code may end its own block with a forged 'done'; it can do no more than that.

@@ -8,7 +8,6 @@ started later (ZeroMQ's, the capture pump, user code) inherits it.
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import json
 import os
@@ -56,7 +55,7 @@ def run_worker(endpoint: str) -> None:
             os._exit(71)
     from .serve import serve
 
-    code = asyncio.run(serve(endpoint, token))
+    code = serve(endpoint, token)
     sys.stdout.flush() if hasattr(sys.stdout, "flush") else None
     os._exit(code)  # never wait for threads user code left running
 

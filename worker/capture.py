@@ -5,16 +5,18 @@ spawned) are routed by a context variable that names the block, so two concurren
 never mix.  fd-level writes (a subprocess, a C extension writing to fd 1/2) cannot be
 attributed that way: they go through a pipe and land in the block that runs when only one
 runs; with several running, in the one that started first.  Output written while no block
-runs is kept and handed to the next block, so nothing is dropped.
+runs is kept (up to ``MAX_STRAY``) and handed to the next block, so nothing is dropped.
 
-Batches leave at most every ``FLUSH_INTERVAL`` seconds while there is new output, with no
-flush needed in user code.  A writer thread that gets more than ``HIGH_WATER`` bytes ahead
-of the socket waits: output exerts backpressure instead of growing without bound.
+A ``print`` costs a dictionary lookup and a deque append: text is encoded and framed only
+when it is sent.  A block's output leaves when ``MAX_BATCH`` of it waits (sent by the thread
+that wrote it, which therefore waits while the coordinator is behind: output exerts
+backpressure instead of growing without bound), at the listener's tick every
+``FLUSH_INTERVAL`` seconds, and before the block's ``done``.
 """
 
 from __future__ import annotations
 
-import asyncio
+import collections
 import contextvars
 import fcntl
 import os
@@ -23,133 +25,171 @@ import struct
 import termios
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from .wire import STDERR, STDOUT
 
 FLUSH_INTERVAL = 0.05
-HIGH_WATER = 4 * 1024 * 1024
 MAX_BATCH = 256 * 1024
 MAX_STRAY = 1024 * 1024
+_ENCODING = ("utf-8", "backslashreplace")
 
 #: The block the current thread or task writes for; None outside any block.
 current_block: contextvars.ContextVar[str | None] = contextvars.ContextVar("agentloop_block", default=None)
 
 
-class Router:
-    """Collects output per block and feeds it, batched, to ``send`` on the event loop."""
+class _Out:
+    """What one running block wrote and was not sent yet: (stream, str | bytes) in order.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop,
-                 send: Callable[[dict], Awaitable[None]]) -> None:
-        self._loop = loop
+    Appends need no lock (a deque append is atomic); ``size`` is approximate under
+    concurrent writers, which only moves the moment a batch leaves."""
+
+    __slots__ = ("block", "parts", "size", "ended")
+
+    def __init__(self, block: str | None) -> None:
+        self.block = block
+        self.parts: collections.deque = collections.deque()
+        self.size = 0
+        self.ended = False
+
+
+class Router:
+    """Collects output per running block and sends it, batched, with ``send`` (thread-safe)."""
+
+    def __init__(self, send: Callable[[dict], None]) -> None:
         self._send = send
-        self._lock = threading.Lock()
-        self._drained = threading.Condition(self._lock)
-        self._pending: dict[str, list[list]] = {}
-        self._pending_bytes = 0
-        self._armed = False
-        self._running: list[str] = []  # in start order
-        self._running_set: set[str] = set()
-        self._stray: list[list] = []
-        self._stray_bytes = 0
-        self._loop_thread = threading.get_ident()
-        self._flush_lock = asyncio.Lock()  # one flush at a time: bounds what is in flight
-        self._urgent = False
+        self.outs: dict[str | None, _Out] = {}  # running blocks, in start order
+        self._lock = threading.Lock()  # changes to ``outs`` and the stray output
+        self._sending = threading.Lock()  # one sender of output at a time keeps the order
+        self._stray = _Out(None)
+        self._next_tick = 0.0
 
     # -- block lifecycle ----------------------------------------------------------------
     def begin(self, block_id: str) -> None:
+        out = _Out(block_id)
         with self._lock:
-            self._running.append(block_id)
-            self._running_set.add(block_id)
-            if self._stray:
-                self._pending.setdefault(block_id, []).extend(self._stray)
-                self._stray, self._stray_bytes = [], 0
-                self._arm_locked()
+            stray = self._stray.parts
+            while stray:
+                out.parts.append(stray.popleft())
+            out.size, self._stray.size = self._stray.size, 0
+            self.outs[block_id] = out
 
     def end(self, block_id: str) -> None:
+        """The block finished: send everything it wrote (before its ``done``, which the caller
+        sends next).  Late writes from threads it left running go to another block."""
         with self._lock:
-            if block_id in self._running_set:
-                self._running.remove(block_id)
-                self._running_set.discard(block_id)
+            out = self.outs.pop(block_id, None)
+        if out is not None:
+            out.ended = True
+            self.send_out(out)
+            if out.parts:  # a thread of the block wrote while it was being sent
+                self.late(out)
+        else:
+            with self._sending:  # a tick may still be sending this block's output: wait for it
+                pass
+
+    @property
+    def running(self) -> bool:
+        return bool(self.outs)
 
     # -- writing (any thread) -----------------------------------------------------------
-    def write(self, stream: int, data: bytes, block_id: str | None = None) -> None:
-        # The hot path of every print: keep it to one lock and a few dict and list operations.
-        size = len(data)
-        if not size:
+    def write(self, stream: int, data: bytes | str, block_id: str | None = None) -> None:
+        """Route one write: to ``block_id`` (or the current block) if it runs, else to the
+        block that started first, else to the stray output."""
+        if not data:
             return
-        target = block_id or current_block.get()
-        with self._lock:
-            if target is None or target not in self._running_set:
-                target = self._running[0] if self._running else None
-                if target is None:
-                    if self._stray_bytes < MAX_STRAY:
-                        self._stray.append([stream, data])
-                        self._stray_bytes += size
+        out = self.outs.get(block_id or current_block.get())
+        if out is None:
+            with self._lock:
+                out = next(iter(self.outs.values()), None)
+                if out is None:
+                    if self._stray.size < MAX_STRAY:
+                        self._stray.parts.append((stream, data))
+                        self._stray.size += len(data)
                     return
-            chunks = self._pending.get(target)
-            if chunks is None:
-                chunks = self._pending[target] = []
-            last = chunks[-1] if chunks else None
-            if last is not None and last[0] == stream and len(last[1]) < MAX_BATCH:
-                last[1] += data
-            else:
-                chunks.append([stream, bytearray(data)])
-            pending = self._pending_bytes = self._pending_bytes + size
-            if not self._armed:
-                self._arm_locked()
-            if pending >= MAX_BATCH and not self._urgent:
-                # A full batch is waiting: send it now rather than at the next tick, so a
-                # fast writer is limited by the socket, not by the flush interval.
-                self._urgent = True
-                self._loop.call_soon_threadsafe(self._tick)
-            if pending > HIGH_WATER and threading.get_ident() != self._loop_thread:
-                # Backpressure for writer threads; the loop thread itself must never wait here.
-                deadline = time.monotonic() + 30
-                while self._pending_bytes > HIGH_WATER and time.monotonic() < deadline:
-                    self._drained.wait(0.05)
+        out.parts.append((stream, data))
+        size = out.size = out.size + len(data)
+        if size >= MAX_BATCH:
+            self.send_out(out)
+        if out.ended:
+            self.late(out)
 
-    def _arm_locked(self) -> None:
-        if not self._armed:
-            self._armed = True
-            self._loop.call_soon_threadsafe(self._loop.call_later, FLUSH_INTERVAL, self._tick)
+    def late(self, out: _Out) -> None:
+        """Output appended to a block that has ended: give it to a running block (or keep it)."""
+        parts = []
+        while out.parts:
+            try:
+                parts.append(out.parts.popleft())
+            except IndexError:
+                break
+        for stream, data in parts:
+            self.write(stream, data, out.block)
 
-    def _tick(self) -> None:
-        self._loop.create_task(self.flush())
+    # -- sending --------------------------------------------------------------------------
+    def send_out(self, out: _Out) -> None:
+        with self._sending:
+            self._send_locked(out)
 
-    # -- sending (event loop) -----------------------------------------------------------
-    def _take(self, block_id: str | None) -> list[tuple[str, list[list]]]:
-        with self._lock:
-            if block_id is None:
-                taken, self._pending = list(self._pending.items()), {}
-                self._armed = False
-                self._urgent = False
-            else:
-                chunks = self._pending.pop(block_id, None)
-                taken = [(block_id, chunks)] if chunks else []
-            self._pending_bytes -= sum(len(d) for _, cs in taken for _, d in cs)
-            self._drained.notify_all()
-        return taken
+    def tick(self) -> float | None:
+        """Send every block's waiting output if a tick is due; seconds until the next one is
+        (None while no block runs).  Called by the listening thread; it never waits here for
+        another sender."""
+        if not self.outs:
+            return None
+        now = time.monotonic()
+        if now < self._next_tick:
+            return self._next_tick - now
+        self._next_tick = now + FLUSH_INTERVAL
+        if self._sending.acquire(blocking=False):
+            try:
+                for out in list(self.outs.values()):
+                    self._send_locked(out)
+            finally:
+                self._sending.release()
+        return FLUSH_INTERVAL
 
-    async def flush(self, block_id: str | None = None) -> None:
-        """Send what is pending: for one block (before its ``done``) or for all."""
-        if block_id is not None and block_id not in self._pending and not self._flush_lock.locked():
-            return  # nothing of it pending, and no flush in flight that could hold some
-        async with self._flush_lock:
-            await self._flush_locked(block_id)
+    def flush_all(self) -> None:
+        with self._sending:
+            for out in list(self.outs.values()):
+                self._send_locked(out)
 
-    async def _flush_locked(self, block_id: str | None) -> None:
-        for bid, chunks in self._take(block_id):
-            batch: list[list] = []
-            size = 0
-            for stream, data in chunks:
-                batch.append([stream, bytes(data)])
-                size += len(data)
+    def _send_locked(self, out: _Out) -> None:
+        parts = out.parts
+        count = len(parts)
+        if not count:
+            return
+        out.size = 0
+        # Runs of one stream, each joined and encoded once.
+        runs: list[tuple[int, list]] = []
+        stream = None
+        pieces: list = []
+        for _ in range(count):
+            st, data = parts.popleft()
+            if st != stream:
+                pieces = []
+                runs.append((st, pieces))
+                stream = st
+            pieces.append(data)
+        batch: list[list] = []
+        size = 0
+        for st, pieces in runs:
+            data = _join(pieces)
+            for start in range(0, len(data), MAX_BATCH):
+                piece = data[start:start + MAX_BATCH] if len(data) > MAX_BATCH else data
+                batch.append([st, piece])
+                size += len(piece)
                 if size >= MAX_BATCH:
-                    await self._send({"t": "out", "id": bid, "o": batch})
+                    self._send({"t": "out", "id": out.block, "o": batch})
                     batch, size = [], 0
-            if batch:
-                await self._send({"t": "out", "id": bid, "o": batch})
+        if batch:
+            self._send({"t": "out", "id": out.block, "o": batch})
+
+
+def _join(pieces: list) -> bytes:
+    try:
+        return "".join(pieces).encode(*_ENCODING)
+    except TypeError:  # bytes among them (binary writes, fd output)
+        return b"".join(p if isinstance(p, bytes) else p.encode(*_ENCODING) for p in pieces)
 
 
 class TextStream:
@@ -163,13 +203,24 @@ class TextStream:
     def __init__(self, router: Router, stream: int) -> None:
         self._router = router
         self._stream = stream
-        self._write = router.write
+        self._outs = router.outs
+        self._get = current_block.get
         self.buffer = _BinaryStream(router, stream)
 
     def write(self, s: str) -> int:
-        if type(s) is not str and not isinstance(s, str):
-            raise TypeError(f"write() argument must be str, not {type(s).__name__}")
-        self._write(self._stream, s.encode("utf-8", "backslashreplace"))
+        # The hot path of every print: a lookup and an append; Router.write does the rest.
+        if type(s) is not str:
+            if not isinstance(s, str):
+                raise TypeError(f"write() argument must be str, not {type(s).__name__}")
+            s = str.__str__(s)
+        out = self._outs.get(self._get())
+        if out is None or out.size >= MAX_BATCH:
+            self._router.write(self._stream, s)
+            return len(s)
+        out.parts.append((self._stream, s))
+        out.size += len(s)
+        if out.ended:  # the block ended as this was written: route it elsewhere
+            self._router.late(out)
         return len(s)
 
     def writelines(self, lines) -> None:

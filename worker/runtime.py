@@ -1,7 +1,7 @@
 """The block runtime: one persistent namespace, many concurrent blocks.
 
-A block without ``await`` runs in a thread of its own; a block with top-level ``await`` runs
-as a task on the worker's event loop.  Both see the same namespace, so imports, variables
+A block without ``await`` runs in a thread (the one that received it); a block with
+top-level ``await`` runs as a task on the worker's event loop.  Both see the same namespace, so imports, variables
 and functions persist across blocks.
 
 Cancellation is cooperative here (cancel the task; raise ``BlockCancelled`` in the block's
@@ -21,11 +21,11 @@ import ctypes
 import inspect
 import linecache
 import os
-import queue
 import sys
 import threading
+import time
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from . import proxy
 from .capture import FdCapture, Router, current_block
@@ -38,6 +38,21 @@ _KEPT_SOURCES = 1000  # block sources kept for tracebacks; a long session must n
 class BlockCancelled(BaseException):
     """Raised inside a block's thread to cancel it.  A BaseException, so that a broad
     ``except Exception`` in user code does not swallow the cancellation."""
+
+
+def _start_loop() -> asyncio.AbstractEventLoop:
+    """An event loop in a thread of its own, for blocks that ``await``."""
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        loop.call_soon(ready.set)
+        loop.run_forever()
+
+    threading.Thread(target=run, name="agentloop-user-loop", daemon=True).start()
+    ready.wait(10)
+    return loop
 
 
 def block_filename(block_id: str) -> str:
@@ -72,91 +87,82 @@ def format_user_error(exc: BaseException) -> str:
     return "".join(te.format())
 
 
-class _BlockThread:
-    """A thread that runs sync blocks one after another (starting a thread per block costs
-    more than the block, for small ones).  ``cancel`` raises ``BlockCancelled`` in it only
-    while the named block runs, and a cancel that lands late is cleared before the next."""
+class _Running:
+    """A sync block's thread, as far as cancellation is concerned.  ``cancel`` raises
+    ``BlockCancelled`` in the thread only while the block runs, and one that lands late is
+    cleared before the thread does anything else."""
 
-    _idle: list[_BlockThread] = []
-    _idle_lock = threading.Lock()
+    __slots__ = ("ident", "native_id", "lock", "active", "cancelled")
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self.block: str | None = None
-        self.thread = threading.Thread(target=self._loop, name="agentloop-block", daemon=True)
-        self.thread.start()
+        self.ident: int | None = None
+        self.native_id: int | None = None
+        self.lock = threading.Lock()
+        self.active = False
+        self.cancelled = False
 
-    @classmethod
-    def take(cls) -> _BlockThread:
-        with cls._idle_lock:
-            if cls._idle:
-                return cls._idle.pop()
-        return cls()
+    def enter(self) -> bool:
+        """The block starts in this thread; False if it was cancelled before it could."""
+        with self.lock:
+            self.ident, self.native_id = threading.get_ident(), threading.get_native_id()
+            self.active = not self.cancelled
+            return self.active
 
-    def submit(self, block_id: str, ctx: contextvars.Context, fn: Callable, *args) -> None:
-        with self._lock:
-            self.block = block_id
-        self._jobs.put((ctx, fn, args))
+    def leave(self) -> None:
+        # A cancel may land anywhere until ``active`` is False under the lock: retry until the
+        # thread is out of reach, then clear what was raised but not yet delivered.
+        while True:
+            try:
+                with self.lock:
+                    self.active = False
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.ident), None)
+                return
+            except BlockCancelled:
+                continue
 
-    def cancel(self, block_id: str) -> bool:
-        with self._lock:
-            if self.block != block_id or self.thread.ident is None:
-                return False
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                ctypes.c_ulong(self.thread.ident), ctypes.py_object(BlockCancelled))
-            return True
+    def cancel(self) -> None:
+        with self.lock:
+            self.cancelled = True
+            if self.active:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(self.ident), ctypes.py_object(BlockCancelled))
 
     def position(self) -> tuple[int, int] | None:
-        """Where the thread is: (frame identity, bytecode offset); None when idle."""
-        frame = sys._current_frames().get(self.thread.ident or -1)
+        """Where the thread is: (frame identity, bytecode offset); None when not running."""
+        frame = sys._current_frames().get(self.ident or -1) if self.active else None
         return None if frame is None else (id(frame), frame.f_lasti)
 
     def sleeping(self) -> bool:
         """Whether the kernel has the thread waiting (state S or D), not running or runnable."""
         try:
-            with open(f"/proc/self/task/{self.thread.native_id}/stat", "rb") as f:
+            with open(f"/proc/self/task/{self.native_id}/stat", "rb") as f:
                 return f.read().rsplit(b")", 1)[1].split()[0] in (b"S", b"D")
         except (OSError, IndexError):
             return False
 
-    def _loop(self) -> None:
-        while True:
-            try:
-                ctx, fn, args = self._jobs.get()
-                ctx.run(fn, *args)
-            except BlockCancelled:  # landed after the block's own handler: nothing to do
-                pass
-            with self._lock:
-                self.block = None
-                # A cancel raised just as the block ended must not hit the next one.
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread.ident), None)
-            with _BlockThread._idle_lock:
-                _BlockThread._idle.append(self)
-
 
 class Runtime:
-    """Runs blocks in one namespace and reports each one's end through ``on_done``.
+    """Runs blocks in one namespace and sends each one's ``done`` with ``send``.
 
-    ``loop`` is the connection loop (sending, bookkeeping); ``user_loop`` runs awaiting blocks.
+    A sync block runs in the thread that calls the function ``submit`` returns (the worker's
+    listener hands its listening over first, see ``serve``): no thread hand-off on the way in
+    or out.  Awaiting blocks run as tasks on the user loop, started on first use.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, user_loop: asyncio.AbstractEventLoop,
-                 router: Router, fdcap: FdCapture | None,
-                 on_done: Callable[[str, str, str], Awaitable[None]], call: proxy.Call,
-                 namespace: dict | None = None) -> None:
-        self._loop = loop
-        self._user_loop = user_loop
+    def __init__(self, router: Router, fdcap: FdCapture | None, send: Callable[[dict], None],
+                 call: proxy.Call, namespace: dict | None = None) -> None:
         self._call = call
         self._router = router
         self._fdcap = fdcap
-        self._on_done = on_done
+        self._send = send
+        self._user_loop: asyncio.AbstractEventLoop | None = None
+        self._loop_lock = threading.Lock()
         self.namespace: dict = {"__name__": "__main__", "__builtins__": builtins, "asyncio": asyncio}
         if namespace:
             self.namespace.update(namespace)
         self._base = set(self.namespace)
         self._tasks: dict[str, concurrent.futures.Future] = {}
-        self._threads: dict[str, _BlockThread] = {}
+        self._threads: dict[str, _Running] = {}
         self._sources: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def base_names(self, names: set[str]) -> None:
@@ -182,7 +188,10 @@ class Runtime:
     def running(self) -> list[str]:
         return [*self._tasks, *self._threads]
 
-    def start(self, block_id: str, code: str) -> None:
+    def submit(self, block_id: str, code: str) -> Callable[[], None] | None:
+        """Register a block so that a cancel finds it from now on.  Awaiting code starts on the
+        user loop (None is returned); sync code is returned as a function for the caller to run
+        in the thread of its choice."""
         filename = block_filename(block_id)
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         self._sources[filename] = None
@@ -194,18 +203,23 @@ class Runtime:
             compiled = compile(code, filename, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
                                dont_inherit=True)
         except (SyntaxError, ValueError) as exc:  # ValueError: source with NUL bytes
-            self._loop.create_task(self._finish(block_id, "error", format_user_error(exc)))
-            return
+            error = format_user_error(exc)
+            return lambda: self._finish(block_id, "error", error)
         ctx = contextvars.copy_context()
         ctx.run(current_block.set, block_id)
         if compiled.co_flags & inspect.CO_COROUTINE:
             coro = eval(compiled, self.namespace)  # noqa: S307 - running user code is the job
-            future = asyncio.run_coroutine_threadsafe(self._spawn(block_id, coro, ctx), self._user_loop)
+            future = asyncio.run_coroutine_threadsafe(self._spawn(block_id, coro, ctx), self._loop())
             self._tasks[block_id] = future
-        else:
-            runner = _BlockThread.take()
-            self._threads[block_id] = runner
-            runner.submit(block_id, ctx, self._run_sync, block_id, compiled)
+            return None
+        running = self._threads[block_id] = _Running()
+        return lambda: ctx.run(self._run_sync, block_id, compiled, running)
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        with self._loop_lock:
+            if self._user_loop is None:
+                self._user_loop = _start_loop()
+            return self._user_loop
 
     async def _spawn(self, block_id: str, coro, ctx: contextvars.Context) -> None:
         # A task of its own on the user loop, in the block's context.
@@ -222,55 +236,56 @@ class Runtime:
             outcome = ("ok", "")
         if self._fdcap is not None:
             self._fdcap.drain(0.02)
-        asyncio.run_coroutine_threadsafe(self._finish_task(block_id, *outcome), self._loop)
-
-    async def _finish_task(self, block_id: str, status: str, error: str) -> None:
         self._tasks.pop(block_id, None)
-        await self._finish(block_id, status, error)
+        self._finish(block_id, *outcome)
 
-    def _run_sync(self, block_id: str, compiled) -> None:
+    def _run_sync(self, block_id: str, compiled, running: _Running) -> None:
+        outcome = ("cancelled", "")
         try:
-            exec(compiled, self.namespace)  # noqa: S102
-        except BlockCancelled:
-            outcome = ("cancelled", "")
-        except BaseException as exc:  # noqa: BLE001
-            outcome = ("error", format_user_error(exc))
-        else:
-            outcome = ("ok", "")
+            if running.enter():
+                try:
+                    exec(compiled, self.namespace)  # noqa: S102
+                except BlockCancelled:
+                    pass
+                except BaseException as exc:  # noqa: BLE001
+                    outcome = ("error", format_user_error(exc))
+                else:
+                    outcome = ("ok", "")
+        except BlockCancelled:  # landed in the handlers above
+            pass
+        finally:
+            running.leave()
         if self._fdcap is not None:
             self._fdcap.drain()
-        asyncio.run_coroutine_threadsafe(self._finish_thread(block_id, *outcome), self._loop)
-
-    async def _finish_thread(self, block_id: str, status: str, error: str) -> None:
         self._threads.pop(block_id, None)
-        await self._finish(block_id, status, error)
+        self._finish(block_id, *outcome)
 
-    async def _finish(self, block_id: str, status: str, error: str) -> None:
+    def _finish(self, block_id: str, status: str, error: str) -> None:
         self._router.end(block_id)
-        await self._router.flush(block_id)
-        await self._on_done(block_id, status, error)
+        self._send({"t": "done", "id": block_id, "status": status, "error": error,
+                    "vars": self.user_vars()})
 
     def position(self, block_id: str) -> tuple[int, int] | None:
         """Where a thread block is (frame, bytecode offset), to compare before and after a cancel."""
-        runner = self._threads.get(block_id)
-        return runner.position() if runner is not None else None
+        running = self._threads.get(block_id)
+        return running.position() if running is not None else None
 
-    async def stuck(self, block_id: str, at_cancel: tuple[int, int] | None, window: float = 0.01) -> bool:
-        """After a cancel: is the block where cancellation cannot reach it?  A thread still at
-        the very bytecode it was at when cancelled, ``window`` later, is blocked in C (one that
-        moved on is running its cleanup, and gets the grace); an awaiting block is stuck when its
-        loop does not answer within ``window`` (sync code blocks it).  Either way only a kill
-        stops it, and waiting out the grace would be time lost."""
-        runner = self._threads.get(block_id)
-        if runner is not None:
-            await asyncio.sleep(window)
+    def stuck(self, block_id: str, at_cancel: tuple[int, int] | None, window: float = 0.01) -> bool:
+        """After a cancel: is the block where cancellation cannot reach it?  Waits ``window``.
+        A thread still at the very bytecode it was at when cancelled is blocked in C (one that
+        moved on is running its cleanup, and gets the grace); an awaiting block is stuck when
+        its loop does not answer within ``window`` (sync code blocks it).  Either way only a
+        kill stops it, and waiting out the grace would be time lost."""
+        running = self._threads.get(block_id)
+        if running is not None:
+            time.sleep(window)
             # Waiting in the kernel, at the same place: a spinning thread the scheduler starved
             # would be runnable, and is given the grace instead.
             return (block_id in self._threads and at_cancel is not None
-                    and runner.position() == at_cancel and runner.sleeping())
-        if block_id in self._tasks:
+                    and running.position() == at_cancel and running.sleeping())
+        if block_id in self._tasks and self._user_loop is not None:
             ping = asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self._user_loop)
-            await asyncio.sleep(window)
+            time.sleep(window)
             return block_id in self._tasks and not ping.done()
         return False
 
@@ -280,11 +295,14 @@ class Runtime:
         if future is not None:
             future.cancel()  # cancels the _spawn task, which cancels the block's task
             return True
-        runner = self._threads.get(block_id)
-        return runner is not None and runner.cancel(block_id)
+        running = self._threads.get(block_id)
+        if running is None:
+            return False
+        running.cancel()
+        return True
 
     # -- control requests from the coordinator ------------------------------------------------
-    async def control(self, op: str, args: dict) -> object:
+    def control(self, op: str, args: dict) -> object:
         """Bind host stubs and ``self``, export or inject objects, describe, report the environment."""
         if op == "bind":
             added = {}

@@ -1,95 +1,60 @@
 """The worker's side of the connection: handshake, then serve requests until shutdown.
 
-Two event loops in two threads.  The *connection loop* (the main thread) owns the socket and
-never runs user code, so it keeps receiving cancels, streaming output and answering host
-calls even while user code blocks.  The *user loop* runs blocks that use ``await``; a block
-without ``await`` gets a thread of its own.  A host function called synchronously from the
-user loop therefore still gets its reply: the connection loop delivers it.
+Threads take turns at the socket (leader and followers).  One thread listens; when a block
+(or a request that may run user code) arrives, it hands the listening to an idle thread
+and runs the block itself, then sends the ``done`` and becomes idle.  A round trip thus
+crosses no thread boundary, and the socket is always being listened to, so cancels, host
+call replies and output keep flowing while user code blocks.  A burst of concurrent blocks
+gets a thread each; threads left idle beyond a few end.
 
-All sends go through one queue and one sender task, so a block's output always leaves before
-its ``done`` and frames never interleave.
+Blocks that ``await`` run on the user loop (see ``runtime``); the listener never runs user
+code except through a hand-off like the one above.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import os
 import sys
 import threading
+import time
 from concurrent.futures import Future
-from typing import Any
-
-import zmq
-import zmq.asyncio
 
 from . import wire
 from .capture import FdCapture, NoInput, Router, TextStream, inherit_block_in_threads
-from .runtime import Runtime
+from .channel import Channel
+from .runtime import BlockCancelled, Runtime
 
 HANDSHAKE_TIMEOUT = 15.0
+_KEEP_IDLE = 2  # idle threads kept beyond the listener
+_HEAVY = ("run", "req")  # messages that may run user code: never handled while listening
 
 
 class HostError(Exception):
     """A host function (tool, ``self``) failed or refused; the message says why."""
 
 
-class Connection:
-    """One DEALER socket to the coordinator with an ordered, bounded send queue."""
+class HostCalls:
+    """Calls from code in the worker to host functions, and their pending replies."""
 
-    def __init__(self, endpoint: str) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.ctx = zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 2000)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME)
-        self.sock.setsockopt(zmq.SNDHWM, 64)
-        self.sock.connect(endpoint)
-        self._queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=16)
-        self._sender = self.loop.create_task(self._send_loop())
+    def __init__(self, channel: Channel) -> None:
+        self._channel = channel
         self._calls: dict[int, Future] = {}
-        self._call_ids = itertools.count(1)
+        self._ids = itertools.count(1)
 
-    async def send(self, msg: dict) -> None:
-        await self._queue.put(wire.encode(msg))
-
-    async def _send_loop(self) -> None:
-        while True:
-            frame = await self._queue.get()
-            try:
-                # copy=True always: the zero-copy path needs a new file descriptor, and user code
-                # that used them all up must not cut the channel.
-                await self.sock.send(frame, copy=True)
-            except zmq.ZMQError as exc:
-                os.write(2, f"agentloop worker: a frame was not sent: {exc}\n".encode())
-            finally:
-                self._queue.task_done()
-
-    async def recv(self) -> dict | None:
-        frame = await self.sock.recv(copy=True)
-        try:
-            return wire.decode(frame)
-        except wire.WireError:
-            return None
-
-    async def drain(self) -> None:
-        await asyncio.wait_for(self._queue.join(), timeout=10)
-
-    # -- host calls (any thread) -----------------------------------------------------------
     def call(self, name: str, args: list, kwargs: dict, block: str | None) -> Future:
         """Ask the coordinator to run host function ``name``; a thread-safe future of its value."""
-        cid = next(self._call_ids)
+        cid = next(self._ids)
         future: Future = Future()
-        self._calls[cid] = future
         msg = {"t": "call", "cid": cid, "name": name, "args": args, "kwargs": kwargs, "block": block}
         try:
             frame = wire.encode(msg)
         except (TypeError, ValueError) as exc:
-            self._calls.pop(cid, None)
             future.set_exception(HostError(f"{name}(): arguments must be plain data "
                                            f"(str, numbers, lists, dicts, bytes, None): {exc}"))
             return future
-        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._queue.put(frame)))
+        self._calls[cid] = future
+        self._channel.send_frame(frame)
         return future
 
     def resolve(self, msg: dict) -> None:
@@ -101,89 +66,163 @@ class Connection:
         else:
             future.set_exception(HostError(str(msg.get("error") or "host call failed")))
 
-    def fail_calls(self, why: str) -> None:
-        for future in self._calls.values():
-            if not future.done():
-                future.set_exception(HostError(why))
-        self._calls.clear()
+
+class Crew:
+    """The threads that listen to the socket in turn and run what arrives."""
+
+    def __init__(self, channel: Channel, router: Router, runtime: Runtime, calls: HostCalls,
+                 diag_fd: int) -> None:
+        self.channel = channel
+        self.router = router
+        self.runtime = runtime
+        self.calls = calls
+        self.diag_fd = diag_fd
+        self.exit_code: int | None = None
+        self.exited = threading.Event()
+        self._lead = threading.Lock()  # held by the listening thread
+        self._count = threading.Lock()
+        self._idle = 0  # threads waiting for their turn to listen
+        self._early: list[bytes] = []
+
+    def start(self, early: list[bytes]) -> None:
+        """Start listening; ``early`` are frames already received, handled first."""
+        self._early = early
+        self._add()
+
+    def _add(self) -> None:
+        with self._count:
+            self._idle += 1
+        threading.Thread(target=self._member, name="agentloop-worker", daemon=True).start()
+
+    def _member(self) -> None:
+        while not self.exited.is_set():
+            with self._lead:
+                with self._count:
+                    self._idle -= 1
+                # Blocks are registered (a cancel finds them, the output tick sees them) before
+                # the listening passes on; they run after.
+                jobs = [job for msg in self._listen() if (job := self._handle(msg)) is not None]
+                with self._count:
+                    spare = self._idle
+                if not spare:  # someone must listen while this thread runs what came in
+                    self._add()
+            for job in jobs[:-1]:  # blocks of one agent run concurrently
+                threading.Thread(target=self._safely, args=(job,), name="agentloop-block",
+                                 daemon=True).start()
+            if jobs:
+                self._safely(jobs[-1])
+            with self._count:
+                if self._idle >= _KEEP_IDLE:
+                    return
+                self._idle += 1
+
+    def _listen(self) -> list[dict]:
+        """Wait for messages; handle the quick ones here (cancels, replies) and return as soon
+        as one that may run user code is among them, with the rest of its batch."""
+        while not self.exited.is_set():
+            timeout = self.router.tick()
+            frames, self._early = self._early or self.channel.receive(timeout), []
+            for i, frame in enumerate(frames):
+                msg = _decode(frame)
+                if msg is None:
+                    continue
+                if msg["t"] in _HEAVY:
+                    return [msg, *filter(None, map(_decode, frames[i + 1:]))]
+                self._safely(lambda msg=msg: self._handle(msg))
+        return []
+
+    def _safely(self, job) -> None:
+        try:
+            job()
+        except BlockCancelled:  # a cancel that landed after its block: nothing to do
+            pass
+        except Exception as exc:  # noqa: BLE001 - the worker's own error: say it, keep serving
+            os.write(self.diag_fd, f"agentloop worker: {type(exc).__name__}: {exc}\n".encode())
+
+    def _handle(self, msg: dict):
+        """Act on one message; returns a function to run for one that may run user code."""
+        kind = msg["t"]
+        if kind == "run":
+            block_id, code = msg.get("id"), msg.get("code")
+            if isinstance(block_id, str) and isinstance(code, str):
+                return self.runtime.submit(block_id, code)
+        elif kind == "req":
+            return lambda: self._answer(msg)
+        elif kind == "cancel":
+            block_id = str(msg.get("id"))
+            at_cancel = self.runtime.position(block_id)
+            if self.runtime.cancel(block_id):
+                threading.Thread(target=self._report_stuck, args=(block_id, at_cancel),
+                                 name="agentloop-cancel", daemon=True).start()
+        elif kind == "reply":
+            self.calls.resolve(msg)
+        elif kind == "shutdown":
+            self.router.flush_all()
+            self.channel.send({"t": "bye"})
+            self.channel.close()
+            self.exit_code = 0
+            self.exited.set()
+        return None
+
+    def _report_stuck(self, block_id: str, at_cancel) -> None:
+        if self.runtime.stuck(block_id, at_cancel):
+            self.channel.send({"t": "stuck", "id": block_id})
+
+    def _answer(self, msg: dict) -> None:
+        """Answer a coordinator request (bind tools, export/inject a namespace, describe)."""
+        rid = msg.get("rid")
+        try:
+            value = self.runtime.control(str(msg.get("op")), msg.get("args") or {})
+            reply = {"t": "resp", "rid": rid, "ok": True, "value": value}
+        except Exception as exc:  # noqa: BLE001 - reported to the coordinator as words
+            reply = {"t": "resp", "rid": rid, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        try:
+            frame = wire.encode(reply)
+        except (TypeError, ValueError) as exc:
+            frame = wire.encode({"t": "resp", "rid": rid, "ok": False, "error": f"unsendable value: {exc}"})
+        self.channel.send_frame(frame)
 
 
-def _start_user_loop() -> asyncio.AbstractEventLoop:
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        loop.call_soon(ready.set)
-        loop.run_forever()
-
-    threading.Thread(target=run, name="agentloop-user-loop", daemon=True).start()
-    ready.wait(10)
-    return loop
+def _decode(frame: bytes) -> dict | None:
+    try:
+        return wire.decode(frame)
+    except wire.WireError:
+        return None
 
 
-async def serve(endpoint: str, token: str) -> int:
-    conn_loop = asyncio.get_running_loop()
-    conn = Connection(endpoint)
-    router = Router(conn_loop, conn.send)
+def serve(endpoint: str, token: str) -> int:
+    """Handshake with the coordinator at ``endpoint``, then serve until ``shutdown``.  Returns
+    the exit code; user code left running in threads is the caller's to abandon."""
+    channel = Channel(endpoint)
+    router = Router(channel.send)
     fdcap = FdCapture(router)
+    channel.diag_fd = fdcap.diag_fd
     inherit_block_in_threads()
     sys.stdout = TextStream(router, wire.STDOUT)
     sys.stderr = TextStream(router, wire.STDERR)
     sys.stdin = NoInput()
 
-    await conn.send({"t": "hello", "v": wire.PROTOCOL_VERSION, "token": token, "pid": os.getpid()})
-    try:
-        welcome = await asyncio.wait_for(conn.recv(), HANDSHAKE_TIMEOUT)
-    except TimeoutError:
+    channel.send({"t": "hello", "v": wire.PROTOCOL_VERSION, "token": token, "pid": os.getpid()})
+    welcome = None
+    early: list[bytes] = []  # frames that came in the welcome's batch
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+    while welcome is None and time.monotonic() < deadline:
+        frames = channel.receive(deadline - time.monotonic())
+        for i, frame in enumerate(frames):
+            welcome = _decode(frame)
+            if welcome is not None:
+                early = frames[i + 1:]
+                break
+    if welcome is None:
         os.write(fdcap.diag_fd, b"agentloop worker: no welcome from the coordinator\n")
         return 3
-    if not welcome or welcome.get("t") != "welcome" or welcome.get("v") != wire.PROTOCOL_VERSION:
+    if welcome.get("t") != "welcome" or welcome.get("v") != wire.PROTOCOL_VERSION:
         os.write(fdcap.diag_fd, b"agentloop worker: handshake refused (protocol version?)\n")
         return 4
 
-    async def on_done(block_id: str, status: str, error: str) -> None:
-        await conn.send({"t": "done", "id": block_id, "status": status, "error": error,
-                         "vars": runtime.user_vars()})
-
-    runtime = Runtime(conn_loop, _start_user_loop(), router, fdcap, on_done, conn.call)
-    while True:
-        msg = await conn.recv()
-        if msg is None:
-            continue
-        kind = msg["t"]
-        if kind == "run":
-            block_id, code = msg.get("id"), msg.get("code")
-            if isinstance(block_id, str) and isinstance(code, str):
-                runtime.start(block_id, code)
-        elif kind == "cancel":
-            block_id = str(msg.get("id"))
-            at_cancel = runtime.position(block_id)
-            if runtime.cancel(block_id):
-                conn_loop.create_task(_report_stuck(conn, runtime, block_id, at_cancel))
-        elif kind == "reply":
-            conn.resolve(msg)
-        elif kind == "req":
-            conn_loop.create_task(_answer(conn, runtime, msg))
-        elif kind == "shutdown":
-            await router.flush()
-            await conn.send({"t": "bye"})
-            await conn.drain()
-            conn.sock.close(linger=2000)
-            return 0
-
-
-async def _report_stuck(conn: Connection, runtime: Runtime, block_id: str, at_cancel) -> None:
-    if await runtime.stuck(block_id, at_cancel):
-        await conn.send({"t": "stuck", "id": block_id})
-
-
-async def _answer(conn: Connection, runtime: Runtime, msg: dict) -> None:
-    """Answer a coordinator request (bind tools, export/inject a namespace, describe)."""
-    rid = msg.get("rid")
-    try:
-        value: Any = await runtime.control(str(msg.get("op")), msg.get("args") or {})
-        reply = {"t": "resp", "rid": rid, "ok": True, "value": value}
-    except Exception as exc:  # noqa: BLE001 - reported to the coordinator as words
-        reply = {"t": "resp", "rid": rid, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    await conn.send(reply)
+    calls = HostCalls(channel)
+    runtime = Runtime(router, fdcap, channel.send, calls.call)
+    crew = Crew(channel, router, runtime, calls, fdcap.diag_fd)
+    crew.start(early)
+    crew.exited.wait()
+    return crew.exit_code or 0
