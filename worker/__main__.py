@@ -45,6 +45,9 @@ def run_worker(endpoint: str) -> None:
     confine = os.environ.pop("AGENTLOOP_CONFINE", "")
     parent = int(os.environ.pop("AGENTLOOP_PARENT", "0") or 0)
     _guard_parent(parent)
+    from . import _memory
+
+    _memory.tune()
     if confine:
         from . import _confine
 

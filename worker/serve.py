@@ -20,12 +20,13 @@ import threading
 import time
 from concurrent.futures import Future
 
-from . import wire
+from . import _memory, wire
 from .capture import FdCapture, NoInput, Router, TextStream, inherit_block_in_threads
 from .channel import Channel
 from .runtime import BlockCancelled, Runtime
 
 HANDSHAKE_TIMEOUT = 15.0
+IDLE_TRIM = 1.0  # seconds idle before freed memory goes back to the kernel
 _KEEP_IDLE = 2  # idle threads kept beyond the listener
 _HEAVY = ("run", "req")  # messages that may run user code: never handled while listening
 
@@ -83,6 +84,7 @@ class Crew:
         self._count = threading.Lock()
         self._idle = 0  # threads waiting for their turn to listen
         self._early: list[bytes] = []
+        self._trim_at: float | None = None
 
     def start(self, early: list[bytes]) -> None:
         """Start listening; ``early`` are frames already received, handled first."""
@@ -111,6 +113,7 @@ class Crew:
                                  daemon=True).start()
             if jobs:
                 self._safely(jobs[-1])
+                self._trim_at = time.monotonic() + IDLE_TRIM
             with self._count:
                 if self._idle >= _KEEP_IDLE:
                     return
@@ -121,6 +124,12 @@ class Crew:
         as one that may run user code is among them, with the rest of its batch."""
         while not self.exited.is_set():
             timeout = self.router.tick()
+            if timeout is None and self._trim_at is not None:
+                timeout = self._trim_at - time.monotonic()
+                if timeout <= 0:  # idle for a while: an idle worker should be small
+                    self._trim_at = None
+                    _memory.trim()
+                    continue
             frames, self._early = self._early or self.channel.receive(timeout), []
             for i, frame in enumerate(frames):
                 msg = _decode(frame)

@@ -24,6 +24,7 @@ Reports:   exited {id, pid, status}  when a worker's B is reaped (status as a sh
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import select
 import signal
@@ -202,7 +203,14 @@ def serve() -> None:
         __import__(name.strip())
     import worker.__main__  # noqa: F401 - everything a worker imports, imported once, shared by all
     import worker._confine  # noqa: F401
+    import worker._memory
     import worker.serve  # noqa: F401
+
+    worker._memory.tune()
+    # What is imported now is shared with every worker; the collector must not write to it
+    # (its bookkeeping would copy each page into each worker), so it never looks at it again.
+    gc.collect()
+    gc.freeze()
 
     wire = _Wire()
     _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # workers' inits come back to us
