@@ -32,15 +32,25 @@ _MAX_REPLY = 1024 * 1024
 
 
 class ZygoteProcess(Process):
-    """A worker forked by the zygote: killed and watched like a started one, by host pid."""
+    """A worker forked by the zygote: ``pid`` is its namespace's init (what a kill targets, the
+    root of its tree); the worker below it is what is watched.  The init reaps nothing, so the
+    worker's exit status is read from its zombie."""
 
-    def __init__(self, zygote: Zygote, pid: int) -> None:
+    def __init__(self, zygote: Zygote, init_pid: int, worker_pid: int) -> None:
         self._zygote = zygote
-        self._init_watch(pid, pid_namespace=True)
+        self.worker_pid = worker_pid
+        self._status: int | None = None
+        self._init_watch(worker_pid, pid_namespace=True)
+        self.pid = init_pid
+
+    def _on_exit(self) -> None:
+        if self._status is None:
+            self._status = _zombie_status(self.worker_pid)
+        super()._on_exit()
 
     @property
     def returncode(self) -> int | None:
-        return self._zygote.statuses.get(self.pid)
+        return self._status
 
     @property
     def stderr_tail(self) -> bytes:  # forked workers share the server's stderr
@@ -54,13 +64,26 @@ class ZygoteProcess(Process):
         pass
 
 
+def _zombie_status(pid: int) -> int:
+    """The exit status (as a shell's $?) of a process that has exited but is not reaped; a
+    process already gone was killed with its namespace: 128 + SIGKILL."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return 128 + 9
+    if fields[0] not in (b"Z", b"X") or len(fields) < 50:
+        return 128 + 9
+    status = int(fields[49])  # field 52, exit_code: as waitpid(2) reports it
+    return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
 class Zygote:
     """Starts the fork server and asks it for workers."""
 
     def __init__(self, engine: Engine, preload: tuple[str, ...]) -> None:
         self.engine = engine
         self.preload = preload
-        self.statuses: dict[int, int] = {}  # host pid -> exit status, from 'exited' reports
         self._proc: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task | None = None
         self._waiting: dict[int, asyncio.Future] = {}
@@ -130,10 +153,8 @@ class Zygote:
             future = self._waiting.pop(0, None)
         elif kind in ("spawned", "failed"):
             future = self._waiting.pop(msg.get("id"), None)
-        elif kind == "exited":
-            host = self._host_pids.pop(msg.get("pid"), None)
-            if host is not None:
-                self.statuses[host] = int(msg.get("status", 255))
+        elif kind == "exited":  # a worker's init, reaped: the worker's status was read before
+            self._host_pids.pop(msg.get("pid"), None)
             return
         else:
             return
@@ -163,7 +184,11 @@ class Zygote:
             raise WorkerStartError(f"the fork server could not fork: {reply.get('error')}")
         host = self._host_pid(int(reply["pid"]))
         self._host_pids[int(reply["pid"])] = host
-        return ZygoteProcess(self, host)
+        below = descendants(host)
+        if not below:  # the worker died at once; its init is all there is to kill
+            _signal(host, 9)
+            raise WorkerStartError(f"the forked worker exited at once: {self.stderr_tail.decode('utf-8', 'replace').strip()}")
+        return ZygoteProcess(self, host, below[0])
 
     def _host_pid(self, zpid: int) -> int:
         """The host pid of the server's child ``zpid`` (numbered in the sandbox's namespace)."""
