@@ -232,6 +232,39 @@ async def test_output_flood_is_bounded(worker):
     assert (peak - before) < 100 * 1024 * 1024, f"coordinator grew by {(peak - before) >> 20} MiB"
 
 
+async def test_one_write_larger_than_a_frame_arrives_whole(worker):
+    # A single write bigger than the largest frame either side accepts is cut into frames.
+    code = ("import sys\nsys.stdout.write('\u00e9' * 20_000_000)\n"
+            "sys.stdout.buffer.write(b'z' * 40_000_000)\nprint('end')")
+    result = await worker.run(code, timeout=60)
+    assert result.status == "ok"
+    assert result.output_bytes == 80_000_004
+    assert result.output.endswith("zzzend\n")
+    assert os.path.getsize(result.output_file) == 80_000_004
+
+
+async def test_output_of_a_thread_that_outlives_its_block_is_kept(worker):
+    started = await worker.run("import threading\nlate_go = threading.Event()\n"
+                               "def late():\n    late_go.wait(30); print('late words')\n"
+                               "threading.Thread(target=late).start()\nprint('first')")
+    assert started.output == "first\n"
+    # Written while no block runs: handed to the next block, not dropped.
+    later = await worker.run("late_go.set()\nimport time\ntime.sleep(0.5)\nprint('second')")
+    assert later.output == "late words\nsecond\n"
+
+
+async def test_short_and_long_blocks_interleave(worker):
+    # Short blocks run in the thread that received them; a long one hands the listening over,
+    # so short ones, cancels and output keep going around it.
+    long = asyncio.ensure_future(worker.run("import time\nwhile True: time.sleep(0.01)", timeout=30))
+    shorts = await asyncio.gather(*(worker.run(f"print({i} * 2)") for i in range(50)))
+    assert [r.output for r in shorts] == [f"{i * 2}\n" for i in range(50)]
+    cancelled = await worker.cancel(worker.running[0])
+    assert cancelled is not None and cancelled.status == "cancelled" and not cancelled.worker_killed
+    assert (await long).status == "cancelled"
+    assert (await worker.run("print('still here')")).output == "still here\n"
+
+
 def _vm_rss(status: str) -> int:
     for line in status.splitlines():
         if line.startswith("VmRSS:"):

@@ -1,11 +1,11 @@
 """The worker's side of the connection: handshake, then serve requests until shutdown.
 
-Threads take turns at the socket (leader and followers).  One thread listens; when a block
-(or a request that may run user code) arrives, it hands the listening to an idle thread
-and runs the block itself, then sends the ``done`` and becomes idle.  A round trip thus
-crosses no thread boundary, and the socket is always being listened to, so cancels, host
-call replies and output keep flowing while user code blocks.  A burst of concurrent blocks
-gets a thread each; threads left idle beyond a few end.
+Threads take turns at the socket.  The listening thread runs a block (or a request that
+may run user code) it received itself, sends its ``done`` and listens on: a round trip
+crosses no thread boundary.  If the block runs longer than a couple of milliseconds, or
+waits for a host call, a waiting thread takes over the listening (see ``_baton``), so
+cancels, host-call replies and output keep flowing while user code blocks.  A burst of
+concurrent blocks gets a thread each; threads left idle beyond a few end.
 
 Blocks that ``await`` run on the user loop (see ``runtime``); the listener never runs user
 code except through a hand-off like the one above.
@@ -21,6 +21,7 @@ import time
 from concurrent.futures import Future
 
 from . import _memory, wire
+from ._baton import Baton
 from .capture import FdCapture, NoInput, Router, TextStream, inherit_block_in_threads
 from .channel import Channel
 from .runtime import BlockCancelled, Runtime
@@ -38,8 +39,9 @@ class HostError(Exception):
 class HostCalls:
     """Calls from code in the worker to host functions, and their pending replies."""
 
-    def __init__(self, channel: Channel) -> None:
+    def __init__(self, channel: Channel, baton: Baton) -> None:
         self._channel = channel
+        self._baton = baton
         self._calls: dict[int, Future] = {}
         self._ids = itertools.count(1)
 
@@ -55,6 +57,7 @@ class HostCalls:
                                            f"(str, numbers, lists, dicts, bytes, None): {exc}"))
             return future
         self._calls[cid] = future
+        self._baton.give_up()  # the caller is about to wait for the reply: someone must hear it
         self._channel.send_frame(frame)
         return future
 
@@ -72,7 +75,7 @@ class Crew:
     """The threads that listen to the socket in turn and run what arrives."""
 
     def __init__(self, channel: Channel, router: Router, runtime: Runtime, calls: HostCalls,
-                 diag_fd: int) -> None:
+                 baton: Baton, diag_fd: int) -> None:
         self.channel = channel
         self.router = router
         self.runtime = runtime
@@ -80,9 +83,7 @@ class Crew:
         self.diag_fd = diag_fd
         self.exit_code: int | None = None
         self.exited = threading.Event()
-        self._lead = threading.Lock()  # held by the listening thread
-        self._count = threading.Lock()
-        self._idle = 0  # threads waiting for their turn to listen
+        self.baton = baton
         self._early: list[bytes] = []
         self._trim_at: float | None = None
 
@@ -92,32 +93,28 @@ class Crew:
         self._add()
 
     def _add(self) -> None:
-        with self._count:
-            self._idle += 1
         threading.Thread(target=self._member, name="agentloop-worker", daemon=True).start()
 
     def _member(self) -> None:
         while not self.exited.is_set():
-            with self._lead:
-                with self._count:
-                    self._idle -= 1
+            if self.baton.waiters >= _KEEP_IDLE:
+                return  # enough threads wait already
+            self.baton.take()
+            while not self.exited.is_set():
                 # Blocks are registered (a cancel finds them, the output tick sees them) before
-                # the listening passes on; they run after.
+                # they run.
                 jobs = [job for msg in self._listen() if (job := self._handle(msg)) is not None]
-                with self._count:
-                    spare = self._idle
-                if not spare:  # someone must listen while this thread runs what came in
-                    self._add()
-            for job in jobs[:-1]:  # blocks of one agent run concurrently
-                threading.Thread(target=self._safely, args=(job,), name="agentloop-block",
-                                 daemon=True).start()
-            if jobs:
+                if not jobs:
+                    continue
+                if not self.baton.busy():
+                    self._add()  # someone must be able to take over the listening
+                for job in jobs[:-1]:  # blocks of one agent run concurrently
+                    threading.Thread(target=self._safely, args=(job,), name="agentloop-block",
+                                     daemon=True).start()
                 self._safely(jobs[-1])
                 self._trim_at = time.monotonic() + IDLE_TRIM
-            with self._count:
-                if self._idle >= _KEEP_IDLE:
-                    return
-                self._idle += 1
+                if not self.baton.done():
+                    break  # another thread listens now: wait for a turn
 
     def _listen(self) -> list[dict]:
         """Wait for messages; handle the quick ones here (cancels, replies) and return as soon
@@ -229,9 +226,10 @@ def serve(endpoint: str, token: str) -> int:
         os.write(fdcap.diag_fd, b"agentloop worker: handshake refused (protocol version?)\n")
         return 4
 
-    calls = HostCalls(channel)
+    baton = Baton()
+    calls = HostCalls(channel, baton)
     runtime = Runtime(router, fdcap, channel.send, calls.call)
-    crew = Crew(channel, router, runtime, calls, fdcap.diag_fd)
+    crew = Crew(channel, router, runtime, calls, baton, fdcap.diag_fd)
     crew.start(early)
     crew.exited.wait()
     return crew.exit_code or 0
