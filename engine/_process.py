@@ -40,21 +40,9 @@ class Process:
         self.pid = pid
         self.pid_namespace = pid_namespace
         self.stderr_tail = b""
-        loop = asyncio.get_running_loop()
-        self._exited: asyncio.Future[None] = loop.create_future()
-        try:
-            self._pidfd: int | None = os.pidfd_open(self.pid)
-        except ProcessLookupError:
-            self._pidfd = None
-            self._exited.set_result(None)
-        else:
-            loop.add_reader(self._pidfd, self._on_exit)
+        self._exited = watch_exit(pid)
 
     def _on_exit(self) -> None:
-        if self._pidfd is not None:
-            asyncio.get_running_loop().remove_reader(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = None
         if not self._exited.done():
             self._exited.set_result(None)
 
@@ -110,6 +98,26 @@ class Process:
         transport = getattr(self.proc, "_transport", None)
         if transport is not None:
             transport.close()
+
+
+def watch_exit(pid: int) -> asyncio.Future[None]:
+    """A future that is done once process ``pid`` has exited (at once if it is gone), watched
+    through a pidfd that is closed when the future is done, whoever completes it."""
+    loop = asyncio.get_running_loop()
+    exited: asyncio.Future[None] = loop.create_future()
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        exited.set_result(None)
+        return exited
+    loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+
+    def release(_: asyncio.Future) -> None:
+        loop.remove_reader(fd)
+        os.close(fd)
+
+    exited.add_done_callback(release)
+    return exited
 
 
 async def spawn(argv: Sequence[str], *, env: dict[str, str], cwd: Path,

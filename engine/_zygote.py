@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import msgpack
 
-from ._process import Process, _signal, descendants
+from ._process import Process, _signal, descendants, watch_exit
 from .errors import WorkerStartError
 
 if TYPE_CHECKING:
@@ -41,12 +41,21 @@ class ZygoteProcess(Process):
         self.worker_pid = worker_pid
         self._status: int | None = None
         self._init_watch(worker_pid, pid_namespace=True)
+        self._exited.add_done_callback(self._read_status)
+        self._init_exited = watch_exit(init_pid)
         self.pid = init_pid
 
-    def _on_exit(self) -> None:
+    def _read_status(self, _: asyncio.Future) -> None:
         if self._status is None:
             self._status = _zombie_status(self.worker_pid)
-        super()._on_exit()
+
+    async def _kill(self, timeout: float) -> None:
+        await super()._kill(timeout)
+        # The init tears the namespace down (every process in it) before it is gone itself.
+        try:
+            await asyncio.wait_for(asyncio.shield(self._init_exited), timeout)
+        except TimeoutError:
+            log.error("worker namespace init %d did not exit %.0f s after SIGKILL", self.pid, timeout)
 
     @property
     def returncode(self) -> int | None:

@@ -28,6 +28,7 @@ from .runtime import BlockCancelled, Runtime
 
 HANDSHAKE_TIMEOUT = 15.0
 IDLE_TRIM = 1.0  # seconds idle before freed memory goes back to the kernel
+SPIN_AFTER_BLOCK = 150e-6  # seconds the listener polls before sleeping, after a block
 _KEEP_IDLE = 2  # idle threads kept beyond the listener
 _HEAVY = ("run", "req")  # messages that may run user code: never handled while listening
 
@@ -86,6 +87,7 @@ class Crew:
         self.baton = baton
         self._early: list[bytes] = []
         self._trim_at: float | None = None
+        self._spin = 0.0
 
     def start(self, early: list[bytes]) -> None:
         """Start listening; ``early`` are frames already received, handled first."""
@@ -113,6 +115,7 @@ class Crew:
                                      daemon=True).start()
                 self._safely(jobs[-1])
                 self._trim_at = time.monotonic() + IDLE_TRIM
+                self._spin = SPIN_AFTER_BLOCK
                 if not self.baton.done():
                     break  # another thread listens now: wait for a turn
 
@@ -127,7 +130,8 @@ class Crew:
                     self._trim_at = None
                     _memory.trim()
                     continue
-            frames, self._early = self._early or self.channel.receive(timeout), []
+            frames, self._early = self._early or self.channel.receive(timeout, self._spin), []
+            self._spin = 0.0
             for i, frame in enumerate(frames):
                 msg = _decode(frame)
                 if msg is None:
