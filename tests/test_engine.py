@@ -151,6 +151,12 @@ async def test_crash_ends_blocks_with_a_clear_status(worker, code, words, sig):
     assert again.output == "alive\n" and worker.state is WorkerState.READY
 
 
+async def test_code_the_compiler_cannot_take_is_an_error_not_a_hang(worker):
+    result = await worker.run("x = " + "-" * 5_000 + "1", timeout=20)
+    assert result.status == "error" and "RecursionError" in result.error
+    assert (await worker.run("print('fine')")).output == "fine\n"
+
+
 async def test_traceback_shows_only_user_frames(worker):
     result = await worker.run("def inner():\n    return 1 / 0\n\ninner()\n")
     assert result.status == "error"

@@ -202,7 +202,7 @@ class Runtime:
         try:
             compiled = compile(code, filename, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
                                dont_inherit=True)
-        except (SyntaxError, ValueError) as exc:  # ValueError: source with NUL bytes
+        except Exception as exc:  # noqa: BLE001 - SyntaxError, ValueError (NUL bytes), RecursionError (deep nesting), ...
             error = format_user_error(exc)
             return lambda: self._finish(block_id, "error", error)
         ctx = contextvars.copy_context()

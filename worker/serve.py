@@ -105,7 +105,7 @@ class Crew:
             while not self.exited.is_set():
                 # Blocks are registered (a cancel finds them, the output tick sees them) before
                 # they run.
-                jobs = [job for msg in self._listen() if (job := self._handle(msg)) is not None]
+                jobs = [job for msg in self._listen() if (job := self._safely(self._handle, msg))]
                 if not jobs:
                     continue
                 if not self.baton.busy():
@@ -138,16 +138,19 @@ class Crew:
                     continue
                 if msg["t"] in _HEAVY:
                     return [msg, *filter(None, map(_decode, frames[i + 1:]))]
-                self._safely(lambda msg=msg: self._handle(msg))
+                self._safely(self._handle, msg)
         return []
 
-    def _safely(self, job) -> None:
+    def _safely(self, fn, *args):
+        """``fn(*args)``, or None if it raised: the worker's own error is said, and the serving
+        goes on."""
         try:
-            job()
+            return fn(*args)
         except BlockCancelled:  # a cancel that landed after its block: nothing to do
             pass
-        except Exception as exc:  # noqa: BLE001 - the worker's own error: say it, keep serving
+        except Exception as exc:  # noqa: BLE001
             os.write(self.diag_fd, f"agentloop worker: {type(exc).__name__}: {exc}\n".encode())
+        return None
 
     def _handle(self, msg: dict):
         """Act on one message; returns a function to run for one that may run user code."""
