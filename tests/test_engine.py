@@ -75,6 +75,23 @@ async def test_output_arrives_before_the_block_ends(worker, run_dir: Path):
     assert b"".join(seen) == b"first\nsecond\n"
 
 
+async def test_a_slow_stream_consumer_loses_nothing(worker):
+    # stdout and stderr alternate: 400 chunks, far more than the stream's queue holds, so the
+    # coordinator stops reading the worker until the consumer catches up.
+    code = "import sys\nfor i in range(200):\n    print(i)\n    print(-i, file=sys.stderr)\n"
+    chunks = []
+    async for item in worker.stream(code, timeout=30):
+        if hasattr(item, "data"):
+            chunks.append((item.stream, item.data))
+            await asyncio.sleep(0.001)
+        else:
+            result = item
+    assert result.status == "ok"
+    assert [c for c in chunks if c[0] == "stdout"] == [("stdout", f"{i}\n".encode()) for i in range(200)]
+    assert b"".join(d for s, d in chunks if s == "stderr") == "".join(f"{-i}\n" for i in range(200)).encode()
+    assert len(chunks) == 400
+
+
 async def test_fd_level_output_is_captured(worker):
     code = ("import os, subprocess, sys\n"
             "os.write(1, b'fd-one\\n')\n"

@@ -164,7 +164,10 @@ class Router:
         stream = None
         pieces: list = []
         for _ in range(count):
-            st, data = parts.popleft()
+            try:
+                st, data = parts.popleft()
+            except IndexError:  # ``late`` took the rest: a thread of an ended block wrote
+                break
             if st != stream:
                 pieces = []
                 runs.append((st, pieces))

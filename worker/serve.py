@@ -7,8 +7,8 @@ waits for a host call, a waiting thread takes over the listening (see ``_baton``
 cancels, host-call replies and output keep flowing while user code blocks.  A burst of
 concurrent blocks gets a thread each; threads left idle beyond a few end.
 
-Blocks that ``await`` run on the user loop (see ``runtime``); the listener never runs user
-code except through a hand-off like the one above.
+Blocks that ``await`` run on the user loop (see ``runtime``): the listener starts them and
+listens on.  Cancels and host-call replies are handled by the listener as they come.
 """
 
 from __future__ import annotations
