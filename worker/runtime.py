@@ -1,8 +1,8 @@
 """The block runtime: one persistent namespace, many concurrent blocks.
 
 A block without ``await`` runs in a thread (the one that received it); a block with
-top-level ``await`` runs as a task on the worker's event loop.  Both see the same namespace, so imports, variables
-and functions persist across blocks.
+top-level ``await`` runs as a task on the worker's event loop.  Both see the same namespace,
+so imports, variables and functions persist across blocks.
 
 Cancellation is cooperative here (cancel the task; raise ``BlockCancelled`` in the block's
 thread).  Code stuck in C ignores both; the coordinator then kills the whole worker — this
@@ -145,8 +145,8 @@ class Runtime:
     """Runs blocks in one namespace and sends each one's ``done`` with ``send``.
 
     A sync block runs in the thread that calls the function ``submit`` returns (the worker's
-    listener hands its listening over first, see ``serve``): no thread hand-off on the way in
-    or out.  Awaiting blocks run as tasks on the user loop, started on first use.
+    listener itself, see ``serve``): no thread hand-off on the way in or out.  Awaiting blocks
+    run as tasks on the user loop, started on first use.
     """
 
     def __init__(self, router: Router, fdcap: FdCapture | None, send: Callable[[dict], None],
@@ -202,7 +202,8 @@ class Runtime:
         try:
             compiled = compile(code, filename, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
                                dont_inherit=True)
-        except Exception as exc:  # noqa: BLE001 - SyntaxError, ValueError (NUL bytes), RecursionError (deep nesting), ...
+        except Exception as exc:  # noqa: BLE001 - SyntaxError, ValueError (NUL bytes),
+            # RecursionError or MemoryError (deep nesting): the block's error, not the worker's
             error = format_user_error(exc)
             return lambda: self._finish(block_id, "error", error)
         ctx = contextvars.copy_context()
