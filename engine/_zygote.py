@@ -196,7 +196,8 @@ class Zygote:
         below = descendants(host)
         if not below:  # the worker died at once; its init is all there is to kill
             _signal(host, 9)
-            raise WorkerStartError(f"the forked worker exited at once: {self.stderr_tail.decode('utf-8', 'replace').strip()}")
+            said = self.stderr_tail.decode("utf-8", "replace").strip()
+            raise WorkerStartError(f"the forked worker exited at once: {said}")
         return ZygoteProcess(self, host, below[0])
 
     def _host_pid(self, zpid: int) -> int:

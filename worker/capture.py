@@ -88,10 +88,6 @@ class Router:
             with self._sending:  # a tick may still be sending this block's output: wait for it
                 pass
 
-    @property
-    def running(self) -> bool:
-        return bool(self.outs)
-
     # -- writing (any thread) -----------------------------------------------------------
     def write(self, stream: int, data: bytes | str, block_id: str | None = None) -> None:
         """Route one write: to ``block_id`` (or the current block) if it runs, else to the

@@ -184,10 +184,6 @@ class Runtime:
                 break
         return out
 
-    @property
-    def running(self) -> list[str]:
-        return [*self._tasks, *self._threads]
-
     def submit(self, block_id: str, code: str) -> Callable[[], None] | None:
         """Register a block so that a cancel finds it from now on.  Awaiting code starts on the
         user loop (None is returned); sync code is returned as a function for the caller to run
