@@ -269,11 +269,24 @@ async def test_one_write_larger_than_a_frame_arrives_whole(worker):
 async def test_output_of_a_thread_that_outlives_its_block_is_kept(worker):
     started = await worker.run("import threading\nlate_go = threading.Event()\n"
                                "def late():\n    late_go.wait(30); print('late words')\n"
-                               "threading.Thread(target=late).start()\nprint('first')")
+                               "late_t = threading.Thread(target=late)\nlate_t.start()\nprint('first')")
     assert started.output == "first\n"
-    # Written while no block runs: handed to the next block, not dropped.
-    later = await worker.run("late_go.set()\nimport time\ntime.sleep(0.5)\nprint('second')")
+    # Written after its own block ended: it goes to the block that runs, not nowhere.
+    later = await worker.run("late_go.set()\nlate_t.join(30)\nprint('second')")
     assert later.output == "late words\nsecond\n"
+
+
+async def test_output_written_while_no_block_runs_goes_to_the_next_block(worker, run_dir: Path):
+    code = ("import os, threading, time\n"
+            "def between():\n"
+            "    while not os.path.exists('files/go'): time.sleep(0.01)\n"
+            "    print('between blocks')\n"
+            "    open('files/printed', 'w').close()\n"
+            "threading.Thread(target=between).start()\n")
+    assert (await worker.run(code)).output == ""
+    (run_dir / "files" / "go").touch()
+    assert await asyncio.to_thread(wait_until, (run_dir / "files" / "printed").exists, 20)
+    assert (await worker.run("print('next')")).output == "between blocks\nnext\n"
 
 
 async def test_short_and_long_blocks_interleave(worker):
