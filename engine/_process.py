@@ -41,6 +41,7 @@ class Process:
         self.pid_namespace = pid_namespace
         self.stderr_tail = b""
         self._exited = watch_exit(pid)
+        self._killing: asyncio.Future[None] | None = None
 
     def _on_exit(self) -> None:
         if not self._exited.done():
@@ -69,11 +70,22 @@ class Process:
         return -signal.SIGKILL
 
     async def kill(self, timeout: float = 10.0) -> None:
-        """SIGKILL the worker and every process it started; reap it.  Idempotent."""
-        await asyncio.shield(self._kill(timeout))
+        """SIGKILL the worker and every process it started; reap it.  Idempotent: every call
+        after the first waits for that one (signalling a pid again could hit a process that
+        was given the pid since)."""
+        if self._killing is None:
+            self._killing = asyncio.ensure_future(self._kill(timeout))
+        await asyncio.shield(self._killing)
+
+    def _gone(self) -> bool:
+        """The root of the tree has exited: its pid may be another process's by now, and with a
+        PID namespace nothing of the tree is left."""
+        return self._exited.done()
 
     async def _kill(self, timeout: float) -> None:
-        if self.pid_namespace:
+        if self._gone():
+            pass  # nothing left to signal, and its pid is not ours any more
+        elif self.pid_namespace:
             # SIGKILL to the namespace's init (bubblewrap's inner process) takes every process
             # of the namespace with it.  The outer one is killed too, and the inner one
             # directly: it may not have armed its parent-death signal yet.

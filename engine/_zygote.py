@@ -49,6 +49,10 @@ class ZygoteProcess(Process):
         if self._status is None:
             self._status = _zombie_status(self.worker_pid)
 
+    def _gone(self) -> bool:
+        # The worker may be gone while its init still holds the namespace.
+        return self._init_exited.done()
+
     async def _kill(self, timeout: float) -> None:
         await super()._kill(timeout)
         # The init tears the namespace down (every process in it) before it is gone itself.
