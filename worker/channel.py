@@ -13,6 +13,7 @@ a message waits.
 
 from __future__ import annotations
 
+import math
 import os
 import select
 import threading
@@ -88,7 +89,8 @@ class Channel:
                 frames = self._take()
                 if frames:
                     return frames
-        self._poll.poll(None if timeout is None else max(0, int(timeout * 1000)))
+        # Rounded up: a timeout rounded down to 0 ms would make the caller spin until its due.
+        self._poll.poll(None if timeout is None else max(0, math.ceil(timeout * 1000)))
         try:
             os.read(self._wake_r, 4096)
         except BlockingIOError:
