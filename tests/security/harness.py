@@ -21,6 +21,8 @@ from tests.conftest import processes_with, wait_until
 
 #: The bound on every wait in this suite, in seconds.
 WAIT = 30.0
+#: How a probe reports a path the sandbox's mount and PID namespaces leave out entirely.
+ABSENT = "FileNotFoundError ENOENT"
 #: The coordinator's model key for the whole session: model code must never see it.
 API_KEY = "sk-agentloop-test-" + secrets.token_hex(16)
 #: Other credentials a coordinator typically holds in its environment.

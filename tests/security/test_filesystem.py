@@ -20,7 +20,7 @@ import worker as worker_pkg
 from engine.engine import Engine
 from engine.repo_tools import RepoTools
 
-from .harness import Host, agent_attack, assert_still_works, attack, block, needs_namespaces
+from .harness import ABSENT, Host, agent_attack, assert_still_works, attack, block, needs_namespaces
 
 pytestmark = pytest.mark.attack
 
@@ -28,7 +28,6 @@ READ_ONLY = "OSError EROFS"
 # Refusals of a write to something visible: the read-only mount (EROFS) or, for files that
 # exist, their owner's permissions checked first (EACCES, EPERM for chmod).
 DENIED = (READ_ONLY, "PermissionError EACCES", "PermissionError EPERM")
-ABSENT = "FileNotFoundError ENOENT"
 
 
 def _digest(path: Path) -> str:

@@ -18,6 +18,7 @@ from engine.engine import Engine
 from tests.conftest import wait_until
 
 from .harness import (
+    ABSENT,
     WAIT,
     Host,
     agent_attack,
@@ -29,7 +30,6 @@ from .harness import (
 
 pytestmark = pytest.mark.attack
 
-ABSENT = "FileNotFoundError ENOENT"
 # Another worker's socket: absent from the worker's view, or there but not its to connect to.
 REFUSED = (ABSENT, "PermissionError EACCES")
 

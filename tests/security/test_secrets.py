@@ -14,6 +14,7 @@ import pytest
 from engine.sandbox import python_paths
 
 from .harness import (
+    ABSENT,
     API_KEY,
     OTHER_SECRETS,
     Host,
@@ -26,7 +27,6 @@ from .harness import (
 
 pytestmark = pytest.mark.attack
 
-ABSENT = "FileNotFoundError ENOENT"  # the mount and PID namespaces leave nothing to deny
 
 
 async def test_etc_shadow_is_not_readable(worker):
