@@ -289,6 +289,30 @@ async def test_output_written_while_no_block_runs_goes_to_the_next_block(worker,
     assert (await worker.run("print('next')")).output == "between blocks\nnext\n"
 
 
+async def test_concurrent_blocks_calling_host_functions_all_get_their_replies(worker):
+    # A block waiting for a host call's reply hands the listening over; with many such blocks
+    # at once, sync and awaiting, every reply still reaches its caller.
+    from engine.agent import host_spec
+
+    def double(x):
+        return 2 * x
+
+    async def adouble(x):
+        await asyncio.sleep(0.001)
+        return 2 * x
+
+    async def on_call(name, args, kwargs, block):
+        return double(*args) if name == "double" else await adouble(*args)
+
+    worker.on_call = on_call
+    await worker.request("bind", {"host": [host_spec("double", double), host_spec("adouble", adouble)]})
+    sync = "print(sum(double(i) for i in range({n})))"
+    awaiting = "print(sum([await adouble(i) for i in range({n})]))"
+    codes = [(sync if k % 2 else awaiting).format(n=10 + k) for k in range(20)]
+    results = await asyncio.wait_for(asyncio.gather(*(worker.run(c, timeout=60) for c in codes)), 120)
+    assert [r.output for r in results] == [f"{(10 + k) * (9 + k)}\n" for k in range(20)]
+
+
 async def test_short_and_long_blocks_interleave(worker):
     # Short blocks run in the thread that received them; a long one hands the listening over,
     # so short ones, cancels and output keep going around it.
