@@ -374,7 +374,8 @@ class Worker:
         except asyncio.CancelledError:
             if block.future.cancelled():  # our cancellation reached the future: it needs a new one
                 block.future = loop.create_future()
-            await asyncio.shield(self._stop(block, "cancelled"))
+            # A stop the deadline already started is the one to wait for, not a second one.
+            await asyncio.shield(block.stopping or self._stop(block, "cancelled"))
             raise
         finally:
             timer.cancel()
