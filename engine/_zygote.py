@@ -22,6 +22,7 @@ import msgpack
 
 from ._process import Process, _signal, descendants, watch_exit
 from .errors import WorkerStartError
+from .sandbox import runtime_argv
 
 if TYPE_CHECKING:
     from .engine import Engine, Launch
@@ -122,7 +123,7 @@ class Zygote:
             env.pop(key, None)
         env["AGENTLOOP_PRELOAD"] = ",".join(self.preload)
         self._proc = await asyncio.create_subprocess_exec(
-            *argv, engine.python, "-m", "worker.zygote", stdin=asyncio.subprocess.PIPE,
+            *argv, *runtime_argv(engine.python, "worker.zygote:serve"), stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
             cwd=plan.cwd or str(engine.cwd), start_new_session=True)
         ready = asyncio.get_running_loop().create_future()

@@ -30,12 +30,11 @@ from pathlib import Path
 
 import zmq
 
-import worker as _worker_pkg
-
 from . import sandbox as _sandbox
+from ._cgroup import MemoryCgroups
 from ._session import Session
 from ._zygote import Zygote
-from .errors import AgentloopError, ConfigError
+from .errors import AgentloopError, ConfigError, WorkerStartError
 from .worker import Worker
 
 log = logging.getLogger("agentloop")
@@ -71,6 +70,28 @@ def _runtime_home() -> Path:
     return Path("/tmp") / f"agentloop-{os.getuid()}"
 
 
+def _remove_stale_runs(parent: Path) -> None:
+    """Remove what coordinators that were killed (SIGKILL, a crash) left in ``parent``: run
+    directories are named ``DATE-TIME-PID-HEX``, and one whose PID no longer runs is stale.
+    A PID taken again by another process keeps its directory until that one ends too."""
+    with contextlib.suppress(OSError):
+        for entry in list(parent.iterdir()):
+            fields = entry.name.split("-")
+            if (len(fields) == 4 and fields[2].isdigit() and int(fields[2]) != os.getpid()
+                    and not os.path.exists(f"/proc/{fields[2]}") and entry.is_dir()
+                    and not entry.is_symlink() and entry.lstat().st_uid == os.getuid()):
+                shutil.rmtree(entry, ignore_errors=True)
+
+
+def _file_part(block_id: str) -> str:
+    """``block_id`` as a short file-name part: ASCII letters, digits, ``-`` and ``.`` as they
+    are, every other character as ``_`` and its UTF-8 bytes in hex (so ``x/y`` and ``x_y``
+    stay apart), cut at 48 characters."""
+    out = "".join(c if c.isascii() and (c.isalnum() or c in "-.") else
+                  "".join(f"_{b:02x}" for b in c.encode()) for c in block_id)
+    return out.lstrip(".")[:48]
+
+
 def _private_dir(path: Path) -> Path:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = path.lstat()
@@ -101,6 +122,7 @@ class Engine:
         pool_idle: float = 60.0,
         zygote: bool | None = None,
         preload: Iterable[str] = (),
+        hidden: Iterable[str | Path] = (),
     ) -> None:
         if transport not in ("ipc", "tcp"):
             raise ConfigError(f"transport must be 'ipc' or 'tcp', not {transport!r}")
@@ -121,16 +143,20 @@ class Engine:
         self.pool_idle = pool_idle
         self.zygote = zygote
         self.preload = tuple(preload)
+        self.hidden = tuple(Path(h) for h in hidden)
         self._zygote: Zygote | None = None
         self._pool: list[Session] = []
         self._pool_filling: asyncio.Task | None = None
         self._pool_shrink: asyncio.TimerHandle | None = None
-        self.run_id = time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+        # The pid in the name lets a later start remove what a killed coordinator left.
+        self.run_id = time.strftime("%Y%m%d-%H%M%S-") + f"{os.getpid()}-{secrets.token_hex(3)}"
         self.run_dir = Path(state_dir or _state_home()) / "runs" / self.run_id
         self.output_dir = self.run_dir / "outputs"
         self.workers: list[Worker] = []
         self._ctx: zmq.Context | None = None
         self._sock_root: Path | None = None
+        self._cgroups: MemoryCgroups | None = None
+        self._outputs = 0
         self._closed = False
 
     async def __aenter__(self) -> Engine:
@@ -144,16 +170,23 @@ class Engine:
         """Create the run's directories and the ZeroMQ context (idempotent)."""
         if self._ctx is not None:
             return
+        if self.sandbox.mode != "none":
+            _sandbox.check_workspace(self.workspace, self.python)
         try:
             self.workspace.mkdir(parents=True, exist_ok=True)
             self.output_dir.mkdir(parents=True, exist_ok=True)
             os.chmod(self.run_dir, 0o700)
-            self._sock_root = _private_dir(_runtime_home()) / self.run_id
+            _remove_stale_runs(self.run_dir.parent)
+            runtime = _private_dir(_runtime_home())
+            _remove_stale_runs(runtime)
+            self._sock_root = runtime / self.run_id
             self._sock_root.mkdir(mode=0o700)
         except OSError as exc:
             raise ConfigError(f"cannot create the run's directories: {exc}; "
                               "choose another --workspace or check permissions") from exc
         self._ctx = zmq.Context()
+        if self.sandbox.mode != "none":
+            self._cgroups = MemoryCgroups.find()
 
     async def start_worker(self, name: str = "worker") -> Worker:
         """Start a worker and wait until it is ready to run code."""
@@ -185,6 +218,8 @@ class Engine:
             self._ctx.destroy(linger=0)
         if self._sock_root is not None:
             shutil.rmtree(self._sock_root, ignore_errors=True)
+        if self._cgroups is not None:
+            self._cgroups.close()
         with contextlib.suppress(OSError):
             self.output_dir.rmdir()  # only if no block needed a file
             self.run_dir.rmdir()
@@ -258,12 +293,28 @@ class Engine:
         shutil.rmtree(sock_dir, ignore_errors=True)
 
     def _output_path(self, index: int, block_id: str) -> Path:
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in block_id)[:64]
-        return self.output_dir / f"w{index}-{safe}.txt"
+        """A file name of its own for one block's output: a sequence number makes it unique
+        (a block id may be reused, and ids differing only in characters a file name cannot
+        hold would otherwise meet); the id follows, readable where it is plain."""
+        self._outputs += 1
+        return self.output_dir / f"w{index}-{self._outputs}-{_file_part(block_id)}.txt"
 
     def _plan(self, sock_dir: Path) -> _sandbox.LaunchPlan:
         return _sandbox.plan(self.sandbox, socket_dir=sock_dir, workspace=self.workspace,
-                             cwd=self.cwd, output_dir=self.output_dir, python=self.python)
+                             cwd=self.cwd, output_dir=self.output_dir, python=self.python,
+                             hidden=self.hidden, memory_cgroup=self._cgroups is not None)
+
+    def _memory_group(self, number: int, pids: list[int]) -> Path | None:
+        """Put a just-started worker's processes (``pids``: its whole tree, before it has run
+        any code) in a memory cgroup of their own; None where the engine has no cgroups.
+        Raises WorkerStartError when the cgroup cannot be made: the sandbox was planned on it."""
+        if self._cgroups is None:
+            return None
+        group = self._cgroups.make(f"w{number}", self.sandbox.memory_bytes)
+        if group is None or not self._cgroups.adopt(group, pids):
+            raise WorkerStartError("could not put the worker in its memory cgroup (agentloop -v "
+                                   "logs why); its memory limit would not hold")
+        return group
 
     def _env(self, token: str, plan: _sandbox.LaunchPlan) -> dict[str, str]:
         env = {k: os.environ[k] for k in (*ENV_ALLOWLIST, *self.env_allow) if k in os.environ}
@@ -271,8 +322,7 @@ class Engine:
         env["HOME"] = str(self.workspace)
         env["TMPDIR"] = "/tmp"
         env.update(plan.env)  # what the sandbox needs (a private TMPDIR without bubblewrap)
-        env["PYTHONDONTWRITEBYTECODE"] = "1"
-        env["PYTHONPATH"] = str(Path(_worker_pkg.__file__).resolve().parent.parent)
+        env["PYTHONDONTWRITEBYTECODE"] = "1"  # for the Pythons user code starts (``-B`` is ours)
         env["AGENTLOOP_TOKEN"] = token
         if not plan.pid_namespace:  # inside a PID namespace our parent is the namespace's init
             env["AGENTLOOP_PARENT"] = str(os.getpid())
@@ -285,6 +335,6 @@ class Engine:
         plan = self._plan(sock_dir)
         if endpoint.startswith("ipc://"):
             plan.grant(Path(endpoint[len("ipc://"):]))
-        argv = [*plan.argv_prefix, self.python, "-m", "worker", endpoint]
+        argv = [*plan.argv_prefix, *_sandbox.runtime_argv(self.python, "worker.__main__:main", endpoint)]
         return Launch(argv, self._env(token, plan), Path(plan.cwd) if plan.cwd else self.cwd,
                       plan.pid_namespace, plan.notes)

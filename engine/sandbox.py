@@ -26,7 +26,9 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -44,7 +46,8 @@ _FALLBACK = "running with Landlock+seccomp+rlimits only (no PID/network namespac
 
 # The few host files under /etc that Python, the dynamic linker and name resolution read.
 _ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "passwd", "group", "hosts",
-        "host.conf", "gai.conf", "resolv.conf", "localtime", "timezone", "ssl", "ca-certificates",
+        "host.conf", "gai.conf", "resolv.conf", "localtime", "timezone", "ssl/certs",
+        "ssl/openssl.cnf", "ca-certificates",
         "ca-certificates.conf", "pki", "crypto-policies", "mime.types", "alternatives", "os-release")
 _TOP = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # merged-/usr symlinks or dirs
 _DEV_FILES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
@@ -66,7 +69,7 @@ class SandboxPolicy:
 
     mode: str = "auto"
     network: bool = False
-    memory_bytes: int = 2 * GiB          # RLIMIT_DATA, per process
+    memory_bytes: int = 2 * GiB          # the worker's whole tree (cgroup), RLIMIT_DATA per process
     cpu_seconds: int | None = None       # RLIMIT_CPU, per process
     max_processes: int = 256             # RLIMIT_NPROC (threads count too), see `_nproc`
     max_open_files: int = 1024           # RLIMIT_NOFILE
@@ -74,6 +77,7 @@ class SandboxPolicy:
     tmp_bytes: int = 512 * MiB           # size of the private /tmp (and, separately, /dev/shm)
     workspace_bytes: int | None = 8 * GiB  # checked by the coordinator: `workspace_excess`
     worker_uid: int | None = None        # root only: the uid workers run as; None derives one
+    share_cwd: bool | None = None        # None: only a project directory (see `_shareable_cwd`)
 
 
 @dataclass
@@ -121,9 +125,9 @@ def _bwrap_flags(root: bool, network: bool) -> list[str]:
         flags.append("--unshare-net")
     if root:
         # Real root needs no user namespace; keep only what apply() needs to switch uid and
-        # empty the bounding set, and the one capability the worker keeps (see `_root_worker`).
+        # empty the bounding set.  The worker keeps none of them (see `_root_worker`).
         flags += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
-                  "--cap-add", "CAP_SETPCAP", "--cap-add", "CAP_DAC_READ_SEARCH"]
+                  "--cap-add", "CAP_SETPCAP"]
     else:
         # Unprivileged: a user namespace, and no further ones inside it.
         flags += ["--unshare-user", "--disable-userns"]
@@ -157,6 +161,27 @@ def host_support() -> HostSupport:
 # The worker's Python
 # ---------------------------------------------------------------------------------------------
 
+#: The directory holding the ``worker`` package (and ``engine``): put on a runtime's path by
+#: its absolute name, never found through the directory a process starts in.
+RUNTIME_ROOT = str(Path(_confine.__file__).resolve().parent.parent)
+
+
+def runtime_argv(python: str, entry: str, *args: str) -> list[str]:
+    """The command line that runs ``entry`` (``"module:function"``) of agentloop's runtime.
+
+    ``-I`` (isolated mode) leaves the current directory, ``PYTHON*`` variables and the user's
+    site directory off ``sys.path``, and the runtime is found by its absolute path: a process
+    that starts with privileges (a worker before it confines itself, the fork server) imports
+    nothing from a directory a worker can write, whatever directory it starts in.  ``-B``: the
+    runtime never writes bytecode next to its sources."""
+    module, _, function = entry.partition(":")
+    if not (module.replace(".", "").replace("_", "").isalnum() and function.isidentifier()):
+        raise ValueError(f"not a runtime entry point: {entry!r}")
+    boot = (f"import sys; sys.path.insert(0, {RUNTIME_ROOT!r}); "
+            f"from {module} import {function}; {function}()")
+    return [python, "-I", "-B", "-c", boot, *args]
+
+
 @lru_cache(maxsize=8)
 def python_paths(python: str) -> tuple[str, ...]:
     """Directories the interpreter `python` needs read-only: its prefixes and every sys.path
@@ -166,7 +191,7 @@ def python_paths(python: str) -> tuple[str, ...]:
     code = ("import sys, json; print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix,"
             " sys.base_exec_prefix, *sys.path[1:]]))")
     try:
-        out = subprocess.run([python, "-c", code], capture_output=True, timeout=60, cwd="/",
+        out = subprocess.run([python, "-I", "-c", code], capture_output=True, timeout=60, cwd="/",
                              stdin=subprocess.DEVNULL, check=True).stdout
         info = json.loads(out)
     except (OSError, ValueError, subprocess.SubprocessError) as exc:
@@ -174,9 +199,22 @@ def python_paths(python: str) -> tuple[str, ...]:
     # The worker imports `worker` (and may import `engine`) from wherever this project lives;
     # an editable install maps them to the source tree without a sys.path entry.
     info += [str(Path(_confine.__file__).resolve().parent), str(Path(__file__).resolve().parent)]
+    # (``-I`` above: the paths of the interpreter itself, not of whatever the directory adds.)
     paths = [os.path.normpath(p) for p in info
              if p and os.path.isabs(p) and os.path.exists(p) and os.path.normpath(p) != "/"]
     return _outermost(paths)
+
+
+def check_workspace(workspace: Path, python: str) -> None:
+    """Refuse a workspace that is, or holds, a directory on the import path of the coordinator
+    or of the workers' Python: workers write the workspace, and a module planted there would
+    run in a process with privileges (the coordinator, a worker before it confines itself)."""
+    ws = os.path.realpath(workspace)
+    ours = (os.path.realpath(p) for p in sys.path if p and os.path.isabs(p) and os.path.isdir(p))
+    for path in sorted({*python_paths(python), *ours}):
+        if _beneath(path, ws):
+            raise ConfigError(f"the workspace {ws} holds {path}, from which Python imports "
+                              "agentloop's code: choose another --workspace")
 
 
 def _outermost(paths: list[str]) -> tuple[str, ...]:
@@ -211,32 +249,60 @@ def _system_paths() -> tuple[list[str], list[tuple[str, str]]]:
     return ro, links
 
 
-def _shareable_cwd(cwd: Path) -> tuple[bool, str]:
-    """The current directory is shared read-only unless doing so would expose a home
-    directory wholesale (cwd is /, a home, or above one)."""
-    home = os.path.realpath(os.path.expanduser("~"))
+#: Directories whose children are home directories.
+_HOME_ROOTS = ("/home", "/Users")
+
+
+def _home_directories() -> set[str]:
+    """Every home directory of this machine's accounts that exists, and the coordinator's."""
+    homes = {os.path.expanduser("~")}
+    try:
+        import pwd
+
+        homes |= {entry.pw_dir for entry in pwd.getpwall() if entry.pw_dir}
+    except (ImportError, KeyError, OSError):
+        pass
+    return {os.path.realpath(h) for h in homes if os.path.isdir(h)} - {"/"}
+
+
+def _shareable_cwd(cwd: Path, force: bool | None) -> tuple[bool, str]:
+    """Whether the current directory is shown to workers (read-only), and the note if not.
+
+    Only a project directory is: never the filesystem root, a home directory (anyone's, not
+    only the coordinator's), a directory that holds home directories (``/home`` itself), or
+    any directory above a home — each would show other people's files wholesale.
+    ``force`` (``--share-cwd``/``--no-share-cwd``) overrides the rule either way."""
     c = str(cwd)
     if not cwd.is_dir():
         return False, f"sandbox: the current directory {c} does not exist; the worker starts in its workspace"
-    if c == "/" or _beneath(home, c) or (os.path.dirname(c) in ("/home", "/Users")):
-        return False, (f"sandbox: the current directory {c} is not shared with the worker "
-                       "(it would expose a home directory); run from a project directory")
-    return True, ""
+    if force is not None:
+        return force, "" if force else f"sandbox: the current directory {c} is not shown to workers (--no-share-cwd)"
+    why = None
+    if c == "/":
+        why = "it is the filesystem root"
+    elif c in _HOME_ROOTS or os.path.dirname(c) in _HOME_ROOTS:
+        why = "it holds home directories" if c in _HOME_ROOTS else "it is a home directory"
+    else:
+        for home in sorted(_home_directories()):
+            if home == c:
+                why = "it is a home directory"
+            elif _beneath(home, c):
+                why = f"it holds the home directory {home}"
+            if why:
+                break
+    if why is None:
+        return True, ""
+    return False, (f"sandbox: the current directory {c} is not shown to workers ({why}); run from "
+                   "a project directory, or pass --share-cwd to show it anyway")
 
 
 def _worker_uid(policy: SandboxPolicy, workspace: Path) -> int:
-    # One uid (and gid) per workspace: the group of the run's workers; other runs almost surely
-    # get another, so ordinary file permissions separate them too.
+    # One uid (and gid) per workspace: every worker of the run runs as it, so a replacement
+    # worker owns what its predecessor wrote; other runs almost surely get another, so
+    # ordinary file permissions separate them too.
     if policy.worker_uid is not None:
         return policy.worker_uid
     return _UID_BASE + zlib.crc32(str(workspace).encode()) % _UID_SPAN
-
-
-def _own_uid(run_uid: int, socket_dir: Path) -> int:
-    # Each worker process its own uid, so RLIMIT_NPROC (counted per uid) is each worker's own
-    # budget, not one shared by every worker of the run; they share the run's gid, and the
-    # workspace is group-writable and setgid, so files still pass freely between them.
-    return run_uid + 1 + zlib.crc32(str(socket_dir).encode()) % 1_000_000
 
 
 def root_blocker(python: str, cwd: Path | None) -> str | None:
@@ -246,15 +312,22 @@ def root_blocker(python: str, cwd: Path | None) -> str | None:
     return next((p for p in needed if not _readable_by_others(p)), None)
 
 
-def _readable_by_others(path: str) -> bool:
-    """Whether an unrelated uid can reach `path`: every ancestor searchable, the path itself
-    readable (and searchable if a directory)."""
+def _readable_by_others(path: str, top: str = "/") -> bool:
+    """Whether an unrelated uid can reach `path`: every ancestor from `top` (a bind target,
+    whose own ancestors bubblewrap creates 0755) searchable, the path itself readable (and
+    searchable if a directory)."""
     p = Path(path)
     for anc in reversed(p.parents):
-        if not os.stat(anc).st_mode & 0o001:
+        if _beneath(str(anc), top) and not os.stat(anc).st_mode & 0o001:
             return False
     mode = os.stat(p).st_mode
     return bool(mode & 0o004) and (not p.is_dir() or bool(mode & 0o001))
+
+
+def _readable_in_view(path: str, binds: list[str]) -> bool:
+    """`_readable_by_others` inside bubblewrap's view, where `path` lies beneath one of `binds`."""
+    top = next((b for b in binds if _beneath(path, b)), "/")
+    return _readable_by_others(path, top)
 
 
 def _tasks_of(uid: int) -> int:
@@ -275,12 +348,20 @@ def _tasks_of(uid: int) -> int:
 
 
 def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
-         output_dir: Path, python: str) -> LaunchPlan:
+         output_dir: Path, python: str, hidden: Sequence[Path] = (),
+         memory_cgroup: bool = False) -> LaunchPlan:
     """The launch plan for one worker under `policy` on this machine.
 
+    `hidden`: paths the worker must not see even where they lie in what it is shown (another
+    run's files in a batch: its workspace, transcript, results); bubblewrap covers them, and
+    without it a current directory that holds one is not shown at all.  `memory_cgroup`: the
+    coordinator puts the worker in a memory cgroup of its own (see `engine._cgroup`); without
+    one, the shared memory that escapes RLIMIT_DATA is refused instead.
+
     Side effects: creates `workspace`, `socket_dir` and `output_dir` if missing; when the
-    coordinator is root, gives the workspace and socket directories (not their contents) to the
-    worker's uid.  Raises SandboxError when the policy's mode requires a layer this host lacks."""
+    coordinator is root, gives the workspace and output directories to the run's group (see
+    `_share_with_run`).  Raises SandboxError when the policy's mode requires a layer this
+    host lacks."""
     if policy.mode not in MODES:
         raise ConfigError(f"sandbox mode {policy.mode!r} is not one of {', '.join(MODES)}")
     if policy.mode == "none":
@@ -288,6 +369,7 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
 
     workspace, socket_dir, output_dir, cwd = (Path(os.path.realpath(p))
                                               for p in (workspace, socket_dir, output_dir, cwd))
+    hidden = [Path(os.path.realpath(h)) for h in hidden if os.path.lexists(h)]
     for d in (workspace, socket_dir, output_dir):
         d.mkdir(parents=True, exist_ok=True)
     host = host_support()
@@ -305,46 +387,47 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
         hint = f" {_INSTALL_HINT}" if host.bwrap_problem == "bubblewrap not found" else ""
         notes.append(f"sandbox: {host.bwrap_problem} — {_FALLBACK}.{hint}")
 
-    share_cwd, why = _shareable_cwd(cwd)
-    if not share_cwd:
-        notes.append(why)
-    start_dir = str(cwd) if share_cwd else str(workspace)
+    share_cwd, why = _shareable_cwd(cwd, policy.share_cwd)
+    if share_cwd and not use_bwrap:
+        held = next((h for h in hidden if _beneath(str(h), str(cwd))), None)
+        if held is not None:  # Landlock cannot carve a hole in what it allows
+            share_cwd, why = False, (f"sandbox: the current directory {cwd} is not shown to workers "
+                                     f"(it holds {held}, another run's files, and bubblewrap is not used)")
     sys_ro, links = _system_paths()
     py_ro = list(python_paths(python))
     tmp = "/tmp" if use_bwrap else str(workspace / ".tmp")
     if not use_bwrap:
         Path(tmp).mkdir(exist_ok=True)
 
-    uid, keep_caps = None, []
+    uid = None
     if host.root:
-        uid, keep_caps, note = _root_worker(policy, host, use_bwrap, python, cwd if share_cwd else None,
-                                            output_dir, workspace, socket_dir)
+        uid, note = _root_worker(policy, host, use_bwrap, python, workspace, socket_dir)
         if note:
             notes.append(note)
         if uid is not None:
-            gid, uid = uid, _own_uid(uid, socket_dir)
-            for d in (workspace, *([Path(tmp)] if not use_bwrap else [])):
-                if os.stat(d).st_gid != gid:
-                    os.chown(d, gid, gid)
-                os.chmod(d, 0o2775)  # setgid: what any worker of the run creates stays the group's
-            os.chown(socket_dir, uid, gid)
-            for entry in socket_dir.iterdir():  # the socket, when bound before planning
-                os.chown(entry, uid, gid, follow_symlinks=False)
+            _share_with_run(uid, [workspace, *([Path(tmp)] if not use_bwrap else [])], output_dir, socket_dir)
+            if share_cwd and not _readable_in_view(str(cwd), [str(cwd)] if use_bwrap else ["/"]):
+                share_cwd, why = False, (f"sandbox: the current directory {cwd} is not shown to workers "
+                                         "(other users may not read it, and workers run as one); "
+                                         "chmod o+rx it to share it")
+    if why:
+        notes.append(why)
+    start_dir = str(cwd) if share_cwd else str(workspace)
 
     confine: dict = {"rlimits": _rlimits(policy, host, use_bwrap, uid), "drop_caps": True,
                      "no_new_privs": True}
     if uid is not None:
-        confine["uid"] = [uid, gid]
+        confine["uid"] = [uid, uid]
         confine["umask"] = 0o002
-        confine["keep_caps"] = keep_caps
 
-    rw = [str(workspace), str(socket_dir)] + (["/tmp", "/dev/shm"] if use_bwrap else [])
+    rw = [str(workspace)] + (["/tmp", "/dev/shm"] if use_bwrap else [])
     if host.landlock_abi >= 1:
         if use_bwrap:
             # The mount namespace already shows only what may be seen: read all of it.
             ro, dev = ["/"], [*_DEV_FILES, "/dev/pts"]
         else:
-            ro = sys_ro + py_ro + ([str(cwd)] if share_cwd else []) + [str(output_dir)]
+            ro = (sys_ro + py_ro + ([str(cwd)] if share_cwd else []) + [str(output_dir)]
+                  + [str(socket_dir)])
             dev = list(_DEV_FILES)
         confine["landlock"] = {"ro": ro, "rw": rw, "dev": dev, "scope": True,
                                "deny_tcp": not use_bwrap and not policy.network}
@@ -360,7 +443,12 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
         if use_bwrap or policy.network:
             families += [_AF_INET, _AF_INET6]  # in a network namespace: its own loopback only
         # Without a PID namespace the coordinator kills the process group: keep everyone in it.
-        confine["seccomp"] = {"socket_families": families, "lock_session": not use_bwrap}
+        confine["seccomp"] = {"socket_families": families, "lock_session": not use_bwrap,
+                              "shared_memory": memory_cgroup}
+        if not memory_cgroup:
+            notes.append("sandbox: no memory cgroup here (it needs root or a delegated cgroup) — "
+                         "the memory limit is per process, and memfd_create, SysV shared memory "
+                         "and shared anonymous mmap are refused so that it holds")
     else:
         notes.append("sandbox: seccomp filters are unavailable here (kernel or architecture) — "
                      "dangerous system calls are not filtered")
@@ -384,43 +472,86 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
     for target, link in links:
         argv += ["--symlink", target, link]
     # Host directories last, shallowest first, so a deeper (more specific) bind wins and none
-    # is hidden by the /tmp tmpfs.
-    binds = [("--bind", workspace), ("--bind", socket_dir), ("--ro-bind", output_dir)]
+    # is hidden by the /tmp tmpfs.  The socket directory is read-only: connecting to a socket
+    # needs no write access to its directory, and nothing else belongs there.
+    binds = [("--bind", workspace), ("--ro-bind", socket_dir), ("--ro-bind", output_dir)]
     if share_cwd and not _beneath(str(cwd), str(workspace)):  # else visible, writable, as workspace
         binds.append(("--ro-bind", cwd))
-    for kind, path in sorted(binds, key=lambda b: (len(b[1].parts), b[0] == "--bind")):
-        argv += [*_parents(str(path), made), kind, str(path), str(path)]
-    # The root and /dev are tmpfs that bwrap builds; nothing may be written to them.
+    # A hidden path is covered after the binds of its depth and before deeper ones, so the
+    # worker's own workspace beneath a covered directory is bound back on top.
+    shown = [path for _, path in binds]
+    binds += [("hide", h) for h in hidden if h != workspace and any(_beneath(str(h), str(t)) for t in shown)]
+    order = {"--bind": 0, "--ro-bind": 0, "hide": 1}
+    covers: list[str] = []
+    for kind, path in sorted(binds, key=lambda b: (len(b[1].parts), order[b[0]], b[0] == "--bind")):
+        if kind == "hide":
+            argv += _cover(path, made, covers)
+        else:
+            argv += [*_parents(str(path), made), kind, str(path), str(path)]
+    # The root, /dev and the covers are tmpfs that bwrap builds; nothing may be written to them.
+    for cover in covers:
+        argv += ["--remount-ro", cover]
     argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", start_dir, "--"]
     return LaunchPlan(argv, True, confine, notes, env, start_dir, uid)
 
 
-def _root_worker(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, python: str,
-                 cwd: Path | None, output_dir: Path, workspace: Path,
-                 socket_dir: Path) -> tuple[int | None, list[str], str]:
-    """(uid, capabilities kept, note) for a worker started by root.
+def _cover(path: Path, made: set[str], covers: list[str]) -> list[str]:
+    """bwrap options that hide `path` (a file or directory inside a bound tree): an empty
+    tmpfs over a directory (made read-only at the end, after what is bound beneath it), and
+    /dev/null over anything else."""
+    made.add(str(path))
+    if path.is_dir() and not path.is_symlink():
+        covers.append(str(path))
+        return ["--perms", "0755", "--tmpfs", str(path)]
+    return ["--ro-bind", "/dev/null", str(path)]
 
-    Root is exempt from RLIMIT_NPROC, so the worker switches to a uid of its own.  That uid
-    keeps CAP_DAC_READ_SEARCH (ambient, inherited by what it runs): the directories it is shown
-    may be private to root (a 0700 project, the python under /root), and reading them is the
-    point.  What it is shown is decided by the mount namespace and Landlock, and
-    open_by_handle_at, the classic abuse of that capability, is refused by seccomp.  Without
-    either view-limiting layer the capability would expose the host, so it is not kept, and the
-    uid switch happens only where the needed paths are readable by anyone."""
+
+def _share_with_run(uid: int, workspaces: list[Path], output_dir: Path, socket_dir: Path) -> None:
+    """Root only: make the run's directories usable by its workers' uid (and group), without
+    handing them over.
+
+    The workspace stays the coordinator's, group-writable for the run, setgid (what a worker
+    creates stays the run's) and sticky, as /tmp is: a worker deletes or renames only what a
+    worker wrote, and a file the user put there keeps its owner's protection (its mode says
+    whether the run may change it).  Others may not enter it: another run's workers have
+    another group.  The output directory is readable by the run; the socket directory only
+    searchable (the socket itself is the worker's, see `LaunchPlan.grant`)."""
+    me = os.getuid()
+    for d in workspaces:
+        st = os.stat(d)
+        if (st.st_uid, st.st_gid) != (me, uid):
+            os.chown(d, me, uid)
+        os.chmod(d, 0o3770)
+    st = os.stat(output_dir)
+    if (st.st_uid, st.st_gid) != (me, uid):
+        os.chown(output_dir, me, uid)
+    os.chmod(output_dir, 0o750)
+    os.chmod(socket_dir, 0o711)
+
+
+def _root_worker(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, python: str,
+                 workspace: Path, socket_dir: Path) -> tuple[int | None, str]:
+    """(uid, note) for a worker started by root.
+
+    Root is exempt from RLIMIT_NPROC and reads whatever its files' owner may (root owns
+    /proc/kallsyms, /etc/shadow, ...), so the worker switches to the run's uid and keeps no
+    capability: what it reads is what the sandbox shows it *and* what the files' modes allow
+    any user.  Where a path it needs to run (its Python) is closed to other users, it keeps
+    uid 0 — still without capabilities — and a note says so."""
     uid = _worker_uid(policy, workspace)
-    if use_bwrap or host.landlock_abi >= 1:
-        return uid, ["DAC_READ_SEARCH"], ""
-    blocked = root_blocker(python, cwd)
-    if blocked is None and not _readable_by_others(str(output_dir)):
-        blocked = str(output_dir)
-    for d in (workspace, socket_dir):  # handed to the uid, but reachable through their parents?
-        if blocked is None and not all(os.stat(a).st_mode & 0o001 for a in d.parents):
-            blocked = f"a parent of {d}"
+    needed = list(python_paths(python))
+    if use_bwrap:
+        blocked = next((p for p in needed if not _readable_in_view(p, needed)), None)
+    else:
+        blocked = root_blocker(python, None)
+        for d in (workspace, socket_dir):  # reachable through their parents?
+            if blocked is None and not all(os.stat(a).st_mode & 0o001 for a in d.parents):
+                blocked = f"a parent of {d}"
     if blocked is None:
-        return uid, [], ""
-    return None, [], (f"sandbox: running as root without bubblewrap or Landlock and {blocked} is "
-                      "not readable by an unprivileged user — the worker keeps uid 0 (without "
-                      "capabilities) and its process count is not bounded")
+        return uid, ""
+    return None, (f"sandbox: {blocked} is not readable by other users — the worker keeps uid 0 "
+                  "(without capabilities) and its process count is not bounded; make it "
+                  "readable (chmod o+rX) or use a Python installed elsewhere")
 
 
 def _parents(path: str, made: set[str]) -> list[str]:

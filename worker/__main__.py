@@ -1,4 +1,6 @@
-"""Worker entry point: ``python -m worker ENDPOINT``.
+"""Worker entry point: ``main()`` with ENDPOINT as the only argument, started by the coordinator
+as ``python -I -B -c "...; from worker.__main__ import main; main()" ENDPOINT`` (isolated: see
+``engine.sandbox.runtime_argv``); ``python -m worker ENDPOINT`` works too, by hand.
 
 The coordinator passes the handshake token, the confinement spec and its own pid through
 the environment (removed from ``os.environ`` before any user code runs).  Order matters:
@@ -57,6 +59,11 @@ def run_worker(endpoint: str) -> None:
             print(f"agentloop worker: sandbox could not be applied: {exc}", file=sys.stderr)
             os._exit(71)
     from .serve import serve
+
+    # Confined, and the runtime imported: user code imports from the directory it runs in, as
+    # under ``python -c``.  Never earlier: the directory may hold a `zmq/` an earlier worker
+    # planted, and it must neither run unconfined nor break the worker's own start.
+    sys.path.insert(0, "")
 
     code = serve(endpoint, token)
     sys.stdout.flush() if hasattr(sys.stdout, "flush") else None

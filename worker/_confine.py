@@ -70,6 +70,7 @@ _DENY = {
 _NR = {
     "clone": (56, 220), "clone3": (435, 435), "personality": (135, 92), "ioctl": (16, 29),
     "socket": (41, 198), "setsid": (112, 157), "setpgid": (109, 154),
+    "mmap": (9, 222), "memfd_create": (319, 279), "shmget": (29, 194),
     "seccomp": (317, 277), "capget": (125, 90), "capset": (126, 91),
     "landlock_create_ruleset": (444, 444), "landlock_add_rule": (445, 445),
     "landlock_restrict_self": (446, 446),
@@ -79,6 +80,8 @@ _ARCHES = (("x86_64", _AUDIT_ARCH_X86_64, 0), ("aarch64", _AUDIT_ARCH_AARCH64, 1
 _CLONE_NEW_MASK = (0x00020000 | 0x02000000 | 0x04000000 | 0x08000000   # NEWNS CGROUP UTS IPC
                    | 0x10000000 | 0x20000000 | 0x40000000)              # NEWUSER NEWPID NEWNET
 _TIOCSTI, _TIOCLINUX = 0x5412, 0x541C
+_AF_NETLINK, _NETLINK_ROUTE = 16, 0
+_MAP_SHARED_ANONYMOUS = 0x01 | 0x20
 _PERSONALITY_QUERY = 0xFFFFFFFF
 
 
@@ -198,7 +201,6 @@ def _rlimits(limits: dict) -> None:
 
 
 _CAP_SETPCAP = 8
-_CAP_NAMES = {"DAC_READ_SEARCH": 2}
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
 
@@ -213,31 +215,19 @@ def _capabilities() -> tuple[int, int, int]:
     return e0 | e1 << 32, p0 | p1 << 32, i0 | i1 << 32
 
 
-def _keep_mask(names: list[str]) -> int:
-    try:
-        return sum(1 << _CAP_NAMES[n] for n in names)
-    except KeyError as exc:
-        raise ConfinementError(f"capability {exc} may not be kept") from None
-
-
-def _drop_bounding_set(keep: int) -> None:
+def _drop_bounding_set() -> None:
     # The bounding set caps what any later exec could gain.  Dropping needs CAP_SETPCAP; without
     # it there is nothing to gain anyway once no_new_privs is set.
     eff, _, _ = _capabilities()
     if not eff >> _CAP_SETPCAP & 1:
         return
-    cap = 0
-    while True:
-        if not keep >> cap & 1:
-            try:
-                _prctl(24, cap)  # PR_CAPBSET_DROP
-            except OSError as exc:
-                if exc.errno == errno.EINVAL:  # past CAP_LAST_CAP
-                    break
-                raise ConfinementError(f"cannot drop capability {cap} from the bounding set: {exc}") from exc
-        cap += 1
-        if cap > 63:
-            break
+    for cap in range(64):
+        try:
+            _prctl(24, cap)  # PR_CAPBSET_DROP
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:  # past CAP_LAST_CAP
+                break
+            raise ConfinementError(f"cannot drop capability {cap} from the bounding set: {exc}") from exc
 
 
 def _drop_uid(uid: int, gid: int) -> None:
@@ -248,11 +238,9 @@ def _drop_uid(uid: int, gid: int) -> None:
     deathsig = ctypes.c_int(0)
     try:
         _prctl(2, ctypes.addressof(deathsig))  # PR_GET_PDEATHSIG
-        _prctl(8, 1)  # PR_SET_KEEPCAPS: keep the permitted set across the switch (see _set_caps)
         os.setgroups([])
         os.setresgid(gid, gid, gid)
-        os.setresuid(uid, uid, uid)
-        _prctl(8, 0)
+        os.setresuid(uid, uid, uid)  # clears every capability set: no capability survives
         # A credential change clears the parent-death signal; the caller armed it on purpose.
         if deathsig.value:
             _prctl(1, deathsig.value)  # PR_SET_PDEATHSIG
@@ -262,23 +250,19 @@ def _drop_uid(uid: int, gid: int) -> None:
         raise ConfinementError(f"uid switch to {uid} incomplete")
 
 
-def _set_caps(keep: int) -> None:
-    """Empty every capability set except `keep`, which becomes effective and ambient (so the
-    programs the worker runs hold it too).  Threat: capabilities would let the worker raise its
-    limits, signal any process, override file permissions."""
+def _clear_caps() -> None:
+    """Empty every capability set, the ambient one included.  Threat: a capability would let
+    the worker raise its limits, signal any process, or read and write files whatever their
+    modes say (CAP_DAC_READ_SEARCH reads root's 0400 files, /proc/kallsyms and the like)."""
     _prctl(47, 4)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
-    if _capabilities() != (keep, keep, keep):
-        e0, e1 = keep & 0xFFFFFFFF, keep >> 32
+    if _capabilities() != (0, 0, 0):
         hdr = struct.pack("Ii", _LINUX_CAPABILITY_VERSION_3, 0)
         try:
-            _syscall(_nr("capset"), hdr, struct.pack("6I", e0, e0, e0, e1, e1, e1))
+            _syscall(_nr("capset"), hdr, bytes(24))
         except OSError as exc:
-            raise ConfinementError(f"cannot set capabilities: {exc}") from exc
-    for cap in range(64):
-        if keep >> cap & 1:
-            _prctl(47, 2, cap)  # PR_CAP_AMBIENT_RAISE
-    if _capabilities() != (keep, keep, keep):
-        raise ConfinementError(f"capabilities {_capabilities()} remain, wanted {keep:#x}")
+            raise ConfinementError(f"cannot clear capabilities: {exc}") from exc
+    if _capabilities() != (0, 0, 0):
+        raise ConfinementError(f"capabilities {_capabilities()} remain")
 
 
 def _no_new_privs() -> None:
@@ -356,6 +340,7 @@ def _landlock_rule(ruleset: int, path: str, access: int, handled: int, required:
 
 # Classic BPF opcodes and seccomp return values.
 _LD_ABS = 0x20          # BPF_LD | BPF_W | BPF_ABS
+_AND = 0x54             # BPF_ALU | BPF_AND | BPF_K
 _JEQ, _JGE, _JSET = 0x15, 0x35, 0x45
 _RET = 0x06
 _RET_ALLOW, _RET_KILL_PROCESS, _RET_ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
@@ -366,10 +351,13 @@ def _arg_lo(i: int) -> int:
     return 16 + 8 * i  # low 32 bits of seccomp_data.args[i] (little endian on both arches)
 
 
-def seccomp_program(socket_families: list[int] | None = None, lock_session: bool = False) -> bytes:
+def seccomp_program(socket_families: list[int] | None = None, lock_session: bool = False,
+                    shared_memory: bool = True) -> bytes:
     """The filter as packed `struct sock_filter`s.  `socket_families`: the address families
-    socket(2) may create (None: any).  `lock_session`: refuse setsid/setpgid, so every
-    descendant stays in the worker's process group and one killpg reaches it."""
+    socket(2) may create (None: any); of netlink, only NETLINK_ROUTE.  `lock_session`: refuse
+    setsid/setpgid, so every descendant stays in the worker's process group and one killpg
+    reaches it.  `shared_memory=False`: refuse the memory that RLIMIT_DATA does not count
+    (memfd_create, SysV shmget, shared anonymous mmap), for workers without a memory cgroup."""
     prog: list[list] = []
     labels: dict[str, int] = {}
 
@@ -402,7 +390,17 @@ def seccomp_program(socket_families: list[int] | None = None, lock_session: bool
         if lock_session:
             op(_JEQ, _NR["setsid"][col], f"{name}_eperm", 0)
             op(_JEQ, _NR["setpgid"][col], f"{name}_eperm", 0)
+        if not shared_memory:
+            op(_JEQ, _NR["memfd_create"][col], f"{name}_eperm", 0)
+            op(_JEQ, _NR["shmget"][col], f"{name}_eperm", 0)
+            op(_JEQ, _NR["mmap"][col], f"{name}_mmap", 0)
         op(_RET, _RET_ALLOW)
+        if not shared_memory:
+            # Threat: MAP_SHARED | MAP_ANONYMOUS memory is shmem, which RLIMIT_DATA ignores.
+            label(f"{name}_mmap")
+            op(_LD_ABS, _arg_lo(3))
+            op(_AND, _MAP_SHARED_ANONYMOUS)
+            op(_JEQ, _MAP_SHARED_ANONYMOUS, f"{name}_eperm", f"{name}_allow")
         # Threat: clone(CLONE_NEW*) creates namespaces just like unshare(2).
         label(f"{name}_clone")
         op(_LD_ABS, _arg_lo(0))
@@ -424,8 +422,14 @@ def seccomp_program(socket_families: list[int] | None = None, lock_session: bool
             label(f"{name}_socket")
             op(_LD_ABS, _arg_lo(0))
             for fam in socket_families:
-                op(_JEQ, fam, f"{name}_allow", 0)
+                op(_JEQ, fam, f"{name}_netlink" if fam == _AF_NETLINK else f"{name}_allow", 0)
             op(_RET, _RET_ERRNO | errno.EPERM)
+            # Threat: netlink families beyond routing read host state, such as device events
+            # (NETLINK_KOBJECT_UEVENT) or audit; NETLINK_ROUTE is what getaddrinfo and
+            # interface listings use.
+            label(f"{name}_netlink")
+            op(_LD_ABS, _arg_lo(2))
+            op(_JEQ, _NETLINK_ROUTE, f"{name}_allow", f"{name}_eperm")
         label(f"{name}_allow")
         op(_RET, _RET_ALLOW)
         label(f"{name}_eperm")
@@ -451,7 +455,8 @@ def seccomp_program(socket_families: list[int] | None = None, lock_session: bool
 def _seccomp(opts: dict) -> None:
     import ctypes
 
-    prog = seccomp_program(opts.get("socket_families"), bool(opts.get("lock_session")))
+    prog = seccomp_program(opts.get("socket_families"), bool(opts.get("lock_session")),
+                           bool(opts.get("shared_memory", True)))
     buf = ctypes.create_string_buffer(prog, len(prog))
 
     class _Fprog(ctypes.Structure):
@@ -482,19 +487,18 @@ def apply(spec: dict) -> list[str]:
         if spec.get("rlimits"):
             _rlimits(spec["rlimits"])
             applied.append("rlimits")
-        keep = _keep_mask(spec.get("keep_caps", []))
-        if keep and spec.get("uid") is None:
-            raise ConfinementError("capabilities may only be kept by a worker that leaves uid 0")
+        if spec.get("keep_caps"):
+            raise ConfinementError("a worker keeps no capability")
         if spec.get("drop_caps"):
-            _drop_bounding_set(keep)
+            _drop_bounding_set()
         if spec.get("uid") is not None:
             uid, gid = spec["uid"]
             _drop_uid(uid, gid)
             applied.append("uid")
         if spec.get("umask") is not None:
             os.umask(int(spec["umask"]))  # files in the shared workspace stay group-writable
-        if spec.get("drop_caps") or spec.get("uid") is not None:  # KEEPCAPS left a permitted set
-            _set_caps(keep)
+        if spec.get("drop_caps") or spec.get("uid") is not None:
+            _clear_caps()
             applied.append("caps")
         if spec.get("no_new_privs") or spec.get("landlock") or spec.get("seccomp"):
             _no_new_privs()

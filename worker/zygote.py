@@ -106,7 +106,7 @@ def _private_tmp(request: dict) -> None:
         if not own.startswith("/tmp/"):  # the run's sockets live elsewhere: hide the others there
             _check(_libc.mount(b"tmpfs", run_sockets.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV,
                                b"size=1m,mode=0755"), run_sockets)
-        _bind(own_fd, own, False)
+        _bind(own_fd, own, True)  # the worker connects to its socket; it writes nothing there
         os.close(own_fd)
     if os.path.isdir("/dev/shm"):
         _check(_libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", _MS_NOSUID | _MS_NODEV, size), "/dev/shm")

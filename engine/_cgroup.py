@@ -1,0 +1,176 @@
+"""A memory cgroup per worker: the memory limit bounds the whole tree, however it allocates.
+
+RLIMIT_DATA counts a process's private writable memory and nothing else, so shared memory
+escapes it: ``memfd_create``, files in /dev/shm or /tmp (tmpfs), SysV segments and
+``mmap(MAP_SHARED | MAP_ANONYMOUS)`` — one worker held 3 GiB under a 2 GiB RLIMIT_DATA.  A
+memory cgroup charges every page a process faults in, shared or not, to the cgroup, so the
+limit holds for the worker and everything it starts, together.
+
+The coordinator makes ``agentloop-<pid>/w<N>`` beneath its own cgroup (cgroup v2 or the v1
+memory hierarchy, where it may write there: root, or a delegated subtree) and moves a worker's
+processes in after its handshake, before it has run any code.  Where no cgroup can be made the
+sandbox refuses the shared-memory calls instead (see ``engine.sandbox``), and says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger("agentloop")
+
+_PREFIX = "agentloop-"
+
+
+def _mounts() -> tuple[Path | None, Path | None]:
+    """(v1 memory hierarchy, v2 hierarchy) as (mount point + the mount's own root) pairs."""
+    v1 = v2 = None
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, tail = left.split(), right.split()
+            if len(fields) < 5 or len(tail) < 3:
+                continue
+            root, point = fields[3], fields[4].encode().decode("unicode_escape")
+            if tail[0] == "cgroup" and "memory" in tail[2].split(","):
+                v1 = (Path(point), root)
+            elif tail[0] == "cgroup2" and v2 is None:
+                v2 = (Path(point), root)
+    return v1, v2  # type: ignore[return-value]
+
+
+def _own_dir(mount: tuple[Path, str] | None, v1: bool) -> Path | None:
+    """This process's cgroup directory in the hierarchy mounted at ``mount``."""
+    if mount is None:
+        return None
+    point, root = mount
+    with contextlib.suppress(OSError), open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            if (v1 and "memory" in controllers.split(",")) or (not v1 and controllers == ""):
+                if not (path == root or path.startswith(root.rstrip("/") + "/")):
+                    return None  # our cgroup lies outside what this mount shows
+                return point / path[len(root.rstrip("/")):].lstrip("/")
+    return None
+
+
+class MemoryCgroups:
+    """The coordinator's memory cgroups: one parent for this process, one child per worker."""
+
+    def __init__(self, base: Path, v1: bool) -> None:
+        self.base = base
+        self.v1 = v1
+
+    @classmethod
+    def find(cls) -> MemoryCgroups | None:
+        """The place to make worker cgroups in, or None where this process may not (most
+        unprivileged users, a hierarchy without the memory controller)."""
+        v1_mount, v2_mount = _mounts()
+        for v1, mount in ((True, v1_mount), (False, v2_mount)):
+            own = _own_dir(mount, v1)
+            if own is None or not os.access(own, os.W_OK):
+                continue
+            if not v1 and not _v2_memory_for_children(own):
+                continue
+            _remove_stale(own)
+            base = own / f"{_PREFIX}{os.getpid()}"
+            try:
+                base.mkdir(exist_ok=True)
+                if not v1:
+                    (base / "cgroup.subtree_control").write_text("+memory")
+            except OSError as exc:
+                log.info("no memory cgroup in %s: %s", own, exc)
+                _rmdir(base)
+                continue
+            return cls(base, v1)
+        return None
+
+    def make(self, name: str, memory_bytes: int) -> Path | None:
+        """A cgroup limited to ``memory_bytes`` (swap included, where the kernel accounts it)."""
+        group = self.base / name
+        try:
+            group.mkdir(exist_ok=True)
+            if self.v1:
+                (group / "memory.limit_in_bytes").write_text(str(memory_bytes))
+                with contextlib.suppress(OSError):  # absent without swap accounting
+                    (group / "memory.memsw.limit_in_bytes").write_text(str(memory_bytes))
+            else:
+                (group / "memory.max").write_text(str(memory_bytes))
+                with contextlib.suppress(OSError):
+                    (group / "memory.swap.max").write_text("0")
+        except OSError as exc:
+            log.warning("could not make the memory cgroup %s: %s", group, exc)
+            _rmdir(group)
+            return None
+        return group
+
+    @staticmethod
+    def adopt(group: Path, pids: list[int]) -> bool:
+        """Move ``pids`` (whole processes, threads and all) into ``group``; False if any could
+        not be moved while it still exists."""
+        ok = True
+        for pid in pids:
+            try:
+                (group / "cgroup.procs").write_text(str(pid))
+            except ProcessLookupError:
+                continue
+            except OSError as exc:
+                if os.path.exists(f"/proc/{pid}"):
+                    log.warning("could not move process %d into %s: %s", pid, group, exc)
+                    ok = False
+        return ok
+
+    def oom_killed(self, group: Path) -> bool:
+        """Whether the kernel killed a process of ``group`` for going over its limit."""
+        name = "memory.oom_control" if self.v1 else "memory.events"
+        with contextlib.suppress(OSError, ValueError):
+            for line in (group / name).read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill" and int(value) > 0:
+                    return True
+        return False
+
+    @staticmethod
+    def remove(group: Path) -> None:
+        _rmdir(group)
+
+    def close(self) -> None:
+        """Remove every worker cgroup left, then the parent (only empty ones can go)."""
+        with contextlib.suppress(OSError):
+            for child in self.base.iterdir():
+                if child.is_dir():
+                    _rmdir(child)
+        _rmdir(self.base)
+
+
+def _v2_memory_for_children(own: Path) -> bool:
+    """cgroup v2 hands the memory controller to children only through ``subtree_control``,
+    and only where the parent holds no process (the root excepted)."""
+    try:
+        if "memory" in (own / "cgroup.subtree_control").read_text().split():
+            return True
+        if "memory" not in (own / "cgroup.controllers").read_text().split():
+            return False
+        (own / "cgroup.subtree_control").write_text("+memory")
+        return True
+    except OSError:
+        return False
+
+
+def _remove_stale(own: Path) -> None:
+    """Remove the cgroups of coordinators that died without cleaning up (SIGKILL)."""
+    with contextlib.suppress(OSError):
+        for entry in own.iterdir():
+            pid = entry.name[len(_PREFIX):]
+            if entry.name.startswith(_PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                for child in list(entry.iterdir()):
+                    if child.is_dir():
+                        _rmdir(child)
+                _rmdir(entry)
+
+
+def _rmdir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.rmdir()
