@@ -5,6 +5,13 @@ pool, started and handshaken but owned by nobody, until a ``Worker`` takes it; t
 message goes to the owner.  Nothing a peer sends is trusted: frames are size-bounded and
 decoded without unpickling, and only the peer that completed the handshake is heard.
 
+The handshaken peer that breaks the protocol (a message of several frames, a frame that
+does not decode, a malformed or unknown message, or a connection cut by ZeroMQ itself for an
+oversized frame or bytes that are not ZeroMQ) is not argued with: the session stops reading
+it and has it killed at once (``Owner._on_broken``), so no block waits for its deadline on a
+worker that cannot talk any more.  Frames of any other sender are dropped.  Messages are
+received frame by frame, so a message of a million frames is never held as a list.
+
 The socket is a plain (blocking-API) ZeroMQ socket watched with ``loop.add_reader``:
 messages are received and dispatched in the reader callback, and sends never wait (a
 ROUTER drops rather than blocks at its high-water mark).  This costs about half of what
@@ -21,6 +28,7 @@ import hmac
 import itertools
 import logging
 import secrets
+import struct
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -29,7 +37,8 @@ import zmq
 
 from worker import wire
 
-from ._process import Process, spawn
+from ._process import Process, descendants, spawn
+from ._tree import remove_tree
 from .errors import WorkerStartError
 from .results import describe_exit
 
@@ -40,7 +49,9 @@ log = logging.getLogger("agentloop")
 _ids = itertools.count(1)
 # Plain ints: the enum members cost an enum construction per use on the hot path.
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+_RCVMORE, _DISCONNECTED = int(zmq.RCVMORE), int(zmq.EVENT_DISCONNECTED)
 _READ_BATCH = 64  # messages read per callback before other work gets a turn
+_DRAIN_BATCH = 1024  # frames of a stranger's multi-frame message discarded per turn
 
 
 class Owner(Protocol):
@@ -49,6 +60,8 @@ class Owner(Protocol):
     def _dispatch(self, session: Session, msg: dict) -> Awaitable[None] | None: ...
 
     async def _on_exit(self, session: Session, returncode: int) -> None: ...
+
+    async def _on_broken(self, session: Session, why: str) -> None: ...
 
 
 class Session:
@@ -63,14 +76,20 @@ class Session:
         self.proc: Process | None = None
         self.notes: list[str] = []
         self.killing = False
+        self.broken: str | None = None  # how the peer broke the protocol, once it has
         self.dropped = 0
         self.sock: zmq.Socket | None = None
         self.sock_dir: Path | None = None
+        self.memory_group: Path | None = None  # its memory cgroup, where the engine has them
         self._loop = asyncio.get_running_loop()
         self._hello: asyncio.Future[dict] = self._loop.create_future()
         self._reading = False
         self._paused: asyncio.Task | None = None  # the owner's backpressure: reading waits for it
         self._watcher: asyncio.Task | None = None
+        self._monitor: zmq.Socket | None = None  # the socket's connection events
+        self._peer_fd: int | None = None  # the peer's connection, to tell its disconnection
+        self._draining = False  # the rest of a stranger's multi-frame message waits to be discarded
+        self._tasks: set[asyncio.Task] = set()  # ending a broken or disconnected peer
 
     @property
     def name(self) -> str:
@@ -101,6 +120,12 @@ class Session:
             endpoint = f"tcp://{engine.connect_host}:{endpoint.rsplit(':', 1)[1]}"
         self._loop.add_reader(sock.getsockopt(zmq.FD), self._readable)
         self._reading = True
+        # A peer whose frame ZeroMQ refuses (over MAXMSGSIZE, or bytes that are not ZMTP) is
+        # disconnected by ZeroMQ itself and reconnects under a new identity; only this event
+        # tells us.
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._loop.add_reader(self._monitor.getsockopt(zmq.FD), self._monitor_readable)
+        self._monitor_readable()  # ZeroMQ signals only a reader that found the queue empty
         launch = engine._launch(endpoint, self.sock_dir, self.token)
         self.notes = launch.notes
         pid_ns = launch.pid_namespace
@@ -130,6 +155,13 @@ class Session:
             else:
                 reason = f"no handshake within {engine.start_timeout:.0f} s"
             raise WorkerStartError(f"worker failed to start: {reason}" + (f"\n{said}" if said else ""))
+        try:
+            # Handshaken, no code run yet: its whole tree goes into its memory cgroup now.
+            self.memory_group = engine._memory_group(self.number, [self.proc.pid, *descendants(self.proc.pid)])
+        except WorkerStartError:
+            await self.proc.kill()
+            await self.discard()
+            raise
         self._watcher = self._loop.create_task(self._watch())
 
     def send(self, msg: dict) -> None:
@@ -151,7 +183,9 @@ class Session:
         self.killing = True
         if self.proc is not None:
             await self.proc.kill()
-        if self._watcher is not None:
+        # Not the watcher itself (a death it reported ends in this kill): cancelling it would
+        # cut the rest of this kill, and of its owner's clean-up, at their next await.
+        if self._watcher is not None and self._watcher is not asyncio.current_task():
             self._watcher.cancel()
         await self.discard()
 
@@ -169,15 +203,31 @@ class Session:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._paused
             self._paused = None
+        if self._monitor is not None:
+            self._loop.remove_reader(self._monitor.getsockopt(zmq.FD))
+            if self.sock is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self.sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         if self.sock is not None:
             if self._reading:
                 self._loop.remove_reader(self.sock.getsockopt(zmq.FD))
                 self._reading = False
             self.sock.close(linger=0)
             self.sock = None
+        if self.memory_group is not None:
+            self.engine._release_memory_group(self.memory_group)
+            self.memory_group = None
         if self.sock_dir is not None:
-            self.engine._release_endpoint(self.sock_dir)
-            self.sock_dir = None
+            # Removed off the event loop, and by a walk that takes any shape or size: the
+            # directory is read-only to the worker, but nothing it could reach is trusted.
+            sock_dir, self.sock_dir = self.sock_dir, None
+            await asyncio.to_thread(remove_tree, sock_dir)
+
+    def over_memory_limit(self) -> bool:
+        """Whether the kernel killed a process of this worker for its memory cgroup's limit."""
+        return self.memory_group is not None and self.engine._memory_exceeded(self.memory_group)
 
     async def _watch(self) -> None:
         assert self.proc is not None
@@ -211,21 +261,43 @@ class Session:
         """Receive and dispatch what waits, a batch at a time."""
         for _ in range(_READ_BATCH):
             sock = self.sock
-            if sock is None or self._paused is not None:
+            if sock is None or self._paused is not None or self.broken is not None:
                 return
             try:
+                if self._draining:
+                    self._drain(sock)
+                    continue
                 if not sock.getsockopt(_EVENTS) & _POLLIN:
                     return
-                parts = sock.recv_multipart(_NOBLOCK, copy=True)
+                # Frame by frame: a ROUTER puts the sender's identity first, then what it sent.
+                ident = sock.recv(_NOBLOCK)
+                if not sock.getsockopt(_RCVMORE):
+                    self.drop("a message without a payload")
+                    continue
+                # The handshake needs the frame's connection (SRCFD); later a plain copy is cheaper.
+                frame: bytes | zmq.Frame = sock.recv(_NOBLOCK, copy=self.peer is not None)
+                more = sock.getsockopt(_RCVMORE)
             except zmq.Again:
                 return
             except zmq.ZMQError:  # closed under us
                 return
-            pending = self._receive(parts)
+            if more:
+                self._draining = True
+                self._reject(ident, "it sent a message of more than one frame")
+                continue
+            pending = self._receive(ident, frame)
             if pending is not None:
                 self._paused = self._loop.create_task(self._resume_after(pending))
                 return
         self._loop.call_soon(self._readable)  # more may wait; let other callbacks run first
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        """Discard the next frames of a multi-frame message (they are already in memory)."""
+        for _ in range(_DRAIN_BATCH):
+            sock.recv(_NOBLOCK, copy=False)
+            if not sock.getsockopt(_RCVMORE):
+                self._draining = False
+                return
 
     async def _resume_after(self, pending: Awaitable[None]) -> None:
         try:
@@ -236,18 +308,26 @@ class Session:
             self._paused = None
         self._readable()
 
-    def _receive(self, parts: list[bytes]) -> Awaitable[None] | None:
-        if len(parts) != 2:
-            self.drop("not a [peer, payload] frame")
-            return None
-        ident, frame = parts
+    def _reject(self, ident: bytes, why: str) -> None:
+        """A frame that breaks the protocol: the end of the peer, or a stranger's frame dropped."""
+        if self.peer is not None and ident == self.peer:
+            self.violation(why)
+        else:
+            self.drop(why)
+
+    def _receive(self, ident: bytes, frame: bytes | zmq.Frame) -> Awaitable[None] | None:
+        fd = None
+        if isinstance(frame, zmq.Frame):
+            with contextlib.suppress(zmq.ZMQError):
+                fd = frame.get(zmq.SRCFD)
+            frame = frame.bytes
         try:
             msg = wire.decode(frame)
         except wire.WireError as exc:
-            self.drop(str(exc))
+            self._reject(ident, str(exc))
             return None
         if self.peer is None:
-            self._handshake(ident, msg)
+            self._handshake(ident, msg, fd)
         elif ident != self.peer:
             self.drop("sender is not this worker")
         elif self.owner is None:
@@ -256,10 +336,56 @@ class Session:
             try:
                 return self.owner._dispatch(self, msg)
             except Exception as exc:  # noqa: BLE001 - a hostile message must not stop the reading
-                self.drop(f"bad {msg.get('t')!r} message: {exc!r}")
+                self.violation(f"it sent a malformed {msg.get('t')!r} message ({type(exc).__name__})")
         return None
 
-    def _handshake(self, ident: bytes, msg: dict) -> None:
+    def violation(self, why: str) -> None:
+        """The handshaken peer broke the protocol: read nothing more from it, and have it
+        killed now (by its owner, which ends its blocks saying so).  Idempotent."""
+        if self.broken is not None or self.killing:
+            return
+        self.broken = why
+        log.warning("worker %s broke the protocol (%s); stopping it", self.name, why)
+        self._spawn(self._end_broken(why))
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task = self._loop.create_task(work)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _end_broken(self, why: str) -> None:
+        if self.owner is not None:
+            await self.owner._on_broken(self, why)
+        else:
+            self.engine._pool_lost(self)
+            await self.kill()
+
+    def _monitor_readable(self) -> None:
+        """Connection events: the peer's connection dropped while its process lives on."""
+        monitor = self._monitor
+        while monitor is not None and monitor is self._monitor:
+            try:
+                if not monitor.getsockopt(_EVENTS) & _POLLIN:
+                    return
+                event = monitor.recv_multipart(_NOBLOCK)
+            except zmq.ZMQError:
+                return
+            kind, value = struct.unpack("=HI", event[0][:6])
+            if kind == _DISCONNECTED and self._peer_fd is not None and value == self._peer_fd:
+                self._peer_fd = None
+                self._spawn(self._disconnected())
+
+    async def _disconnected(self) -> None:
+        # A worker that dies drops its connection too, often a moment before its exit is seen:
+        # give the death watch the time to report it with its cause first.
+        if self.proc is not None and not self.killing:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self.proc.wait()), self.engine.grace)
+        if self.proc is not None and self.proc.returncode is None:
+            self.violation("its connection was cut: a frame over the size limit, bytes that are not "
+                           "ZeroMQ, or its socket closed")
+
+    def _handshake(self, ident: bytes, msg: dict, fd: int | None) -> None:
         token = msg.get("token")
         if msg.get("t") != "hello" or not isinstance(token, str) or \
                 not hmac.compare_digest(token.encode(), self.token.encode()):
@@ -272,6 +398,7 @@ class Session:
                     "reinstall agentloop so both sides match"))
             return
         self.peer = ident
+        self._peer_fd = fd
         self.send({"t": "welcome", "v": wire.PROTOCOL_VERSION})
         if not self._hello.done():
             self._hello.set_result(msg)

@@ -10,16 +10,24 @@ the worker reaches them, and ``self``, through stubs.
 Cancellation (trio's rule, kept by hand): a block or sub-agent cancelled *by the model*
 (``cancel_subagents``, ``handle.cancel()``) still reports, as ``[cancelled]``; only the end of
 the whole run cancels tasks outright, and then nobody reads their results.
+
+What the model's code asks for is bounded, so no reply can flood the coordinator or the model:
+heartbeats come at most every ``HEARTBEAT_FLOOR`` and are coalesced (one pending report per
+block or sub-agent, all of them in one message, and never more than one message per floor
+interval caused by heartbeats); one run has at most ``max_subagents`` sub-agents working at
+once, and the model is told so in words beyond that; and the live display gets each output
+line cut to ``DISPLAY_LINE_BYTES``, so a line of any length costs the coordinator no memory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import itertools
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -42,10 +50,94 @@ STOP_SEQUENCES = [f"\n{tag}" for tag in tags.HALLUCINATION_STOPS]
 OUTPUT_BUDGET = 16_000
 #: Compaction reminder threshold when the model's context window is unknown.
 DEFAULT_REMIND_AT = 16_000
+#: Shortest heartbeat interval; also the shortest time between two messages that heartbeat
+#: reports alone cause (``heartbeat="1ms"`` would otherwise be a request flood).
+HEARTBEAT_FLOOR = 1.0
+#: Sub-agents one run may have working at once, unless ``max_subagents`` says otherwise.
+MAX_SUBAGENTS = 8
+#: Bytes of one output line the live display is shown; the rest of the line is counted only
+#: in the block's result.  Displays split and join lines (a console keeps an unterminated line
+#: until its newline), so an endless line must never reach them whole.
+DISPLAY_LINE_BYTES = 16 * 1024
+_DISPLAY_CUT = b" [... the rest of this line is not shown live]"
+
+#: The sub-agent limit of runs whose agent is made without ``max_subagents``: the command line
+#: sets it for the command it runs (``--max-subagents``), others get ``MAX_SUBAGENTS``.
+subagent_limit: contextvars.ContextVar[int] = contextvars.ContextVar("agentloop_max_subagents",
+                                                                     default=MAX_SUBAGENTS)
 
 
 class AgentError(AgentloopError):
     """The agent could not finish (no answer within its message budget)."""
+
+
+def heartbeat_interval(seconds: float | None) -> float | None:
+    """The interval heartbeats really come at: none stays none, and nothing is shorter than
+    ``HEARTBEAT_FLOOR``."""
+    return max(seconds, HEARTBEAT_FLOOR) if seconds else None
+
+
+class SubagentSlots:
+    """The sub-agents of one run: the agent a run starts and every agent below it share one, so
+    the limit holds for the whole tree.  At most ``limit`` work at once, and at most ``limit``
+    hold a worker, working or finished: a finished one keeps its worker (and namespace) for a
+    follow-up until a newer sub-agent needs the room, so processes stay bounded too."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.live: set[Agent] = set()
+        self.idle: list[Agent] = []  # finished, still holding a worker; the oldest first
+
+    def check(self) -> None:
+        """Raise AgentError, in words for the model, when no other sub-agent may start now."""
+        if len(self.live) >= self.limit:
+            raise AgentError(
+                f"this run already has {len(self.live)} sub-agents working, its limit (max_subagents="
+                f"{self.limit}): wait for one to finish (its <agent_result> arrives by itself) or cancel "
+                "some (self.cancel_subagents(), handle.cancel()) before starting another, or do this part "
+                "yourself")
+
+    def take(self, agent: Agent, task: asyncio.Future) -> None:
+        """Count ``agent`` as working until ``task`` ends (``check`` first: this does not)."""
+        if agent in self.idle:
+            self.idle.remove(agent)
+        self.live.add(agent)
+        task.add_done_callback(lambda _: self._finished(agent))
+
+    def _finished(self, agent: Agent) -> None:
+        self.live.discard(agent)
+        if agent.worker is not None and not agent.released:
+            self.idle.append(agent)
+
+    async def make_room(self) -> None:
+        """Close the workers of finished sub-agents, the oldest first, until one more fits."""
+        while self.idle and len(self.live) + len(self.idle) >= self.limit:
+            await self.idle.pop(0).release()
+
+
+class _LineCut:
+    """Output for the live display, every line cut to ``limit`` bytes (per stream, across
+    chunks); the first cut of a line says so."""
+
+    def __init__(self, limit: int = DISPLAY_LINE_BYTES) -> None:
+        self.limit = limit
+        self._open: dict[str, int] = {}  # bytes of the unterminated line so far, per stream
+
+    def __call__(self, stream: str, data: bytes) -> bytes:
+        used = self._open.get(stream, 0)
+        parts = data.split(b"\n")
+        if used + len(parts[0]) <= self.limit and max(map(len, parts)) <= self.limit:  # the usual case
+            self._open[stream] = used + len(parts[0]) if len(parts) == 1 else len(parts[-1])
+            return data
+        shown = []
+        for i, part in enumerate(parts):
+            if i:
+                used = 0
+            room = self.limit - used
+            shown.append(part if len(part) <= room else part[:room] + _DISPLAY_CUT if room >= 0 else b"")
+            used += len(part)
+        self._open[stream] = used
+        return b"\n".join(shown)
 
 
 def host_spec(name: str, fn: Callable) -> dict:
@@ -67,20 +159,29 @@ class _CodeTask:
         self.id = block_id
         self.started = time.monotonic()
         self.started_at = datetime.now()
+        self.interval = heartbeat_interval(request.heartbeat)
         self._fresh = bytearray()  # output since the last heartbeat (bounded)
         self._fresh_skipped = 0
         self._reported = 0  # bytes already shown in earlier heartbeats
+        self._shown = _LineCut()
         self._work: asyncio.Future[BlockResult] | None = None
         self.task = asyncio.ensure_future(self._run())
 
     def _on_output(self, chunk: OutputChunk) -> None:
-        self._fresh += chunk.data
-        if len(self._fresh) > 2 * OUTPUT_BUDGET:
-            cut = len(self._fresh) - OUTPUT_BUDGET
-            self._fresh_skipped += cut
-            del self._fresh[:cut]
-        self.agent._event("output", id=self.id, stream=chunk.stream,
-                          text=chunk.data.decode("utf-8", "replace"))
+        data = chunk.data
+        if len(data) >= OUTPUT_BUDGET:  # replaces what is fresh: never grow by a big chunk
+            self._fresh_skipped += len(self._fresh) + len(data) - OUTPUT_BUDGET
+            self._fresh = bytearray(data[-OUTPUT_BUDGET:])
+        else:
+            self._fresh += data
+            if len(self._fresh) > 2 * OUTPUT_BUDGET:
+                cut = len(self._fresh) - OUTPUT_BUDGET
+                self._fresh_skipped += cut
+                del self._fresh[:cut]
+        shown = self._shown(chunk.stream, data)
+        if shown:
+            self.agent._event("output", id=self.id, stream=chunk.stream,
+                              text=shown.decode("utf-8", "replace"))
 
     def is_running(self) -> bool:
         return not self.task.done()
@@ -91,11 +192,11 @@ class _CodeTask:
             req.code, timeout=req.timeout, block_id=self.id, on_output=self._on_output, budget=OUTPUT_BUDGET))
         try:
             while not self._work.done():
-                await asyncio.wait([self._work], timeout=req.heartbeat)
-                if not self._work.done() and req.heartbeat:
+                await asyncio.wait([self._work], timeout=self.interval)
+                if not self._work.done() and self.interval:
                     agent._event("progress", id=self.id, current=time.monotonic() - self.started,
                                  output=bytes(self._fresh).decode("utf-8", "replace"))
-                    agent.on_heartbeat(self.heartbeat())
+                    agent.on_heartbeat(self._report, key=("run_code", self.id))
         except asyncio.CancelledError:
             self._work.cancel()
             await asyncio.wait([self._work])
@@ -117,6 +218,11 @@ class _CodeTask:
         agent._event("finished", id=self.id, duration=duration, cancelled=status != "ok" and status != "error",
                      output=body, status=status)
         return tags.format_code_result(self.id, duration, body)
+
+    def _report(self) -> str:
+        """The heartbeat as it is delivered: written then, so it holds all output since the last
+        one delivered; nothing once the block has ended (its result says it all)."""
+        return "" if self._work is None or self._work.done() else self.heartbeat()
 
     def heartbeat(self) -> str:
         """A ``<running>`` note with the output that is new since the last one."""
@@ -164,7 +270,8 @@ class Agent:
                  functions: Mapping[str, Callable] | None = None, display: AgentDisplay | None = None,
                  depth: int = 0, max_depth: int = 3, name: str = "main", context: str = "",
                  max_messages: int = 200, handed: dict | None = None,
-                 chat_factory: Callable[..., Chat] | None = None, protocol: str | None = None) -> None:
+                 chat_factory: Callable[..., Chat] | None = None, protocol: str | None = None,
+                 max_subagents: int | None = None, subagent_slots: SubagentSlots | None = None) -> None:
         self.engine = engine
         self.models = models
         self.model = model if isinstance(model, ModelConfig) else models.get(model)
@@ -187,6 +294,12 @@ class Agent:
         self.sub_agents: list[Agent] = []
         self.children: dict[str, Agent] = {}
         self.inbox: list[str] = []
+        #: Heartbeat reports not delivered yet, by source: a newer one replaces the older.
+        self._reports: dict[Hashable, str | Callable[[], str]] = {}
+        self._last_message = time.monotonic()  # when the last message to the model was made
+        #: Shared with every sub-agent below: the run's limit on sub-agents working at once.
+        self.subagent_slots = subagent_slots or SubagentSlots(
+            subagent_limit.get() if max_subagents is None else max_subagents)
         self.wake = asyncio.Event()
         self.task: asyncio.Task | None = None
         self._inner: asyncio.Task | None = None
@@ -195,6 +308,7 @@ class Agent:
         self._parent_on_heartbeat: Callable[[str], None] | None = None
         self.supervisor: Agent | None = None
         self.result_value: str | None = None
+        self.released = False  # its worker was closed to make room for newer sub-agents
         self.messages_sent = 0
         self._block_ids = itertools.count(1)
 
@@ -242,8 +356,10 @@ class Agent:
     guide: str = tags.SYSTEM
 
     # -- the seed's loop -------------------------------------------------------------------------
-    def on_heartbeat(self, report: str) -> None:
-        self.inbox.append(report)
+    def on_heartbeat(self, report: str | Callable[[], str], key: Hashable | None = None) -> None:
+        """Queue a heartbeat report (text, or a function that writes it at delivery; "" means
+        nothing to say any more).  A report of the same ``key`` not yet delivered is replaced."""
+        self._reports[key if key is not None else object()] = report
         self.wake.set()
 
     def steer(self, text: str) -> None:
@@ -273,28 +389,44 @@ class Agent:
             self.inbox.append(tags.format_already_running(block_id))
             return
         block = _CodeTask(self, request, block_id)
-        self._event("launched", id=block_id, timeout=request.timeout, heartbeat=request.heartbeat,
+        self._event("launched", id=block_id, timeout=request.timeout, heartbeat=block.interval,
                     code=request.code)
         self.blocks.append(block)
 
     def next_message(self) -> str:
-        """Everything to send back this turn: the inbox, then results of what just finished."""
+        """Everything to send back this turn: the inbox, the heartbeat reports, then results of
+        what just finished."""
         done = [w for w in [*self.blocks, *self.sub_agents] if w.task.done()]
         self.blocks = [b for b in self.blocks if not b.task.done()]
         self.sub_agents = [a for a in self.sub_agents if not a.task.done()]
         events, self.inbox = self.inbox, []
+        reports, self._reports = self._reports, {}
+        self._last_message = time.monotonic()
+        events += [report() if callable(report) else report for report in reports.values()]
         return "".join(events + [_task_text(w.task) for w in done])
 
     def is_completed(self) -> bool:
         return not self.blocks and not self.sub_agents and not self.inbox
 
     async def wait_first_event(self) -> None:
-        tasks = [w.task for w in [*self.blocks, *self.sub_agents]]
-        if not self.inbox and tasks:
+        await self.until_event([w.task for w in [*self.blocks, *self.sub_agents]])
+
+    async def until_event(self, tasks: list[asyncio.Future], inbox_seen: int = 0) -> None:
+        """Wait until one of ``tasks`` is done, the inbox holds more than ``inbox_seen`` notes,
+        or heartbeat reports are due: they wait until ``HEARTBEAT_FLOOR`` has passed since the
+        last message, so heartbeats alone never cause more than one message per interval."""
+        while tasks and len(self.inbox) <= inbox_seen and not any(t.done() for t in tasks):
+            due = None
+            if self._reports:
+                due = self._last_message + HEARTBEAT_FLOOR - time.monotonic()
+                if due <= 0:
+                    return
             self.wake.clear()
             waker = asyncio.ensure_future(self.wake.wait())
-            await asyncio.wait([*tasks, waker], return_when=asyncio.FIRST_COMPLETED)
-            waker.cancel()
+            try:
+                await asyncio.wait([*tasks, waker], timeout=due, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waker.cancel()
 
     def context_note(self) -> str:
         chat = self.chat
@@ -314,6 +446,7 @@ class Agent:
             message = self.intro + task
             for _ in range(max_messages or self.max_messages):
                 self.messages_sent += 1
+                self._last_message = time.monotonic()
                 reply = await self.chat.send(message)
                 reply, cut = tags.cut_hallucinated(reply)
                 if cut:
@@ -342,7 +475,7 @@ class Agent:
         tasks = [w.task for w in [*self.blocks, *self.sub_agents] if w.task is not None]
         if tasks:
             await asyncio.shield(asyncio.gather(*tasks, return_exceptions=True))
-        self.blocks, self.sub_agents, self.inbox = [], [], []
+        self.blocks, self.sub_agents, self.inbox, self._reports = [], [], [], {}
 
     # -- sub-agents ------------------------------------------------------------------------------
     def _unique_name(self, base: str) -> str:
@@ -359,6 +492,8 @@ class Agent:
         if self.depth >= self.max_depth:
             raise AgentError(f"max delegation depth {self.max_depth} reached — do this part yourself "
                              "instead of delegating")
+        self.subagent_slots.check()  # before any work for it; start_task takes the slot
+        await self.subagent_slots.make_room()
         if namespace_names:
             assert self.worker is not None
             exported = await self.worker.request("export", {"names": namespace_names})
@@ -383,33 +518,36 @@ class Agent:
                            display=self.display, depth=self.depth + 1, max_depth=self.max_depth,
                            name=self._unique_name(name or "sub"), context=context,
                            max_messages=self.max_messages, handed=handed, chat_factory=self._chat_factory,
-                           protocol=self._protocol_override)
+                           protocol=self._protocol_override, subagent_slots=self.subagent_slots)
+        child.start_task(task, heartbeat, self.on_heartbeat, supervisor=self)
         self.children[child.name] = child
         self.display.event("agent_started", name=child.name, parent=self.name, model=config.alias, task=task)
-        child.start_task(task, heartbeat, self.on_heartbeat, supervisor=self)
         self.sub_agents.append(child)
         return child
 
-    def start_task(self, task: str, heartbeat: float | None, on_heartbeat: Callable[[str], None],
+    def start_task(self, task: str, heartbeat: float | None, on_heartbeat: Callable[..., None],
                    supervisor: Agent | None = None) -> Agent:
-        """Run this agent in the background as a sub-agent; returns self as the handle."""
+        """Run this agent in the background as a sub-agent; returns self as the handle.  Raises
+        AgentError when its run already has as many sub-agents working as it may."""
+        self.subagent_slots.check()
         self.supervisor = supervisor or self.supervisor
         self.start_time = time.monotonic()
-        self.heartbeat_interval = heartbeat
+        self.heartbeat_interval = heartbeat_interval(heartbeat)
         self._parent_on_heartbeat = on_heartbeat
         self.result_value = None
-        self.task = asyncio.ensure_future(self.run_as_subagent(task, heartbeat, on_heartbeat))
+        self.task = asyncio.ensure_future(self.run_as_subagent(task, self.heartbeat_interval, on_heartbeat))
+        self.subagent_slots.take(self, self.task)
         return self
 
     async def run_as_subagent(self, task: str, heartbeat: float | None,
-                              on_heartbeat: Callable[[str], None]) -> str:
+                              on_heartbeat: Callable[..., None]) -> str:
         self._inner = asyncio.ensure_future(self.run(task))
         started = self.start_time or time.monotonic()
         try:
             while not self._inner.done():
                 await asyncio.wait([self._inner], timeout=heartbeat)
                 if not self._inner.done() and heartbeat:
-                    on_heartbeat(tags.format_agent_status(self.name, time.monotonic() - started, self.status()))
+                    on_heartbeat(self._status_report, key=("agent", self.name))
         except asyncio.CancelledError:
             self._inner.cancel()
             await asyncio.wait([self._inner])
@@ -424,6 +562,12 @@ class Agent:
         duration = time.monotonic() - started
         self._event("agent_finished", status=status, duration=duration)
         return tags.format_agent_result(self.name, duration, body)
+
+    def _status_report(self) -> str:
+        """This sub-agent's heartbeat, written when it is delivered; nothing once it has ended."""
+        if self._inner is None or self._inner.done():
+            return ""
+        return tags.format_agent_status(self.name, time.monotonic() - (self.start_time or 0.0), self.status())
 
     def done(self) -> bool:
         return self.task is None or self.task.done()
@@ -440,10 +584,20 @@ class Agent:
         """A follow-up that continues this sub-agent's context and namespace."""
         if self.task is not None and not self.task.done():
             raise AgentError(f"sub-agent '{self.name}' is still working; wait for its result before new_task")
+        if self.released:
+            raise AgentError(f"sub-agent '{self.name}' was closed to make room for newer ones (a run keeps "
+                             f"at most {self.subagent_slots.limit}); start a new sub-agent with what it needs")
         assert self._parent_on_heartbeat is not None and self.supervisor is not None
         self.start_task(task, self.heartbeat_interval, self._parent_on_heartbeat)
         self.supervisor.sub_agents.append(self)
         return self
+
+    async def release(self) -> None:
+        """Close the worker of this finished sub-agent (its namespace goes with it); its answer,
+        cost and status stay readable, a follow-up is refused."""
+        self.released = True
+        if self.worker is not None:
+            await self.worker.close()
 
     def cancel_subagents(self) -> int:
         alive = [a for a in self.sub_agents if not a.done()]
@@ -565,9 +719,11 @@ def make_agent(*, model: ModelConfig | str | None = None, models: ModelRegistry,
 async def run_task(task: str, *, models: ModelRegistry, model: str | None = None, engine: Engine | None = None,
                    functions: Mapping[str, Callable] | None = None, display: AgentDisplay | None = None,
                    max_messages: int = 200, timeout: float | None = None,
-                   chat_factory: Callable[..., Chat] | None = None, protocol: str | None = None) -> RunResult:
+                   chat_factory: Callable[..., Chat] | None = None, protocol: str | None = None,
+                   max_subagents: int | None = None) -> RunResult:
     """Run one task to its end and say how it went.  Never raises for the model's or the
-    endpoint's failures: they are the result's ``status`` and ``error``."""
+    endpoint's failures: they are the result's ``status`` and ``error``.  ``max_subagents``:
+    sub-agents working at once (default: ``subagent_limit``)."""
     started = time.monotonic()
     own_engine = engine is None
     engine = engine or Engine()
@@ -579,7 +735,8 @@ async def run_task(task: str, *, models: ModelRegistry, model: str | None = None
         if own_engine:
             engine.open()
         agent = make_agent(engine=engine, models=models, model=model, functions=functions, display=display,
-                           max_messages=max_messages, chat_factory=chat_factory, protocol=protocol)
+                           max_messages=max_messages, chat_factory=chat_factory, protocol=protocol,
+                           max_subagents=max_subagents)
         answer = await asyncio.wait_for(agent.run(task), timeout)
     except TimeoutError:
         status, error = "timed_out", f"no answer within {timeout:g} s"

@@ -34,6 +34,10 @@ records are already on disk.  ``--ray ADDRESS`` runs each run as a Ray task inst
 
 Exit status: 0 the batch ran to its end (whatever the runs' statuses), 1 it stopped early
 because the infrastructure kept failing, 125 bad input or options, 130 interrupted.
+
+Progress lines, the bar and the summary print ids, errors and messages inert
+(``engine.inert``: no escape sequence or control character of a task file, a model or an
+endpoint reaches the terminal) and never as rich markup; RESULTS.jsonl keeps them exactly.
 """
 
 from __future__ import annotations
@@ -60,13 +64,16 @@ from typing import Any
 
 import click
 
+from ._tree import copy_tree, remove_tree, walk
 from .agent import RunResult, run_task
-from .cli import EXIT_OWN, Duration, _fail, _policy, host_functions
+from .cli import EXIT_OWN, Duration, _fail, _policy
 from .display import AgentDisplay, FanoutDisplay, JsonlRecorder
 from .durations import parse_duration
 from .engine import Engine
 from .errors import AgentloopError, ConfigError, WorkerError
+from .inert import inert
 from .models import ModelRegistry, load_models
+from .repo_tools import RepoTools
 from .sandbox import GiB, SandboxPolicy
 from .worker import Worker, WorkerState
 
@@ -341,6 +348,8 @@ class RunSettings:
     retries: int = 0
     retry_backoff: float = 2.0
     max_workers: int = 16
+    #: What the repository tools never show a run: the batch's runs directory and results file.
+    exclude: tuple[Path, ...] = ()
 
     def backoff(self, attempt: int) -> float:
         """Seconds to wait after failed attempt ``attempt`` (1-based): doubling, capped."""
@@ -361,9 +370,8 @@ class RunEngine(Engine):
     It refuses a worker beyond ``max_workers`` live ones: the per-run cap that bounds the
     workers of a whole batch (the refusal reaches the model as words; it only happens when
     starting a sub-agent).  And it hands the files placed in the workspace (``placed``) to the
-    workspace's owner once a worker has started: when the sandbox runs workers as a uid of
-    their own it gives them the workspace directory, and the files in it should follow, so the
-    model can change them, not only read them."""
+    run once a worker has started (see ``_give_to_run``), so the model can change them, not only
+    read them."""
 
     def __init__(self, *, max_workers: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -378,28 +386,32 @@ class RunEngine(Engine):
         worker = await super().start_worker(name)
         placed, self.placed = self.placed, []
         if placed:
-            await asyncio.to_thread(_give_to_owner, self.workspace, placed)
+            await asyncio.to_thread(_give_to_run, self.workspace, placed)
         return worker
 
 
-def _give_to_owner(workspace: Path, paths: list[Path]) -> None:
-    """Give ``paths`` the workspace's owner and group, and its group's write access when it
-    has it (then workers share the workspace through its group)."""
+def _give_to_run(workspace: Path, paths: list[Path]) -> None:
+    """Give ``paths`` to the run's workers.  A root coordinator runs them as the run's uid and
+    keeps the workspace its own (in the run's group, sticky: see ``engine.sandbox``), so files
+    it placed there would be read-only to them; the task's files are the run's copies, not the
+    user's originals, so they become the run's uid's and group-writable."""
     ws = workspace.stat()
-    if os.geteuid() != 0 or ws.st_uid == 0:
+    if os.geteuid() != 0 or not ws.st_mode & stat.S_ISVTX or ws.st_gid == 0:
         return
-    shared = ws.st_mode & stat.S_IWGRP
-    items = []
-    for path in paths:
-        items.append(path)
-        for top, dirs, files in os.walk(path):  # never follows a symlink out of the workspace
-            items += [Path(top, name) for name in dirs + files]
-    for item in items:
-        os.chown(item, ws.st_uid, ws.st_gid, follow_symlinks=False)
-        mode = item.lstat().st_mode
-        if shared and not stat.S_ISLNK(mode):
+    run = ws.st_gid  # the run's uid and gid are one number
+
+    def give(name: str | Path, mode: int, dir_fd: int | None = None) -> None:
+        os.chown(name, run, run, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISLNK(mode):
             extra = stat.S_ISGID | stat.S_IRWXG if stat.S_ISDIR(mode) else stat.S_IRGRP | stat.S_IWGRP
-            os.chmod(item, stat.S_IMODE(mode) | extra)
+            os.chmod(name, stat.S_IMODE(mode) | extra, dir_fd=dir_fd)
+
+    for path in paths:
+        mode = path.lstat().st_mode
+        give(path, mode)
+        if stat.S_ISDIR(mode):  # the walk never follows a symlink out of the workspace
+            for entry in walk(path):
+                give(entry.name, entry.stat.st_mode, entry.dir_fd)
 
 
 def run_slug(key: str) -> str:
@@ -456,23 +468,38 @@ def pack_files(paths: Iterable[str]) -> list[tuple[str, bytes, int]]:
     packed = []
     for path in map(Path, paths):
         if path.is_dir():
-            for item in sorted(path.rglob("*")):
-                if item.is_file():
-                    packed.append((str(Path(path.name) / item.relative_to(path)), item.read_bytes(),
-                                   item.stat().st_mode & 0o777))
+            found = []
+            for entry in walk(path, one_filesystem=False):
+                if not entry.is_dir and (content := _regular_file(entry.name, entry.dir_fd)) is not None:
+                    found.append((entry.parts, *content))
+            packed += [(str(Path(path.name, *parts)), data, mode) for parts, data, mode in sorted(found)]
         else:
             packed.append((path.name, path.read_bytes(), path.stat().st_mode & 0o777))
     return packed
 
 
+def _regular_file(name: str, dir_fd: int) -> tuple[bytes, int] | None:
+    """(content, permission bits) of ``name`` if it is a regular file or a symlink to one (as
+    ``Path.is_file()`` has it), else None; a fifo or a device is never read."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        mode = os.fstat(fd).st_mode
+        return (_read_all(fd), mode & 0o777) if stat.S_ISREG(mode) else None
+    finally:
+        os.close(fd)
+
+
 def _clear(run_dir: Path, first: bool) -> None:
     """Remove what an earlier attempt left.  The first attempt also clears what an earlier,
-    interrupted batch left; later ones keep the transcript (it records every attempt)."""
-    if first:
-        shutil.rmtree(run_dir, ignore_errors=True)
-    else:
-        shutil.rmtree(run_dir / "workspace", ignore_errors=True)
-        shutil.rmtree(run_dir / "state", ignore_errors=True)
+    interrupted batch left; later ones keep the transcript (it records every attempt).  A
+    worker wrote the workspace: it is removed whatever its shape (``_tree.remove_tree``), and
+    what cannot be removed is an OSError, not a run on top of an old workspace."""
+    for path in [run_dir] if first else [run_dir / "workspace", run_dir / "state"]:
+        if not remove_tree(path):
+            raise OSError(f"could not remove all of {path}")
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
@@ -491,7 +518,7 @@ def _place_files(workspace: Path, spec: TaskSpec, packed: list[tuple[str, bytes,
         for source in map(Path, spec.files):
             target = workspace / source.name
             if source.is_dir():
-                shutil.copytree(source, target, symlinks=True)
+                copy_tree(source, target)
             else:
                 shutil.copy2(source, target)
             placed.append(target)
@@ -531,10 +558,13 @@ async def _attempt(spec: TaskSpec, settings: RunSettings, attempt: int, display:
     engine = RunEngine(max_workers=settings.max_workers, cwd=workspace, workspace=workspace,
                        sandbox=settings.sandbox, state_dir=run_dir / "state", pool=0, zygote=False)
     infrastructure = False
+    tools = None
     try:
         engine.placed = await asyncio.to_thread(_place_files, workspace, spec, packed)
+        if settings.tools == "repo":  # other runs' directories and results are not this run's to read
+            tools = RepoTools(settings.root, exclude=settings.exclude)
         result = await run_task(spec.task, models=settings.models, model=spec.model or settings.model,
-                                engine=engine, functions=host_functions(settings.tools, Path(settings.root)),
+                                engine=engine, functions=tools.functions() if tools else {},
                                 display=shown, max_messages=spec.max_messages or settings.max_messages,
                                 timeout=spec.timeout or settings.timeout, protocol=settings.protocol)
     except (OSError, ConfigError) as exc:  # placing files; the run's directories
@@ -545,6 +575,8 @@ async def _attempt(spec: TaskSpec, settings: RunSettings, attempt: int, display:
         infrastructure = True
     finally:
         try:
+            if tools is not None:
+                tools.close()
             await _to_the_end(engine.shutdown())
         finally:
             recorder.close()
@@ -700,7 +732,8 @@ class Tally:
 
 
 def _short(text: str, limit: int = 120) -> str:
-    text = " ".join(str(text).split())
+    """``text`` on one line, inert, at most ``limit`` characters."""
+    text = " ".join(inert(str(text)).split())
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
@@ -731,7 +764,7 @@ class LinesView:
 
     def finished(self, record: dict) -> None:
         t = self.tally
-        line = (f"[{t.before + t.finished}/{t.total}] id={record['id']} {record['status']} "
+        line = (f"[{t.before + t.finished}/{t.total}] id={inert(str(record['id']))} {record['status']} "
                 f"{record['duration_s']:.1f}s")
         if record.get("attempts", 1) > 1:
             line += f" after {record['attempts']} attempts"
@@ -787,7 +820,7 @@ class BarView(LinesView):
     def finished(self, record: dict) -> None:
         if record["status"] not in ("answered", "cancelled"):
             error = f": {_short(record['error'], 100)}" if record.get("error") else ""
-            self.progress.console.print(f"id={record['id']} {record['status']}{error}", markup=False,
+            self.progress.console.print(f"id={inert(str(record['id']))} {record['status']}{error}", markup=False,
                                         highlight=False)
         self.tick()
 
@@ -809,6 +842,7 @@ def print_summary(tally: Tally, results: Path, runs_dir: Path, stopped: str | No
     """The closing table on stderr: runs by status, tokens, cost, wall time, rate."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     tin, tout, cost = tally.usage()
     table = Table(title="batch summary", show_header=False, title_justify="left")
@@ -828,10 +862,11 @@ def print_summary(tally: Tally, results: Path, runs_dir: Path, stopped: str | No
     table.add_row("cost", f"${cost:.4f}")
     table.add_row("wall time", _clock(tally.elapsed()))
     table.add_row("runs / minute", f"{tally.rate():.1f}")
-    table.add_row("results", str(results))
-    table.add_row("runs", str(runs_dir))
+    # Text, not str: a cell given as str is read as markup
+    table.add_row("results", Text(inert(str(results))))
+    table.add_row("runs", Text(inert(str(runs_dir))))
     if stopped:
-        table.add_row("stopped", stopped)
+        table.add_row("stopped", Text(inert(stopped)))
     Console(stderr=True).print(table)
 
 
@@ -965,7 +1000,8 @@ def run_batch(tasks_path: str | Path, output: str | Path, settings: RunSettings,
         if not skip_invalid:
             raise ConfigError(f"{tasks_path}: {len(problems)} invalid line(s), nothing started "
                               f"(--skip-invalid to go on without them):\n{listing}")
-        print(f"agentloop: {tasks_path}: skipping {len(problems)} invalid line(s):\n{listing}", file=sys.stderr)
+        print(inert(f"agentloop: {tasks_path}: skipping {len(problems)} invalid line(s):\n{listing}"),
+              file=sys.stderr)
     lock = lock_runs_dir(settings.runs_dir)
     results = ResultsFile(output)
     try:
@@ -1066,8 +1102,9 @@ def batch(tasks_file: Path, output: Path, parallel: int | None, retries: int, re
     except AgentloopError as exc:
         _fail(str(exc))
     output = output.absolute()
+    runs_dir = (runs_dir or output.with_name(output.stem + ".runs")).absolute()
     settings = RunSettings(
-        models=registry, runs_dir=(runs_dir or output.with_name(output.stem + ".runs")).absolute(),
+        models=registry, runs_dir=runs_dir, exclude=(runs_dir, output),
         model=model, protocol=protocol, max_messages=max_messages, timeout=timeout, tools=tools,
         root=str(root.resolve()), sandbox=_policy(sandbox, network), retries=retries,
         retry_backoff=retry_backoff, max_workers=max_workers_per_run)
@@ -1075,14 +1112,14 @@ def batch(tasks_file: Path, output: Path, parallel: int | None, retries: int, re
         outcome = run_batch(tasks_file, output, settings, parallel=parallel, progress=progress,
                             skip_invalid=skip_invalid, redo=redo, ray_address=ray_address)
     except AgentloopError as exc:
-        click.echo(f"agentloop: {exc}", err=True)
+        click.echo(inert(f"agentloop: {exc}"), err=True)
         sys.exit(EXIT_OWN)
     except KeyboardInterrupt:  # before the batch's own handlers were in place
         click.echo("agentloop: interrupted", err=True)
         sys.exit(EXIT_INTERRUPTED)
     print_summary(outcome.tally, output, settings.runs_dir, outcome.stopped)
     if outcome.stopped and outcome.stopped != "interrupted":
-        click.echo(f"agentloop: stopped early: {outcome.stopped}", err=True)
+        click.echo(inert(f"agentloop: stopped early: {outcome.stopped}"), err=True)
     sys.exit(outcome.exit_code)
 
 

@@ -19,6 +19,10 @@ Keys and lines:
 
 When stdin is not a terminal each question is echoed after its prompt, so stdout reads as
 the session would have on a terminal.
+
+Answers, echoed lines and error messages are printed inert (``engine.inert``): a model's
+escape sequences and control characters never reach the terminal, nor a file that is shown
+on one later; ``--record`` keeps the exact text.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from .agent import Agent, make_agent
 from .cli import _fail, _policy, agent_options, close_display, host_functions, load_registry, make_display
 from .engine import Engine
 from .errors import AgentloopError
+from .inert import inert
 
 PROMPT = "you> "
 STEER = "/steer"
@@ -111,12 +116,12 @@ class _Session:
     # -- output ---------------------------------------------------------------------------------
     @staticmethod
     def _out(text: str) -> None:
-        sys.stdout.write(text)
+        sys.stdout.write(inert(text))
         sys.stdout.flush()
 
     @staticmethod
     def _err(text: str) -> None:
-        click.echo(f"agentloop: {text}", err=True)
+        click.echo(inert(f"agentloop: {text}"), err=True)
 
     # -- Ctrl-C ---------------------------------------------------------------------------------
     def on_interrupt(self) -> None:
@@ -128,6 +133,14 @@ class _Session:
         if now - self._last_idle_interrupt < DOUBLE_INTERRUPT_S:
             self._leave = True
         self._last_idle_interrupt = now
+        if self._waiting is not None and not self._waiting.done():
+            self._waiting.cancel()
+
+    def on_terminate(self) -> None:
+        """SIGTERM: leave, as a quick second Ctrl-C does; a running turn is cancelled first."""
+        self._leave = True
+        if self._turn is not None:
+            self._turn.cancel()
         if self._waiting is not None and not self._waiting.done():
             self._waiting.cancel()
 
@@ -145,6 +158,8 @@ class _Session:
     async def _next_question(self) -> str | None:
         """Prompt until a question arrives; None at end of input or on a double Ctrl-C."""
         while True:
+            if self._leave:
+                return None
             self._out(PROMPT)
             echo = not self.interactive
             if self.pending:  # typed while the last turn was ending: the terminal echoed it elsewhere
@@ -273,6 +288,7 @@ def chat(model, models_file, max_messages, record, tools, root, quiet, protocol,
                 await agent.start()  # the worker is ready (or its failure known) before the first prompt
                 # From here on Ctrl-C belongs to the session; before, it ends the program.
                 loop.add_signal_handler(signal.SIGINT, session.on_interrupt)
+                loop.add_signal_handler(signal.SIGTERM, session.on_terminate)
                 threading.Thread(target=_read_lines, args=(loop, session.lines, sys.stdin.fileno()),
                                  name="agentloop-stdin", daemon=True).start()
                 return await session.run()
@@ -282,6 +298,7 @@ def chat(model, models_file, max_messages, record, tools, root, quiet, protocol,
                     await asyncio.shield(agent.close())
                 finally:
                     loop.remove_signal_handler(signal.SIGINT)
+                    loop.remove_signal_handler(signal.SIGTERM)
 
     try:
         code = asyncio.run(go())

@@ -3,6 +3,10 @@
 Exit codes of ``exec`` follow timeout(1) and the shell: 0 finished, 1 raised, 124 deadline,
 128+N worker died of signal N (the worker's own exit code when it exited), 125 agentloop's
 own errors, with a one-line message on stderr.
+
+Whatever a model or a worker wrote is printed inert (``engine.inert``: no escape sequence or
+control character but newline and tab reaches a terminal), except where ``exec`` writes to a
+pipe or a file: there the program's bytes pass unchanged, as with ``python script.py``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import click
 from .durations import parse_duration
 from .engine import Engine
 from .errors import AgentloopError
+from .inert import InertStream, inert
 from .results import BlockResult, OutputChunk
 from .sandbox import SandboxPolicy
 
@@ -43,7 +48,7 @@ class Duration(click.ParamType):
 
 
 def _fail(message: str) -> None:
-    click.echo(f"agentloop: {message}", err=True)
+    click.echo(inert(f"agentloop: {message}"), err=True)  # messages quote endpoints and files
     sys.exit(EXIT_OWN)
 
 
@@ -161,6 +166,18 @@ def main(verbose: bool) -> None:
     """agentloop: run model-written code in sandboxed worker processes."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="agentloop: %(message)s")
+    # SIGTERM (a service manager, `kill`, a CI timeout) stops a command as Ctrl-C does: the
+    # running blocks and workers are stopped and the run's sockets and directories removed.
+    # Commands that handle signals themselves (batch, chat) replace this while they run.
+    signal.signal(signal.SIGTERM, _terminated)
+
+
+def _terminated(signum: int, frame) -> None:
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler) and handler is not signal.default_int_handler:
+        handler(signal.SIGINT, frame)  # asyncio.run's: cancel the main task, let it clean up
+    else:
+        raise KeyboardInterrupt
 
 
 @main.command("exec")
@@ -169,22 +186,35 @@ def main(verbose: bool) -> None:
               help="Deadline of the block: 250ms, 30s, 5m, 1h or plain seconds.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object on stdout after the run (the code's stdout goes to stderr).")
+@click.option("--color", "allow_sgr", is_flag=True,
+              help="Let the code's colour sequences (ESC [ ... m) through to a terminal.  Without it, "
+                   "output bound for a terminal loses every escape sequence and control character but "
+                   "newline and tab (a lone carriage return becomes a newline); output to a pipe or a "
+                   "file is passed unchanged either way.")
 @_sandbox_options
-def exec_cmd(file, timeout: float, as_json: bool, sandbox: str, network: bool, workspace) -> None:
-    """Run FILE (or - for stdin) as one block in a fresh worker, streaming its output."""
+def exec_cmd(file, timeout: float, as_json: bool, allow_sgr: bool, sandbox: str, network: bool,
+             workspace) -> None:
+    """Run FILE (or - for stdin) as one block in a fresh worker, streaming its output.
+
+    On a terminal the output is made inert (see --color); piped, it is passed byte for byte."""
     code = file.read()
+    out = _Sink(sys.stderr if as_json else sys.stdout, allow_sgr)
+    err = _Sink(sys.stderr, allow_sgr)
     try:
-        result = asyncio.run(_exec(code, timeout, as_json, _policy(sandbox, network), workspace))
+        result = asyncio.run(_exec(code, timeout, out, err, _policy(sandbox, network), workspace))
     except AgentloopError as exc:
         _fail(str(exc))
     except KeyboardInterrupt:
         sys.exit(128 + signal.SIGINT)
+    finally:
+        out.end()
+        err.end()
     if result.error:
-        sys.stderr.write(result.error)
+        err.text(result.error)  # the code's traceback: worker text
     if result.message:
-        click.echo(f"agentloop: {result.message}", err=True)
+        err.text(f"agentloop: {result.message}\n")
     if result.truncated and result.output_file:
-        click.echo(f"agentloop: the whole output is in {result.output_file}", err=True)
+        err.text(f"agentloop: the whole output is in {result.output_file}\n")
     if as_json:
         click.echo(json.dumps({
             "status": result.status, "exit_code": _exit_code(result),
@@ -194,21 +224,62 @@ def exec_cmd(file, timeout: float, as_json: bool, sandbox: str, network: bool, w
     sys.exit(_exit_code(result))
 
 
-async def _exec(code: str, timeout: float, as_json: bool, policy: SandboxPolicy,
-                workspace: Path | None) -> BlockResult:
-    out = sys.stderr.buffer if as_json else sys.stdout.buffer
-    err = sys.stderr.buffer
+class _Sink:
+    """One of ``exec``'s output streams.  To a terminal, bytes go through an ``InertStream``
+    (its state carries sequences and characters split across chunks); to anything else they
+    pass unchanged.  Each stream decides on its own, as ``python script.py 2>log`` would."""
 
+    def __init__(self, stream, allow_sgr: bool) -> None:
+        self.stream = stream
+        self.buffer = stream.buffer
+        try:
+            terminal = stream.isatty()
+        except (AttributeError, ValueError):
+            terminal = False
+        self.filter = InertStream(allow_sgr=allow_sgr, encoding=stream.encoding or "utf-8") if terminal else None
+
+    def write(self, data: bytes) -> None:
+        if self.filter is not None:
+            data = self.filter.feed(data)
+        if data:
+            self.buffer.write(data)
+            self.buffer.flush()
+
+    def text(self, text: str) -> None:
+        """A whole message (agentloop's, or the code's traceback), after the output has ended."""
+        if self.filter is None:
+            self.stream.write(text)
+            self.stream.flush()
+        else:
+            self.buffer.write(inert(text).encode(self.filter.encoding, "replace"))
+            self.buffer.flush()
+
+    def end(self) -> None:
+        """The program's output ended: what a sequence cut short left in the filter is dropped."""
+        if self.filter is not None and (tail := self.filter.flush()):
+            self.buffer.write(tail)
+        self.buffer.flush()
+
+
+async def _exec(code: str, timeout: float, out: _Sink, err: _Sink, policy: SandboxPolicy,
+                workspace: Path | None) -> BlockResult:
     def show(chunk: OutputChunk) -> None:
-        stream = err if chunk.stream == "stderr" else out
-        stream.write(chunk.data)
-        stream.flush()
+        (err if chunk.stream == "stderr" else out).write(chunk.data)
 
     async with Engine(sandbox=policy, workspace=workspace, pool=0) as engine:  # one worker: no pool
         worker = await engine.start_worker("exec")
         for note in worker.notes:
-            click.echo(f"agentloop: {note}", err=True)
+            err.text(f"agentloop: {note}\n")
         return await worker.run(code, timeout=timeout, block_id="main", on_output=show)
+
+
+def _subagent_limit(ctx, param, value):
+    """``--max-subagents``: the limit of the agents this command makes, for as long as it runs
+    (so ``run`` and ``chat`` need no parameter for it)."""
+    from .agent import subagent_limit
+
+    token = subagent_limit.set(value)
+    ctx.call_on_close(lambda: subagent_limit.reset(token))
 
 
 def agent_options(f):
@@ -222,6 +293,9 @@ def agent_options(f):
                           "default: each model alias's `protocol` in agentloop.toml."),
         click.option("--max-messages", type=click.IntRange(1), default=200, show_default=True,
                      help="Messages to the model before the run gives up."),
+        click.option("--max-subagents", type=click.IntRange(1), default=8, show_default=True,
+                     expose_value=False, callback=_subagent_limit,
+                     help="Sub-agents working at once in a run; the model is told to wait beyond it."),
         click.option("--tools", type=click.Choice(["none", "repo"]), default="none", show_default=True,
                      help="Host functions to offer: repo = list_dir, read_file, search (read-only)."),
         click.option("--root", type=click.Path(file_okay=False, exists=True, path_type=Path), default=".",
@@ -294,7 +368,10 @@ _RUN_EXIT = {"answered": 0, "failed": 1, "timed_out": EXIT_TIMEOUT, "cancelled":
               help="Modules the fork server imports once for every worker, e.g. numpy,pandas.")
 def run_cmd(task: str, model, models_file, max_messages, record, tools, root, quiet, protocol, sandbox,
             network, workspace, timeout, as_json, preload) -> None:
-    """Run TASK to its end: the final answer alone on stdout, the live display on stderr."""
+    """Run TASK to its end: the final answer alone on stdout, the live display on stderr.
+
+    The answer is printed inert (escape sequences and control characters but newline and tab
+    removed, a lone carriage return made a newline); --json holds it exactly."""
     from .agent import run_task
 
     registry = load_registry(models_file)
@@ -316,9 +393,9 @@ def run_cmd(task: str, model, models_file, max_messages, record, tools, root, qu
     if as_json:
         click.echo(json.dumps(result.as_dict()))
     elif result.status == "answered":
-        click.echo(result.answer)
+        click.echo(inert(str(result.answer)))
     if result.status != "answered":
-        click.echo(f"agentloop: {result.status}: {result.error}", err=True)
+        click.echo(inert(f"agentloop: {result.status}: {result.error}"), err=True)
     sys.exit(_RUN_EXIT.get(result.status, 1))
 
 
@@ -352,11 +429,11 @@ def doctor_cmd(models_file, model, sandbox, network, workspace) -> None:
     try:
         notes, result = asyncio.run(try_worker())
         started = result.ok
-        click.echo(f"worker: {'starts and runs code' if started else 'started but failed: ' + result.text()}")
+        click.echo(inert(f"worker: {'starts and runs code' if started else 'started but failed: ' + result.text()}"))
         for note in notes:
-            click.echo(f"  note: {note}")
+            click.echo(inert(f"  note: {note}"))
     except AgentloopError as exc:
-        click.echo(f"worker: does not start: {exc}")
+        click.echo(inert(f"worker: does not start: {exc}"))
         started = False
     healthy &= started
     registry = load_registry(models_file)

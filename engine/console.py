@@ -2,13 +2,15 @@
 
 Streamed reply text is prefixed by the agent's name, code blocks and their output are indented under
 it, sub-agents are indented by depth. Everything is printed as rich Text (never markup), so brackets
-in a reply are shown as written; terminal control sequences in untrusted text are removed. Without a
-terminal rich writes no colour codes.
+in a reply are shown as written, and every string from an event is made inert first (engine.inert):
+no escape sequence or control character of a model or a program reaches the terminal, not even one
+split across streamed pieces, since replies and output streams are filtered incrementally. Program
+colours are removed too; the console colours stderr lines itself. Without a terminal rich writes
+no colour codes.
 """
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,14 +21,14 @@ from rich.text import Text
 
 from engine.display import DispatchDisplay
 from engine.durations import format_duration
-
-# ANSI CSI sequences and C0 controls other than tab and newline: model text and program output
-# must not move the cursor or recolour the user's terminal.
-_CONTROL_RE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|[\x00-\x08\x0b-\x1f\x7f]")
+from engine.inert import InertText, inert
 
 
 def _clean(text: Any) -> str:
-    return _CONTROL_RE.sub("", text if isinstance(text, str) else str(text))
+    return inert(text if isinstance(text, str) else str(text))
+
+
+_PARTIAL_CAP = 16 * 1024  # characters of an unterminated output line the display keeps
 
 
 def _terminal_line(line: str) -> str:
@@ -46,6 +48,9 @@ class _Block:
     live: bool = False  # output arrives as `output` chunks; cumulative `progress` output is then ignored
     shown_chars: int = 0  # how much of the cumulative progress output has been shown
     partial: dict[str, str] = field(default_factory=dict)  # unterminated line per stream
+    # Per stream: output arrives in chunks that may split an escape sequence. Carriage returns pass
+    # to _terminal_line, which keeps a rewritten line's last state; none is ever printed.
+    filters: dict[str, InertText] = field(default_factory=dict)
     lines: int = 0
     hidden: int = 0
 
@@ -64,6 +69,7 @@ class ConsoleDisplay(DispatchDisplay):
         self._depth: dict[str, int] = {}
         self._open_line: str | None = None  # agent whose streamed reply line is not yet terminated
         self._streamed: set[str] = set()  # agents whose current reply arrived as deltas
+        self._replies: dict[str, InertText] = {}  # per agent: its streamed reply, filtered as it arrives
         self._blocks: dict[tuple[str, str], _Block] = {}
         self._lock = threading.RLock()
 
@@ -114,7 +120,9 @@ class ConsoleDisplay(DispatchDisplay):
                 self._line(name, ("  " + line, "dim"))
 
     def delta(self, name: str = "?", text: str = "") -> None:
-        text = _clean(text)
+        if name not in self._replies:
+            self._replies[name] = InertText()
+        text = self._replies[name].feed(text if isinstance(text, str) else str(text))
         if not text:
             return
         self._streamed.add(name)
@@ -130,6 +138,9 @@ class ConsoleDisplay(DispatchDisplay):
                 self._open_line = None
 
     def replied(self, name: str = "?", message: str = "", stats: Any = None, latency: Any = None) -> None:
+        # The reply's filter ends with it: a sequence it was cut in the middle of is dropped, and a last
+        # lone \r would only have ended the line, which closing the stream does.
+        self._replies.pop(name, None)
         if name in self._streamed:
             self._streamed.discard(name)
             if self._open_line == name:
@@ -165,10 +176,14 @@ class ConsoleDisplay(DispatchDisplay):
             self._line(name, (f"    ┆ … {len(lines) - len(shown)} more lines", "dim"))
 
     def _feed(self, name: str, id: Any, block: _Block, stream: str, text: str) -> None:
-        text = block.partial.pop(stream, "") + _clean_output(text)
+        if stream not in block.filters:
+            block.filters[stream] = InertText(carriage_returns=True)
+        text = block.partial.pop(stream, "") + block.filters[stream].feed(str(text))
         *complete, rest = text.split("\n")
         if rest:
-            block.partial[stream] = rest
+            # A line that never ends (150 MiB without a newline) must not grow without bound:
+            # keep what a terminal would still show of it, the part after its last \r, capped.
+            block.partial[stream] = _terminal_line(rest)[:_PARTIAL_CAP]
         for line in complete:
             self._output_line(name, id, block, stream, _terminal_line(line))
 
@@ -250,11 +265,6 @@ _STATUS_STYLE = {
     "timed out": ("✗", "red"),
     "timeout": ("✗", "red"),
 }
-
-
-def _clean_output(text: Any) -> str:
-    # Keep carriage returns for _terminal_line; everything else as _clean.
-    return re.sub(r"\x1b\[[0-?]*[ -/]*[@-~]|[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]", "", str(text))
 
 
 def _format_stats(stats: Any) -> list[str]:

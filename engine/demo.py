@@ -22,6 +22,7 @@ import click
 from .agent import run_task
 from .cli import _policy, _sandbox_options, make_display, run_until_done
 from .engine import Engine
+from .inert import inert
 from .models import ModelConfig, ModelRegistry
 from .scripted import ScriptedServer
 from .tags import find_tags
@@ -53,9 +54,9 @@ right_end = time.time()
 print(f"right: slept 1 s ({right_start:.3f} -> {right_end:.3f})")
 </run_code>"""
 
-_TICKER = """Now a slower block with a heartbeat every half second, so progress arrives while it runs.
+_TICKER = """Now a slower block with a heartbeat every second, so progress arrives while it runs.
 
-<run_code id="ticker" timeout="10s" heartbeat="0.5s">
+<run_code id="ticker" timeout="10s" heartbeat="1s">
 import time
 for step in range(1, 5):
     time.sleep(0.5)
@@ -254,7 +255,7 @@ def demo(record: Path | None, quiet: bool, sandbox: str, network: bool, workspac
 
     result = run_until_done(go(), display)
     if result.status != "answered":
-        click.echo(f"agentloop: demo {result.status}: {result.error}", err=True)
+        click.echo(inert(f"agentloop: demo {result.status}: {result.error}"), err=True)
         sys.exit(1)
-    click.echo(result.answer)
+    click.echo(inert(result.answer))
     sys.exit(0 if (result.answer or "").startswith(COMPLETE) else 1)

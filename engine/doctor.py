@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine._cgroup import MemoryCgroups
 from engine.sandbox import HostSupport, SandboxPolicy, host_support, root_blocker
 
 
@@ -75,16 +76,19 @@ def report(policy: SandboxPolicy) -> list[Layer]:
     layers.append(Layer("network namespace", host.bwrap is not None, bw and not policy.network, net_why))
 
     layers.append(Layer("rlimits", True, on, "memory (RLIMIT_DATA), open files, file size, core, cpu"))
+    cgroups = MemoryCgroups.find()
+    if cgroups is not None:
+        cgroups.close()
+    cg_why = ("a cgroup per worker: the limit bounds its whole tree, shared memory included"
+              if cgroups else "no writable cgroup (needs root or a delegated one): shared memory is refused instead")
+    layers.append(Layer("memory cgroup", cgroups is not None, on and cgroups is not None, cg_why))
     switches = True
     if host.root:
-        view_limited = bw or host.landlock_abi >= 1
-        blocked = None if view_limited else root_blocker(sys.executable, Path.cwd())
+        blocked = root_blocker(sys.executable, bw)
         if blocked:
-            why = f"root without bubblewrap or Landlock keeps uid 0: {blocked} is not readable by other users"
-        elif view_limited:
-            why = "root workers switch to a uid of their own, keeping only CAP_DAC_READ_SEARCH"
+            why = f"root workers keep uid 0 (without capabilities): {blocked} is not readable by other users"
         else:
-            why = "root workers switch to a uid of their own, without capabilities"
+            why = "root workers switch to the run's own uid and keep no capability"
         switches = not blocked
         layers.append(Layer("unprivileged uid", True, on and switches, why))
     else:
@@ -92,7 +96,7 @@ def report(policy: SandboxPolicy) -> list[Layer]:
     if not switches:
         nproc = "not bounded: uid 0 is exempt"
     elif host.root:
-        nproc = "counted for the worker's own uid"
+        nproc = "counted for the run's own uid (all its workers together)"
     elif bw:
         nproc = "counted inside the worker's user namespace"
     else:

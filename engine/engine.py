@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import secrets
-import shutil
 import sys
 import time
 from collections.abc import Iterable
@@ -33,6 +32,7 @@ import zmq
 from . import sandbox as _sandbox
 from ._cgroup import MemoryCgroups
 from ._session import Session
+from ._tree import remove_tree
 from ._zygote import Zygote
 from .errors import AgentloopError, ConfigError, WorkerStartError
 from .worker import Worker
@@ -80,7 +80,7 @@ def _remove_stale_runs(parent: Path) -> None:
             if (len(fields) == 4 and fields[2].isdigit() and int(fields[2]) != os.getpid()
                     and not os.path.exists(f"/proc/{fields[2]}") and entry.is_dir()
                     and not entry.is_symlink() and entry.lstat().st_uid == os.getuid()):
-                shutil.rmtree(entry, ignore_errors=True)
+                remove_tree(entry)
 
 
 def _file_part(block_id: str) -> str:
@@ -122,7 +122,6 @@ class Engine:
         pool_idle: float = 60.0,
         zygote: bool | None = None,
         preload: Iterable[str] = (),
-        hidden: Iterable[str | Path] = (),
     ) -> None:
         if transport not in ("ipc", "tcp"):
             raise ConfigError(f"transport must be 'ipc' or 'tcp', not {transport!r}")
@@ -143,7 +142,6 @@ class Engine:
         self.pool_idle = pool_idle
         self.zygote = zygote
         self.preload = tuple(preload)
-        self.hidden = tuple(Path(h) for h in hidden)
         self._zygote: Zygote | None = None
         self._pool: list[Session] = []
         self._pool_filling: asyncio.Task | None = None
@@ -217,7 +215,7 @@ class Engine:
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
         if self._sock_root is not None:
-            shutil.rmtree(self._sock_root, ignore_errors=True)
+            remove_tree(self._sock_root)
         if self._cgroups is not None:
             self._cgroups.close()
         with contextlib.suppress(OSError):
@@ -289,9 +287,6 @@ class Engine:
             return f"tcp://{self.tcp_bind}:*", sock_dir
         return f"ipc://{sock_dir}/sock", sock_dir
 
-    def _release_endpoint(self, sock_dir: Path) -> None:
-        shutil.rmtree(sock_dir, ignore_errors=True)
-
     def _output_path(self, index: int, block_id: str) -> Path:
         """A file name of its own for one block's output: a sequence number makes it unique
         (a block id may be reused, and ids differing only in characters a file name cannot
@@ -302,7 +297,7 @@ class Engine:
     def _plan(self, sock_dir: Path) -> _sandbox.LaunchPlan:
         return _sandbox.plan(self.sandbox, socket_dir=sock_dir, workspace=self.workspace,
                              cwd=self.cwd, output_dir=self.output_dir, python=self.python,
-                             hidden=self.hidden, memory_cgroup=self._cgroups is not None)
+                             memory_cgroup=self._cgroups is not None)
 
     def _memory_group(self, number: int, pids: list[int]) -> Path | None:
         """Put a just-started worker's processes (``pids``: its whole tree, before it has run
@@ -315,6 +310,13 @@ class Engine:
             raise WorkerStartError("could not put the worker in its memory cgroup (agentloop -v "
                                    "logs why); its memory limit would not hold")
         return group
+
+    def _release_memory_group(self, group: Path) -> None:
+        if self._cgroups is not None:
+            self._cgroups.remove(group)
+
+    def _memory_exceeded(self, group: Path) -> bool:
+        return self._cgroups is not None and self._cgroups.oom_killed(group)
 
     def _env(self, token: str, plan: _sandbox.LaunchPlan) -> dict[str, str]:
         env = {k: os.environ[k] for k in (*ENV_ALLOWLIST, *self.env_allow) if k in os.environ}

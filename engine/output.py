@@ -44,7 +44,9 @@ class OutputSink:
             data_rest = data[room:]
         else:
             data_rest = data
-        if data_rest:
+        if len(data_rest) >= self.tail_bytes:  # a big chunk replaces the tail: never grow by it
+            self._tail = bytearray(data_rest[-self.tail_bytes:])
+        elif data_rest:
             self._tail += data_rest
             if len(self._tail) > 2 * self.tail_bytes:  # amortised trim
                 del self._tail[: len(self._tail) - self.tail_bytes]

@@ -1,41 +1,57 @@
 """Three read-only repository tools, and the guard that runs tool calls without raising at the model.
 
 ``RepoTools(root)`` offers ``list_dir``, ``read_file`` and ``search``, confined to ``root`` with
-symlinks resolved. The same tools reach a model two ways:
+symlinks resolved and to none of the paths in ``exclude=``. The same tools reach a model two ways:
 
 - as host functions: ``RepoTools(root).functions()`` gives plain callables whose signature and
   docstring are what the model reads; a refusal is a ``ToolError`` whose message is the text to show.
 - as OpenAI function tools: ``TOOL_SCHEMAS`` describes them, and
   ``execute_tool_call(call, impls)`` runs one ``tool_calls`` entry and always returns text.
 
-``schema_for(name, fn)`` builds a function-tool schema from any callable, so other host functions
-can be offered the second way too. Read-only on purpose: an agent is exactly as dangerous as its
-tools.
+The tools' work (walking, reading, matching the model's regex) never runs in the coordinator:
+it runs in a confined tool process (``worker.tool_server``, ``worker.repo_tools``) that is
+killed when a call passes its deadline, so no pattern, file or tree can freeze, crash or bloat
+the coordinator.  ``schema_for(name, fn)`` builds a function-tool schema from any callable, so
+other host functions can be offered the second way too. Read-only on purpose: an agent is
+exactly as dangerous as its tools.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
 import inspect
 import json
 import os
 import re
-import stat
 import types
 import typing
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from engine._tool_process import ToolBusy, ToolClosed, ToolCrash, ToolProcess, ToolTimeout
 from engine.errors import ConfigError
+from worker.repo_tools import (  # noqa: F401 - the tools' bounds, re-exported
+    MAX_MATCHES,
+    MAX_READ_LIMIT,
+    MAX_RESULT,
+    MAX_SEARCH_FILE,
+    SKIP_DIRS,
+    truncate,
+)
 
-MAX_RESULT = 8_000  # chars of tool output fed back per call
-SKIP_DIRS = frozenset({".git", "target", "node_modules", "build", "__pycache__", ".cache"})
-MAX_MATCHES = 100
-MAX_SEARCH_FILE = 2_000_000  # bytes; bigger files are skipped by search
-MAX_READ_LIMIT = 1000  # lines one read_file call may show
-_MATCH_LINE_CHARS = 200
+#: Seconds one tool call may take before its process is killed.
+TOOL_TIMEOUT = 10.0
+#: Longest path and pattern a call may pass (a request frame stays small).
+MAX_ARG_CHARS = 65_536
+
+_TIMED_OUT = {
+    "search": "search timed out after {t:g} s: the pattern is too expensive (or the directory too big); "
+              "use a simpler pattern or a narrower path",
+    "read_file": "read_file timed out after {t:g} s: the file is too big to reach that offset; "
+                 "use search to find the lines you need",
+    "list_dir": "list_dir timed out after {t:g} s: the directory is too big to list",
+}
 
 # The contract shown to a model that speaks OpenAI tool calls; kept word for word.
 TOOL_SCHEMAS: list[dict[str, Any]] = [
@@ -77,71 +93,60 @@ class ToolError(Exception):
     """
 
 
-def truncate(text: str, max_result: int = MAX_RESULT) -> str:
-    """``text`` cut so that it, with the note saying so, fits in ``max_result`` chars.
-
-    The note is counted inside the limit, so truncating twice changes nothing: a result capped by a
-    tool and then by ``execute_tool_call`` reads the same. (A limit shorter than the note itself
-    leaves just the note.)
-    """
-    if len(text) <= max_result:
-        return text
-    note = (f"\n[agent] truncated — {len(text)} chars total; "
-            "narrow the request (offset/limit, tighter pattern)")
-    return text[:max(0, max_result - len(note))] + note
-
-
 class RepoTools:
-    """Read-only views of the files under one root; nothing the model passes reaches outside it."""
+    """Read-only views of the files under one root; nothing the model passes reaches outside it,
+    nor into a path of ``exclude`` (by any spelling, ``..`` or link, even one made mid-call).
 
-    def __init__(self, root: str | os.PathLike[str], max_result: int = MAX_RESULT) -> None:
-        real = os.path.realpath(os.fspath(root))
+    Each call is a request to the tools' own process, started on first use, confined to reading
+    the root, and killed when the call passes ``timeout`` seconds (the model reads why; the
+    next call starts a fresh one).  ``close()`` (or ``with``) ends it; so do garbage
+    collection, the coordinator's exit and its death.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], max_result: int = MAX_RESULT, *,
+                 exclude: Iterable[str | os.PathLike[str]] = (), timeout: float = TOOL_TIMEOUT) -> None:
+        given = os.path.abspath(os.fspath(root))
+        real = os.path.realpath(given)
         if not os.path.isdir(real):
             raise ConfigError(f"repository root is not a directory: {root}")
+        if not timeout > 0:
+            raise ConfigError(f"tool timeout must be positive, got {timeout!r}")
         self._root = real
+        self._given = given  # absolute paths spelled through the root as given are accepted too
         self.max_result = max_result
+        self.timeout = float(timeout)
+        self._exclude = _exclusions(real, exclude)
+        self._process = ToolProcess(real, [list(c) for c in self._exclude])
 
     @property
     def root(self) -> Path:
         """The root, with symlinks resolved."""
         return Path(self._root)
 
-    def _resolve(self, path: str) -> str:
-        """Confine a path the model asked for to the root, symlinks resolved (``..`` and links alike)."""
-        try:
-            full = os.path.realpath(os.path.join(self._root, path))
-        except ValueError as exc:  # embedded NUL byte
-            raise ToolError(f"bad path {path!r}: {exc}") from None
-        if not self._inside(full):
-            raise ToolError(f"path escapes the project root: {path}")
-        return full
+    @property
+    def exclude(self) -> list[Path]:
+        """The excluded paths under the root, resolved."""
+        return [Path(self._root, *c) for c in self._exclude]
 
-    def _inside(self, full: str) -> bool:
-        return full == self._root or full.startswith(self._root.rstrip(os.sep) + os.sep)  # root "/" too
+    @property
+    def pid(self) -> int | None:
+        """The tool process's pid while one runs, else None."""
+        return self._process.pid
 
-    def _open(self, full: str, shown: str, flags: int = os.O_RDONLY) -> int:
-        """Open ``full`` (already confined by ``_resolve``) one component at a time from the root,
-        never following a link.  The path was checked a moment ago; code running beside us may
-        swap a directory for a symlink in between, and this open then fails instead of leaving
-        the root."""
-        rel = os.path.relpath(full, self._root)
-        parts = [] if rel == "." else rel.split(os.sep)
-        fd = os.open(self._root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            for i, part in enumerate(parts):
-                last = i == len(parts) - 1
-                mode = flags if last else os.O_RDONLY | os.O_DIRECTORY
-                nfd = os.open(part, mode | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=fd)
-                os.close(fd)
-                fd = nfd
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise ToolError(f"{shown} changed while being read (a link appeared in its path)") from None
-            if exc.errno == errno.ENOENT:
-                raise ToolError(f"no such file: {shown}") from None
-            raise
-        return fd
+    @property
+    def confinement(self) -> list[str]:
+        """The layers the tool process last started applied to itself (empty before a call)."""
+        return list(self._process.layers)
+
+    def close(self) -> None:
+        """End the tool process; later calls are refused.  Idempotent."""
+        self._process.close()
+
+    def __enter__(self) -> RepoTools:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def list_dir(self, path: str = ".") -> str:
         """List one directory: entries with a trailing / for
@@ -150,24 +155,7 @@ class RepoTools:
         Args:
             path: directory, relative to the project root
         """
-        full = self._resolve(path)
-        if not os.path.isdir(full):
-            raise ToolError(f"not a directory: {path}")
-        fd = self._open(full, path, os.O_RDONLY | os.O_DIRECTORY)
-        rows = []
-        try:
-            for name in sorted(os.listdir(fd)):
-                try:
-                    st = os.stat(name, dir_fd=fd)  # follows links, as the seed's listing did ...
-                    if not self._inside(os.path.realpath(os.path.join(full, name))):
-                        raise OSError  # ... but says nothing of what lies outside the root
-                except OSError:  # a dangling or escaping link; one bad entry must not hide the rest
-                    rows.append(f"{name} (unreadable)")
-                    continue
-                rows.append(f"{name}/" if stat.S_ISDIR(st.st_mode) else f"{name} ({st.st_size} bytes)")
-        finally:
-            os.close(fd)
-        return truncate("\n".join(rows) or "(empty directory)", self.max_result)
+        return self._call("list_dir", path=self._path(path))
 
     def read_file(self, path: str, offset: int = 1, limit: int = 200) -> str:
         """Read a text file with line numbers. Large files are
@@ -179,35 +167,10 @@ class RepoTools:
             offset: first line to show, 1-based (default 1)
             limit: max lines to show (default 200)
         """
-        full = self._resolve(path)
-        if os.path.isdir(full):
-            raise ToolError(f"{path} is a directory — use list_dir")
-        if not os.path.exists(full):
-            raise ToolError(f"no such file: {path}")
-        if not os.path.isfile(full):  # a FIFO or device would block or never end
-            raise ToolError(f"not a regular file: {path}")
-        offset = _as_int("offset", offset)
-        limit = _as_int("limit", limit)
-        fd = self._open(full, path)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped for a FIFO or device meanwhile
-            os.close(fd)
-            raise ToolError(f"not a regular file: {path}")
-        os.set_blocking(fd, True)
-        with open(fd, errors="replace") as f:
-            lines = f.readlines()
-        if not lines:
-            return "(empty file)"
-        offset = max(1, offset)
-        limit = max(1, min(limit, MAX_READ_LIMIT))
-        window = lines[offset - 1:offset - 1 + limit]
-        if not window:
-            raise ToolError(f"{path} has only {len(lines)} lines; offset {offset} is past the end")
-        out = "".join(f"{i}\t{line}" for i, line in enumerate(window, offset))
-        last = offset + len(window) - 1
-        if last < len(lines):
-            out += (f"\n[agent] showing lines {offset}-{last} of {len(lines)} — "
-                    f"call again with offset={last + 1} for more")
-        return truncate(out, self.max_result)
+        path = self._path(path)
+        offset = min(max(1, _as_int("offset", offset)), 1 << 62)
+        limit = max(1, min(_as_int("limit", limit), MAX_READ_LIMIT))
+        return self._call("read_file", path=path, offset=offset, limit=limit)
 
     def search(self, pattern: str, path: str = ".") -> str:
         """Search file contents under a directory with a Python
@@ -218,44 +181,43 @@ class RepoTools:
             pattern: Python regex to find
             path: directory to search, relative to the project root (default: whole root)
         """
-        try:
-            rx = re.compile(pattern)
-        except re.error as exc:
-            raise ToolError(f"bad regex {pattern!r}: {exc}") from None
-        start = self._resolve(path)
-        if os.path.isfile(start):  # one file named: search just it, rather than report nothing
-            parent = self._open(os.path.dirname(start), path, os.O_RDONLY | os.O_DIRECTORY)
-            files: Iterator[tuple[int, str, str]] = iter([(parent, os.path.basename(start), start)])
-        elif os.path.isdir(start):
-            parent = self._open(start, path, os.O_RDONLY | os.O_DIRECTORY)
-            files = self._walk(parent, start)
-        else:
-            raise ToolError(f"not a directory: {path}")
-        try:
-            return self._search(rx, files, pattern, path)
-        finally:
-            os.close(parent)
+        if not isinstance(pattern, str):
+            raise ToolError(f"pattern must be a string, got {pattern!r}")
+        if len(pattern) > MAX_ARG_CHARS:
+            raise ToolError(f"pattern too long ({len(pattern)} chars, at most {MAX_ARG_CHARS})")
+        return self._call("search", pattern=pattern, path=self._path(path))
 
-    def _search(self, rx: re.Pattern[str], files: Iterator[tuple[int, str, str]], pattern: str,
-                path: str) -> str:
-        hits: list[str] = []
-        for dir_fd, name, full in files:
-            for lineno, line in _matching_lines(dir_fd, name, rx):
-                rel = os.path.relpath(full, self._root)
-                hits.append(f"{rel}:{lineno}: {line.rstrip()[:_MATCH_LINE_CHARS]}")
-                if len(hits) >= MAX_MATCHES:
-                    hits.append(f"[agent] {MAX_MATCHES}-match cap hit — tighten the pattern or narrow the path")
-                    return truncate("\n".join(hits), self.max_result)
-        return truncate("\n".join(hits) or f"no matches for {pattern!r} under {path}", self.max_result)
+    def _path(self, path: Any) -> str:
+        """The model's path, checked for what the tool process cannot be sent."""
+        if isinstance(path, os.PathLike):
+            path = os.fspath(path)
+        if not isinstance(path, str):
+            raise ToolError(f"path must be a string, got {path!r}")
+        if "\0" in path:
+            raise ToolError(f"bad path {path!r}: embedded null byte")
+        if len(path) > MAX_ARG_CHARS:
+            raise ToolError(f"path too long ({len(path)} chars, at most {MAX_ARG_CHARS})")
+        if self._given != self._root and (path == self._given or path.startswith(self._given + "/")):
+            path = self._root + path[len(self._given):]
+        return path
 
-    def _walk(self, start_fd: int, start: str) -> Iterator[tuple[int, str, str]]:
-        """(directory fd, name, path) of the files under ``start`` in sorted order; SKIP_DIRS
-        pruned, symlinks never followed.  ``os.fwalk`` descends through directory handles and
-        checks each is the directory it listed, so a directory swapped for a link is not entered."""
-        for dirpath, dirnames, filenames, dir_fd in os.fwalk(".", dir_fd=start_fd):
-            dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
-            for fname in sorted(filenames):
-                yield dir_fd, fname, os.path.normpath(os.path.join(start, dirpath, fname))
+    def _call(self, op: str, **args: Any) -> str:
+        """One request to the tool process, its reply as text or ToolError words."""
+        try:
+            reply = self._process.request({"op": op, **args, "max_result": self.max_result}, self.timeout)
+        except ToolTimeout:
+            raise ToolError(_TIMED_OUT[op].format(t=self.timeout)) from None
+        except ToolBusy:
+            raise ToolError(f"{op}: the repository tools are busy with other calls; try again") from None
+        except ToolClosed:
+            raise ToolError(f"{op}: the repository tools were closed") from None
+        except ToolCrash as exc:
+            raise ToolError(f"{op} failed: {exc}; the next call starts the tools afresh") from None
+        if "ok" in reply:
+            return truncate(str(reply["ok"]), self.max_result)
+        if "refused" in reply:
+            raise ToolError(str(reply["refused"]))
+        raise ToolError(f"{op} failed: {reply.get('failed', reply)}")
 
     def functions(self) -> dict[str, Callable[..., str]]:
         """The three tools as plain functions bound to this root, for use as host functions.
@@ -264,6 +226,20 @@ class RepoTools:
         ``inspect.getdoc`` give what the model should see); refusals raise ``ToolError``.
         """
         return {name: _as_function(getattr(self, name)) for name in ("list_dir", "read_file", "search")}
+
+
+def _exclusions(root: str, paths: Iterable[str | os.PathLike[str]]) -> list[tuple[str, ...]]:
+    """The excluded paths as components below ``root`` (resolved; they need not exist yet).
+    Paths outside the root hide nothing and are dropped; one holding the root is refused."""
+    out = []
+    for p in paths:
+        real = os.path.realpath(os.fspath(p))
+        if os.path.commonpath([real, root]) == real:
+            raise ConfigError(f"the repository root {root} lies inside the excluded path {p}")
+        rel = os.path.relpath(real, root)
+        if rel != ".." and not rel.startswith(".." + os.sep):
+            out.append(tuple(rel.split(os.sep)))
+    return out
 
 
 def _as_function(method: Callable[..., str]) -> Callable[..., str]:
@@ -283,36 +259,8 @@ def _as_int(name: str, value: Any) -> int:
     """``value`` as an int, or a ToolError the model can act on (``"12"`` and ``12.0`` are accepted)."""
     try:
         return int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ToolError(f"{name} must be an integer, got {value!r}") from None
-
-
-def _matching_lines(dir_fd: int, name: str, rx: re.Pattern[str]) -> Iterator[tuple[int, str]]:
-    """(line number, line) of each match in one file; links, non-regular, big and binary files
-    yield nothing.  Opened without following links and checked once open: no swap in between."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
-    except OSError:  # a link (ELOOP), unreadable, or gone since the walk: skip it like the rest
-        return
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SEARCH_FILE:
-            return
-        os.set_blocking(fd, True)
-        f = open(fd, errors="replace")
-        fd = -1  # the file object owns it now
-        with f:
-            if "\0" in f.read(1024):  # binary
-                return
-            f.seek(0)
-            for lineno, line in enumerate(f, 1):
-                if rx.search(line):
-                    yield lineno, line
-    except OSError:  # unreadable, or gone since the walk: skip it like the rest
-        return
-    finally:
-        if fd >= 0:
-            os.close(fd)
 
 
 # ---------------------------------------------------------------- executing tool calls

@@ -28,11 +28,11 @@ import shutil
 import subprocess
 import sys
 import zlib
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from engine._tree import TreeError, disk_usage
 from engine.errors import ConfigError, SandboxError
 from worker import _confine
 
@@ -305,10 +305,13 @@ def _worker_uid(policy: SandboxPolicy, workspace: Path) -> int:
     return _UID_BASE + zlib.crc32(str(workspace).encode()) % _UID_SPAN
 
 
-def root_blocker(python: str, cwd: Path | None) -> str | None:
-    """For root without bubblewrap: the first path the worker needs that an unprivileged uid
-    could not read (so the worker must keep uid 0), or None when it can switch uid."""
-    needed = [*python_paths(python), *([str(cwd)] if cwd is not None else [])]
+def root_blocker(python: str, use_bwrap: bool) -> str | None:
+    """For root: the first directory of the worker's Python that an unprivileged uid could
+    not read (so the worker must keep uid 0), or None when it can switch uid.  Under
+    bubblewrap only the bound directories' own modes count (it creates their parents 0755)."""
+    needed = list(python_paths(python))
+    if use_bwrap:
+        return next((p for p in needed if not _readable_in_view(p, needed)), None)
     return next((p for p in needed if not _readable_by_others(p)), None)
 
 
@@ -348,13 +351,10 @@ def _tasks_of(uid: int) -> int:
 
 
 def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
-         output_dir: Path, python: str, hidden: Sequence[Path] = (),
-         memory_cgroup: bool = False) -> LaunchPlan:
+         output_dir: Path, python: str, memory_cgroup: bool = False) -> LaunchPlan:
     """The launch plan for one worker under `policy` on this machine.
 
-    `hidden`: paths the worker must not see even where they lie in what it is shown (another
-    run's files in a batch: its workspace, transcript, results); bubblewrap covers them, and
-    without it a current directory that holds one is not shown at all.  `memory_cgroup`: the
+    `memory_cgroup`: the
     coordinator puts the worker in a memory cgroup of its own (see `engine._cgroup`); without
     one, the shared memory that escapes RLIMIT_DATA is refused instead.
 
@@ -369,7 +369,6 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
 
     workspace, socket_dir, output_dir, cwd = (Path(os.path.realpath(p))
                                               for p in (workspace, socket_dir, output_dir, cwd))
-    hidden = [Path(os.path.realpath(h)) for h in hidden if os.path.lexists(h)]
     for d in (workspace, socket_dir, output_dir):
         d.mkdir(parents=True, exist_ok=True)
     host = host_support()
@@ -388,11 +387,6 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
         notes.append(f"sandbox: {host.bwrap_problem} — {_FALLBACK}.{hint}")
 
     share_cwd, why = _shareable_cwd(cwd, policy.share_cwd)
-    if share_cwd and not use_bwrap:
-        held = next((h for h in hidden if _beneath(str(h), str(cwd))), None)
-        if held is not None:  # Landlock cannot carve a hole in what it allows
-            share_cwd, why = False, (f"sandbox: the current directory {cwd} is not shown to workers "
-                                     f"(it holds {held}, another run's files, and bubblewrap is not used)")
     sys_ro, links = _system_paths()
     py_ro = list(python_paths(python))
     tmp = "/tmp" if use_bwrap else str(workspace / ".tmp")
@@ -479,31 +473,11 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
         binds.append(("--ro-bind", cwd))
     # A hidden path is covered after the binds of its depth and before deeper ones, so the
     # worker's own workspace beneath a covered directory is bound back on top.
-    shown = [path for _, path in binds]
-    binds += [("hide", h) for h in hidden if h != workspace and any(_beneath(str(h), str(t)) for t in shown)]
-    order = {"--bind": 0, "--ro-bind": 0, "hide": 1}
-    covers: list[str] = []
-    for kind, path in sorted(binds, key=lambda b: (len(b[1].parts), order[b[0]], b[0] == "--bind")):
-        if kind == "hide":
-            argv += _cover(path, made, covers)
-        else:
-            argv += [*_parents(str(path), made), kind, str(path), str(path)]
-    # The root, /dev and the covers are tmpfs that bwrap builds; nothing may be written to them.
-    for cover in covers:
-        argv += ["--remount-ro", cover]
+    for kind, path in sorted(binds, key=lambda b: (len(b[1].parts), b[0] == "--bind")):
+        argv += [*_parents(str(path), made), kind, str(path), str(path)]
+    # The root and /dev are tmpfs that bwrap builds; nothing may be written to them.
     argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", start_dir, "--"]
     return LaunchPlan(argv, True, confine, notes, env, start_dir, uid)
-
-
-def _cover(path: Path, made: set[str], covers: list[str]) -> list[str]:
-    """bwrap options that hide `path` (a file or directory inside a bound tree): an empty
-    tmpfs over a directory (made read-only at the end, after what is bound beneath it), and
-    /dev/null over anything else."""
-    made.add(str(path))
-    if path.is_dir() and not path.is_symlink():
-        covers.append(str(path))
-        return ["--perms", "0755", "--tmpfs", str(path)]
-    return ["--ro-bind", "/dev/null", str(path)]
 
 
 def _share_with_run(uid: int, workspaces: list[Path], output_dir: Path, socket_dir: Path) -> None:
@@ -539,11 +513,8 @@ def _root_worker(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, pyth
     any user.  Where a path it needs to run (its Python) is closed to other users, it keeps
     uid 0 — still without capabilities — and a note says so."""
     uid = _worker_uid(policy, workspace)
-    needed = list(python_paths(python))
-    if use_bwrap:
-        blocked = next((p for p in needed if not _readable_in_view(p, needed)), None)
-    else:
-        blocked = root_blocker(python, None)
+    blocked = root_blocker(python, use_bwrap)
+    if not use_bwrap:
         for d in (workspace, socket_dir):  # reachable through their parents?
             if blocked is None and not all(os.stat(a).st_mode & 0o001 for a in d.parents):
                 blocked = f"a parent of {d}"
@@ -609,17 +580,13 @@ def workspace_excess(policy: SandboxPolicy, workspace: Path) -> str | None:
     coordinator calls this between blocks; RLIMIT_FSIZE bounds each file meanwhile."""
     if policy.workspace_bytes is None:
         return None
-    used, stack = 0, [str(workspace)]
-    while stack:
-        try:
-            with os.scandir(stack.pop()) as it:
-                for e in it:
-                    st = e.stat(follow_symlinks=False)
-                    used += st.st_blocks * 512
-                    if e.is_dir(follow_symlinks=False):
-                        stack.append(e.path)
-        except OSError:
-            continue
+    try:
+        used = disk_usage(workspace)
+    except TreeError as exc:  # larger than any walk should go, or moving under it
+        return (f"the workspace cannot be measured ({exc}): delete files and directories "
+                "before writing more")
+    except OSError:  # no workspace (yet): nothing in it
+        return None
     if used <= policy.workspace_bytes:
         return None
     return (f"the workspace holds {used / MiB:.0f} MiB, over its {policy.workspace_bytes / MiB:.0f} MiB "

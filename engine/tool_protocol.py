@@ -119,6 +119,7 @@ class ToolAgent(Agent):
             pending_user = self.intro + task
             for _ in range(limit):
                 self.messages_sent += 1
+                self._last_message = time.monotonic()
                 if pending_user:
                     chat.messages.append({"role": "user", "content": pending_user})
                 self._event("sent", message=pending_user, count=len(chat.messages))
@@ -216,10 +217,7 @@ class ToolAgent(Agent):
         tasks = [w.task for w in works if w.task is not None]
         if all(t.done() for t in tasks):
             return
-        self.wake.clear()
-        waker = asyncio.ensure_future(self.wake.wait())
-        await asyncio.wait([*tasks, waker], return_when=asyncio.FIRST_COMPLETED)
-        waker.cancel()
+        await self.until_event(tasks, inbox_seen=len(self.inbox))  # heartbeats: at the floor's pace
         await asyncio.sleep(0)
 
     def _status_or_result(self, work: Any) -> str:

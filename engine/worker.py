@@ -7,8 +7,11 @@ worker: at the deadline the block is cancelled cooperatively; if it has not stop
 ``grace`` seconds, the whole process tree is killed with SIGKILL.
 
 Everything a worker sends is checked: frames are size-bounded and decoded without
-unpickling, messages from a peer that did not complete the handshake are dropped, and a
-malformed message is logged and ignored — it never reaches the caller as an exception.
+unpickling, and messages from a peer that did not complete the handshake are dropped.  A
+worker that breaks the protocol (see ``worker.wire``) is killed at once: its blocks end
+saying so, the next block gets a fresh process, and nothing of it reaches the caller as an
+exception.  Stale messages an honest worker can send (a response to a request that timed
+out) are ignored.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ _STREAMS = {wire.STDOUT: "stdout", wire.STDERR: "stderr"}
 _MAX_ERROR = 64 * 1024
 _MAX_VAR_NAME = 100
 _MAX_VARS = 200
+#: Host calls one worker may have running at once; more are refused in words, not queued.
+_MAX_CALLS = 64
 
 
 class WorkerState(enum.Enum):
@@ -179,6 +184,9 @@ class Worker:
         if self.state is not WorkerState.CLOSED:
             self.state = WorkerState.DEAD
         reset = _reset_words(lost)
+        for future in self._requests.values():  # nobody will answer them now
+            if not future.done():
+                future.set_exception(WorkerError(f"worker {self.name!r} was stopped: {why}"))
         for block in list(self._blocks.values()):
             if block is cause:
                 block.finish("timeout" if block.timed_out else "cancelled",
@@ -188,6 +196,16 @@ class Worker:
                              **extra)
         self._blocks.clear()
 
+    async def _on_broken(self, session: Session, why: str) -> None:
+        """The process broke the protocol: kill it now, end its blocks with why, and start
+        the replacement, as after a kill for a deadline."""
+        async with self._lock:
+            if self._session is not session or session.killing:
+                return
+            await self._kill_locked(f"the worker broke the protocol ({why}) and was stopped", status="killed")
+            if self.state is WorkerState.DEAD:
+                self._restarting = asyncio.ensure_future(self._restart_quietly())
+
     async def _on_exit(self, session: Session, rc: int) -> None:
         """A process that died on its own: end its blocks with the cause, clean up."""
         async with self._lock:
@@ -195,6 +213,9 @@ class Worker:
                 return
             assert session.proc is not None
             words, sig = describe_exit(rc, via_namespace=session.proc.pid_namespace)
+            if session.over_memory_limit():
+                words = (f"worker killed: over its memory limit ({self.engine.sandbox.memory_bytes / 2**20:.0f} MiB, "
+                         "shared memory and /tmp files included)")
             await self._kill_locked(words, status="died", signal=sig, exit_code=rc)
             log.info("worker %s: %s", self.name, words)
 
@@ -203,17 +224,18 @@ class Worker:
         ``stream()`` is behind: the session reads nothing more until it is done."""
         kind = msg["t"]
         if kind == "out":
-            block = self._blocks.get(msg.get("id"))  # type: ignore[arg-type]
             chunks = msg.get("o")
-            if block is None or not isinstance(chunks, list):
+            if not isinstance(chunks, list) or not all(
+                    isinstance(item, list) and len(item) == 2 and item[0] in _STREAMS
+                    and isinstance(item[1], bytes) and len(item[1]) <= wire.MAX_CHUNK for item in chunks):
+                session.violation("it sent malformed output")
+                return None
+            block = self._blocks.get(msg.get("id"))  # type: ignore[arg-type]
+            if block is None:
                 session.drop("output for no running block")
                 return None
             waiting = []
             for item in chunks:
-                if not (isinstance(item, list) and len(item) == 2 and item[0] in _STREAMS
-                        and isinstance(item[1], bytes)):
-                    session.drop("malformed output chunk")
-                    continue
                 block.sink.add(item[1])
                 chunk = OutputChunk(block.id, _STREAMS[item[0]], item[1])
                 if block.on_output is not None:
@@ -259,14 +281,23 @@ class Worker:
                 future.set_result(msg.get("value"))
             else:
                 future.set_exception(WorkerError(str(msg.get("error"))[:_MAX_ERROR]))
-        elif kind == "call" and self.on_call is not None and isinstance(msg.get("name"), str):
-            task = asyncio.get_running_loop().create_task(self._host_call(msg))
-            self._call_tasks.add(task)
-            task.add_done_callback(self._call_tasks.discard)
-        elif kind == "bye":
+        elif kind == "call":
+            if not isinstance(msg.get("name"), str):
+                session.violation("it sent a host call without a name")
+            elif self.on_call is None:
+                session.send({"t": "reply", "cid": msg.get("cid"), "ok": False,
+                              "error": "this worker has no host functions"})
+            elif len(self._call_tasks) >= _MAX_CALLS:
+                session.send({"t": "reply", "cid": msg.get("cid"), "ok": False,
+                              "error": f"{_MAX_CALLS} host calls are already running; await some first"})
+            else:
+                task = asyncio.get_running_loop().create_task(self._host_call(msg))
+                self._call_tasks.add(task)
+                task.add_done_callback(self._call_tasks.discard)
+        elif kind in ("bye", "event"):
             pass
         else:
-            session.drop(f"unexpected message type {kind!r}")
+            session.violation(f"it sent a message of unknown type {kind[:40]!r}")
         return None
 
     async def _host_call(self, msg: dict) -> None:

@@ -76,12 +76,14 @@ async def test_namespace_persists_and_blocks_run_concurrently(engine):
 
 
 async def test_timeout_and_heartbeat(engine):
-    script = {"slow": [
-        '<run_code id="hb" heartbeat="0.3s" timeout="20s">\nimport time\nfor i in range(4):\n'
-        '    print("step", i); time.sleep(0.4)\n</run_code>',
-        "still going", "still going", "still going", "still going", "still going",
-        '<run_code id="stuck" timeout="1s">\nimport time; time.sleep(10**6)\n</run_code>',
-        "fine", "fine"]}
+    # Heartbeats shorter than a second come every second (HEARTBEAT_FLOOR): the block runs 2.8 s.
+    turn = adaptive(
+        ([], '<run_code id="hb" heartbeat="0.3s" timeout="20s">\nimport time\nfor i in range(4):\n'
+             '    print("step", i, flush=True); time.sleep(0.7)\n</run_code>'),
+        (["<run_code_result id=hb"], '<run_code id="stuck" timeout="1s">\nimport time; time.sleep(10**6)\n'
+                                     '</run_code>'),
+        (["<run_code_result id=stuck"], "fine"))
+    script = {"slow": [turn] * 12}
     result, server = await solve(engine, script, "slow work")
     texts = [last_user(r) for r in server.requests]
     running = [t for t in texts if t.startswith("<running id=hb")]

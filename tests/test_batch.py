@@ -338,7 +338,7 @@ async def test_errors_of_the_infrastructure_are_told_apart(tmp_path):
     assert not is_infrastructure(failed("Task unfinished after 3 messages"))
     assert not is_infrastructure(RunResult(None, "timed_out", "no answer within 1 s"))
     broken = tmp_path / "python"  # answers the sandbox's questions, dies as a worker
-    broken.write_text(f'#!/bin/sh\n[ "$1" = -m ] && exit 3\nexec {sys.executable} "$@"\n')
+    broken.write_text(f'#!/bin/sh\n[ "$2" = -B ] && exit 3\nexec {sys.executable} "$@"\n')
     broken.chmod(0o755)
     engine = Engine(cwd=tmp_path, state_dir=tmp_path / "state", python=str(broken), start_timeout=20,
                     sandbox=SandboxPolicy(mode="none"))

@@ -102,3 +102,26 @@ def test_doctor_tells_the_truth(tmp_path):
         assert layer in proc.stdout
     down = agentloop(tmp_path, "doctor", url="http://127.0.0.1:9/v1")
     assert down.returncode == 1 and "does not answer" in down.stdout and "LLM_URL" in down.stdout
+
+
+def test_max_subagents_bounds_the_sub_agents_of_run_and_chat(tmp_path):
+    # Three sub-agents asked for at once; --max-subagents 2 starts two and tells the model why not
+    # the third.  chat takes the option from the same place as run.
+    tags = "\n".join(f'<run_agent name="k{i}">kid task {i}</run_agent>' for i in range(3))
+
+    def parent(body):
+        seen = "".join(m["content"] for m in body["messages"] if m["role"] == "user")
+        return "done" if seen.count("<agent_result name=") >= 2 else "waiting"
+
+    for command in (["run", "fan out"], ["chat"]):
+        script = {"fan out": [tags] + [parent] * 20, "kid task": ["kid answer"]}
+        with ScriptedServer(script) as server:
+            proc = subprocess.run([*AGENTLOOP, *command, "-q", "--max-subagents", "2"], input="fan out\n",
+                                  capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                                  env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"),
+                                       "LLM_URL": server.url})
+            second = server.conversation("fan out")[1]["messages"][-1]["content"]
+        assert proc.returncode == 0, proc.stderr
+        assert "<error name=k2>\nCould not start this sub-agent: this run already has 2 sub-agents working, " \
+               "its limit (max_subagents=2)" in second, second
+        assert "<error name=k0>" not in second and "<error name=k1>" not in second

@@ -824,3 +824,49 @@ def test_seccomp_program_covers_both_architectures() -> None:
         assert _run_bpf(prog, arch, nr, args) == expected, (hex(arch), nr, args)
     open_prog = seccomp_program()
     assert _run_bpf(open_prog, x86, 41, (2,)) == allow and _run_bpf(open_prog, x86, 112) == allow
+
+
+def test_without_a_memory_cgroup_shared_memory_is_refused(box: Box) -> None:
+    """Planned without a memory cgroup (as for an unprivileged user), the memory RLIMIT_DATA
+    does not count is refused, and what multiprocessing and ordinary mmap use still works."""
+    if not box.plan.confine.get("seccomp"):
+        pytest.skip(reason="no seccomp on this host")
+    assert any("no memory cgroup" in n for n in box.plan.notes), box.plan.notes
+    code = r'''
+import ctypes, mmap, multiprocessing.shared_memory
+libc = ctypes.CDLL(None, use_errno=True)
+def shmget():
+    if libc.shmget(0, 1 << 20, 0o1600) == -1:
+        raise OSError(ctypes.get_errno(), "shmget")
+def file_shared():
+    path = os.path.join(ARGS["ws"], "m")
+    with open(path, "wb") as f:
+        f.truncate(4096)
+    with open(path, "r+b") as f:
+        mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED).close()
+probe("memfd", lambda: os.memfd_create("x"))
+probe("shmget", shmget)
+probe("shared_anonymous", lambda: mmap.mmap(-1, 1 << 20))
+probe("private_anonymous", lambda: mmap.mmap(-1, 1 << 20, flags=mmap.MAP_PRIVATE).close())
+probe("file_shared", file_shared)
+probe("shm_open", lambda: multiprocessing.shared_memory.SharedMemory(create=True, size=4096).unlink())
+'''
+    r = box.run(code, ws=str(box.workspace))
+    for name in ("memfd", "shared_anonymous", "shmget"):
+        assert r[name] == "PermissionError EPERM", (name, r.stdout)
+    for name in ("private_anonymous", "file_shared"):
+        assert r[name].startswith("ok"), (name, r.stdout)
+    if box.mode == "bwrap":  # a private /dev/shm, size-capped
+        assert r["shm_open"] == "ok", r.stdout
+
+
+def test_netlink_is_routing_only(box: Box) -> None:
+    if not box.plan.confine.get("seccomp"):
+        pytest.skip(reason="no seccomp on this host")
+    code = r'''
+import socket
+probe("uevent", lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 15).close())
+probe("route", lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0).close())
+'''
+    r = box.run(code)
+    assert r["uevent"] == "PermissionError EPERM" and r["route"] == "ok", r.stdout

@@ -10,6 +10,7 @@ Coordinator -> worker
     run      {id, code, opts}             start a block
     cancel   {id}                         cooperative cancel (the coordinator kills if ignored)
     reply    {cid, ok, value|error}       answer to a worker's ``call``
+    req      {rid, op, args}              a control request (bind, export, inject, describe, env)
     shutdown {}                           finish: answer ``bye`` and exit
 
 Worker -> coordinator
@@ -17,12 +18,16 @@ Worker -> coordinator
     out      {id, o: [[stream, bytes], ...]}   batched output; stream 1 = stdout, 2 = stderr
     done     {id, status, error, vars}    status: ok | error | cancelled
     call     {cid, name, args, kwargs}    call a host function (``self``, tools)
+    resp     {rid, ok, value|error}       answer to a ``req``
     stuck    {id}                         a cancelled block sits in C code: only a kill stops it
     event    {kind, ...}                  anything else the coordinator may log
     bye      {}
 
-Decoding is bounded: the coordinator never trusts sizes a worker claims.  This module
-imports only msgpack, so the worker stays cheap to start.
+Decoding is bounded: the coordinator never trusts sizes a worker claims.  A message is
+exactly one frame of at most ``MAX_FRAME`` bytes, and an output chunk at most ``MAX_CHUNK``
+bytes.  A handshaken worker that sends anything else (several frames, bytes that do not
+decode, a type not listed above, a malformed message) has broken the protocol, and the
+coordinator kills it.  This module imports only msgpack, so the worker stays cheap to start.
 """
 
 from __future__ import annotations
@@ -36,6 +41,11 @@ PROTOCOL_VERSION = 1
 #: Largest frame either side accepts.  Big enough for a batch of output or a pickled
 #: object handed to a sub-agent; anything larger is a hostile or broken peer.
 MAX_FRAME = 32 * 1024 * 1024
+
+#: Largest output chunk in an ``out`` message.  The worker cuts its output into pieces of
+#: ``capture.MAX_BATCH`` (256 KiB); the bound keeps one message from costing the coordinator
+#: more than a few MiB however the frame was made.
+MAX_CHUNK = 1024 * 1024
 
 STDOUT = 1
 STDERR = 2

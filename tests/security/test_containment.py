@@ -1,0 +1,367 @@
+"""Containment of what a worker leaves behind and what it may read: planted modules never run
+with privileges, workers hold no capability, the user's workspace files keep their owner's
+protection, the socket directory and netlink stay closed, a directory of other people's files
+is not shown, shared memory counts against the memory limit, output files never collide, and a
+coordinator stopped by a signal leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from engine.engine import Engine
+from engine.sandbox import MiB, SandboxPolicy, host_support, plan
+
+from ..conftest import REPO, wait_until
+from .harness import WAIT, Host, assert_still_works, attack, needs_namespaces
+
+pytestmark = pytest.mark.attack
+
+ROOT = os.geteuid() == 0
+
+# -- 1. planted modules ---------------------------------------------------------------------
+
+#: What a planted module does when imported: it leaves a mark only where it runs unconfined
+#: (uid 0, any capability, or no seccomp filter yet) — the escape this test looks for.
+_PAYLOAD = '''\
+import os as _o
+_s = open("/proc/self/status").read()
+_f = dict(l.split(":", 1) for l in _s.splitlines() if ":" in l)
+if _f["Uid"].split()[0] == "0" or int(_f["CapEff"], 16) or _f["Seccomp"].strip() == "0":
+    for _d in {dirs!r}:
+        try:
+            open(_o.path.join(_d, "PLANTED-RAN-{name}"), "w").write(_s)
+        except OSError:
+            pass
+'''
+
+_PLANTS = ("worker/__init__.py", "worker/__main__.py", "worker/zygote.py", "zmq/__init__.py",
+           "msgpack/__init__.py", "sitecustomize.py", "usercustomize.py", "encodings/__init__.py",
+           "cloudpickle/__init__.py", "evil.pth")
+
+
+def _plant_code(dirs: list[str], marks: list[str]) -> str:
+    """Model code planting every module of `_PLANTS` in every directory of `dirs`."""
+    lines = ["import os"]
+    for name in _PLANTS:
+        body = _PAYLOAD.format(dirs=marks, name=name.replace("/", "."))
+        if name.endswith(".pth"):
+            body = "import os; exec(" + repr(body) + ")\n"
+        lines.append(f"for d in {dirs!r}:\n"
+                     f"    p = os.path.join(d, {name!r}); os.makedirs(os.path.dirname(p), exist_ok=True)\n"
+                     f"    open(p, 'w').write({body!r})")
+    lines.append("print('planted', flush=True)")
+    return "\n".join(lines)
+
+
+async def test_planted_modules_never_run_with_privileges(tmp_path: Path):
+    """A worker plants `worker/`, `zmq/`, `encodings/`, `sitecustomize.py`, a `.pth`, ... in
+    every directory it can write — the workspace, which is also the run's current directory,
+    /tmp and its HOME — then a replacement worker starts, a fork server starts, and a new run
+    starts in the same workspace: none of them imports a planted module before confinement."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    targets = [str(ws), "/tmp", "/dev/shm"]
+    code = _plant_code(targets, [str(ws)])
+    zygote = ROOT and host_support().bwrap is not None
+    async with Engine(cwd=ws, workspace=ws, state_dir=tmp_path / "state", pool=0) as engine:
+        worker = await engine.start_worker("planter")
+        got = await worker.run(code, timeout=WAIT)
+        assert got.output.strip() == "planted", got
+        killed = await worker.run("import os; os._exit(3)", timeout=WAIT)
+        assert killed.status == "died", killed
+        await assert_still_works(worker)  # the replacement worker
+        sub = await worker.run("import importlib, sys; print(sys.path[0] == '')", timeout=WAIT)
+        assert sub.output.strip() == "True", sub  # user code still imports from its directory
+    for use_zygote in ([True, False] if zygote else [False]):
+        async with Engine(cwd=ws, workspace=ws, state_dir=tmp_path / "state", pool=0,
+                          zygote=use_zygote) as engine:  # a new run: fork server or cold start
+            await assert_still_works(await engine.start_worker("next"))
+    assert not sorted(p.name for p in ws.iterdir() if p.name.startswith("PLANTED-RAN")), \
+        [p.read_text()[:400] for p in ws.iterdir() if p.name.startswith("PLANTED-RAN")]
+
+
+def test_workspace_on_the_import_path_is_refused(tmp_path: Path):
+    """A workspace that holds the directory agentloop imports from would let a worker plant
+    code for the coordinator: the engine refuses it before anything starts."""
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="choose another --workspace"):
+        Engine(cwd=tmp_path, workspace=REPO, state_dir=tmp_path / "state").open()
+
+
+# -- 2. capabilities ------------------------------------------------------------------------
+
+_ROOT_ONLY_PROC = ("/proc/slabinfo", "/proc/kpageflags", "/proc/timer_list", "/proc/vmallocinfo",
+                   "/proc/1/environ", "/proc/self/../1/mem")
+
+
+async def test_workers_hold_no_capability(worker):
+    """Every capability set of the worker, and of what it starts, is empty; root-only procfs
+    files stay closed to it."""
+    code = '''
+fields = dict(l.split(":", 1) for l in open("/proc/self/status").read().splitlines() if ":" in l)
+for name in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+    probe(name, lambda: int(fields[name], 16))
+import subprocess
+probe("child", lambda: subprocess.run(["grep", "-h", "^Cap", "/proc/self/status"], capture_output=True,
+                                      text=True).stdout.split())
+'''
+    for path in _ROOT_ONLY_PROC:
+        code += f"probe({path!r}, lambda: open({path!r}, 'rb').read(64) and 'read')\n"
+    got = await attack(worker, code)
+    for name in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert got[name] == "ok 0", (name, got.probes)
+    assert set(eval(got["child"][3:])[1::2]) == {"0000000000000000"}, got["child"]
+    for path in _ROOT_ONLY_PROC:
+        assert got[path].startswith(("PermissionError", "FileNotFoundError")), (path, got.probes)
+    await assert_still_works(worker)
+
+
+# -- 3. the user's files in the workspace ------------------------------------------------------
+
+@pytest.mark.skipif(not ROOT, reason="as an unprivileged user the worker is that user: the workspace's files are its own")
+async def test_user_files_in_the_workspace_keep_their_protection(engine, worker, host: Host):
+    """A root-owned config.json and data.csv put in the workspace by the user can be neither
+    rewritten, replaced, renamed nor deleted by a worker; what workers write, they (and a
+    replacement worker) may still change and delete."""
+    config, data = host.workspace / "config.json", host.workspace / "data.csv"
+    config.write_text('{"safe": true}\n')
+    data.write_text("a,b\n1,2\n")
+    got = await attack(worker, f'''
+import os
+ws = {str(host.workspace)!r}
+probe("rewrite", lambda: open(os.path.join(ws, "config.json"), "w").write("{{}}"))
+probe("delete", lambda: os.remove(os.path.join(ws, "data.csv")))
+probe("rename", lambda: os.rename(os.path.join(ws, "config.json"), os.path.join(ws, "old.json")))
+open(os.path.join(ws, "new.json"), "w").write("{{}}")
+probe("replace", lambda: os.replace(os.path.join(ws, "new.json"), os.path.join(ws, "config.json")))
+probe("chmod", lambda: os.chmod(os.path.join(ws, "config.json"), 0o666))
+probe("own", lambda: open(os.path.join(ws, "mine.txt"), "w").write("mine"))
+''')
+    for name in ("rewrite", "delete", "rename", "replace", "chmod"):
+        assert got[name].startswith("PermissionError"), (name, got.probes)
+    assert config.read_text() == '{"safe": true}\n' and data.read_text() == "a,b\n1,2\n"
+    assert got["own"] == "ok 4"
+    await worker.run("import os; os._exit(1)", timeout=WAIT)  # a replacement worker ...
+    again = await attack(worker, f'''
+import os
+probe("delete_own", lambda: os.remove({str(host.workspace / "mine.txt")!r}))
+probe("delete_new", lambda: os.remove({str(host.workspace / "new.json")!r}))
+''')
+    assert again["delete_own"] == "ok" and again["delete_new"] == "ok", again.probes  # ... owns them
+
+
+# -- 7. netlink -----------------------------------------------------------------------------
+
+async def test_netlink_beyond_routing_is_refused(worker):
+    """Device events (NETLINK_KOBJECT_UEVENT), audit and the other netlink families read host
+    state; only NETLINK_ROUTE (address lookups, interface lists) opens."""
+    got = await attack(worker, '''
+import socket
+for name, proto in (("uevent", 15), ("audit", 9), ("sock_diag", 4), ("generic", 16), ("netfilter", 12)):
+    probe(name, lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, proto).close())
+probe("route", lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0).close())
+probe("ifaces", lambda: len(socket.if_nameindex()) >= 1)
+''')
+    if not host_support().seccomp:
+        pytest.skip(reason="no seccomp on this host")
+    for name in ("uevent", "audit", "sock_diag", "generic", "netfilter"):
+        assert got[name] == "PermissionError EPERM", (name, got.probes)
+    assert got["route"] == "ok" and got["ifaces"] == "ok True", got.probes
+
+
+# -- 8. the socket directory ------------------------------------------------------------------
+
+async def test_socket_directory_is_not_writable(worker):
+    """The worker's socket lives in a directory on the host's disk: it may connect to the
+    socket but write nothing beside it (a place outside the workspace and /tmp caps)."""
+    sock_dir = worker._session.sock_dir
+    got = await attack(worker, f'''
+import os
+d = {str(sock_dir)!r}
+probe("write", lambda: open(os.path.join(d, "fill"), "wb").write(b"x" * 4096))
+probe("mkdir", lambda: os.mkdir(os.path.join(d, "sub")))
+probe("unlink_socket", lambda: os.remove(os.path.join(d, "sock")))
+''')
+    for name in ("write", "mkdir", "unlink_socket"):
+        assert got[name].startswith(("PermissionError", "OSError EROFS")), (name, got.probes)
+    assert sorted(p.name for p in sock_dir.iterdir()) == ["sock"]
+    await assert_still_works(worker)
+
+
+# -- 9. a current directory full of other people's files ---------------------------------------
+
+def _plan_for(cwd: Path, tmp_path: Path, **policy) -> list[str]:
+    return plan(SandboxPolicy(**policy), socket_dir=tmp_path / "s", workspace=tmp_path / "w",
+                cwd=cwd, output_dir=tmp_path / "o", python=sys.executable)
+
+
+def _other_home() -> str | None:
+    """A home directory of another account that lies outside the system view (/var/www, a
+    /home/NAME), if this machine has one."""
+    system = ("/usr", "/bin", "/sbin", "/lib", "/dev", "/proc", "/run", "/sys", "/etc", "/nonexistent")
+    homes = sorted({os.path.realpath(e.pw_dir) for e in pwd.getpwall() if e.pw_uid != os.getuid()
+                    and os.path.isdir(e.pw_dir) and not os.path.realpath(e.pw_dir).startswith(system)
+                    and os.path.realpath(e.pw_dir) != "/"})
+    return homes[0] if homes else None
+
+
+@pytest.mark.parametrize("where", ["/", "/home", "coordinator's home", "another user's home",
+                                   "above a home"])
+async def test_directories_of_homes_are_not_shown(where: str, tmp_path: Path):
+    """Started in /, /home, a home directory (anyone's) or above one, the worker is shown none
+    of it — a one-line note says so and names the flag that forces it."""
+    needs_namespaces()
+    other = _other_home()
+    cwd = {"/": "/", "/home": "/home", "coordinator's home": os.path.realpath(os.path.expanduser("~")),
+           "another user's home": other, "above a home": os.path.dirname(other) if other else None}[where]
+    if cwd is None or not os.path.isdir(cwd):
+        pytest.skip(reason="this machine has no such directory")
+    # What the view holds beneath cwd anyway: the system and the Python the worker runs.
+    from engine.sandbox import _system_paths, python_paths
+
+    needed = [*_system_paths()[0], *python_paths(sys.executable)]
+    allowed = {os.path.relpath(p, cwd).split("/")[0] for p in needed if p.startswith(cwd.rstrip("/") + "/")}
+    async with Engine(cwd=cwd, workspace=tmp_path / "ws", state_dir=tmp_path / "state", pool=0) as engine:
+        worker = await engine.start_worker("w")
+        assert any("is not shown to workers" in n and "--share-cwd" in n for n in worker.notes), worker.notes
+        got = await attack(worker, f'''
+import os
+probe("cwd", os.getcwd)
+probe("listing", lambda: sorted(set(os.listdir({cwd!r})) - set({sorted(allowed)!r})))
+probe("homes", lambda: sorted(os.listdir("/home")))
+''')
+    assert got["cwd"] == f"ok {str(tmp_path / 'ws')!r}", got.probes  # it starts in its workspace
+    if cwd != "/":
+        assert got["listing"] in ("FileNotFoundError ENOENT", "ok []"), got.probes
+    assert got["homes"] in ("FileNotFoundError ENOENT", "ok []"), got.probes
+
+
+def test_share_cwd_forces_either_way(tmp_path: Path):
+    project = tmp_path / "project"
+    project.mkdir()
+    assert "--ro-bind" in " ".join(_plan_for(Path("/home"), tmp_path, share_cwd=True).argv_prefix) or \
+        not host_support().bwrap
+    forced = _plan_for(Path("/home"), tmp_path, share_cwd=True)
+    assert forced.cwd == "/home" and not any("not shown" in n for n in forced.notes)
+    refused = _plan_for(project, tmp_path, share_cwd=False)
+    assert refused.cwd == str(tmp_path / "w") and any("--no-share-cwd" in n for n in refused.notes)
+    assert _plan_for(project, tmp_path).cwd == str(project)  # a project directory is shown
+
+
+# -- 15. shared memory and the memory limit -------------------------------------------------------
+
+_SHARED_MEMORY = '''
+import mmap, os
+MB = 1 << 20
+def memfd():
+    fd = os.memfd_create("hog")
+    chunk = b"x" * (16 * MB)
+    for _ in range(48):  # 768 MiB
+        os.write(fd, chunk)
+    return "held"
+def shared_anonymous():
+    m = mmap.mmap(-1, 768 * MB)
+    for i in range(0, 768 * MB, 4096):
+        m[i] = 1
+    return "held"
+'''
+_HOGS = {"memfd": "memfd", "mmap": "shared_anonymous"}
+
+
+@pytest.mark.parametrize("how", ["memfd", "mmap"])
+async def test_shared_memory_counts_against_the_memory_limit(how: str, host: Host):
+    """memfd_create and shared anonymous mappings escape RLIMIT_DATA; under a 256 MiB limit
+    neither may hold 768 MiB: the worker is stopped (memory cgroup) or the call refused
+    (where no cgroup can be made), the coordinator goes on and the next block runs."""
+    policy = SandboxPolicy(memory_bytes=256 * MiB)
+    async with Engine(cwd=host.cwd, workspace=host.workspace, state_dir=host.state, sandbox=policy,
+                      pool=0) as engine:
+        worker = await engine.start_worker("hog")
+        got = await attack(worker, _SHARED_MEMORY + f"probe({how!r}, {_HOGS[how]})\n")
+        if engine._cgroups is not None:
+            assert got.result.status == "died" and "memory limit" in got.result.message, got.result
+        else:
+            assert got[how] == "PermissionError EPERM", got.probes
+        assert "held" not in got.result.output
+        await assert_still_works(worker)
+
+
+# -- 16. output files ---------------------------------------------------------------------------
+
+async def test_output_files_never_collide(worker):
+    """Blocks `x/y` and `x_y` (and a reused id) print more than is kept in memory: each keeps a
+    file of its own with its own output."""
+    results = []
+    for block_id, mark in (("x/y", "A"), ("x_y", "B"), ("x/y", "C")):
+        results.append(await worker.run(f"print({mark!r} * (1 << 20))", timeout=WAIT, block_id=block_id))
+    files = [r.output_file for r in results]
+    assert all(files) and len(set(files)) == 3, files
+    for result, mark in zip(results, "ABC", strict=True):
+        assert Path(result.output_file).read_text().strip() == mark * (1 << 20)
+
+
+# -- 17. a coordinator ended by a signal -----------------------------------------------------------
+
+def _coordinator(tmp_path: Path, runtime: str, code: str) -> subprocess.Popen:
+    env = {**os.environ, "XDG_RUNTIME_DIR": runtime, "XDG_STATE_HOME": str(tmp_path / "state")}
+    script = tmp_path / "block.py"
+    script.write_text(code)
+    return subprocess.Popen([sys.executable, "-m", "engine.cli", "exec", "--timeout", "60s", str(script)],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+
+
+def _left(runtime: str, tmp_path: Path) -> list[str]:
+    runs = [Path(runtime) / "agentloop", tmp_path / "state" / "agentloop" / "runs"]
+    return sorted(str(p) for d in runs if d.is_dir() for p in d.iterdir())
+
+
+def _wait_ready(proc: subprocess.Popen) -> None:
+    line = proc.stdout.readline()  # bounded: the block prints at once, and the test has a timeout
+    assert line.strip() == b"ready", (line, proc.stderr.read1(4096) if proc.poll() is not None else b"")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_stopped_coordinator_leaves_nothing(sig: int, tmp_path: Path):
+    """SIGTERM cleans up as Ctrl-C does (sockets, run directories, workers); what a SIGKILLed
+    coordinator could not clean up, the next start removes."""
+    runtime = tempfile.mkdtemp(prefix="al-", dir="/tmp")  # short: ipc:// paths are limited
+    try:
+        proc = _coordinator(tmp_path, runtime, "import time\nprint('ready', flush=True)\ntime.sleep(60)\n")
+        _wait_ready(proc)
+        assert _left(runtime, tmp_path)  # the run's directories exist while it runs
+        proc.send_signal(sig)
+        proc.wait(timeout=WAIT)
+        if sig == signal.SIGTERM:
+            assert proc.returncode != 0
+            assert _left(runtime, tmp_path) == []
+        else:
+            assert _left(runtime, tmp_path)  # nobody could clean up ...
+            nxt = _coordinator(tmp_path, runtime, "print('ready', flush=True)\n")
+            _wait_ready(nxt)
+            nxt.wait(timeout=WAIT)
+            assert nxt.returncode == 0
+            assert _left(runtime, tmp_path) == []  # ... until the next start
+        assert wait_until(lambda: not _workers_in(tmp_path), WAIT), _workers_in(tmp_path)
+    finally:
+        subprocess.run(["rm", "-rf", runtime], check=False)
+
+
+def _workers_in(tmp_path: Path) -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        try:
+            if entry.name.isdigit() and os.readlink(f"/proc/{entry.name}/cwd").startswith(str(tmp_path)):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
