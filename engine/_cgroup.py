@@ -6,7 +6,7 @@ escapes it: ``memfd_create``, files in /dev/shm or /tmp (tmpfs), SysV segments a
 memory cgroup charges every page a process faults in, shared or not, to the cgroup, so the
 limit holds for the worker and everything it starts, together.
 
-The coordinator makes ``agentloop-<pid>/w<N>`` beneath its own cgroup (cgroup v2 or the v1
+The coordinator makes ``agentloop-<pid>-<run>/w<N>`` beneath its own cgroup (cgroup v2 or the v1
 memory hierarchy, where it may write there: root, or a delegated subtree) and moves a worker's
 processes in after its handshake, before it has run any code.  Where no cgroup can be made the
 sandbox refuses the shared-memory calls instead (see ``engine.sandbox``), and says so.
@@ -18,6 +18,8 @@ import contextlib
 import logging
 import os
 from pathlib import Path
+
+from ._process import descendants
 
 log = logging.getLogger("agentloop")
 
@@ -64,8 +66,9 @@ class MemoryCgroups:
         self.v1 = v1
 
     @classmethod
-    def find(cls) -> MemoryCgroups | None:
-        """The place to make worker cgroups in, or None where this process may not (most
+    def find(cls, name: str = "") -> MemoryCgroups | None:
+        """A parent cgroup for one engine's workers (``agentloop-PID-NAME``: a process may run
+        several engines, a batch does), or None where this process may not make one (most
         unprivileged users, a hierarchy without the memory controller)."""
         v1_mount, v2_mount = _mounts()
         for v1, mount in ((True, v1_mount), (False, v2_mount)):
@@ -75,7 +78,7 @@ class MemoryCgroups:
             if not v1 and not _v2_memory_for_children(own):
                 continue
             _remove_stale(own)
-            base = own / f"{_PREFIX}{os.getpid()}"
+            base = own / f"{_PREFIX}{os.getpid()}-{name}"
             try:
                 base.mkdir(exist_ok=True)
                 if not v1:
@@ -107,20 +110,28 @@ class MemoryCgroups:
         return group
 
     @staticmethod
-    def adopt(group: Path, pids: list[int]) -> bool:
-        """Move ``pids`` (whole processes, threads and all) into ``group``; False if any could
-        not be moved while it still exists."""
-        ok = True
-        for pid in pids:
-            try:
-                (group / "cgroup.procs").write_text(str(pid))
-            except ProcessLookupError:
-                continue
-            except OSError as exc:
-                if os.path.exists(f"/proc/{pid}"):
-                    log.warning("could not move process %d into %s: %s", pid, group, exc)
-                    ok = False
-        return ok
+    def adopt_tree(group: Path, root: int, moved: set[int], rounds: int = 50) -> bool:
+        """Move process ``root`` and everything below it (threads and all) into ``group``,
+        top-down until no process of the tree is left outside (a child forked after its parent
+        moved is born inside); ``moved`` records what was moved, so a second call only moves
+        what appeared since.  False if a live process could not be moved.  A move costs a
+        few milliseconds (the kernel waits out an RCU grace period): callers run this while
+        the worker starts, off the event loop."""
+        for _ in range(rounds):
+            todo = [pid for pid in (root, *descendants(root)) if pid not in moved]
+            if not todo:
+                return True
+            for pid in todo:
+                try:
+                    (group / "cgroup.procs").write_text(str(pid))
+                except ProcessLookupError:
+                    pass
+                except OSError as exc:
+                    if os.path.exists(f"/proc/{pid}"):
+                        log.warning("could not move process %d into %s: %s", pid, group, exc)
+                        return False
+                moved.add(pid)
+        return False
 
     def oom_killed(self, group: Path) -> bool:
         """Whether the kernel killed a process of ``group`` for going over its limit."""
@@ -163,7 +174,7 @@ def _remove_stale(own: Path) -> None:
     """Remove the cgroups of coordinators that died without cleaning up (SIGKILL)."""
     with contextlib.suppress(OSError):
         for entry in own.iterdir():
-            pid = entry.name[len(_PREFIX):]
+            pid = entry.name[len(_PREFIX):].split("-")[0]
             if entry.name.startswith(_PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
                 for child in list(entry.iterdir()):
                     if child.is_dir():

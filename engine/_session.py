@@ -27,6 +27,7 @@ import contextlib
 import hmac
 import itertools
 import logging
+import os
 import secrets
 import struct
 from collections.abc import Awaitable
@@ -37,7 +38,7 @@ import zmq
 
 from worker import wire
 
-from ._process import Process, descendants, spawn
+from ._process import Process, spawn
 from ._tree import remove_tree
 from .errors import WorkerStartError
 from .results import describe_exit
@@ -113,7 +114,7 @@ class Session:
         sock = self.sock = engine._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME)
-        sock.setsockopt(zmq.RCVHWM, 64)
+        sock.setsockopt(zmq.RCVHWM, 4)  # with MAX_FRAME: what a worker can make us hold unread
         sock.bind(endpoint)
         endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if engine.connect_host and endpoint.startswith("tcp://"):
@@ -139,11 +140,23 @@ class Session:
             await self.discard()
             raise WorkerStartError(f"could not start a worker ({launch.argv[0]}): {exc}") from exc
         exited = asyncio.ensure_future(self.proc.wait())
+        # Its memory cgroup is made and entered while the worker starts (a move costs
+        # milliseconds), and checked again once it has said hello: before it runs any code.
+        moved: set[int] = set()
+        adopting = asyncio.ensure_future(asyncio.to_thread(self._enter_memory_group, moved))
         try:
             done, _ = await asyncio.wait({self._hello, exited}, timeout=engine.start_timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
         finally:
             exited.cancel()
+        try:
+            await adopting
+            if self._hello in done and not self._hello.exception() and self.memory_group is not None:
+                await asyncio.to_thread(engine._adopt, self.memory_group, self.proc.pid, moved)
+        except WorkerStartError:
+            await self.proc.kill()
+            await self.discard()
+            raise
         if self._hello not in done or self._hello.exception():
             await self.proc.kill()  # waits for the exit status too, wherever it comes from
             await self.discard()
@@ -155,13 +168,6 @@ class Session:
             else:
                 reason = f"no handshake within {engine.start_timeout:.0f} s"
             raise WorkerStartError(f"worker failed to start: {reason}" + (f"\n{said}" if said else ""))
-        try:
-            # Handshaken, no code run yet: its whole tree goes into its memory cgroup now.
-            self.memory_group = engine._memory_group(self.number, [self.proc.pid, *descendants(self.proc.pid)])
-        except WorkerStartError:
-            await self.proc.kill()
-            await self.discard()
-            raise
         self._watcher = self._loop.create_task(self._watch())
 
     def send(self, msg: dict) -> None:
@@ -224,6 +230,13 @@ class Session:
             # directory is read-only to the worker, but nothing it could reach is trusted.
             sock_dir, self.sock_dir = self.sock_dir, None
             await asyncio.to_thread(remove_tree, sock_dir)
+
+    def _enter_memory_group(self, moved: set[int]) -> None:
+        """(In a thread.) Make this worker's memory cgroup and move its tree in."""
+        assert self.proc is not None
+        self.memory_group = self.engine._memory_group(self.number)
+        if self.memory_group is not None:
+            self.engine._adopt(self.memory_group, self.proc.pid, moved)
 
     def over_memory_limit(self) -> bool:
         """Whether the kernel killed a process of this worker for its memory cgroup's limit."""
@@ -385,6 +398,15 @@ class Session:
             self.violation("its connection was cut: a frame over the size limit, bytes that are not "
                            "ZeroMQ, or its socket closed")
 
+    def _close_door(self) -> None:
+        """Once the worker is in, nobody else comes in: the ipc:// socket's file goes, so every
+        connection a worker could add (each with queues of its own, which ZeroMQ fills before
+        anything is read) is refused.  The connection made stays."""
+        endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT) if self.sock is not None else ""
+        if endpoint.startswith("ipc://"):
+            with contextlib.suppress(OSError):
+                os.unlink(endpoint[len("ipc://"):])
+
     def _handshake(self, ident: bytes, msg: dict, fd: int | None) -> None:
         token = msg.get("token")
         if msg.get("t") != "hello" or not isinstance(token, str) or \
@@ -399,6 +421,7 @@ class Session:
             return
         self.peer = ident
         self._peer_fd = fd
+        self._close_door()
         self.send({"t": "welcome", "v": wire.PROTOCOL_VERSION})
         if not self._hello.done():
             self._hello.set_result(msg)

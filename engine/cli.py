@@ -117,6 +117,9 @@ def _sandbox_options(f):
         _limit("--max-open-files", "max_open_files", click.IntRange(16), "Open files per worker (default 1024)."),
         _limit("--max-file-size", "max_file_bytes", Size(), "Largest file a worker may write (default 1G)."),
         _limit("--tmp-size", "tmp_bytes", Size(), "Size of a worker's /tmp (default 512M)."),
+        _limit("--share-cwd/--no-share-cwd", "share_cwd", click.BOOL,
+               "Show workers the current directory (read-only) even when it is /, a home directory "
+               "or holds homes / never show it (default: only a project directory)."),
     ])
 
 

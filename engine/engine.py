@@ -184,7 +184,7 @@ class Engine:
                               "choose another --workspace or check permissions") from exc
         self._ctx = zmq.Context()
         if self.sandbox.mode != "none":
-            self._cgroups = MemoryCgroups.find()
+            self._cgroups = MemoryCgroups.find(self.run_id.rsplit("-", 1)[-1])
 
     async def start_worker(self, name: str = "worker") -> Worker:
         """Start a worker and wait until it is ready to run code."""
@@ -299,17 +299,23 @@ class Engine:
                              cwd=self.cwd, output_dir=self.output_dir, python=self.python,
                              memory_cgroup=self._cgroups is not None)
 
-    def _memory_group(self, number: int, pids: list[int]) -> Path | None:
-        """Put a just-started worker's processes (``pids``: its whole tree, before it has run
-        any code) in a memory cgroup of their own; None where the engine has no cgroups.
-        Raises WorkerStartError when the cgroup cannot be made: the sandbox was planned on it."""
+    def _memory_group(self, number: int) -> Path | None:
+        """A memory cgroup for worker ``number``, limited to the policy's memory; None where
+        the engine has no cgroups.  Raises WorkerStartError when it cannot be made: the sandbox
+        was planned on it."""
         if self._cgroups is None:
             return None
         group = self._cgroups.make(f"w{number}", self.sandbox.memory_bytes)
-        if group is None or not self._cgroups.adopt(group, pids):
+        if group is None:
+            raise WorkerStartError("could not make the worker's memory cgroup (agentloop -v logs "
+                                   "why); its memory limit would not hold")
+        return group
+
+    def _adopt(self, group: Path, root: int, moved: set[int]) -> None:
+        """Move the tree of process ``root`` into ``group`` (see ``MemoryCgroups.adopt_tree``)."""
+        if not MemoryCgroups.adopt_tree(group, root, moved):
             raise WorkerStartError("could not put the worker in its memory cgroup (agentloop -v "
                                    "logs why); its memory limit would not hold")
-        return group
 
     def _release_memory_group(self, group: Path) -> None:
         if self._cgroups is not None:

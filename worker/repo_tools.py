@@ -96,6 +96,20 @@ class _Place:
             self.fd = None
 
 
+def _descend(fd: int, name: str) -> int:
+    """The directory ``name`` in ``fd``, opened without following a link; ``fd`` is closed.
+    Raises _Changed when ``name`` is (no longer) a directory there.  On any other error ``fd``
+    stays open, for the caller to close."""
+    try:
+        nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
+            raise _Changed from None
+        raise
+    os.close(fd)
+    return nfd
+
+
 def _id(st: os.stat_result) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
@@ -156,14 +170,7 @@ class Tree:
         ids: list[tuple[int, int] | None] = [_id(os.fstat(fd))]
         try:
             for i, name in enumerate(comps):
-                try:
-                    nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
-                except OSError as exc:
-                    if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
-                        raise _Changed from None
-                    raise
-                os.close(fd)
-                fd = nfd
+                fd = _descend(fd, name)
                 st = os.fstat(fd)
                 if self._hidden(st) or self._excluded(tuple(comps[:i + 1])):
                     raise _Hidden
@@ -279,14 +286,7 @@ class Tree:
                     todo.extendleft(reversed(target.split("/")))
                     continue
                 if stat.S_ISDIR(st.st_mode):
-                    try:
-                        nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
-                    except OSError as exc:
-                        if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):
-                            raise _Changed from None
-                        raise
-                    os.close(fd)
-                    fd = nfd
+                    fd = _descend(fd, name)
                     dst = os.fstat(fd)
                     if self._hidden(dst):
                         raise _Hidden

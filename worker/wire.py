@@ -39,8 +39,10 @@ import msgpack
 PROTOCOL_VERSION = 1
 
 #: Largest frame either side accepts.  Big enough for a batch of output or a pickled
-#: object handed to a sub-agent; anything larger is a hostile or broken peer.
-MAX_FRAME = 32 * 1024 * 1024
+#: object handed to a sub-agent (half of it); anything larger is a hostile or broken peer.
+#: With the coordinator's receive queue of 4 messages, what a worker can make it hold unread
+#: stays under 100 MiB.
+MAX_FRAME = 24 * 1024 * 1024
 
 #: Largest output chunk in an ``out`` message.  The worker cuts its output into pieces of
 #: ``capture.MAX_BATCH`` (256 KiB); the bound keeps one message from costing the coordinator

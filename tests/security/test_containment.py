@@ -189,11 +189,25 @@ import os
 d = {str(sock_dir)!r}
 probe("write", lambda: open(os.path.join(d, "fill"), "wb").write(b"x" * 4096))
 probe("mkdir", lambda: os.mkdir(os.path.join(d, "sub")))
-probe("unlink_socket", lambda: os.remove(os.path.join(d, "sock")))
+probe("replant_socket", lambda: open(os.path.join(d, "sock"), "w"))
 ''')
-    for name in ("write", "mkdir", "unlink_socket"):
+    for name in ("write", "mkdir", "replant_socket"):
         assert got[name].startswith(("PermissionError", "OSError EROFS")), (name, got.probes)
-    assert sorted(p.name for p in sock_dir.iterdir()) == ["sock"]
+    assert list(sock_dir.iterdir()) == []  # (its socket file, too, is gone once it is in)
+    await assert_still_works(worker)
+
+
+async def test_no_second_connection_to_the_coordinator(worker):
+    """Each connection to the coordinator's socket gets queues of its own, which ZeroMQ fills
+    before anything is read: once the worker is in, its socket's file is gone."""
+    sock = worker._session.sock_dir / "sock"
+    got = await attack(worker, f'''
+import socket
+s = socket.socket(socket.AF_UNIX)
+probe("connect", lambda: s.connect({str(sock)!r}))
+''')
+    assert got["connect"] in ("FileNotFoundError ENOENT", "ConnectionRefusedError ECONNREFUSED"), got.probes
+    assert not sock.exists()
     await assert_still_works(worker)
 
 

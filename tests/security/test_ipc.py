@@ -15,7 +15,6 @@ import socket
 import pytest
 
 from engine.engine import Engine
-from tests.conftest import wait_until
 
 from .harness import (
     ABSENT,
@@ -36,7 +35,7 @@ REFUSED = (ABSENT, "PermissionError EACCES")
 
 def _socket_paths(engine: Engine) -> list[str]:
     assert engine._sock_root is not None
-    return sorted(str(p) for p in engine._sock_root.glob("w*/sock"))
+    return sorted(str(p / "sock") for p in engine._sock_root.glob("w*"))  # (gone once connected)
 
 
 def _own_socket(worker) -> str:
@@ -92,8 +91,9 @@ async def test_other_workers_socket_directories_are_not_visible(engine, worker):
 
 
 async def test_forged_frames_on_the_own_channel_are_dropped(worker, caplog):
-    """A second connection to the worker's own socket forges output and a `done` for a block
-    that is running; the block ends when it really ends, with its real output only."""
+    """A second connection to the worker's own socket tries to forge output and a `done` for a
+    block that is running: the socket's file is gone once the worker is in, so nothing reaches
+    the coordinator, and the block ends when it really ends, with its real output only."""
     caplog.set_level(logging.WARNING, logger="agentloop")
     setup = await worker.run("import threading\nrelease = threading.Event()", timeout=WAIT)
     assert setup.ok, setup
@@ -103,7 +103,7 @@ async def test_forged_frames_on_the_own_channel_are_dropped(worker, caplog):
 import msgpack, zmq
 ctx = zmq.Context()
 s = ctx.socket(zmq.DEALER)
-s.setsockopt(zmq.LINGER, 5000)
+s.setsockopt(zmq.LINGER, 0)
 s.connect("ipc://" + {_own_socket(worker)!r})
 forged = [
     {{"t": "hello", "v": 1, "token": "0" * 32, "pid": 1}},
@@ -119,16 +119,12 @@ print("forged: sent", len(forged) + 1)
 ''')
     assert got["forged"] == "sent 4", got.probes
 
-    def dropped() -> int:
-        return sum("worker attacker: dropped a frame" in r.getMessage() for r in caplog.records)
-
-    # The coordinator has read every forged frame (and dropped it) before the victim may end.
-    assert await asyncio.to_thread(wait_until, lambda: dropped() >= 4, WAIT), caplog.text
     assert not victim.done()
     released = await worker.run("release.set()", timeout=WAIT)
     assert released.ok, released
     result = await asyncio.wait_for(victim, WAIT)
     assert (result.status, result.output) == ("ok", "genuine\n"), result
+    assert "dropped a frame" not in caplog.text  # no forged frame ever arrived
     await assert_still_works(worker)
 
 
