@@ -199,7 +199,7 @@ class Session:
         """Ask the worker to exit, then kill whatever did not."""
         if self.proc is not None and self.proc.returncode is None and self.peer is not None:
             with contextlib.suppress(Exception):
-                self.send({"t": "shutdown"})
+                self.send(wire.shutdown())
                 await asyncio.wait_for(asyncio.shield(self.proc.wait()), timeout)
         await self.kill()
 
@@ -422,6 +422,6 @@ class Session:
         self.peer = ident
         self._peer_fd = fd
         self._close_door()
-        self.send({"t": "welcome", "v": wire.PROTOCOL_VERSION})
+        self.send(wire.welcome())
         if not self._hello.done():
             self._hello.set_result(msg)

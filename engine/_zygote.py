@@ -1,10 +1,13 @@
 """The coordinator's side of the fork server (see ``worker/zygote.py``).
 
-One zygote per engine, started on first use inside the run's sandbox, with one extra
-two capabilities (CAP_SYS_ADMIN and CAP_NET_ADMIN, inside bubblewrap's namespaces) so that each
+One zygote per engine, started on first use inside the run's sandbox with two extra
+capabilities (CAP_SYS_ADMIN and CAP_NET_ADMIN, inside bubblewrap's namespaces) so that each
 forked worker can get namespaces, a /proc, a /tmp and a loopback of its own; the worker drops
-them with every other privilege before user code runs.  Offered where the coordinator is root and bubblewrap is in use;
-elsewhere workers start cold (the warm pool still hides that cost).
+them with every other privilege before user code runs.  It is started by
+``engine.sandbox.runtime_argv`` (isolated mode, runtime by absolute path): it holds those
+capabilities, so nothing a worker wrote may be on its import path.  Offered where the
+coordinator is root and bubblewrap is in use; elsewhere workers start cold (the warm pool
+still hides that cost).
 """
 
 from __future__ import annotations

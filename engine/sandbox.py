@@ -3,12 +3,16 @@
 A worker is confined by two cooperating halves:
 
 * outside, `plan()` builds a bubblewrap command line: a fresh mount namespace holding a
-  read-only system, the worker's Python, the current directory read-only, the run's output
-  directory read-only, the workspace and the worker's socket directory read-write, a private
+  read-only system, the worker's Python, the current directory (a project directory only) and
+  the run's output and socket directories read-only, the workspace read-write, a private
   size-capped /tmp; new PID, IPC, UTS, cgroup and (unless allowed) network namespaces;
-* inside, `worker._confine.apply(plan.confine)` sets resource limits, drops root to an
-  unprivileged uid, clears capabilities, sets no_new_privs, installs a Landlock ruleset and a
-  seccomp filter before any user code runs.
+* inside, `worker._confine.apply(plan.confine)` sets resource limits, drops root to the run's
+  unprivileged uid, clears every capability, sets no_new_privs, installs a Landlock ruleset and
+  a seccomp filter before any user code runs.
+
+The process that applies the inside half starts with privileges (root's, or the fork server's
+namespace capabilities), so it is started by `runtime_argv`: nothing a worker could have
+written is on its import path.
 
 Where bubblewrap is missing or user namespaces are refused, the inside half still runs and a
 note says what is lost.  Nothing is ever weakened silently: every missing layer is one line in

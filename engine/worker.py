@@ -285,16 +285,15 @@ class Worker:
             if not isinstance(msg.get("name"), str):
                 session.violation("it sent a host call without a name")
             elif self.on_call is None:
-                session.send({"t": "reply", "cid": msg.get("cid"), "ok": False,
-                              "error": "this worker has no host functions"})
+                session.send(wire.reply(msg.get("cid"), error="this worker has no host functions"))
             elif len(self._call_tasks) >= _MAX_CALLS:
-                session.send({"t": "reply", "cid": msg.get("cid"), "ok": False,
-                              "error": f"{_MAX_CALLS} host calls are already running; await some first"})
+                session.send(wire.reply(msg.get("cid"),
+                                        error=f"{_MAX_CALLS} host calls are already running; await some first"))
             else:
                 task = asyncio.get_running_loop().create_task(self._host_call(msg))
                 self._call_tasks.add(task)
                 task.add_done_callback(self._call_tasks.discard)
-        elif kind in ("bye", "event"):
+        elif kind == "bye":
             pass
         else:
             session.violation(f"it sent a message of unknown type {kind[:40]!r}")
@@ -308,14 +307,12 @@ class Worker:
         block = msg.get("block") if isinstance(msg.get("block"), str) else None
         try:
             value = await self.on_call(msg["name"], args, kwargs, block)  # type: ignore[misc]
-            reply = {"t": "reply", "cid": cid, "ok": True, "value": value}
             try:
-                frame = wire.encode(reply)
+                frame = wire.encode(wire.reply(cid, value=value))
             except (TypeError, ValueError):
-                reply = {"t": "reply", "cid": cid, "ok": True, "value": repr(value)}
-                frame = wire.encode(reply)
+                frame = wire.encode(wire.reply(cid, value=repr(value)))
         except Exception as exc:  # noqa: BLE001 - the tool's failure goes back to the code as words
-            frame = wire.encode({"t": "reply", "cid": cid, "ok": False, "error": str(exc) or type(exc).__name__})
+            frame = wire.encode(wire.reply(cid, error=str(exc) or type(exc).__name__))
         if self._session is not None:
             self._session.send_frame(frame)
 
@@ -326,7 +323,7 @@ class Worker:
         future = asyncio.get_running_loop().create_future()
         self._requests[rid] = future
         try:
-            session.send({"t": "req", "rid": rid, "op": op, "args": args or {}})
+            session.send(wire.req(rid, op, args or {}))
             return await asyncio.wait_for(future, timeout)
         except TimeoutError as exc:
             raise WorkerError(f"worker {self.name!r} did not answer {op!r} within {timeout:g} s") from exc
@@ -352,7 +349,7 @@ class Worker:
                           file_cap=self.engine.output_file_cap)
         block = _Block(block_id, sink, timeout, on_output, budget)
         self._blocks[block_id] = block
-        session.send({"t": "run", "id": block_id, "code": code})
+        session.send(wire.run(block_id, code))
         return block
 
     async def run(self, code: str, *, timeout: float = 10.0, block_id: str | None = None,
@@ -425,7 +422,7 @@ class Worker:
 
     async def _stop(self, block: _Block, why: str) -> BlockResult:
         """Cooperative cancel, then — after ``grace`` — the hard kill of the whole tree."""
-        self.send({"t": "cancel", "id": block.id})
+        self.send(wire.cancel(block.id))
         grace = self.engine.grace
         stuck = asyncio.ensure_future(block.stuck.wait())
         try:

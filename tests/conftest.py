@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -76,3 +78,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "ray" in item.keywords:
             item.add_marker(skip)
+
+
+def read_line(stream, timeout: float):
+    """The next line of a subprocess's pipe, or an empty one when none comes within
+    ``timeout`` seconds: a test that waits for a line never waits longer than that."""
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(stream.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if got:
+        return got[0]
+    return "" if isinstance(stream, io.TextIOBase) else b""

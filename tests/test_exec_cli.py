@@ -12,7 +12,7 @@ from pathlib import Path
 
 from engine._process import descendants
 
-from .conftest import processes_with, wait_until
+from .conftest import processes_with, read_line, wait_until
 
 
 def _alive(pid: int) -> bool:
@@ -122,7 +122,7 @@ def test_coordinator_sigkill_leaves_no_process_behind(tmp_path):
     env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "PYTHONPATH": str(Path(__file__).parent.parent)}
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, cwd=tmp_path, env=env, text=True)
     try:
-        assert proc.stdout.readline().strip() == "ready"
+        assert read_line(proc.stdout, 60).strip() == "ready"
         assert wait_until(lambda: len(processes_with(token)) == 2, 10)
         before = set(descendants(proc.pid))  # bwrap, its init, the workers, the daemons
         assert set(processes_with("; from worker.")) & before

@@ -31,6 +31,7 @@ import pytest
 from engine.doctor import report
 from engine.errors import ConfigError
 from engine.sandbox import LaunchPlan, SandboxPolicy, host_support, plan, workspace_excess
+from tests.conftest import read_line
 from worker._confine import seccomp_program
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -592,7 +593,7 @@ time.sleep(600)
         line = ""
         deadline = time.monotonic() + WAIT
         while not line.startswith("saturated") and time.monotonic() < deadline:
-            line = proc.stdout.readline()
+            line = read_line(proc.stdout, max(0.0, deadline - time.monotonic()))
             if not line and proc.poll() is not None:
                 break
         assert line.startswith("saturated"), proc.stderr.read()

@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from . import wire
 from .wire import STDERR, STDOUT
 
 FLUSH_INTERVAL = 0.05
@@ -178,10 +179,10 @@ class Router:
                 batch.append([st, piece])
                 size += len(piece)
                 if size >= MAX_BATCH:
-                    self._send({"t": "out", "id": out.block, "o": batch})
+                    self._send(wire.out(out.block, batch))
                     batch, size = [], 0
         if batch:
-            self._send({"t": "out", "id": out.block, "o": batch})
+            self._send(wire.out(out.block, batch))
 
 
 def _join(pieces: list) -> bytes:

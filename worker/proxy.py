@@ -1,6 +1,6 @@
 """Stand-ins in the worker for things that live in the coordinator.
 
-Host functions (tools given to ``create_agent(functions=...)``) appear as stubs with the same
+Host functions (tools given to ``make_agent(functions=...)``) appear as stubs with the same
 name, signature and docstring; calling one runs the real function in the coordinator and
 returns its value or raises ``HostError`` with its message.  ``self`` is a stub of the agent
 with the seed's API.  Handing objects to a sub-agent happens here too: plain data goes by

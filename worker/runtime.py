@@ -27,7 +27,7 @@ import time
 import traceback
 from collections.abc import Callable
 
-from . import proxy
+from . import proxy, wire
 from .capture import FdCapture, Router, current_block
 
 _WORKER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -259,8 +259,7 @@ class Runtime:
 
     def _finish(self, block_id: str, status: str, error: str) -> None:
         self._router.end(block_id)
-        self._send({"t": "done", "id": block_id, "status": status, "error": error,
-                    "vars": self.user_vars()})
+        self._send(wire.done(block_id, status, error, self.user_vars()))
 
     def position(self, block_id: str) -> tuple[int, int] | None:
         """Where a thread block is (frame, bytecode offset), to compare before and after a cancel."""

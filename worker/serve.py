@@ -50,7 +50,7 @@ class HostCalls:
         """Ask the coordinator to run host function ``name``; a thread-safe future of its value."""
         cid = next(self._ids)
         future: Future = Future()
-        msg = {"t": "call", "cid": cid, "name": name, "args": args, "kwargs": kwargs, "block": block}
+        msg = wire.call(cid, name, args, kwargs, block)
         try:
             frame = wire.encode(msg)
         except (TypeError, ValueError) as exc:
@@ -171,7 +171,7 @@ class Crew:
             self.calls.resolve(msg)
         elif kind == "shutdown":
             self.router.flush_all()
-            self.channel.send({"t": "bye"})
+            self.channel.send(wire.bye())
             self.channel.close()
             self.exit_code = 0
             self.exited.set()
@@ -179,20 +179,20 @@ class Crew:
 
     def _report_stuck(self, block_id: str, at_cancel) -> None:
         if self.runtime.stuck(block_id, at_cancel):
-            self.channel.send({"t": "stuck", "id": block_id})
+            self.channel.send(wire.stuck(block_id))
 
     def _answer(self, msg: dict) -> None:
         """Answer a coordinator request (bind tools, export/inject a namespace, describe)."""
         rid = msg.get("rid")
         try:
             value = self.runtime.control(str(msg.get("op")), msg.get("args") or {})
-            reply = {"t": "resp", "rid": rid, "ok": True, "value": value}
+            reply = wire.resp(rid, value=value)
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator as words
-            reply = {"t": "resp", "rid": rid, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            reply = wire.resp(rid, error=f"{type(exc).__name__}: {exc}")
         try:
             frame = wire.encode(reply)
         except (TypeError, ValueError) as exc:
-            frame = wire.encode({"t": "resp", "rid": rid, "ok": False, "error": f"unsendable value: {exc}"})
+            frame = wire.encode(wire.resp(rid, error=f"unsendable value: {exc}"))
         self.channel.send_frame(frame)
 
 
@@ -215,7 +215,7 @@ def serve(endpoint: str, token: str) -> int:
     sys.stderr = TextStream(router, wire.STDERR)
     sys.stdin = NoInput()
 
-    channel.send({"t": "hello", "v": wire.PROTOCOL_VERSION, "token": token, "pid": os.getpid()})
+    channel.send(wire.hello(token, os.getpid()))
     welcome = None
     early: list[bytes] = []  # frames that came in the welcome's batch
     deadline = time.monotonic() + HANDSHAKE_TIMEOUT

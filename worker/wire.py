@@ -1,13 +1,14 @@
 """The wire format between coordinator and worker: one msgpack map per ZeroMQ message.
 
-Every message is a map with a string ``t`` (its type).  Requests that concern a block carry
-its ``id``; every ``run`` ends with exactly one ``done`` for the same id.  The handshake is
-versioned: the worker opens with ``hello`` (protocol version, token, pid) and the
+Every message is a map with a string ``t`` (its type), built by the constructor of the same
+name below and by nothing else, so the vocabulary is this module's.  Requests that concern a
+block carry its ``id``; every ``run`` ends with exactly one ``done`` for the same id.  The
+handshake is versioned: the worker opens with ``hello`` (protocol version, token, pid) and the
 coordinator answers ``welcome`` or drops the connection.
 
 Coordinator -> worker
-    welcome  {v}
-    run      {id, code, opts}             start a block
+    welcome  {v}                          the hello was accepted
+    run      {id, code}                   start a block
     cancel   {id}                         cooperative cancel (the coordinator kills if ignored)
     reply    {cid, ok, value|error}       answer to a worker's ``call``
     req      {rid, op, args}              a control request (bind, export, inject, describe, env)
@@ -17,11 +18,10 @@ Worker -> coordinator
     hello    {v, token, pid}
     out      {id, o: [[stream, bytes], ...]}   batched output; stream 1 = stdout, 2 = stderr
     done     {id, status, error, vars}    status: ok | error | cancelled
-    call     {cid, name, args, kwargs}    call a host function (``self``, tools)
+    call     {cid, name, args, kwargs, block}  call a host function (``self``, tools) for a block
     resp     {rid, ok, value|error}       answer to a ``req``
     stuck    {id}                         a cancelled block sits in C code: only a kill stops it
-    event    {kind, ...}                  anything else the coordinator may log
-    bye      {}
+    bye      {}                           the answer to ``shutdown``, the worker's last message
 
 Decoding is bounded: the coordinator never trusts sizes a worker claims.  A message is
 exactly one frame of at most ``MAX_FRAME`` bytes, and an output chunk at most ``MAX_CHUNK``
@@ -51,6 +51,69 @@ MAX_CHUNK = 1024 * 1024
 
 STDOUT = 1
 STDERR = 2
+
+
+#: Message types by direction: what each side may receive.
+TO_WORKER = ("welcome", "run", "cancel", "reply", "req", "shutdown")
+TO_COORDINATOR = ("hello", "out", "done", "call", "resp", "stuck", "bye")
+
+
+def welcome() -> dict[str, Any]:
+    return {"t": "welcome", "v": PROTOCOL_VERSION}
+
+
+def run(block_id: str, code: str) -> dict[str, Any]:
+    return {"t": "run", "id": block_id, "code": code}
+
+
+def cancel(block_id: str) -> dict[str, Any]:
+    return {"t": "cancel", "id": block_id}
+
+
+def reply(cid: Any, *, value: Any = None, error: str | None = None) -> dict[str, Any]:
+    """The answer to ``call`` ``cid``: its value, or (``error`` given) the words of a failure."""
+    if error is not None:
+        return {"t": "reply", "cid": cid, "ok": False, "error": error}
+    return {"t": "reply", "cid": cid, "ok": True, "value": value}
+
+
+def req(rid: int, op: str, args: dict[str, Any]) -> dict[str, Any]:
+    return {"t": "req", "rid": rid, "op": op, "args": args}
+
+
+def shutdown() -> dict[str, Any]:
+    return {"t": "shutdown"}
+
+
+def hello(token: str, pid: int) -> dict[str, Any]:
+    return {"t": "hello", "v": PROTOCOL_VERSION, "token": token, "pid": pid}
+
+
+def out(block_id: str, chunks: list) -> dict[str, Any]:
+    return {"t": "out", "id": block_id, "o": chunks}
+
+
+def done(block_id: str, status: str, error: str, variables: list) -> dict[str, Any]:
+    return {"t": "done", "id": block_id, "status": status, "error": error, "vars": variables}
+
+
+def call(cid: int, name: str, args: list, kwargs: dict, block: str | None) -> dict[str, Any]:
+    return {"t": "call", "cid": cid, "name": name, "args": args, "kwargs": kwargs, "block": block}
+
+
+def resp(rid: Any, *, value: Any = None, error: str | None = None) -> dict[str, Any]:
+    """The answer to ``req`` ``rid``: its value, or (``error`` given) the words of a failure."""
+    if error is not None:
+        return {"t": "resp", "rid": rid, "ok": False, "error": error}
+    return {"t": "resp", "rid": rid, "ok": True, "value": value}
+
+
+def stuck(block_id: str) -> dict[str, Any]:
+    return {"t": "stuck", "id": block_id}
+
+
+def bye() -> dict[str, Any]:
+    return {"t": "bye"}
 
 
 class WireError(ValueError):

@@ -19,7 +19,7 @@ import pytest
 from engine.engine import Engine
 from engine.sandbox import MiB, SandboxPolicy, host_support, plan
 
-from ..conftest import REPO, wait_until
+from ..conftest import REPO, read_line, wait_until
 from .harness import WAIT, Host, assert_still_works, attack, needs_namespaces
 
 pytestmark = pytest.mark.attack
@@ -340,7 +340,7 @@ def _left(runtime: str, tmp_path: Path) -> list[str]:
 
 
 def _wait_ready(proc: subprocess.Popen) -> None:
-    line = proc.stdout.readline()  # bounded: the block prints at once, and the test has a timeout
+    line = read_line(proc.stdout, WAIT)
     assert line.strip() == b"ready", (line, proc.stderr.read1(4096) if proc.poll() is not None else b"")
 
 
