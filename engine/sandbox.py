@@ -354,18 +354,33 @@ def _tasks_of(uid: int) -> int:
     return n
 
 
+@dataclass(frozen=True)
+class View:
+    """What a worker is shown, every path resolved: the system (read-only, with the symlinks
+    of a merged /usr), its Python, the current directory when shown, the run's output and
+    socket directories (read-only) and the workspace (read-write)."""
+
+    system: tuple[str, ...]
+    links: tuple[tuple[str, str], ...]
+    python: tuple[str, ...]
+    workspace: Path
+    socket_dir: Path
+    output_dir: Path
+    cwd: Path | None
+
+
 def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
          output_dir: Path, python: str, memory_cgroup: bool = False) -> LaunchPlan:
     """The launch plan for one worker under `policy` on this machine.
 
-    `memory_cgroup`: the
-    coordinator puts the worker in a memory cgroup of its own (see `engine._cgroup`); without
-    one, the shared memory that escapes RLIMIT_DATA is refused instead.
+    `memory_cgroup`: the coordinator puts the worker in a memory cgroup of its own (see
+    `engine._cgroup`); without one, the shared memory that escapes RLIMIT_DATA is refused.
 
-    Side effects: creates `workspace`, `socket_dir` and `output_dir` if missing; when the
-    coordinator is root, gives the workspace and output directories to the run's group (see
-    `_share_with_run`).  Raises SandboxError when the policy's mode requires a layer this
-    host lacks."""
+    Four steps: choose the layers (`_layers`), decide the view and, for root, set the run's
+    directories up for its uid (the only side effects, with creating `workspace`, `socket_dir`
+    and `output_dir`), build the spec the worker applies to itself (`_confinement`) and the
+    bubblewrap command line (`bwrap_argv`, a pure function).  Raises SandboxError when the
+    policy's mode requires a layer this host lacks."""
     if policy.mode not in MODES:
         raise ConfigError(f"sandbox mode {policy.mode!r} is not one of {', '.join(MODES)}")
     if policy.mode == "none":
@@ -376,23 +391,8 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
     for d in (workspace, socket_dir, output_dir):
         d.mkdir(parents=True, exist_ok=True)
     host = host_support()
-    notes: list[str] = []
-
-    use_bwrap = policy.mode in ("auto", "bwrap") and host.bwrap is not None
-    if policy.mode == "bwrap" and not use_bwrap:
-        raise SandboxError(f"sandbox mode 'bwrap': {host.bwrap_problem}. {_INSTALL_HINT}")
-    if policy.mode == "landlock":
-        if host.landlock_abi < 1:
-            raise SandboxError("sandbox mode 'landlock': Landlock is not available on this kernel "
-                               "(needs Linux 5.13+ with landlock in the lsm= list)")
-        notes.append(f"sandbox: bubblewrap not used (mode landlock) — {_FALLBACK}")
-    elif not use_bwrap:
-        hint = f" {_INSTALL_HINT}" if host.bwrap_problem == "bubblewrap not found" else ""
-        notes.append(f"sandbox: {host.bwrap_problem} — {_FALLBACK}.{hint}")
-
+    use_bwrap, notes = _layers(policy, host)
     share_cwd, why = _shareable_cwd(cwd, policy.share_cwd)
-    sys_ro, links = _system_paths()
-    py_ro = list(python_paths(python))
     tmp = "/tmp" if use_bwrap else str(workspace / ".tmp")
     if not use_bwrap:
         Path(tmp).mkdir(exist_ok=True)
@@ -400,32 +400,63 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
     uid = None
     if host.root:
         uid, note = _root_worker(policy, host, use_bwrap, python, workspace, socket_dir)
-        if note:
-            notes.append(note)
+        notes += [note] if note else []
         if uid is not None:
             _share_with_run(uid, [workspace, *([Path(tmp)] if not use_bwrap else [])], output_dir, socket_dir)
             if share_cwd and not _readable_in_view(str(cwd), [str(cwd)] if use_bwrap else ["/"]):
                 share_cwd, why = False, (f"sandbox: the current directory {cwd} is not shown to workers "
                                          "(other users may not read it, and workers run as one); "
                                          "chmod o+rx it to share it")
-    if why:
-        notes.append(why)
-    start_dir = str(cwd) if share_cwd else str(workspace)
+    notes += [why] if why else []
+    system, links = _system_paths()
+    view = View(tuple(system), tuple(links), python_paths(python), workspace, socket_dir, output_dir,
+                cwd if share_cwd else None)
+    start_dir = str(view.cwd or workspace)
+    confine, more = _confinement(policy, host, use_bwrap, uid, view, memory_cgroup)
+    notes += more
+    env = {"HOME": tmp, "TMPDIR": tmp}
+    if not use_bwrap:
+        return LaunchPlan([], False, confine, notes, env, start_dir, uid)
+    argv = bwrap_argv(host.bwrap, root=host.root, network=policy.network, tmp_bytes=policy.tmp_bytes,
+                      view=view, start_dir=start_dir)
+    return LaunchPlan(argv, True, confine, notes, env, start_dir, uid)
 
+
+def _layers(policy: SandboxPolicy, host: HostSupport) -> tuple[bool, list[str]]:
+    """(whether bubblewrap is used, a note for each layer it costs not to); SandboxError when
+    the mode requires what this host lacks."""
+    use_bwrap = policy.mode in ("auto", "bwrap") and host.bwrap is not None
+    if policy.mode == "bwrap" and not use_bwrap:
+        raise SandboxError(f"sandbox mode 'bwrap': {host.bwrap_problem}. {_INSTALL_HINT}")
+    if policy.mode == "landlock":
+        if host.landlock_abi < 1:
+            raise SandboxError("sandbox mode 'landlock': Landlock is not available on this kernel "
+                               "(needs Linux 5.13+ with landlock in the lsm= list)")
+        return False, [f"sandbox: bubblewrap not used (mode landlock) — {_FALLBACK}"]
+    if not use_bwrap:
+        hint = f" {_INSTALL_HINT}" if host.bwrap_problem == "bubblewrap not found" else ""
+        return False, [f"sandbox: {host.bwrap_problem} — {_FALLBACK}.{hint}"]
+    return True, []
+
+
+def _confinement(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid: int | None,
+                 view: View, memory_cgroup: bool) -> tuple[dict, list[str]]:
+    """The JSON-able spec `worker._confine.apply` installs, and a note for each layer missing."""
+    notes: list[str] = []
     confine: dict = {"rlimits": _rlimits(policy, host, use_bwrap, uid), "drop_caps": True,
                      "no_new_privs": True}
     if uid is not None:
         confine["uid"] = [uid, uid]
         confine["umask"] = 0o002
 
-    rw = [str(workspace)] + (["/tmp", "/dev/shm"] if use_bwrap else [])
+    rw = [str(view.workspace)] + (["/tmp", "/dev/shm"] if use_bwrap else [])
     if host.landlock_abi >= 1:
         if use_bwrap:
             # The mount namespace already shows only what may be seen: read all of it.
             ro, dev = ["/"], [*_DEV_FILES, "/dev/pts"]
         else:
-            ro = (sys_ro + py_ro + ([str(cwd)] if share_cwd else []) + [str(output_dir)]
-                  + [str(socket_dir)])
+            ro = [*view.system, *view.python, *([str(view.cwd)] if view.cwd else []),
+                  str(view.output_dir), str(view.socket_dir)]
             dev = list(_DEV_FILES)
         confine["landlock"] = {"ro": ro, "rw": rw, "dev": dev, "scope": True,
                                "deny_tcp": not use_bwrap and not policy.network}
@@ -452,36 +483,35 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
                      "dangerous system calls are not filtered")
         if not use_bwrap and not policy.network:
             notes.append("sandbox: without seccomp or a network namespace the worker has network access")
+    return confine, notes
 
-    env = {"HOME": tmp, "TMPDIR": tmp}
-    if not use_bwrap:
-        return LaunchPlan([], False, confine, notes, env, start_dir, uid)
 
-    argv = [host.bwrap, *_bwrap_flags(host.root, policy.network), "--hostname", "agentloop"]
+def bwrap_argv(bwrap: str, *, root: bool, network: bool, tmp_bytes: int, view: View,
+               start_dir: str) -> list[str]:
+    """The bubblewrap command line (up to and including ``--``) that builds `view`.  Pure: the
+    same arguments give the same list, which the tests compare argument for argument."""
+    argv = [bwrap, *_bwrap_flags(root, network), "--hostname", "agentloop"]
     made = {"/", "/tmp", "/dev", "/proc"}
-    size = str(policy.tmp_bytes)
+    size = str(tmp_bytes)
     # The private /tmp first: a Python installed beneath /tmp (a checkout there) is bound on top
     # of it, not hidden by it.
     argv += ["--proc", "/proc", "--dev", "/dev",
              "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm",
              "--perms", "1777", "--size", size, "--tmpfs", "/tmp"]
-    for path in _outermost(sys_ro + py_ro):
+    for path in _outermost([*view.system, *view.python]):
         argv += [*_parents(path, made), "--ro-bind", path, path]
-    for target, link in links:
+    for target, link in view.links:
         argv += ["--symlink", target, link]
     # Host directories last, shallowest first, so a deeper (more specific) bind wins and none
     # is hidden by the /tmp tmpfs.  The socket directory is read-only: connecting to a socket
     # needs no write access to its directory, and nothing else belongs there.
-    binds = [("--bind", workspace), ("--ro-bind", socket_dir), ("--ro-bind", output_dir)]
-    if share_cwd and not _beneath(str(cwd), str(workspace)):  # else visible, writable, as workspace
-        binds.append(("--ro-bind", cwd))
-    # A hidden path is covered after the binds of its depth and before deeper ones, so the
-    # worker's own workspace beneath a covered directory is bound back on top.
+    binds = [("--bind", view.workspace), ("--ro-bind", view.socket_dir), ("--ro-bind", view.output_dir)]
+    if view.cwd is not None and not _beneath(str(view.cwd), str(view.workspace)):
+        binds.append(("--ro-bind", view.cwd))  # (beneath the workspace it is visible, writable)
     for kind, path in sorted(binds, key=lambda b: (len(b[1].parts), b[0] == "--bind")):
         argv += [*_parents(str(path), made), kind, str(path), str(path)]
     # The root and /dev are tmpfs that bwrap builds; nothing may be written to them.
-    argv += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", start_dir, "--"]
-    return LaunchPlan(argv, True, confine, notes, env, start_dir, uid)
+    return argv + ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", start_dir, "--"]
 
 
 def _share_with_run(uid: int, workspaces: list[Path], output_dir: Path, socket_dir: Path) -> None:

@@ -871,3 +871,35 @@ probe("route", lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0).clos
 '''
     r = box.run(code)
     assert r["uevent"] == "PermissionError EPERM" and r["route"] == "ok", r.stdout
+
+
+def test_bwrap_argv_argument_for_argument() -> None:
+    """The bubblewrap command line is a pure function of the view: checked whole."""
+    from engine.sandbox import View, bwrap_argv
+
+    view = View(system=("/usr", "/etc/passwd"), links=(("usr/bin", "/bin"),), python=("/opt/py",),
+                workspace=Path("/w/ws"), socket_dir=Path("/run/s/w1"), output_dir=Path("/w/out"),
+                cwd=Path("/w/proj"))
+    argv = bwrap_argv("/usr/bin/bwrap", root=True, network=False, tmp_bytes=1024, view=view,
+                      start_dir="/w/proj")
+    assert argv == [
+        "/usr/bin/bwrap", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+        "--unshare-net", "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
+        "--cap-add", "CAP_SETPCAP", "--die-with-parent", "--new-session", "--hostname", "agentloop",
+        "--proc", "/proc", "--dev", "/dev",
+        "--perms", "1777", "--size", "1024", "--tmpfs", "/dev/shm",
+        "--perms", "1777", "--size", "1024", "--tmpfs", "/tmp",
+        "--ro-bind", "/usr", "/usr",
+        "--perms", "0755", "--dir", "/etc", "--ro-bind", "/etc/passwd", "/etc/passwd",
+        "--perms", "0755", "--dir", "/opt", "--ro-bind", "/opt/py", "/opt/py",
+        "--symlink", "usr/bin", "/bin",
+        "--perms", "0755", "--dir", "/w", "--ro-bind", "/w/out", "/w/out",
+        "--ro-bind", "/w/proj", "/w/proj",
+        "--bind", "/w/ws", "/w/ws",
+        "--perms", "0755", "--dir", "/run", "--perms", "0755", "--dir", "/run/s",
+        "--ro-bind", "/run/s/w1", "/run/s/w1",
+        "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/w/proj", "--"]
+    unprivileged = bwrap_argv("bwrap", root=False, network=True, tmp_bytes=1, view=view, start_dir="/w/ws")
+    assert unprivileged[1:8] == ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+                                 "--unshare-user", "--disable-userns", "--die-with-parent"]
+    assert "--unshare-net" not in unprivileged and "--cap-add" not in unprivileged
