@@ -393,6 +393,20 @@ class Worker:
                     await supervisor
 
     async def _supervise(self, block: _Block) -> BlockResult:
+        """Wait for ``block``'s result, keeping its deadline.  The contract, all of it here:
+
+        - The deadline is ``timeout`` seconds from when the ``run`` was sent, kept by the
+          coordinator; the worker's own clock and good will are never relied on.
+        - At the deadline the block is cancelled cooperatively (its task cancelled, or an
+          exception raised in its thread), and its ``finally:`` blocks get ``engine.grace``.
+        - The worker is killed (SIGKILL to its whole tree) when the grace runs out, or at once
+          when it reports the block ``stuck`` in C code, where no cancellation can reach.
+        - A kill resets the namespace: every block running in that worker ends ("killed",
+          naming the block that caused it), the result lists the variables lost, and the next
+          block runs in a fresh process bound as the first was.
+        - Cancelling the caller of ``run`` stops the block the same way; a stop the deadline
+          already started is waited for, never started twice.
+        """
         # The deadline is a timer that starts the stop, not wait_for() or wait(): on the round
         # trip of a short block each of those costs an extra pass of the event loop.
         loop = asyncio.get_running_loop()
