@@ -19,10 +19,12 @@ import os
 import select
 import signal
 import subprocess
+import sys
 import threading
 import time
 import weakref
 
+from engine.sandbox import tools_argv
 from worker.tool_server import HEADER, MAX_REPLY, FrameError, command, pack, unpack
 
 #: Seconds a fresh tool process may take to start and confine itself.
@@ -63,6 +65,7 @@ class ToolProcess:
         self.exclude = exclude
         self.queue_wait = queue_wait
         self.layers: list[str] = []  # the confinement layers the running process applied
+        self._view = tools_argv(root, sys.executable)  # bubblewrap's view of root alone, if usable
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._busy = 0.0  # seconds of requests served by the current process
@@ -129,7 +132,7 @@ class ToolProcess:
         env = {k: os.environ[k] for k in ("PATH", "LANG") if k in os.environ}  # no keys, no PYTHON*
         try:
             proc = _spawner.submit(
-                subprocess.Popen, command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                subprocess.Popen, [*self._view, *command()], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, cwd="/", env=env, close_fds=True,
                 start_new_session=True,  # Ctrl-C at the terminal is the coordinator's business
             ).result(timeout=STARTUP_TIMEOUT)
@@ -143,7 +146,9 @@ class ToolProcess:
         self._finalizer = weakref.finalize(self, _kill_quietly, [proc])
         deadline = time.monotonic() + STARTUP_TIMEOUT
         try:
-            self._send(pack({"root": self.root, "exclude": self.exclude, "parent": os.getpid(),
+            # Inside bubblewrap's PID namespace the parent is its init; bwrap dies with us.
+            self._send(pack({"root": self.root, "exclude": self.exclude,
+                             "parent": 0 if self._view else os.getpid(),
                              "cpu_seconds": CPU_SECONDS}), deadline)
             reply = self._receive(deadline)
         except (ToolTimeout, ToolCrash) as exc:

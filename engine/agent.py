@@ -17,6 +17,14 @@ block or sub-agent, all of them in one message, and never more than one message 
 interval caused by heartbeats); one run has at most ``max_subagents`` sub-agents working at
 once, and the model is told so in words beyond that; and the live display gets each output
 line cut to ``DISPLAY_LINE_BYTES``, so a line of any length costs the coordinator no memory.
+
+A reply the server cut at the length cap (``finish_reason: "length"``) is never taken as the
+answer: what it completed runs, the model is told where it was cut and continues, and after
+``MAX_CUT_REPLIES`` cut replies in a row the run fails saying so.
+
+While the worker starts, the model's endpoint is asked what it serves (``model_server``): a
+context window the configuration leaves out is taken from the server, and the connection the
+first request uses is opened then.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import itertools
 import os
 import time
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -38,6 +46,7 @@ from .durations import parse_duration
 from .engine import Engine
 from .errors import AgentloopError, ConfigError, ModelError
 from .llm import Chat
+from .model_server import ServerInfo, connect
 from .models import ModelConfig, ModelRegistry
 from .results import BlockResult, OutputChunk
 from .sandbox import workspace_excess
@@ -60,6 +69,9 @@ MAX_SUBAGENTS = 8
 #: until its newline), so an endless line must never reach them whole.
 DISPLAY_LINE_BYTES = 16 * 1024
 _DISPLAY_CUT = b" [... the rest of this line is not shown live]"
+#: Replies cut at the length cap in a row after which a run gives up: a model that never ends
+#: its turn (a base model, a loop) would otherwise spend its whole message budget that way.
+MAX_CUT_REPLIES = 3
 
 #: The sub-agent limit of runs whose agent is made without ``max_subagents``: the command line
 #: sets it for the command it runs (``--max-subagents``), others get ``MAX_SUBAGENTS``.
@@ -310,6 +322,8 @@ class Agent:
         self.result_value: str | None = None
         self.released = False  # its worker was closed to make room for newer sub-agents
         self.messages_sent = 0
+        self._cut_replies = 0  # replies cut at the length cap in a row
+        self.server = ServerInfo()  # what the endpoint said about itself, once started
         self._block_ids = itertools.count(1)
 
     # -- set-up -------------------------------------------------------------------------------
@@ -320,26 +334,60 @@ class Agent:
         """Start this agent's worker, give it its tools and ``self``, write the system prompt."""
         if self.chat is not None:
             return
-        self.worker = await self.engine.start_worker(self.name)
-        self.worker.on_call = self._on_call
-        for note in self.worker.notes:
-            self._event("note", message=note)
-        await self.worker.request("bind", {"host": [host_spec(n, f) for n, f in self.functions.items()],
-                                           "self": True})
-        names: list[str] = []
-        if self._handed:
-            names = await self.worker.request("inject", {"items": self._handed})
-        env = await self.worker.request("env")
-        descriptions = [tags.describe_object(n, f) for n, f in self.functions.items()]
-        if names:
-            descriptions += await self.worker.request("describe", {"names": names})
+        # The client is made and the endpoint asked about itself while the worker starts: both
+        # cost tens of milliseconds that would otherwise delay the first request.
+        endpoint = asyncio.ensure_future(connect(self.model))
+        try:
+            self.worker = await self.engine.start_worker(self.name)
+            self.worker.on_call = self._on_call
+            for note in self.worker.notes:
+                self._event("note", message=note)
+            await self.worker.request("bind", {"host": [host_spec(n, f) for n, f in self.functions.items()],
+                                               "self": True}, keep=True)
+            names: list[str] = []
+            if self._handed:
+                names = await self.worker.request("inject", {"items": self._handed}, keep=True)
+            env = await self.worker.request("env")
+            descriptions = [tags.describe_object(n, f) for n, f in self.functions.items()]
+            if names:
+                descriptions += await self.worker.request("describe", {"names": names})
+            client, self.server = await endpoint
+        except BaseException:
+            endpoint.cancel()
+            await asyncio.wait([endpoint])
+            if not endpoint.cancelled() and endpoint.exception() is None:
+                await endpoint.result()[0].aclose()
+            raise
+        self.adapt(self.server)
         system = tags.build_system(
-            model_alias=self.model.alias, model=self.model.model, available_models=self.models.describe(),
+            model_alias=self.model.alias, model=self.model.model,
+            available_models=self.models.describe({self.model.alias: self.model}),
             python=env["python"], os=env["os"], cpu=env["cpu"], ram=env["ram"], packages=env["packages"],
             namespace_block=tags.describe_namespace(descriptions),
             minimal=os.environ.get("AGENT_MINIMAL_SYSTEM") == "1", guide=self.guide)
         self.chat = self._chat_factory(system, self.model, display=self.display, name=self.name,
-                                       stop=STOP_SEQUENCES)
+                                       stop=STOP_SEQUENCES, client=client)
+
+    def adapt(self, server: ServerInfo) -> None:
+        """Take in what the endpoint reported: its context window where the configuration sets
+        none, and a note when the model id is not one it serves.  Says what it learned in an
+        ``endpoint`` event."""
+        if server.context_window and not self.model.context_window:
+            self.model = replace(self.model, context_window=server.context_window)
+        served, words = server.check_id(self.model.model)
+        if words and (not served or server.single_model) and self.first_on_endpoint():
+            self._event("note", message=words)
+        if server.answered:
+            self._event("endpoint", model=self.model.alias, kind=server.kind, context_window=server.context_window,
+                        context_source=server.context_source, supports_tools=server.supports_tools,
+                        model_ids=list(server.model_ids or ()))
+
+    def first_on_endpoint(self) -> bool:
+        """Whether this agent is the first of its run on its model: notes about the endpoint are
+        said once, not again by every sub-agent that uses it."""
+        parent = self.supervisor
+        return parent is None or (parent.model.base_url, parent.model.model) != (self.model.base_url,
+                                                                                 self.model.model)
 
     async def close(self) -> None:
         """Stop everything of this agent and its sub-agents; close their workers and clients."""
@@ -428,6 +476,24 @@ class Agent:
             finally:
                 waker.cancel()
 
+    def check_length(self, reply: str, *, invented: bool = False) -> None:
+        """After a reply: if the server cut it at the length cap, queue the words that tell the
+        model so (the run cannot end on it) and count it; raise AgentError once ``MAX_CUT_REPLIES``
+        replies in a row were cut.  A reply already cut where the model invented a result is
+        not: what came after that was never going to be used."""
+        assert self.chat is not None
+        if self.chat.last_finish_reason != "length" or invented:
+            self._cut_replies = 0
+            return
+        self._cut_replies += 1
+        cap = self.chat.last_max_tokens
+        self._event("note", message=f"the reply was cut at the length cap ({cap} tokens); the model is told")
+        if self._cut_replies >= MAX_CUT_REPLIES:
+            raise AgentError(f"the model's last {self._cut_replies} replies were all cut at the length cap "
+                             f"(max_tokens={cap}) without finishing: raise it (--max-tokens, max_tokens in "
+                             "agentloop.toml) or ask for something shorter")
+        self.inbox.append(tags.format_reply_cut(cap, reply))
+
     def context_note(self) -> str:
         chat = self.chat
         assert chat is not None and self.worker is not None
@@ -452,6 +518,7 @@ class Agent:
                 if cut:
                     self.chat.messages[-1]["content"] = reply  # the transcript keeps what was acted on
                 await self.process_llm_response(reply)
+                self.check_length(reply, invented=cut)
                 if self.is_completed():
                     return reply
                 await self.wait_first_event()

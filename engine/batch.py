@@ -66,7 +66,7 @@ import click
 
 from ._tree import copy_tree, remove_tree, walk
 from .agent import RunResult, run_task
-from .cli import EXIT_OWN, Duration, _fail, _policy
+from .cli import EXIT_OWN, Duration, _fail, _policy, apply_max_tokens, max_tokens_option
 from .display import AgentDisplay, FanoutDisplay, JsonlRecorder
 from .durations import parse_duration
 from .engine import Engine
@@ -1075,6 +1075,7 @@ def run_batch(tasks_path: str | Path, output: str | Path, settings: RunSettings,
               help="Model aliases file (default ./agentloop.toml, else LLM_URL/LLM_MODEL).")
 @click.option("--max-messages", type=click.IntRange(1), default=200, show_default=True,
               help="Messages to the model before a run gives up (a task's own value wins).")
+@max_tokens_option
 @click.option("--protocol", type=click.Choice(["tags", "tools"]), default=None,
               help="How the model acts: <run_code> tags or native tool calls (default: per model alias).")
 @click.option("--tools", type=click.Choice(["none", "repo"]), default="none", show_default=True,
@@ -1097,7 +1098,7 @@ def batch(tasks_file: Path, output: Path, parallel: int | None, retries: int, re
     runs and exits 130; a second Ctrl-C leaves at once.  Exit 0 when the batch ran to its end,
     1 when it stopped because the infrastructure kept failing, 125 for bad input."""
     try:
-        registry = load_models(models_file)
+        registry = apply_max_tokens(load_models(models_file))
         registry.get(model)
     except AgentloopError as exc:
         _fail(str(exc))

@@ -139,7 +139,8 @@ def _policy(sandbox: str, network: bool) -> SandboxPolicy:
 class _LazyGroup(click.Group):
     """Commands with heavy or optional imports load only when called."""
 
-    lazy = {"batch": "engine.batch:batch", "chat": "engine.chat:chat", "demo": "engine.demo:demo"}
+    lazy = {"ask": "engine.ask:ask", "batch": "engine.batch:batch", "chat": "engine.chat:chat",
+            "demo": "engine.demo:demo"}
 
     def list_commands(self, ctx):
         return sorted({*super().list_commands(ctx), *self.lazy})
@@ -285,9 +286,22 @@ def _subagent_limit(ctx, param, value):
     ctx.call_on_close(lambda: subagent_limit.reset(token))
 
 
+def _remember_max_tokens(ctx, param, value):
+    if value is not None:
+        ctx.meta["agentloop.max_tokens"] = value
+
+
+#: ``--max-tokens``: read by ``load_registry``, so commands need no parameter for it.
+max_tokens_option = click.option(
+    "--max-tokens", type=click.IntRange(1), default=None, expose_value=False, callback=_remember_max_tokens,
+    help="Longest reply in tokens, sent as max_tokens (default: each model alias's max_tokens in "
+         "agentloop.toml, else 8192).  A reply cut there is never taken as the answer.")
+
+
 def agent_options(f):
     """Options shared by the commands that run agents (run, chat, batch, demo)."""
     return _sandbox_options(_apply(f, [
+        max_tokens_option,
         click.option("--model", "model", default=None, help="Model alias (see `agentloop models`)."),
         click.option("--models", "models_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
                      help="Model aliases file (default ./agentloop.toml, else LLM_URL/LLM_MODEL)."),
@@ -310,12 +324,21 @@ def agent_options(f):
 
 
 def load_registry(models_file: Path | None):
+    """The model aliases (the file, else LLM_URL/LLM_MODEL), with the command's ``--max-tokens``
+    applied to every one; a bad file ends the command in one line."""
     from .models import load_models
 
     try:
-        return load_models(models_file)
+        return apply_max_tokens(load_models(models_file))
     except AgentloopError as exc:
         _fail(str(exc))
+
+
+def apply_max_tokens(registry):
+    """``registry`` with the current command's ``--max-tokens``, if it was given, on every model."""
+    ctx = click.get_current_context(silent=True)
+    cap = ctx.meta.get("agentloop.max_tokens") if ctx is not None else None
+    return registry.replace_all(max_tokens=cap) if cap else registry
 
 
 def host_functions(tools: str, root: Path) -> dict:
@@ -444,32 +467,72 @@ def doctor_cmd(models_file, model, sandbox, network, workspace) -> None:
         config = registry.get(model)
     except AgentloopError as exc:
         _fail(str(exc))
-    import httpx
+    from .model_server import probe
 
-    headers = {"Authorization": f"Bearer {config.api_key()}"} if config.api_key() else {}
-    try:
-        reply = httpx.get(f"{config.base_url.rstrip('/')}/models", headers=headers, timeout=5)
-        answers = reply.status_code < 500
-        click.echo(f"model endpoint {config.base_url}: answers (HTTP {reply.status_code})")
-    except httpx.HTTPError as exc:
+    server = asyncio.run(probe(config))
+    if server.models_status is None:
         answers = False
-        click.echo(f"model endpoint {config.base_url}: does not answer ({type(exc).__name__}). Start one: "
-                   "`llama-server -m MODEL.gguf --port 8080 --jinja`, or Ollama "
-                   "(`LLM_URL=http://localhost:11434/v1 LLM_MODEL=qwen3:4b`), or set LLM_URL.")
+        click.echo(inert(f"model endpoint {config.base_url}: does not answer ({server.models_error}). Start one: "
+                         "`llama-server -m MODEL.gguf --port 8080 --jinja`, or Ollama "
+                         "(`LLM_URL=http://localhost:11434/v1 LLM_MODEL=qwen3:4b`), or set LLM_URL."))
+    else:
+        answers = server.models_status < 500
+        click.echo(inert(f"model endpoint {config.base_url}: answers (HTTP {server.models_status})"))
+        for fine, line in _endpoint_lines(config, server):
+            click.echo(inert(f"  {'✓' if fine else '✗'} {line}"))
+            answers &= fine
     healthy &= answers
     sys.exit(0 if healthy else 1)
+
+
+def _endpoint_lines(config, server) -> list[tuple[bool, str]]:
+    """``doctor``'s lines on what the endpoint reported about itself: (fine, words)."""
+    lines = []
+    if server.kind:
+        lines.append((True, f"server: {server.kind}"))
+    served, words = server.check_id(config.model)
+    if words:
+        lines.append((served, words))
+    if config.context_window:
+        reported = f"; the server reports {server.context_window}" if server.context_window else ""
+        lines.append((True, f"context window: {config.context_window} tokens (agentloop.toml){reported}"))
+    elif server.context_window:
+        lines.append((True, f"context window: {server.context_window} tokens (from the server, "
+                            f"{server.context_source})"))
+    else:
+        lines.append((True, "context window: not reported; set context_window in agentloop.toml"))
+    if server.supports_tools is not None:
+        lines.append((True, f"tools: {'supported' if server.supports_tools else 'not supported'} "
+                            f"({server.tools_source})" + ("" if server.supports_tools else
+                                                          "; --protocol tools falls back to tags")))
+    lines.append((True, f"reply cap: max_tokens {config.max_tokens}"))
+    return lines
 
 
 @main.command("models")
 @click.option("--models", "models_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Model aliases file (default ./agentloop.toml).")
 def models_cmd(models_file) -> None:
-    """List the model aliases agents can use."""
+    """List the model aliases agents can use, with what their servers report (context size,
+    tool support); a server that does not answer within a few seconds is listed as configured."""
+    from dataclasses import replace
+
+    from .model_server import probe
+
     registry = load_registry(models_file)
-    for alias in registry.aliases():
-        config = registry.get(alias)
+
+    async def ask_all():
+        return await asyncio.gather(*(probe(config) for config in registry))
+
+    for config, server in zip(registry, asyncio.run(ask_all()), strict=True):
         mark = "*" if config is registry.default else " "
-        click.echo(f"{mark} {config.describe().removeprefix('- ')}  [{config.base_url}, protocol {config.protocol}]")
+        shown, source = config, ""
+        if not config.context_window and server.context_window:
+            shown, source = replace(config, context_window=server.context_window), "from the server"
+        notes = [config.base_url, f"protocol {config.protocol}", f"max_tokens {config.max_tokens}"]
+        if server.supports_tools is False:
+            notes.append("no tools: tools falls back to tags")
+        click.echo(inert(f"{mark} {shown.describe(context_from=source).removeprefix('- ')}  [{', '.join(notes)}]"))
 
 
 if __name__ == "__main__":  # pragma: no cover

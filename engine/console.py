@@ -7,6 +7,10 @@ no escape sequence or control character of a model or a program reaches the term
 split across streamed pieces, since replies and output streams are filtered incrementally. Program
 colours are removed too; the console colours stderr lines itself. Without a terminal rich writes
 no colour codes.
+
+A model's reasoning streams dimmed, after a ``∴`` instead of the ``›`` of its reply, and is
+collapsed: the first ``reasoning_lines`` lines of each reply's reasoning are shown, the rest
+counted in one line (all of it with ``verbose``, and always in a recording).
 """
 
 from __future__ import annotations
@@ -44,6 +48,16 @@ def _seconds(value: Any, fmt: str = "{:.1f}s") -> str:
 
 
 @dataclass
+class _Thought:
+    """The reasoning of one reply as it is shown: lines shown, lines collapsed."""
+
+    filter: InertText = field(default_factory=InertText)
+    lines: int = 0
+    hidden: int = 0
+    hidden_tail: bool = False  # the last collapsed line has not ended yet
+
+
+@dataclass
 class _Block:
     live: bool = False  # output arrives as `output` chunks; cumulative `progress` output is then ignored
     shown_chars: int = 0  # how much of the cumulative progress output has been shown
@@ -61,13 +75,16 @@ class ConsoleDisplay(DispatchDisplay):
     and each block at most `output_lines` lines of output. Handlers never raise on missing fields."""
 
     def __init__(self, console: Console | None = None, verbose: bool = False, *,
-                 code_lines: int = 4, output_lines: int = 40):
+                 code_lines: int = 4, output_lines: int = 40, reasoning_lines: int = 6):
         self.console = console or Console(stderr=True, highlight=False)
         self.verbose = verbose
         self.code_lines = code_lines
         self.output_lines = output_lines
+        self.reasoning_lines = reasoning_lines
         self._depth: dict[str, int] = {}
         self._open_line: str | None = None  # agent whose streamed reply line is not yet terminated
+        self._open_kind = "reply"  # what that line is: "reply" or "reasoning"
+        self._thoughts: dict[str, _Thought] = {}  # per agent: the reasoning of its current reply
         self._streamed: set[str] = set()  # agents whose current reply arrived as deltas
         self._replies: dict[str, InertText] = {}  # per agent: its streamed reply, filtered as it arrives
         self._blocks: dict[tuple[str, str], _Block] = {}
@@ -126,21 +143,52 @@ class ConsoleDisplay(DispatchDisplay):
         if not text:
             return
         self._streamed.add(name)
-        if self._open_line != name:
+        self._collapsed(name)
+        if self._open_line != name or self._open_kind != "reply":
             self._close_stream()
         for piece in text.splitlines(keepends=True):
             if self._open_line is None:
                 self._write(Text.assemble(self._indent(name), self._prefix(name)))
-                self._open_line = name
+                self._open_line, self._open_kind = name, "reply"
             self._write(Text(piece.rstrip("\n")))
             if piece.endswith("\n"):
                 self._write(Text(""), end="\n")
                 self._open_line = None
 
+    def reasoning(self, name: str = "?", text: str = "") -> None:
+        thought = self._thoughts.setdefault(name, _Thought())
+        text = thought.filter.feed(text if isinstance(text, str) else str(text))
+        for piece in text.splitlines(keepends=True):
+            if not self.verbose and thought.lines >= self.reasoning_lines:
+                thought.hidden += piece.count("\n")
+                thought.hidden_tail = not piece.endswith("\n")
+                continue
+            if self._open_line != name or self._open_kind != "reasoning":
+                self._close_stream()
+                self._write(Text.assemble(self._indent(name), (f"{_clean(name)} ∴ ", "dim cyan")))
+                self._open_line, self._open_kind = name, "reasoning"
+            self._write(Text(piece.rstrip("\n"), style="dim"))
+            if piece.endswith("\n"):
+                self._write(Text(""), end="\n")
+                self._open_line = None
+                thought.lines += 1
+
+    def _collapsed(self, name: str) -> None:
+        """Where reasoning gives way to the reply: one line counting the reasoning not shown."""
+        thought = self._thoughts.get(name)
+        if self._open_line == name and self._open_kind == "reasoning":
+            self._close_stream()
+        if thought is not None and (thought.hidden or thought.hidden_tail):
+            more = thought.hidden + thought.hidden_tail
+            self._line(name, (f"  ∴ … {more} more line{'s' if more != 1 else ''} of reasoning not shown", "dim"))
+            thought.hidden, thought.hidden_tail = 0, False
+
     def replied(self, name: str = "?", message: str = "", stats: Any = None, latency: Any = None) -> None:
         # The reply's filter ends with it: a sequence it was cut in the middle of is dropped, and a last
         # lone \r would only have ended the line, which closing the stream does.
         self._replies.pop(name, None)
+        self._collapsed(name)
+        self._thoughts.pop(name, None)
         if name in self._streamed:
             self._streamed.discard(name)
             if self._open_line == name:

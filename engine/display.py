@@ -24,8 +24,14 @@ class AgentDisplay:
 
         system(name, prompt)                       the system prompt of agent `name`
         sent(name, message, count)                 a message sent to the model; count = messages so far
-        replied(name, message, stats, latency)     the model's full reply, usage stats, seconds taken
+        replied(name, message, stats, latency, finish_reason, reasoning)
+                                                   the model's full reply, usage stats, seconds taken,
+                                                   why it ended ("length": cut at the cap), its reasoning
         delta(name, text)                          a piece of the reply as it streams in
+        reasoning(name, text)                      a piece of the model's reasoning as it streams in
+                                                   (never part of the reply, never sent back)
+        endpoint(name, model, kind, context_window, context_source, supports_tools, model_ids)
+                                                   what the model's server reported about itself
         launched(name, id, timeout, heartbeat, code)   a <run_code> block started
         output(name, id, stream, text)             a live output chunk of a running block ("stdout"/"stderr")
         progress(name, id, current, output)        a heartbeat: seconds so far, output so far

@@ -2,16 +2,24 @@
 
 ``Chat`` keeps the transcript, streams replies (``/chat/completions`` with ``stream: true``),
 retries what is worth retrying, and counts tokens, money and time.  It copes with the common
-deviations of local servers: a JSON body where SSE was asked for, a 400 for ``stream_options``,
-no ``usage`` at all.  Failures leave as ``ModelUnreachable`` or ``ModelResponseError`` with one
-message that says what to do; the API key never appears in a message, an event or a repr.
+deviations of local servers: a JSON body where SSE was asked for, a 400 for ``stream_options``
+or for ``max_tokens``, no ``usage`` at all.  Failures leave as ``ModelUnreachable`` or
+``ModelResponseError`` with one message that says what to do; the API key never appears in a
+message, an event or a repr.
+
+Every request carries a reply-length cap (``max_tokens``); ``last_finish_reason`` says whether
+the reply ended or was cut (``"length"``), and the agents act on it.  Reasoning, whether in
+a field of its own or inline as ``<think>``, is shown and recorded as ``reasoning`` events and
+never becomes content.
 """
 
 from __future__ import annotations
 
 import asyncio
 import email.utils
+import functools
 import json
+import ssl
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
@@ -20,10 +28,36 @@ import httpx
 
 from engine.errors import ModelResponseError, ModelUnreachable
 from engine.models import ModelConfig
+from engine.reasoning import ThinkSplitter, reasoning_of
 from engine.tags import strip_think
 
 _RETRY_STATUS = {408, 429}
 _BODY_PREVIEW = 400
+#: The smallest reply cap sent when the context window leaves less room than the configured cap.
+MIN_REPLY_TOKENS = 256
+#: Characters per token when the prompt has to be estimated for the reply cap: low on purpose
+#: (code packs fewer characters into a token than prose), since too high a cap is an HTTP 400
+#: on servers that check prompt + max_tokens against their window (vLLM).
+_CHARS_PER_TOKEN_LOW = 3
+
+
+@functools.cache
+def _tls() -> ssl.SSLContext:
+    """One TLS context for the process: building one costs tens of milliseconds, and every
+    client would otherwise build its own (every sub-agent's conversation has a client)."""
+    return httpx.create_ssl_context()
+
+
+def open_client(model: ModelConfig, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+    """The HTTP client for conversations with ``model``'s endpoint (its timeout; the shared TLS context)."""
+    timeout = httpx.Timeout(model.timeout, connect=min(model.timeout, 30.0))
+    return httpx.AsyncClient(transport=transport, timeout=timeout, verify=_tls())
+
+
+def auth_headers(model: ModelConfig) -> dict[str, str]:
+    """The Authorization header for ``model``'s key, read now; none without a key."""
+    key = model.api_key()
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 class Display(Protocol):
@@ -44,14 +78,24 @@ class _StreamRefused(Exception):
     """The server rejected ``stream``/``stream_options``; ask again without streaming."""
 
 
+class _CapRefused(Exception):
+    """The server rejected ``max_tokens`` (OpenAI's newer models want ``max_completion_tokens``)."""
+
+
 class Chat:
     """A transcript plus the client that extends it.
 
     ``send(text)`` appends a user message, asks the model and appends (and returns) its reply
     with any ``<think>`` part removed.  ``request(messages)`` is the lower layer: one completion
     for any message list, returning the assistant message dict (with ``tool_calls`` when the
-    model made some) and leaving the transcript alone.  One ``httpx.AsyncClient`` per Chat,
-    opened on first use and closed by ``aclose()`` (or ``async with``).
+    model made some) and leaving the transcript alone.  One ``httpx.AsyncClient`` per Chat:
+    ``client`` when given (already connected while the agent was being set up), else opened on
+    first use; the Chat closes it in ``aclose()`` (or ``async with``).
+
+    Each request asks for at most ``model.max_tokens`` tokens, fewer when the model's context
+    window (configured or learned from the server) leaves less room.  After a request,
+    ``last_finish_reason`` is the server's (``"length"``: the reply was cut at the cap),
+    ``last_max_tokens`` the cap that was sent and ``last_reasoning`` what the model thought.
 
     Token counts come from the server's ``usage``.  When a server reports none, they are
     estimated as characters // 4 and ``usage_estimated`` becomes True; cost follows from
@@ -61,7 +105,8 @@ class Chat:
     def __init__(self, system: str, model: ModelConfig, *, display: Display | None = None, name: str = "main",
                  transport: httpx.AsyncBaseTransport | None = None, max_retries: int = 4,
                  stop: list[str] | None = None, extra_body: dict[str, Any] | None = None,
-                 backoff: float = 0.5, backoff_max: float = 8.0, retry_after_max: float = 30.0) -> None:
+                 backoff: float = 0.5, backoff_max: float = 8.0, retry_after_max: float = 30.0,
+                 client: httpx.AsyncClient | None = None) -> None:
         self.model = model
         self.name = name
         self.display = display
@@ -73,8 +118,9 @@ class Chat:
         self.backoff_max = backoff_max
         self.retry_after_max = retry_after_max
         self._transport = transport
-        self._client: httpx.AsyncClient | None = None
+        self._client: httpx.AsyncClient | None = client
         self._stream = True  # turned off for good once a server refuses streaming
+        self._cap_key = "max_tokens"  # the field the server takes the reply cap in
         self._lock = asyncio.Lock()  # one send() at a time: the transcript is sequential
         # accounting
         self.context = 0
@@ -85,6 +131,9 @@ class Chat:
         self.requests = 0
         self.usage_estimated = False
         self.last_finish_reason: str | None = None
+        self.last_max_tokens: int | None = None
+        self.last_reasoning = ""
+        self._counted = 0  # messages the last usage count covered (``context``)
         self._emit("system", prompt=system, model=model.alias)
 
     # ------------------------------------------------------------------ public surface
@@ -126,7 +175,8 @@ class Chat:
                 raise
             text = strip_think(reply.get("content") or "")
             self.messages.append({"role": "assistant", "content": text})
-            self._emit("replied", message=text, stats=self.stats, latency=self.last_latency)
+            self._emit("replied", message=text, stats=self.stats, latency=self.last_latency,
+                       finish_reason=self.last_finish_reason, reasoning=self.last_reasoning)
             return text
 
     async def request(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
@@ -135,7 +185,9 @@ class Chat:
         string, ``tool_calls`` (OpenAI shape, assembled from stream deltas) when there are any.
         Retries connection errors, timeouts, 408, 429 and 5xx with exponential backoff; then
         raises ``ModelUnreachable`` (no connection) or ``ModelResponseError`` (error status)."""
-        body: dict[str, Any] = {"model": self.model.model, "messages": messages, **self.extra_body}
+        self.last_max_tokens = self.reply_cap(messages)
+        body: dict[str, Any] = {"model": self.model.model, "messages": messages,
+                                "max_tokens": self.last_max_tokens, **self.extra_body}
         if self.stop:
             body["stop"] = self.stop
         if tools:
@@ -151,11 +203,26 @@ class Chat:
         self._account(messages, message, usage)
         return message
 
+    def reply_cap(self, messages: list[dict[str, Any]]) -> int:
+        """The ``max_tokens`` to send: the model's cap, lowered to what the context window has
+        left after the prompt (the server's last count plus an estimate of what came since, on
+        the high side), but not below ``MIN_REPLY_TOKENS`` (nor above the cap)."""
+        cap = self.model.max_tokens
+        window = self.model.context_window
+        if not window:
+            return cap
+        if self.context and 0 < self._counted <= len(messages):  # the server counted most of it
+            prompt = self.context + _chars(messages[self._counted:]) // _CHARS_PER_TOKEN_LOW
+        else:
+            prompt = _chars(messages) // _CHARS_PER_TOKEN_LOW
+        return max(min(cap, window - prompt), min(cap, MIN_REPLY_TOKENS))
+
     def compact(self, summary: str) -> None:
         """Replace the whole history after the system prompt with one user message holding
         ``summary``.  What the summary leaves out is gone."""
         self.messages = [self.messages[0], {"role": "user", "content": summary}]
         self.context = _estimate_prompt(self.messages)
+        self._counted = 0
 
     async def aclose(self) -> None:
         if self._client is not None:
@@ -179,8 +246,7 @@ class Chat:
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
-            timeout = httpx.Timeout(self.model.timeout, connect=min(self.model.timeout, 30.0))
-            self._client = httpx.AsyncClient(transport=self._transport, timeout=timeout)
+            self._client = open_client(self.model, self._transport)
         return self._client
 
     async def _with_retries(self, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -190,6 +256,9 @@ class Chat:
                 return await self._attempt(body, stream=self._stream)
             except _StreamRefused:
                 self._stream = False  # remembered for every later request of this Chat
+                continue
+            except _CapRefused:
+                self._cap_key = "max_completion_tokens"  # remembered, as the stream refusal is
                 continue
             except _Transient as failure:
                 if attempt >= self.max_retries:
@@ -204,13 +273,12 @@ class Chat:
 
     async def _attempt(self, body: dict[str, Any], *, stream: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
         payload = dict(body)
+        if self._cap_key != "max_tokens" and "max_tokens" in payload:
+            payload[self._cap_key] = payload.pop("max_tokens")
         if stream:
             payload["stream"] = True
             payload["stream_options"] = {"include_usage": True}
-        headers = {"Accept": "text/event-stream" if stream else "application/json"}
-        key = self.model.api_key()
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
+        headers = {"Accept": "text/event-stream" if stream else "application/json", **auth_headers(self.model)}
         try:
             async with self._http().stream("POST", self._url, json=payload, headers=headers) as response:
                 if response.status_code >= 400:
@@ -237,6 +305,8 @@ class Chat:
         status = response.status_code
         if stream and status == 400 and "stream" in text.lower():
             return _StreamRefused()
+        if status == 400 and self._cap_key == "max_tokens" and "max_completion_tokens" in text:
+            return _CapRefused()
         hint = ""
         if status in (401, 403):
             hint = f" (check the key in ${self.model.api_key_env})"
@@ -266,6 +336,7 @@ class Chat:
         """Consume an SSE stream: ``data:`` lines (joined per event), ``[DONE]`` ends it; comments
         and other fields are ignored.  Content deltas go to the display as they arrive."""
         reply = _Assembly()
+        splitter = ThinkSplitter()
         data: list[str] = []
         async for line in lines:
             if line.startswith("data:"):
@@ -276,14 +347,24 @@ class Chat:
             event, data = "\n".join(data), []
             if event.strip() == "[DONE]":
                 break
-            self._chunk(reply, event)
+            self._chunk(reply, splitter, event)
         else:
             if data and "\n".join(data).strip() != "[DONE]":
-                self._chunk(reply, "\n".join(data))
+                self._chunk(reply, splitter, "\n".join(data))
+        self._show(reply, *splitter.flush())
         self.last_finish_reason = reply.finish_reason
+        self.last_reasoning = "".join(reply.reasoning)
         return reply.message(), reply.usage
 
-    def _chunk(self, reply: _Assembly, event: str) -> None:
+    def _show(self, reply: _Assembly, reasoning: str, text: str) -> None:
+        """Send a piece of reasoning and a piece of answer to the display, reasoning kept aside."""
+        if reasoning:
+            reply.reasoning.append(reasoning)
+            self._emit("reasoning", text=reasoning)
+        if text:
+            self._emit("delta", text=text)
+
+    def _chunk(self, reply: _Assembly, splitter: ThinkSplitter, event: str) -> None:
         try:
             chunk = json.loads(event)
         except json.JSONDecodeError:
@@ -294,9 +375,10 @@ class Chat:
         if chunk.get("error"):
             raise ModelResponseError(self._redact(
                 f"the model endpoint {self._url} reported an error mid-stream: {json.dumps(chunk['error'])[:_BODY_PREVIEW]}"))
-        piece = reply.add(chunk)
+        thought, piece = reply.add(chunk)
+        self._show(reply, thought, "")
         if piece:
-            self._emit("delta", text=piece)
+            self._show(reply, *splitter.feed(piece))
 
     def _read_plain(self, raw: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
         try:
@@ -313,8 +395,12 @@ class Chat:
         calls = [_normal_call(call, i) for i, call in enumerate(message.get("tool_calls") or [])]
         if calls:
             result["tool_calls"] = calls
-        if result["content"]:
-            self._emit("delta", text=result["content"])
+        shown = _Assembly()
+        splitter = ThinkSplitter()
+        self._show(shown, reasoning_of(message), "")
+        self._show(shown, *splitter.feed(result["content"]))
+        self._show(shown, *splitter.flush())
+        self.last_reasoning = "".join(shown.reasoning)
         usage = data.get("usage")
         return result, usage if isinstance(usage, dict) else None
 
@@ -332,6 +418,7 @@ class Chat:
         self.tokens_in += prompt
         self.tokens_out += completion
         self.context = prompt + completion
+        self._counted = len(messages) + 1  # the reply is the next message, when it is kept
 
     def _emit(self, type: str, **fields: Any) -> None:
         if self.display is not None:
@@ -343,20 +430,23 @@ class _Assembly:
 
     def __init__(self) -> None:
         self.content: list[str] = []
+        self.reasoning: list[str] = []
         self.calls: dict[int, dict[str, Any]] = {}
         self.usage: dict[str, Any] | None = None
         self.finish_reason: str | None = None
 
-    def add(self, chunk: dict[str, Any]) -> str:
-        """Fold one chunk in; return its content text (possibly empty)."""
+    def add(self, chunk: dict[str, Any]) -> tuple[str, str]:
+        """Fold one chunk in; return its reasoning and its content text (either possibly empty).
+        The reasoning is the caller's to keep: inline ``<think>`` is only found in the content."""
         if isinstance(chunk.get("usage"), dict):
             self.usage = chunk["usage"]
         choices = chunk.get("choices") or []
         if not choices or not isinstance(choices[0], dict):
-            return ""
+            return "", ""
         choice = choices[0]
         self.finish_reason = choice.get("finish_reason") or self.finish_reason
         delta = choice.get("delta") or choice.get("message") or {}
+        thought = reasoning_of(delta)
         piece = delta.get("content") or ""
         if piece:
             self.content.append(piece)
@@ -370,7 +460,7 @@ class _Assembly:
             call["function"]["name"] += function.get("name") or ""
             arguments = function.get("arguments") or ""
             call["function"]["arguments"] += arguments if isinstance(arguments, str) else json.dumps(arguments)
-        return piece
+        return thought, piece
 
     def message(self) -> dict[str, Any]:
         result: dict[str, Any] = {"role": "assistant", "content": "".join(self.content)}
@@ -394,6 +484,11 @@ async def _lines(text: str) -> AsyncIterator[str]:
     for line in text.splitlines():
         yield line
     yield ""
+
+
+def _chars(messages: list[dict[str, Any]]) -> int:
+    return sum(len(str(m.get("content") or "")) + (len(json.dumps(m["tool_calls"])) if m.get("tool_calls") else 0)
+               for m in messages)
 
 
 def _estimate_prompt(messages: list[dict[str, Any]]) -> int:

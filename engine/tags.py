@@ -251,6 +251,17 @@ def format_agent_start_failed(name: str, error: object) -> str:
     return format_error(f" name={name}", f"Could not start this sub-agent: {error}")
 
 
+def format_reply_cut(max_tokens: int | None, reply: str) -> str:
+    """The note for a reply the server cut at the reply-length cap: nothing after the cut arrived."""
+    limit = f" of {max_tokens} tokens" if max_tokens else ""
+    ran = ("Complete <run_code>/<run_agent> blocks in it ran; an unclosed one did not. "
+           if "<run_" in reply else "")
+    return format_error(" reason=length", (
+        f"Your previous reply reached the reply-length limit{limit} and was cut off where it ends. {ran}"
+        "Continue from there in a shorter reply: resend an unfinished block whole, or split the work. "
+        "If it was your final answer, send the whole answer again, shorter."))
+
+
 def format_steer(text: str) -> str:
     """A note from the user, delivered between turns."""
     return wrap("steer", "", text)

@@ -17,6 +17,11 @@ Models that ignore the tools: ``<run_code>``/``<run_agent>`` tags in the content
 with the tags protocol; ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks in
 the content (some local servers leave them there) are run as calls and answered in the next
 user message, since they have no call id to answer.
+
+An endpoint that says it cannot take tools (llama-server's ``/props`` for a chat template
+without tool support, Ollama's ``/api/show`` capabilities) would drop the definitions without
+an error and get prose back; the agent says so in one line and speaks the tags protocol
+instead.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from . import tags
 from .agent import Agent, AgentError, _CodeTask, _task_text
 from .durations import parse_duration
 from .errors import ConfigError
+from .model_server import ServerInfo
 from .repo_tools import MAX_RESULT, execute_tool_call_async, parse_arguments, schema_for
 
 GUIDE = """You are an AI agent that solves tasks by running Python code and starting sub-agents through your tools.
@@ -109,8 +115,21 @@ class ToolAgent(Agent):
     def _tool_schemas(self) -> list[dict]:
         return [*ENGINE_TOOLS, *(schema_for(name, fn) for name, fn in self.functions.items())]
 
+    def adapt(self, server: ServerInfo) -> None:
+        """As the tags agent's, and fall back to the tags protocol (its guide in the system
+        prompt, its loop) when the endpoint says it cannot take tools."""
+        super().adapt(server)
+        if server.supports_tools is False and self.protocol == "tools":
+            self.protocol = "tags"
+            self.guide = tags.SYSTEM
+            if self.first_on_endpoint():
+                self._event("note", message=f"the endpoint cannot take tools ({server.tools_source} is "
+                                            "false): using the tags protocol instead of tools")
+
     async def run(self, task: str, max_messages: int | None = None) -> str:
         await self.start()
+        if self.protocol != "tools":  # the endpoint cannot take tools (see adapt)
+            return await super().run(task, max_messages)
         chat = self.chat
         assert chat is not None
         tools = self._tool_schemas()
@@ -133,8 +152,10 @@ class ToolAgent(Agent):
                         call.setdefault("id", f"call_{secrets.token_hex(4)}")
                     assistant["tool_calls"] = calls
                 chat.messages.append(assistant)
-                self._event("replied", message=content, stats=chat.stats, latency=chat.last_latency)
+                self._event("replied", message=content, stats=chat.stats, latency=chat.last_latency,
+                            finish_reason=chat.last_finish_reason, reasoning=chat.last_reasoning)
                 await self.process_llm_response(content)  # tags in the content still run
+                self.check_length(content, invented=cut)
                 answers = await self._answer_calls(calls)
                 loose_answers = await self._answer_calls(loose)
                 for call_id, text in answers:

@@ -97,6 +97,10 @@ class Worker:
         self.on_call: Callable[[str, list, dict, str | None], Awaitable[Any]] | None = None
         self._requests: dict[int, asyncio.Future] = {}
         self._request_ids = itertools.count(1)
+        # Requests that bind a process (host functions, ``self``, handed objects), made again
+        # on every replacement before it runs a block; and the names they define.
+        self._bindings: list[tuple[str, dict, float]] = []
+        self._bound_names: set[str] = set()
         self._call_tasks: set[asyncio.Task] = set()
         self._session: Session | None = None
         self._blocks: dict[str, _Block] = {}
@@ -138,6 +142,15 @@ class Worker:
         session.owner = self
         self._session = session
         self.notes = session.notes
+        try:
+            for op, args, timeout in self._bindings:  # bound exactly as the first process was
+                await self._ask(session, op, args, timeout)
+        except (WorkerError, OSError) as exc:
+            await session.kill()
+            self._session = None
+            self.state = WorkerState.DEAD
+            raise WorkerStartError(f"worker {self.name!r}: the new process could not be bound as "
+                                   f"the first was: {exc}") from exc
         self.state = WorkerState.READY
 
     async def _ensure_ready(self) -> Session:
@@ -177,10 +190,12 @@ class Worker:
         session = self._session
         if session is None:
             return
-        lost = list(self.vars)
+        lost = [v for v in self.vars if v not in self._bound_names]
         await session.kill()
         self._session = None
-        self.vars = []
+        # What exists now: what the replacement is bound with (handed objects), nothing else.
+        self.var_notes = [n for n in self.var_notes if n.split(":", 1)[0] in self._bound_names]
+        self.vars = [n.split(":", 1)[0] for n in self.var_notes]
         if self.state is not WorkerState.CLOSED:
             self.state = WorkerState.DEAD
         reset = _reset_words(lost)
@@ -316,14 +331,27 @@ class Worker:
         if self._session is not None:
             self._session.send_frame(frame)
 
-    async def request(self, op: str, args: dict | None = None, timeout: float = 30.0) -> Any:
-        """A control request to the worker (bind, export, inject, describe, env); its value."""
+    async def request(self, op: str, args: dict | None = None, timeout: float = 30.0, *,
+                      keep: bool = False) -> Any:
+        """A control request to the worker (bind, export, inject, describe, env); its value.
+
+        ``keep``: the request binds the process (``bind``, ``inject``): once it succeeded it is
+        made again, in order, on every process that replaces this one (after a kill, a crash,
+        a restart) before that process runs a block, so only what code defined is ever lost."""
         session = await self._ensure_ready()
+        value = await self._ask(session, op, args or {}, timeout)
+        if keep:
+            self._bindings.append((op, args or {}, timeout))
+            if op == "inject" and isinstance(value, list):
+                self._bound_names.update(str(n) for n in value)
+        return value
+
+    async def _ask(self, session: Session, op: str, args: dict, timeout: float) -> Any:
         rid = next(self._request_ids)
         future = asyncio.get_running_loop().create_future()
         self._requests[rid] = future
         try:
-            session.send(wire.req(rid, op, args or {}))
+            session.send(wire.req(rid, op, args))
             return await asyncio.wait_for(future, timeout)
         except TimeoutError as exc:
             raise WorkerError(f"worker {self.name!r} did not answer {op!r} within {timeout:g} s") from exc

@@ -10,9 +10,19 @@ from pathlib import Path
 
 import pytest
 
+from engine import model_server
 from engine.engine import Engine
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _fresh_model_probes():
+    """Each test asks its servers afresh: a port reused by a later test's server must not
+    answer with what an earlier server said."""
+    model_server.forget()
+    yield
+    model_server.forget()
 
 
 @pytest.fixture

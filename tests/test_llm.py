@@ -137,6 +137,74 @@ async def test_extra_body_is_sent():
     assert srv.requests[0]["temperature"] == 0.2
 
 
+# ------------------------------------------------------------------ the reply cap and reasoning
+
+async def test_every_request_carries_the_reply_cap_and_a_cut_reply_says_length():
+    with ScriptedServer(["short", "y" * 100]) as srv:
+        async with chat(srv.url, config=model(srv.url, max_tokens=5)) as c:
+            assert await c.send("a") == "short"
+            assert c.last_finish_reason == "stop"
+            assert await c.send("b") == "y" * 20
+            assert c.last_finish_reason == "length" and c.last_max_tokens == 5
+    assert [r["max_tokens"] for r in srv.requests] == [5, 5]
+    with ScriptedServer(["ok"]) as srv:
+        async with chat(srv.url) as c:
+            await c.send("default")
+    assert srv.requests[0]["max_tokens"] == 8192
+
+
+async def test_the_cap_leaves_the_prompt_its_room_in_a_known_window():
+    with ScriptedServer(["ok", "ok"]) as srv:
+        async with chat(srv.url, config=model(srv.url, max_tokens=4000, context_window=3000)) as c:
+            await c.send("q" * 3000)  # ~1,000 tokens at the low estimate, with the system prompt
+            await c.send("r" * 6000)  # what the server counted, plus ~2,000 tokens: less than the floor
+    first, second = (r["max_tokens"] for r in srv.requests)
+    assert 3000 - 1010 <= first <= 3000 - 1000
+    assert second == 256  # MIN_REPLY_TOKENS: the server says what it makes of an overfull prompt
+
+
+async def test_a_server_that_wants_max_completion_tokens_gets_it_and_it_is_remembered():
+    refusal = Fail(400, body='{"error": {"message": "Unsupported parameter: \'max_tokens\' is not supported '
+                             'with this model. Use \'max_completion_tokens\' instead."}}')
+    with ScriptedServer([refusal, "one", "two"]) as srv:
+        async with chat(srv.url, config=model(srv.url, max_tokens=50)) as c:
+            assert await c.send("a") == "one"
+            assert await c.send("b") == "two"
+    assert [(r.get("max_tokens"), r.get("max_completion_tokens")) for r in srv.requests] == \
+        [(50, None), (None, 50), (None, 50)]
+
+
+async def test_reasoning_is_an_event_of_its_own_and_never_content():
+    display = Recorder()
+    turn = {"reasoning": "Let me think about this at length.", "content": "Yes."}
+    with ScriptedServer([turn, turn], chunk_chars=7) as srv:
+        async with chat(srv.url, display) as c:
+            assert await c.send("streamed?") == "Yes."
+            assert c.last_reasoning == turn["reasoning"]
+    assert "".join(e["text"] for e in display.of("reasoning")) == turn["reasoning"]
+    assert "".join(e["text"] for e in display.of("delta")) == "Yes."
+    assert display.of("replied")[0]["reasoning"] == turn["reasoning"]
+    assert c.messages[-1] == {"role": "assistant", "content": "Yes."}
+    display = Recorder()
+    with ScriptedServer([{"reasoning": "Plainly.", "content": "<think>inline too</think>No."}],
+                        streaming=False, reasoning_field="reasoning") as srv:
+        async with chat(srv.url, display) as c:
+            assert await c.send("plain?") == "No."
+    assert [e["text"] for e in display.of("reasoning")] == ["Plainly.", "inline too"]
+    assert [e["text"] for e in display.of("delta")] == ["No."]
+
+
+async def test_a_client_handed_in_is_used_and_closed():
+    import httpx
+
+    with ScriptedServer(["ok"]) as srv:
+        client = httpx.AsyncClient()
+        async with chat(srv.url, client=client) as c:
+            await c.send("x")
+            assert c._http() is client
+        assert client.is_closed
+
+
 # ------------------------------------------------------------------ tool calls and stop
 
 async def test_tool_calls_are_assembled_from_stream_deltas():
@@ -308,6 +376,7 @@ model = "big-model-2"
 api_key_env = "BIG_KEY"
 protocol = "tools"
 timeout = 120
+max_tokens = 2048
 """
 
 
@@ -319,7 +388,9 @@ def test_toml_file_is_loaded_from_the_working_directory(tmp_path, monkeypatch):
     assert registry.default.alias == "flash"
     assert registry.get("").alias == "flash"
     assert registry.get("big") == ModelConfig("big", "https://api.example.invalid/v1", "big-model-2", "BIG_KEY",
-                                              None, 0.0, 0.0, "tools", 120.0)
+                                              None, 0.0, 0.0, "tools", 120.0, 2048)
+    assert registry.get("flash").max_tokens == 8192
+    assert registry.replace_all(max_tokens=99).get("flash").max_tokens == 99
     assert registry.get("qwen3-coder").alias == "flash"  # a model id works too
     assert registry.get("flash").base_url == "http://127.0.0.1:8080/v1"
     assert registry.describe() == ("- flash: qwen3-coder (context 32768, $0.10/$0.40 per M tokens)\n"
@@ -349,6 +420,7 @@ def test_unknown_alias_lists_the_known_ones(tmp_path):
     ("[models.flash]\nprice_in = -1\n", "price_in must be zero or more"),
     ("[models.flash]\nprice_out = 'cheap'\n", "price_out must be a number"),
     ("[models.flash]\ncontext_window = 0\n", "context_window must be a positive whole number"),
+    ("[models.flash]\nmax_tokens = 1.5\n", "max_tokens must be a positive whole number"),
     ("[models.flash]\nbase_url = 'localhost:8080'\n", "base_url must start with http"),
     ("[models.flash]\ntimeout = 0\n", "timeout must be positive"),
     ("default = 'nope'\n[models.flash]\n", "default = 'nope' names no model"),

@@ -94,7 +94,7 @@ def test_sub_agent_model_alias_from_toml(tmp_path):
 
 def test_doctor_tells_the_truth(tmp_path):
     with ScriptedServer({"*": ["hi"]}) as server:
-        proc = agentloop(tmp_path, "doctor", url=server.url)
+        proc = agentloop(tmp_path, "doctor", url=server.url, extra_env={"LLM_MODEL": "scripted"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "worker: starts and runs code" in proc.stdout
     assert f"model endpoint {server.url}: answers" in proc.stdout

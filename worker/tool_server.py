@@ -161,7 +161,7 @@ def main() -> None:
         init = _read_frame()
         if init is None:
             os._exit(0)
-        if os.getppid() != init.get("parent"):  # the coordinator died before the death signal was armed
+        if init.get("parent") and os.getppid() != init.get("parent"):  # the coordinator died first
             os._exit(_EXIT_PARENT_GONE)
         root = str(init["root"])
         root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

@@ -393,11 +393,25 @@ def test_a_root_inside_an_excluded_path_is_refused(batch_root: Path):
 
 # -- the tool process: confined, and never left behind ----------------------------------------------
 
+def _server(pid: int) -> int:
+    """The Python serving the tools: ``pid`` itself, or the innermost process bubblewrap runs."""
+    from engine._process import descendants
+
+    for candidate in [*reversed(descendants(pid)), pid]:
+        with open(f"/proc/{candidate}/comm") as f:
+            if f.read().startswith("python"):
+                return candidate
+    return pid
+
+
 def test_the_tool_process_is_confined_and_holds_no_secrets(evil_root: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("LLM_API_KEY", "sk-agentloop-tools-" + secrets.token_hex(8))
+    secret = evil_root.parent / "outside" / "key.txt"
+    secret.parent.mkdir()
+    secret.write_text("outside the root\n")
     with RepoTools(evil_root) as tools:
         tools.list_dir()
-        pid = tools.pid
+        pid = _server(tools.pid)
         assert pid is not None
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if kv)
@@ -405,7 +419,7 @@ def test_the_tool_process_is_confined_and_holds_no_secrets(evil_root: Path, monk
             status = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = f.read().split(b"\0")
-        assert set(env) <= {b"PATH", b"LANG"}
+        assert set(env) <= {b"PATH", b"LANG", b"PWD"}  # (PWD: bubblewrap says where it started it)
         assert os.readlink(f"/proc/{pid}/cwd") == "/"
         assert argv[1:3] == [b"-I", b"-S"]
         assert status["NoNewPrivs"].strip() == "1"
@@ -416,6 +430,9 @@ def test_the_tool_process_is_confined_and_holds_no_secrets(evil_root: Path, monk
             assert status["Seccomp"].strip() == "2" and "seccomp" in layers
         if _confine.landlock_abi() >= 1:
             assert any(layer.startswith("landlock") for layer in layers)
+        if pid != tools.pid:  # in bubblewrap: its view holds the root, not what lies beside it
+            assert os.path.exists(f"/proc/{pid}/root{evil_root}/plain.txt")
+            assert not os.path.exists(f"/proc/{pid}/root{secret.parent}")
 
 
 def test_no_tool_process_is_left_behind(evil_root: Path):
