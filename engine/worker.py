@@ -431,7 +431,8 @@ class Worker:
           when it reports the block ``stuck`` in C code, where no cancellation can reach.
         - A kill resets the namespace: every block running in that worker ends ("killed",
           naming the block that caused it), the result lists the variables lost, and the next
-          block runs in a fresh process.
+          block runs in a fresh process, bound as the first was (host functions, ``self``,
+          handed objects: ``request(..., keep=True)``).
         - Cancelling the caller of ``run`` stops the block the same way; a stop the deadline
           already started is waited for, never started twice.
         """
