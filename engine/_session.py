@@ -89,6 +89,7 @@ class Session:
         self._watcher: asyncio.Task | None = None
         self._monitor: zmq.Socket | None = None  # the socket's connection events
         self._peer_fd: int | None = None  # the peer's connection, to tell its disconnection
+        self._gone = asyncio.Event()  # the peer's connection was seen closed
         self._draining = False  # the rest of a stranger's multi-frame message waits to be discarded
         self._tasks: set[asyncio.Task] = set()  # ending a broken or disconnected peer
 
@@ -304,6 +305,28 @@ class Session:
                 return
         self._loop.call_soon(self._readable)  # more may wait; let other callbacks run first
 
+    async def settle(self, timeout: float) -> None:
+        """After the process died: wait (at most ``timeout`` s) until its connection is seen
+        closed, which ZeroMQ reports once it has read all the process sent, then dispatch what
+        waits.  So output sent just before a death (``os._exit``, a kill) still reaches its block."""
+        if self._peer_fd is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._gone.wait(), timeout)
+        for _ in range(100_000):  # bounded: what a dead peer can have left is finite anyway
+            if self._paused is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self._paused)
+                continue
+            sock = self.sock
+            if sock is None or self.broken is not None:
+                return
+            try:
+                if not sock.getsockopt(_EVENTS) & _POLLIN:
+                    return
+            except zmq.ZMQError:
+                return
+            self._readable()
+
     def _drain(self, sock: zmq.Socket) -> None:
         """Discard the next frames of a multi-frame message (they are already in memory)."""
         for _ in range(_DRAIN_BATCH):
@@ -386,6 +409,7 @@ class Session:
             kind, value = struct.unpack("=HI", event[0][:6])
             if kind == _DISCONNECTED and self._peer_fd is not None and value == self._peer_fd:
                 self._peer_fd = None
+                self._gone.set()
                 self._spawn(self._disconnected())
 
     async def _disconnected(self) -> None:

@@ -72,6 +72,10 @@ _DISPLAY_CUT = b" [... the rest of this line is not shown live]"
 #: Replies cut at the length cap in a row after which a run gives up: a model that never ends
 #: its turn (a base model, a loop) would otherwise spend its whole message budget that way.
 MAX_CUT_REPLIES = 3
+#: Empty replies in a row that end a run: the first is answered with ``EMPTY_REPLY_NOTE``.
+MAX_EMPTY_REPLIES = 2
+EMPTY_REPLY_NOTE = ("your reply was empty: no text, no code, no tool call. Reply with your final answer in "
+                    "plain text, or with the code or sub-agents you want run.")
 
 #: The sub-agent limit of runs whose agent is made without ``max_subagents``: the command line
 #: sets it for the command it runs (``--max-subagents``), others get ``MAX_SUBAGENTS``.
@@ -323,6 +327,7 @@ class Agent:
         self.released = False  # its worker was closed to make room for newer sub-agents
         self.messages_sent = 0
         self._cut_replies = 0  # replies cut at the length cap in a row
+        self._empty_replies = 0  # empty replies in a row that would have ended the run
         self.server = ServerInfo()  # what the endpoint said about itself, once started
         self._block_ids = itertools.count(1)
 
@@ -494,6 +499,24 @@ class Agent:
                              "agentloop.toml) or ask for something shorter")
         self.inbox.append(tags.format_reply_cut(cap, reply))
 
+    def empty_reply(self, reply: str, *, calls: bool = False) -> bool:
+        """After each reply: True when it would end the run but is empty (no text, no code, no
+        tool call) — the model is then told so, once, and the loop goes on.  A second such
+        reply in a row raises AgentError.  An empty answer is a fault of the model or the
+        server, never an answer; an empty reply while work runs only means "keep going"."""
+        if reply.strip() or calls:
+            self._empty_replies = 0
+            return False
+        if not self.is_completed():
+            return False
+        self._empty_replies += 1
+        if self._empty_replies >= MAX_EMPTY_REPLIES:
+            raise AgentError(f"the model's reply was empty {self._empty_replies} times in a row (no text, no "
+                             "code, no tool call), even after it was told")
+        self._event("note", message="the reply was empty; the model is told")
+        self.inbox.append(tags.format_error(" reason=empty", EMPTY_REPLY_NOTE))
+        return True
+
     def context_note(self) -> str:
         chat = self.chat
         assert chat is not None and self.worker is not None
@@ -519,6 +542,9 @@ class Agent:
                     self.chat.messages[-1]["content"] = reply  # the transcript keeps what was acted on
                 await self.process_llm_response(reply)
                 self.check_length(reply, invented=cut)
+                if self.empty_reply(reply):
+                    message = self.next_message() + self.context_note()
+                    continue
                 if self.is_completed():
                     return reply
                 await self.wait_first_event()
@@ -619,15 +645,17 @@ class Agent:
             self._inner.cancel()
             await asyncio.wait([self._inner])
             raise
+        reason = ""
         if self._inner.cancelled():
             body, status = "[cancelled]", "cancelled"
         elif self._inner.exception() is not None:
-            body, status = f"[failed] {_words(self._inner.exception())}", "failed"
+            reason = _words(self._inner.exception())
+            body, status = f"[failed] {reason}", "failed"
         else:
             self.result_value = self._inner.result()
             body, status = self.result_value, "answered"
         duration = time.monotonic() - started
-        self._event("agent_finished", status=status, duration=duration)
+        self._event("agent_finished", status=status, duration=duration, reason=reason)
         return tags.format_agent_result(self.name, duration, body)
 
     def _status_report(self) -> str:
@@ -655,8 +683,16 @@ class Agent:
             raise AgentError(f"sub-agent '{self.name}' was closed to make room for newer ones (a run keeps "
                              f"at most {self.subagent_slots.limit}); start a new sub-agent with what it needs")
         assert self._parent_on_heartbeat is not None and self.supervisor is not None
+        supervisor = self.supervisor
+        if self in supervisor.sub_agents and self.task is not None:
+            # The last task's result is not delivered yet, and the parent finds results through
+            # the agent, whose task is about to be the new one: it is queued now, ahead of the
+            # new task's, so each answer reaches the parent once and in order.
+            supervisor.sub_agents.remove(self)
+            supervisor.inbox.append(_task_text(self.task))
+            supervisor.wake.set()
         self.start_task(task, self.heartbeat_interval, self._parent_on_heartbeat)
-        self.supervisor.sub_agents.append(self)
+        supervisor.sub_agents.append(self)
         return self
 
     async def release(self) -> None:

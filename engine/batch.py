@@ -428,7 +428,7 @@ def run_slug(key: str) -> str:
 #: retries) and WorkerStartError / WorkerError raise.  ``cannot use the model URL`` (also a
 #: ModelUnreachable) is a configuration mistake and deliberately not matched.
 _INFRA_TEXT = re.compile(
-    r"(cannot reach the model at "
+    r"(cannot reach the model at |the model at \S+ did not answer within "
     r"|the model endpoint \S+ answered HTTP (5\d\d|408|429)\b"
     r"|(worker '[^']*': )?(could not start a worker|worker failed to start)\b"
     r"|worker '[^']*' (failed to start|did not answer)\b)")

@@ -40,7 +40,16 @@ from pathlib import Path
 import click
 
 from .agent import Agent, make_agent
-from .cli import _fail, _policy, agent_options, close_display, host_functions, load_registry, make_display
+from .cli import (
+    _fail,
+    _policy,
+    agent_options,
+    close_display,
+    host_functions,
+    load_registry,
+    make_display,
+    same_terminal,
+)
 from .engine import Engine
 from .errors import AgentloopError
 from .inert import inert
@@ -100,9 +109,11 @@ def _steer_text(line: str) -> str | None:
 class _Session:
     """The prompt loop around one agent: questions, steering, interrupts, end of input."""
 
-    def __init__(self, agent: Agent, *, interactive: bool) -> None:
+    def __init__(self, agent: Agent, *, interactive: bool, echo_answers: bool = True) -> None:
         self.agent = agent
         self.interactive = interactive
+        # False when the live display already showed each answer on the terminal stdout is.
+        self.echo_answers = echo_answers
         self.lines: asyncio.Queue[str | None] = asyncio.Queue()
         self.pending: collections.deque[str] = collections.deque()  # questions read during a turn
         self.eof = False
@@ -213,7 +224,7 @@ class _Session:
                 return
             exc = turn.exception()
             if exc is None:
-                self._out(f"{turn.result()}\n\n")
+                self._out(f"{turn.result()}\n\n" if self.echo_answers else "\n")
                 return
             self.failures += 1
             if isinstance(exc, AgentloopError):  # the endpoint failed, or the message budget ran out
@@ -283,7 +294,7 @@ def chat(model, models_file, max_messages, record, tools, root, quiet, protocol,
                 click.echo(_banner(config, engine, interactive), err=True)
             agent = make_agent(engine=engine, models=registry, model=config, functions=functions,
                                display=display, max_messages=max_messages, protocol=protocol)
-            session = _Session(agent, interactive=interactive)
+            session = _Session(agent, interactive=interactive, echo_answers=quiet or not same_terminal())
             try:
                 await agent.start()  # the worker is ready (or its failure known) before the first prompt
                 # From here on Ctrl-C belongs to the session; before, it ends the program.

@@ -27,6 +27,7 @@ from .errors import AgentloopError
 from .inert import InertStream, inert
 from .results import BlockResult, OutputChunk
 from .sandbox import SandboxPolicy
+from .script import Script
 
 EXIT_ERROR = 1
 EXIT_OWN = 125
@@ -53,6 +54,8 @@ def _fail(message: str) -> None:
 
 
 def _exit_code(result: BlockResult) -> int:
+    if result.exited:  # SystemExit: its status, as Python exits with it
+        return result.exit_code or 0
     if result.status == "ok":
         return 0
     if result.status == "timeout":
@@ -184,8 +187,9 @@ def _terminated(signum: int, frame) -> None:
         raise KeyboardInterrupt
 
 
-@main.command("exec")
+@main.command("exec", context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
 @click.argument("file", type=click.File("r", encoding="utf-8"))
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @click.option("--timeout", type=Duration(), default="10s", show_default=True,
               help="Deadline of the block: 250ms, 30s, 5m, 1h or plain seconds.")
 @click.option("--json", "as_json", is_flag=True,
@@ -196,16 +200,20 @@ def _terminated(signum: int, frame) -> None:
                    "newline and tab (a lone carriage return becomes a newline); output to a pipe or a "
                    "file is passed unchanged either way.")
 @_sandbox_options
-def exec_cmd(file, timeout: float, as_json: bool, allow_sgr: bool, sandbox: str, network: bool,
-             workspace) -> None:
-    """Run FILE (or - for stdin) as one block in a fresh worker, streaming its output.
+def exec_cmd(file, args: tuple[str, ...], timeout: float, as_json: bool, allow_sgr: bool, sandbox: str,
+             network: bool, workspace) -> None:
+    """Run FILE (or - for stdin) as one block in a fresh worker, streaming its output, as
+    `python FILE ARGS` runs it: sys.argv is [FILE, *ARGS], __file__ is set, SystemExit gives
+    the exit status, atexit handlers run, a piped stdin reaches the code.  Options go before
+    FILE; everything after it (a leading -- dropped) is the script's.
 
     On a terminal the output is made inert (see --color); piped, it is passed byte for byte."""
     code = file.read()
+    script = _script(file, args)
     out = _Sink(sys.stderr if as_json else sys.stdout, allow_sgr)
     err = _Sink(sys.stderr, allow_sgr)
     try:
-        result = asyncio.run(_exec(code, timeout, out, err, _policy(sandbox, network), workspace))
+        result = asyncio.run(_exec(code, timeout, out, err, _policy(sandbox, network), workspace, script))
     except AgentloopError as exc:
         _fail(str(exc))
     except KeyboardInterrupt:
@@ -213,9 +221,10 @@ def exec_cmd(file, timeout: float, as_json: bool, allow_sgr: bool, sandbox: str,
     finally:
         out.end()
         err.end()
-    if result.error:
-        err.text(result.error)  # the code's traceback: worker text
-    if result.message:
+    # A traceback, or sys.exit's message, is part of a script's output, where Python prints it;
+    # a script that exited (SystemExit, os._exit) gets no words of ours, as under Python.
+    on_its_own = result.exited or (result.status == "died" and not result.signal and result.exit_code)
+    if result.message and not on_its_own:
         err.text(f"agentloop: {result.message}\n")
     if result.truncated and result.output_file:
         err.text(f"agentloop: the whole output is in {result.output_file}\n")
@@ -265,8 +274,26 @@ class _Sink:
         self.buffer.flush()
 
 
+def _script(file, args: tuple[str, ...]) -> Script:
+    """What ``exec FILE ARGS`` runs as: the file's absolute path (``<stdin>`` for ``-``), the
+    arguments as given, and this process's stdin when it is a pipe or a file that is not the
+    code itself (a terminal is not read: a background job would stop on it)."""
+    if args[:1] == ("--",):
+        args = args[1:]
+    from_stdin = file.name in ("-", "<stdin>")
+    path = None if from_stdin else os.path.abspath(file.name)
+    stdin = None
+    if not from_stdin:
+        try:
+            if not os.isatty(0):
+                stdin = 0
+        except OSError:
+            stdin = None
+    return Script(path, ["-" if from_stdin else file.name, *args], stdin)
+
+
 async def _exec(code: str, timeout: float, out: _Sink, err: _Sink, policy: SandboxPolicy,
-                workspace: Path | None) -> BlockResult:
+                workspace: Path | None, script: Script | None = None) -> BlockResult:
     def show(chunk: OutputChunk) -> None:
         (err if chunk.stream == "stderr" else out).write(chunk.data)
 
@@ -274,7 +301,7 @@ async def _exec(code: str, timeout: float, out: _Sink, err: _Sink, policy: Sandb
         worker = await engine.start_worker("exec")
         for note in worker.notes:
             err.text(f"agentloop: {note}\n")
-        return await worker.run(code, timeout=timeout, block_id="main", on_output=show)
+        return await worker.run(code, timeout=timeout, block_id="main", on_output=show, script=script)
 
 
 def _subagent_limit(ctx, param, value):
@@ -418,11 +445,31 @@ def run_cmd(task: str, model, models_file, max_messages, record, tools, root, qu
     result = run_until_done(go(), display)
     if as_json:
         click.echo(json.dumps(result.as_dict()))
-    elif result.status == "answered":
-        click.echo(inert(str(result.answer)))
+    elif result.status == "answered" and (quiet or not same_terminal()):
+        click.echo(inert(str(result.answer)))  # on the display's terminal the answer was just shown
     if result.status != "answered":
-        click.echo(inert(f"agentloop: {result.status}: {result.error}"), err=True)
+        click.echo(inert(f"agentloop: {ending(result)}"), err=True)
     sys.exit(_RUN_EXIT.get(result.status, 1))
+
+
+def same_terminal() -> bool:
+    """Whether stdout and stderr are one terminal: what the live display (stderr) showed is then
+    already on the screen stdout would print to."""
+    try:
+        return os.isatty(1) and os.isatty(2) and os.ttyname(1) == os.ttyname(2)
+    except OSError:
+        return False
+
+
+def ending(result) -> str:
+    """How a run that gave no answer ended, as one plain sentence."""
+    error = result.error.rstrip()
+    stop = "" if error.endswith((".", "!", "?", ")")) else "."
+    if result.status == "cancelled":
+        return "the run was cancelled."
+    if result.status == "timed_out":
+        return f"the run was stopped at its --timeout: {error}{stop}"
+    return f"the run failed: {error}{stop}"
 
 
 @main.command("doctor")
@@ -467,14 +514,24 @@ def doctor_cmd(models_file, model, sandbox, network, workspace) -> None:
         config = registry.get(model)
     except AgentloopError as exc:
         _fail(str(exc))
+    from .llm import start_hint
     from .model_server import probe
+    from .models import which_wins
 
+    if wins := which_wins(registry, models_file):
+        click.echo(inert(f"models: {wins}"))
     server = asyncio.run(probe(config))
     if server.models_status is None:
         answers = False
-        click.echo(inert(f"model endpoint {config.base_url}: does not answer ({server.models_error}). Start one: "
-                         "`llama-server -m MODEL.gguf --port 8080 --jinja`, or Ollama "
-                         "(`LLM_URL=http://localhost:11434/v1 LLM_MODEL=qwen3:4b`), or set LLM_URL."))
+        advice = start_hint(config.base_url) if server.no_server else (
+            "Check that the server at that address is up and reachable from here, or set LLM_URL.")
+        click.echo(inert(f"model endpoint {config.base_url}: does not answer ({server.models_error}). {advice}"))
+    elif server.models_status in (401, 403):
+        answers = False
+        held = "is set" if config.api_key() else "is not set"
+        click.echo(inert(f"model endpoint {config.base_url}: refuses the key (HTTP {server.models_status}). "
+                         f"Check ${config.api_key_env} ({held}): it must hold a key this server accepts, and "
+                         f"api_key_env of the alias {config.alias!r} in agentloop.toml must name that variable."))
     else:
         answers = server.models_status < 500
         click.echo(inert(f"model endpoint {config.base_url}: answers (HTTP {server.models_status})"))
@@ -518,8 +575,11 @@ def models_cmd(models_file) -> None:
     from dataclasses import replace
 
     from .model_server import probe
+    from .models import which_wins
 
     registry = load_registry(models_file)
+    if wins := which_wins(registry, models_file):
+        click.echo(inert(f"note: {wins}"))
 
     async def ask_all():
         return await asyncio.gather(*(probe(config) for config in registry))

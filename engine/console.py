@@ -8,6 +8,13 @@ split across streamed pieces, since replies and output streams are filtered incr
 colours are removed too; the console colours stderr lines itself. Without a terminal rich writes
 no colour codes.
 
+What the model is held to is what is shown: a reply the engine cut where the model wrote a
+result tag itself (``tags.cut_hallucinated``) is shown up to the cut, which is marked, and
+``<error>`` notes the model is sent are shown, one line each.  Code the streamed reply already
+showed is not repeated under its block.  Retries are shown as they happen; on a terminal, a
+request whose first token has not arrived shows a spinner with the seconds waited (a transient
+line, gone once the reply starts), and nothing extra elsewhere.
+
 A model's reasoning streams dimmed, after a ``∴`` instead of the ``›`` of its reply, and is
 collapsed: the first ``reasoning_lines`` lines of each reply's reasoning are shown, the rest
 counted in one line (all of it with ``verbose``, and always in a recording).
@@ -15,17 +22,59 @@ counted in one line (all of it with ``verbose``, and always in a recording).
 
 from __future__ import annotations
 
+import re
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.live import Live
 from rich.text import Text
 
 from engine.display import DispatchDisplay
 from engine.durations import format_duration
 from engine.inert import InertText, inert
+from engine.tags import HALLUCINATION_STOPS, cut_hallucinated, find_tags
+
+_SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
+_NOTE_CHARS = 200  # characters of an <error> note shown on its one line
+
+
+def _held_back(text: str) -> int:
+    """How many characters at the end of a streamed reply could be the start of a result tag the
+    model writes itself: they wait for the next piece, so a cut reply never shows the tag."""
+    start = text.rfind("<")
+    tail = text[start:] if start >= 0 else ""
+    return len(tail) if tail and any(stop.startswith(tail) or tail == stop for stop in HALLUCINATION_STOPS) else 0
+
+
+_OPEN = re.compile(r"^<run_(?:code|agent)(?=[ >])", re.MULTILINE)
+_CLOSE = re.compile(r"^</run_(?:code|agent)", re.MULTILINE)
+
+
+def _inside_open_block(text: str) -> bool:
+    """Whether ``text`` ends inside a ``<run_code>``/``<run_agent>`` block not closed yet."""
+    opens = [m.start() for m in _OPEN.finditer(text)]
+    closes = [m.start() for m in _CLOSE.finditer(text)]
+    return bool(opens) and (not closes or opens[-1] > closes[-1])
+
+
+class _Waiting:
+    """The transient lines of the requests still waiting for their first token."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.since: dict[str, tuple[str, float]] = {}  # agent -> (indent, when its request went out)
+
+    def lines(self) -> list[str]:
+        now = self.clock()
+        return [f"{indent}{_SPINNER[int((now - since) * 10) % len(_SPINNER)]} {name} waiting for the model · "
+                f"{max(0.0, now - since):.0f}s" for name, (indent, since) in list(self.since.items())]
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield Text("\n".join(self.lines()), style="dim")
 
 
 def _clean(text: Any) -> str:
@@ -75,7 +124,8 @@ class ConsoleDisplay(DispatchDisplay):
     and each block at most `output_lines` lines of output. Handlers never raise on missing fields."""
 
     def __init__(self, console: Console | None = None, verbose: bool = False, *,
-                 code_lines: int = 4, output_lines: int = 40, reasoning_lines: int = 6):
+                 code_lines: int = 4, output_lines: int = 40, reasoning_lines: int = 6,
+                 clock: Callable[[], float] = time.monotonic):
         self.console = console or Console(stderr=True, highlight=False)
         self.verbose = verbose
         self.code_lines = code_lines
@@ -88,11 +138,52 @@ class ConsoleDisplay(DispatchDisplay):
         self._streamed: set[str] = set()  # agents whose current reply arrived as deltas
         self._replies: dict[str, InertText] = {}  # per agent: its streamed reply, filtered as it arrives
         self._blocks: dict[tuple[str, str], _Block] = {}
+        self._raw: dict[str, str] = {}  # per agent: its streamed reply so far, unfiltered
+        self._shown: dict[str, int] = {}  # per agent: how much of it went to the screen
+        self._cut: set[str] = set()  # agents whose current reply was cut at an invented result
+        self._said: dict[str, str] = {}  # per agent: its last reply, whose code blocks need no repeat
+        self._waiting = _Waiting(clock)
+        self._live: Live | None = None
         self._lock = threading.RLock()
 
     def event(self, type: str, **fields: Any) -> None:
         with self._lock:
             super().event(type, **fields)
+
+    def close(self) -> None:
+        """Take the waiting spinner off the screen (the run is over)."""
+        with self._lock:
+            self._waiting.since.clear()
+            self._spin()
+
+    # ------------------------------------------------------------ waiting and retries
+
+    def _spin(self) -> None:
+        """Show the spinner while a request waits, on a terminal only; stop it when none does."""
+        if self._waiting.since and self._live is None and self._open_line is None and self.console.is_terminal:
+            self._live = Live(self._waiting, console=self.console, transient=True, refresh_per_second=5,
+                              redirect_stdout=False, redirect_stderr=False)
+            self._live.start()
+        elif not self._waiting.since and self._live is not None:
+            live, self._live = self._live, None
+            live.stop()
+
+    def _first_token(self, name: str) -> None:
+        if self._waiting.since.pop(name, None) is not None:
+            self._spin()
+
+    def waiting(self, name: str = "?", attempt: Any = None) -> None:
+        self._waiting.since[name] = (self._indent(name), self._waiting.clock())
+        self._spin()
+
+    def waited(self, name: str = "?", seconds: Any = None) -> None:
+        self._first_token(name)
+
+    def retrying(self, name: str = "?", attempt: Any = None, of: Any = None, wait: Any = None,
+                 reason: Any = "", status: Any = None) -> None:
+        self._first_token(name)
+        self._line(name, ("↻ ", "yellow"), (f"{name}: the request failed ({_clean(reason)}); retry {attempt} of {of} "
+                                             f"in {_seconds(wait)}", "yellow"))
 
     # ------------------------------------------------------------ writing
 
@@ -100,12 +191,18 @@ class ConsoleDisplay(DispatchDisplay):
         return "  " * self._depth.get(name, 0)
 
     def _write(self, text: Text, end: str = "") -> None:
+        if not end and self._live is not None:
+            # A spinner redraws below the last line: it would split a line still being
+            # streamed, so it pauses until that line ends.
+            live, self._live = self._live, None
+            live.stop()
         self.console.print(text, end=end, soft_wrap=True, highlight=False)
 
     def _close_stream(self) -> None:
         if self._open_line is not None:
             self._write(Text(""), end="\n")
             self._open_line = None
+            self._spin()
 
     def _line(self, name: str, *parts: str | Text | tuple[str, str]) -> None:
         """One whole line for agent `name`, indented by its depth; ends any open streamed line first.
@@ -114,6 +211,7 @@ class ConsoleDisplay(DispatchDisplay):
         cleaned = [(_clean(part[0]), part[1]) if isinstance(part, tuple) else
                    _clean(part) if isinstance(part, str) else part for part in parts]
         self._write(Text.assemble(self._indent(name), *cleaned), end="\n")
+        self._spin()
 
     def _prefix(self, name: str) -> Text:
         return Text(f"{_clean(name)} › ", style="bold cyan")
@@ -135,11 +233,41 @@ class ConsoleDisplay(DispatchDisplay):
             self._line(name, (f"→ {name} message {count if count is not None else ''}".rstrip(), "dim"))
             for line in _clean(message).split("\n"):
                 self._line(name, ("  " + line, "dim"))
+            return
+        for attrs, body in find_tags(message if isinstance(message, str) else str(message), "error"):
+            words = " ".join(_clean(body).split())
+            words = words if len(words) <= _NOTE_CHARS else words[:_NOTE_CHARS] + "…"
+            about = " ".join(f"{k}={_clean(v)}" for k, v in attrs.items())
+            self._line(name, ("  ⚠ ", "yellow"), (f"{name} is told{f' ({about})' if about else ''}: {words}", "yellow"))
 
     def delta(self, name: str = "?", text: str = "") -> None:
+        self._first_token(name)
+        if name in self._cut:
+            return  # the rest of a reply cut at an invented result: the model is not held to it
+        raw = self._raw.get(name, "") + (text if isinstance(text, str) else str(text))
+        self._raw[name] = raw
+        ready = raw[:len(raw) - _held_back(raw)]
+        kept, cut = cut_hallucinated(ready)
+        if cut and _inside_open_block(kept):
+            # A tag inside a block still being written is the model's code, once the block
+            # closes: nothing is shown past it until then, and nothing is cut.
+            cut, ready = False, kept
+        upto = len(kept) if cut else len(ready)
+        piece, self._shown[name] = raw[self._shown.get(name, 0):upto], max(upto, self._shown.get(name, 0))
+        self._stream(name, piece)
+        if cut:
+            self._cut.add(name)
+            self._mark_cut(name)
+
+    def _mark_cut(self, name: str) -> None:
+        self._close_stream()
+        self._line(name, ("  ✂ ", "yellow"), (f"{name}: the reply is cut here, where the model wrote a result "
+                                             "itself; it is held to the text above", "yellow"))
+
+    def _stream(self, name: str, text: str) -> None:
         if name not in self._replies:
             self._replies[name] = InertText()
-        text = self._replies[name].feed(text if isinstance(text, str) else str(text))
+        text = self._replies[name].feed(text)
         if not text:
             return
         self._streamed.add(name)
@@ -154,8 +282,10 @@ class ConsoleDisplay(DispatchDisplay):
             if piece.endswith("\n"):
                 self._write(Text(""), end="\n")
                 self._open_line = None
+        self._spin()  # resumes a spinner paused for the line, once it has ended
 
     def reasoning(self, name: str = "?", text: str = "") -> None:
+        self._first_token(name)
         thought = self._thoughts.setdefault(name, _Thought())
         text = thought.filter.feed(text if isinstance(text, str) else str(text))
         for piece in text.splitlines(keepends=True):
@@ -172,6 +302,7 @@ class ConsoleDisplay(DispatchDisplay):
                 self._write(Text(""), end="\n")
                 self._open_line = None
                 thought.lines += 1
+        self._spin()
 
     def _collapsed(self, name: str) -> None:
         """Where reasoning gives way to the reply: one line counting the reasoning not shown."""
@@ -186,15 +317,28 @@ class ConsoleDisplay(DispatchDisplay):
     def replied(self, name: str = "?", message: str = "", stats: Any = None, latency: Any = None) -> None:
         # The reply's filter ends with it: a sequence it was cut in the middle of is dropped, and a last
         # lone \r would only have ended the line, which closing the stream does.
+        self._first_token(name)
+        message = message if isinstance(message, str) else str(message)
+        raw, shown, was_cut = self._raw.pop(name, ""), self._shown.pop(name, 0), name in self._cut
+        self._cut.discard(name)
+        if name in self._streamed and not was_cut:
+            kept, cut = cut_hallucinated(raw)  # the tail held back in case it began a result tag
+            self._stream(name, kept[shown:])
+            if cut:
+                self._mark_cut(name)
         self._replies.pop(name, None)
         self._collapsed(name)
         self._thoughts.pop(name, None)
+        kept, cut = cut_hallucinated(message)
+        self._said[name] = kept
         if name in self._streamed:
             self._streamed.discard(name)
             if self._open_line == name:
                 self._close_stream()
-        elif message:
-            self._text_lines(name, message)
+        elif kept:
+            self._text_lines(name, kept)
+            if cut:
+                self._mark_cut(name)
         parts = [name]
         if latency is not None:
             parts.append(_seconds(latency))
@@ -216,6 +360,8 @@ class ConsoleDisplay(DispatchDisplay):
         if isinstance(heartbeat, (int, float)) and heartbeat:
             limits.append(f"heartbeat {format_duration(heartbeat)}")
         self._line(name, "  ▸ ", (f"{name}/{id}", "bold"), (f"  {', '.join(limits)}" if limits else "", "dim"))
+        if isinstance(code, str) and code.strip() and code.strip() in self._said.get(name, ""):
+            return  # the reply shown just above holds it: once is enough
         lines = _clean(code).strip("\n").split("\n") if code else []
         shown = lines if self.verbose else lines[:self.code_lines]
         for line in shown:
@@ -286,10 +432,12 @@ class ConsoleDisplay(DispatchDisplay):
         elif len(lines) > 1:
             self._line(name, (f"  … {len(lines) - 1} more lines", "dim"))
 
-    def agent_finished(self, name: str = "?", status: str = "done", duration: Any = None) -> None:
+    def agent_finished(self, name: str = "?", status: str = "done", duration: Any = None, reason: Any = "") -> None:
         mark, style = _STATUS_STYLE.get(status, ("✗", "red"))
         took = f" in {_seconds(duration, '{:.0f}s')}" if duration is not None else ""
-        self._line(name, (mark + " ", style), (name, "bold cyan"), (f" {status}", style), took)
+        why = " ".join(_clean(reason).split()) if reason else ""
+        self._line(name, (mark + " ", style), (name, "bold cyan"), (f" {status}", style), took,
+                   (f": {why}" if why else "", style))
 
     def cancelled(self, name: str = "?", label: str = "") -> None:
         self._line(name, ("✗ ", "yellow"), (name, "bold"), (f" cancelled: {_clean(label)}", "yellow"))

@@ -20,7 +20,7 @@ from typing import Any
 import click
 
 from .agent import run_task
-from .cli import _policy, _sandbox_options, make_display, run_until_done
+from .cli import _policy, _sandbox_options, ending, make_display, run_until_done
 from .engine import Engine
 from .inert import inert
 from .models import ModelConfig, ModelRegistry
@@ -255,7 +255,7 @@ def demo(record: Path | None, quiet: bool, sandbox: str, network: bool, workspac
 
     result = run_until_done(go(), display)
     if result.status != "answered":
-        click.echo(inert(f"agentloop: demo {result.status}: {result.error}"), err=True)
+        click.echo(inert(f"agentloop: demo: {ending(result)}"), err=True)
         sys.exit(1)
     click.echo(inert(result.answer))
     sys.exit(0 if (result.answer or "").startswith(COMPLETE) else 1)

@@ -27,6 +27,11 @@ class AgentDisplay:
         replied(name, message, stats, latency, finish_reason, reasoning)
                                                    the model's full reply, usage stats, seconds taken,
                                                    why it ended ("length": cut at the cap), its reasoning
+        waiting(name, attempt)                     a request went out; nothing of the reply has arrived yet
+        waited(name, seconds)                      the request ended (answered or failed) after that long
+        retrying(name, attempt, of, wait, reason, status)
+                                                   an attempt failed (status: its HTTP status, or None);
+                                                   attempt `attempt` of `of` retries comes after `wait` s
         delta(name, text)                          a piece of the reply as it streams in
         reasoning(name, text)                      a piece of the model's reasoning as it streams in
                                                    (never part of the reply, never sent back)
@@ -39,7 +44,9 @@ class AgentDisplay:
         cancelled(name, label)                     something of `name` was cancelled, and why
         failed(name, message)                      something of `name` could not be done
         agent_started(name, parent, model, task)   a sub-agent began; parent is None for the top agent
-        agent_finished(name, status, duration)     an agent ended: "done", "failed", "cancelled", ...
+        agent_finished(name, status, duration, reason)
+                                                   an agent ended: "done", "failed", "cancelled", ...;
+                                                   reason: why it failed ("" otherwise)
         note(name, message)                        a one-line notice (sandbox state, retries, ...)
 
     Renderers must tolerate event types and fields they do not know: new ones get added.

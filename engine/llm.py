@@ -19,6 +19,7 @@ import asyncio
 import email.utils
 import functools
 import json
+import socket
 import ssl
 import time
 from collections.abc import AsyncIterator
@@ -134,6 +135,9 @@ class Chat:
         self.last_max_tokens: int | None = None
         self.last_reasoning = ""
         self._counted = 0  # messages the last usage count covered (``context``)
+        #: How many times ``compact`` replaced the history: a caller holding positions in
+        #: ``messages`` (a tool call waiting for its answer) tells by it that they are gone.
+        self.compactions = 0
         self._emit("system", prompt=system, model=model.alias)
 
     # ------------------------------------------------------------------ public surface
@@ -200,6 +204,7 @@ class Chat:
         finally:
             self.last_latency = time.monotonic() - started
             self.seconds += self.last_latency
+            self._emit("waited", seconds=self.last_latency)
         self._account(messages, message, usage)
         return message
 
@@ -223,6 +228,7 @@ class Chat:
         self.messages = [self.messages[0], {"role": "user", "content": summary}]
         self.context = _estimate_prompt(self.messages)
         self._counted = 0
+        self.compactions += 1
 
     async def aclose(self) -> None:
         if self._client is not None:
@@ -252,6 +258,7 @@ class Chat:
     async def _with_retries(self, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
         attempt = 0
         while True:
+            self._emit("waiting", attempt=attempt + 1)
             try:
                 return await self._attempt(body, stream=self._stream)
             except _StreamRefused:
@@ -268,7 +275,8 @@ class Chat:
                 else:
                     wait = min(self.backoff * 2**attempt, self.backoff_max)
                 attempt += 1
-                self._emit("retrying", attempt=attempt, of=self.max_retries, wait=wait, reason=failure.reason)
+                self._emit("retrying", attempt=attempt, of=self.max_retries, wait=wait, reason=failure.reason,
+                           status=getattr(failure.final, "status", None))
                 await asyncio.sleep(wait)
 
     async def _attempt(self, body: dict[str, Any], *, stream: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -294,12 +302,15 @@ class Chat:
         except httpx.UnsupportedProtocol as exc:
             raise ModelUnreachable(f"cannot use the model URL {self.model.base_url}: it must start with "
                                    f"http:// or https://; fix base_url or LLM_URL") from exc
+        except httpx.ConnectTimeout as exc:
+            reason = f"no connection within {min(self.model.timeout, 30.0):g}s"
+            raise _Transient(self._unreachable(reason, exc, start=False), reason) from exc
         except httpx.TimeoutException as exc:
             reason = f"no answer within {self.model.timeout:g}s"
-            raise _Transient(self._unreachable(reason, exc), reason) from exc
+            raise _Transient(self._too_slow(exc), reason) from exc
         except httpx.TransportError as exc:
-            reason = _transport_reason(exc)
-            raise _Transient(self._unreachable(reason, exc), reason) from exc
+            reason = transport_reason(exc)
+            raise _Transient(self._unreachable(reason, exc, start=nobody_listens(exc)), reason) from exc
 
     def _status_error(self, response: httpx.Response, text: str, *, stream: bool) -> Exception:
         status = response.status_code
@@ -318,11 +329,22 @@ class Chat:
             return _Transient(error, f"HTTP {status}", _retry_after(response.headers.get("retry-after")))
         return error
 
-    def _unreachable(self, reason: str, exc: Exception) -> ModelUnreachable:
+    def _unreachable(self, reason: str, exc: Exception, *, start: bool) -> ModelUnreachable:
+        """No connection.  Only where nobody listens (refused, or a name that does not resolve)
+        is starting a server the advice; a server that is there but slow gets other words."""
+        advice = start_hint(self.model.base_url) if start else (
+            "Check that the server at that address is up and reachable from here, or set LLM_URL.")
+        error = ModelUnreachable(f"cannot reach the model at {self.model.base_url} ({reason}). {advice}")
+        error.__cause__ = exc
+        return error
+
+    def _too_slow(self, exc: Exception) -> ModelUnreachable:
+        """A read timeout: the server took the request and did not answer in time."""
         error = ModelUnreachable(
-            f"cannot reach the model at {self.model.base_url} ({reason}). Start one: "
-            "`llama-server -m MODEL.gguf --port 8080 --jinja`, or Ollama "
-            "(`LLM_URL=http://localhost:11434/v1 LLM_MODEL=qwen3:4b`), or set LLM_URL.")
+            f"the model at {self.model.base_url} did not answer within {self.model.timeout:g} s (the request "
+            f"timeout, LLM_TIMEOUT or the alias's `timeout` in agentloop.toml): the server is there but slow. "
+            f"Raise the timeout (e.g. LLM_TIMEOUT={max(600, int(self.model.timeout * 4))}) or ask for less "
+            "(--max-tokens).")
         error.__cause__ = exc
         return error
 
@@ -515,7 +537,31 @@ def _retry_after(value: str | None) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
-def _transport_reason(exc: httpx.TransportError) -> str:
+def start_hint(base_url: str) -> str:
+    """How to start a server where ``base_url`` points (its host and port, not a fixed 8080)."""
+    url = httpx.URL(base_url)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    host = url.host or "127.0.0.1"
+    where = "" if host in ("127.0.0.1", "localhost", "::1") else f" --host {host}"
+    return (f"Start one there: `llama-server -m MODEL.gguf{where} --port {port} --jinja`; or point LLM_URL "
+            "(or base_url in agentloop.toml) at a server that runs, e.g. Ollama's "
+            "(`LLM_URL=http://localhost:11434/v1 LLM_MODEL=qwen3:4b`).")
+
+
+def nobody_listens(exc: BaseException) -> bool:
+    """Whether a failed connection means no server is there: refused, or a host name that does
+    not resolve (as opposed to a reset, a broken stream or a timeout from a server that is up)."""
+    cause: BaseException | None = exc
+    for _ in range(8):
+        if cause is None:
+            return False
+        if isinstance(cause, ConnectionRefusedError | socket.gaierror):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return isinstance(exc, httpx.ConnectError) and "refused" in str(exc).lower()
+
+
+def transport_reason(exc: httpx.TransportError) -> str:
     """A few words on why the connection failed, from the OS error underneath when there is one
     (httpx reports every refused connect as "All connection attempts failed")."""
     cause: BaseException | None = exc

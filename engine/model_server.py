@@ -29,11 +29,14 @@ from typing import Any
 
 import httpx
 
-from engine.llm import auth_headers, open_client
+from engine.llm import auth_headers, nobody_listens, open_client, transport_reason
 from engine.models import ModelConfig
 
 #: Seconds one probe may take, connection included; they run concurrently.
 PROBE_TIMEOUT = 2.0
+
+#: Marks, in a probe's reason, that nobody listens at the address (see ``ServerInfo.no_server``).
+NO_SERVER = "\0no server: "
 
 _NUM_CTX = re.compile(r"^\s*num_ctx\s+(\d+)\s*$", re.MULTILINE)
 
@@ -46,6 +49,9 @@ class ServerInfo:
     #: HTTP status of ``GET /models``, or why it got no answer (``models_error``).
     models_status: int | None = None
     models_error: str = ""
+    #: ``GET /models`` found nobody listening (refused, or a host name that does not resolve):
+    #: the one case where starting a server is the advice.
+    no_server: bool = False
     kind: str | None = None  # "llama.cpp", "vllm" or "ollama" when recognised
     model_ids: tuple[str, ...] | None = None
     context_window: int | None = None
@@ -154,6 +160,8 @@ async def _ask(client: httpx.AsyncClient, method: str, url: str, headers: dict[s
         return None, None, f"no answer within {PROBE_TIMEOUT:g}s"
     except httpx.TimeoutException:
         return None, None, f"no answer within {PROBE_TIMEOUT:g}s"
+    except httpx.TransportError as exc:
+        return None, None, (NO_SERVER if nobody_listens(exc) else "") + transport_reason(exc)
     except (httpx.HTTPError, RuntimeError) as exc:  # RuntimeError: a client closed under a shared probe
         return None, None, type(exc).__name__
     try:
@@ -171,7 +179,8 @@ def _read(model_id: str, models: tuple[int | None, Any, str], props: tuple[int |
           show: tuple[int | None, Any, str]) -> ServerInfo:
     """The ServerInfo of three probe answers (see the module doc for what each holds)."""
     fields: dict[str, Any] = {"answered": any(status is not None for status, _, _ in (models, props, show)),
-                              "models_status": models[0], "models_error": models[2]}
+                              "models_status": models[0], "models_error": models[2].removeprefix(NO_SERVER),
+                              "no_server": models[2].startswith(NO_SERVER)}
     window: list[tuple[int | None, str]] = []
 
     entries = models[1].get("data") if isinstance(models[1], dict) else None

@@ -173,6 +173,27 @@ def load_models(path: str | Path | None = None, env: Mapping[str, str] = os.envi
     return ModelRegistry(models, default)
 
 
+def which_wins(registry: ModelRegistry, path: str | Path | None = None,
+               env: Mapping[str, str] = os.environ) -> str:
+    """When LLM_URL is set and a model file is read too, which of them the default model comes
+    from, in one sentence ("" when only one of them is in play): otherwise a user who exported
+    LLM_URL cannot tell that a file in the current directory overrides it."""
+    file = Path(path) if path is not None else Path(CONFIG_FILE)
+    url = env.get("LLM_URL")
+    if not url or not file.is_file():
+        return ""
+    default = registry.default
+    if default.alias == DEFAULT_ALIAS and default == _from_env(env):
+        return (f"LLM_URL and {file} are both set: LLM_URL wins, the default model is {default.model} at "
+                f"{default.base_url} (alias {DEFAULT_ALIAS!r}); the file's aliases are used when named "
+                "(--model ALIAS, model=\"ALIAS\")")
+    kept = (f"LLM_URL is used only as the alias {DEFAULT_ALIAS!r} (--model {DEFAULT_ALIAS})"
+            if DEFAULT_ALIAS in registry and registry.get(DEFAULT_ALIAS) == _from_env(env)
+            else "LLM_URL is used only as the base_url of aliases that set none")
+    return (f"LLM_URL and {file} are both set: {file} wins, the default model is {default.alias!r} "
+            f"({default.model} at {default.base_url}); {kept}")
+
+
 def _from_env(env: Mapping[str, str]) -> ModelConfig:
     url = env.get("LLM_URL") or DEFAULT_URL
     timeout_text = env.get("LLM_TIMEOUT") or str(DEFAULT_TIMEOUT)

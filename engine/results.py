@@ -24,7 +24,8 @@ class BlockResult:
 
     ``status``: ok (finished), error (raised; ``error`` holds the user's traceback),
     timeout (hit its deadline), cancelled (stopped on request), died (the worker crashed),
-    killed (the worker was killed because of another block).  ``message`` says in words what
+    killed (the worker was killed because of another block).  A ``SystemExit`` is ok (status
+    0) or error, with ``exit_code`` set (``exited``).  ``message`` says in words what
     happened whenever the status is not ok; ``lost_vars`` names the variables a worker
     kill took with it.
     """
@@ -46,6 +47,11 @@ class BlockResult:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    @property
+    def exited(self) -> bool:
+        """The code raised ``SystemExit`` (``exit_code`` is its status); the worker lives on."""
+        return self.exit_code is not None and self.status in ("ok", "error")
 
     def text(self) -> str:
         """Output, traceback and a ``[what happened]`` suffix, concatenated as the seed does

@@ -24,6 +24,11 @@ A conversation past its last turn gets ``"(script exhausted)"``, plain text, so 
 A request's ``max_tokens`` is honoured as real servers do, at four characters a token (the
 rate ``usage`` is counted at): what goes beyond is cut, and ``finish_reason`` is ``"length"``.
 
+Every completion request is checked against the rules strict servers (OpenAI, vLLM) enforce on
+a message sequence (``sequence_problems``); a request that breaks them is still answered, as
+lenient local servers do, but recorded in ``violations`` and in ``take_invalid()``, which the
+test suite checks after every test.
+
 Run one by hand: ``python -m engine.scripted SCRIPT.json --port 8080`` (JSON turns: strings,
 tool-call dicts, ``{"fail": 500, "times": 2}``, ``{"delay": 1.5, "then": ...}``).
 """
@@ -145,6 +150,63 @@ class Received:
     status: int = 200
     at: float = field(default_factory=time.monotonic)
     peer: int | None = None  # the client's port: requests on one connection share it
+    problems: list[str] = field(default_factory=list)  # the sequence rules it breaks
+
+
+def sequence_problems(messages: Any) -> list[str]:
+    """What makes ``messages`` a sequence a strict server refuses, in words; empty when valid.
+
+    The rules: each ``tool_calls`` entry of an assistant message is answered by exactly one
+    ``tool`` message carrying its id, in the run of ``tool`` messages right after it, and no
+    ``tool`` message stands without its call.  (OpenAI and vLLM answer HTTP 400 otherwise.)"""
+    if not isinstance(messages, list):
+        return ["messages is not a list"]
+    problems: list[str] = []
+    owed: dict[str, int] | None = None  # call ids of the last assistant message, not yet answered
+    owed_at = 0
+    for position, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if owed is None:
+                problems.append(f"message {position}: a tool message ({call_id!r}) without a preceding call")
+            elif call_id not in owed:
+                problems.append(f"message {position}: tool message answers {call_id!r}, which message "
+                                f"{owed_at} did not call (its calls: {', '.join(map(str, owed)) or 'none'})")
+            elif owed[call_id]:
+                problems.append(f"message {position}: call {call_id!r} of message {owed_at} answered twice")
+            else:
+                owed[call_id] = 1
+            continue
+        if owed is not None:
+            missing = [call_id for call_id, answered in owed.items() if not answered]
+            if missing:
+                problems.append(f"message {owed_at}: calls {', '.join(map(str, missing))} have no tool "
+                                "message before the next message")
+            owed = None
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if role == "assistant" and calls:
+            ids = [call.get("id") if isinstance(call, dict) else None for call in calls]
+            if len(set(ids)) != len(ids) or None in ids:
+                problems.append(f"message {position}: tool call ids missing or repeated: {ids}")
+            owed, owed_at = {call_id: 0 for call_id in ids}, position
+    if owed is not None and not all(owed.values()):
+        missing = [call_id for call_id, answered in owed.items() if not answered]
+        problems.append(f"message {owed_at}: calls {', '.join(map(str, missing))} are not answered")
+    return problems
+
+
+_invalid_lock = threading.Lock()
+_invalid: list[str] = []
+
+
+def take_invalid() -> list[str]:
+    """Every invalid request any server of this process received since the last call, in words
+    (which server, which turn, what is wrong), and forget them."""
+    with _invalid_lock:
+        taken = list(_invalid)
+        _invalid.clear()
+    return taken
 
 
 #: Characters per token, for ``usage`` and for honouring ``max_tokens``.
@@ -182,6 +244,8 @@ class ScriptedServer:
         self.reasoning_field = reasoning_field
         self.close_after_stream = close_after_stream
         self.received: list[Received] = []
+        #: Requests whose message sequence a strict server would refuse (see ``sequence_problems``).
+        self.violations: list[Received] = []
         self._fails_used: dict[tuple[str, int, int], int] = {}
         self._lock = threading.Condition()
         self._closing = threading.Event()
@@ -288,7 +352,13 @@ class ScriptedServer:
 
     def _completion(self, handler: _Handler, body: dict[str, Any]) -> None:
         key, index, turn = self._choose(body)
-        record = Received("POST", handler.path, _headers(handler), body, key, index, peer=handler.client_address[1])
+        record = Received("POST", handler.path, _headers(handler), body, key, index, peer=handler.client_address[1],
+                          problems=sequence_problems(body.get("messages")))
+        if record.problems:
+            with self._lock:
+                self.violations.append(record)
+            with _invalid_lock:
+                _invalid.append(f"{self.url} (conversation {key!r}, turn {index}): {'; '.join(record.problems)}")
         self._record(record)  # on arrival, so a delayed reply is already visible
         try:
             turn = self._resolve(turn, body)

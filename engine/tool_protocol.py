@@ -99,6 +99,33 @@ def embedded_calls(content: str) -> tuple[str, list[dict]]:
     return _EMBEDDED_CALL.sub("", content).strip(), calls
 
 
+def _add_user(messages: list[dict], text: str) -> None:
+    """Append a user message, joined to a user message already last (a compaction summary):
+    many chat templates require the roles to alternate."""
+    last = messages[-1]
+    if last.get("role") == "user" and isinstance(last.get("content"), str):
+        messages[-1] = {**last, "content": f"{last['content']}\n\n{text}"}
+    else:
+        messages.append({"role": "user", "content": text})
+
+
+def _answer_the_rest(messages: list[dict]) -> None:
+    """Answer the calls of the last assistant message that have no answer yet (a run ended while
+    they were being answered: Ctrl-C in ``chat``), so the transcript stays one a strict server
+    takes for the next question."""
+    for position in range(len(messages) - 1, 0, -1):
+        message = messages[position]
+        if message.get("role") == "tool":
+            continue
+        if message.get("role") == "assistant" and message.get("tool_calls"):
+            answered = {m.get("tool_call_id") for m in messages[position + 1:]}
+            for call in message["tool_calls"]:
+                if call.get("id") not in answered:
+                    messages.append({"role": "tool", "tool_call_id": call.get("id"),
+                                     "content": "[cancelled: the run ended before this call was answered]"})
+        return
+
+
 class _Pending:
     """A tool call whose answer depends on something still running."""
 
@@ -140,9 +167,10 @@ class ToolAgent(Agent):
                 self.messages_sent += 1
                 self._last_message = time.monotonic()
                 if pending_user:
-                    chat.messages.append({"role": "user", "content": pending_user})
+                    _add_user(chat.messages, pending_user)
                 self._event("sent", message=pending_user, count=len(chat.messages))
                 reply = await chat.request(chat.messages, tools=tools, tool_choice="auto")
+                compactions = chat.compactions  # code still running may compact from here on
                 content, cut = tags.cut_hallucinated(tags.strip_think(reply.get("content") or ""))
                 calls = [c for c in reply.get("tool_calls") or [] if isinstance(c, dict)]
                 content, loose = embedded_calls(content) if not calls else (content, [])
@@ -158,11 +186,19 @@ class ToolAgent(Agent):
                 self.check_length(content, invented=cut)
                 answers = await self._answer_calls(calls)
                 loose_answers = await self._answer_calls(loose)
+                if chat.compactions != compactions:
+                    # The code of a call replaced the history (compact_knowledge): the calls it
+                    # answers are gone with it, so a tool message now would answer nothing.  Their
+                    # answers reach the model as text, as calls without an id do.
+                    loose_answers, answers, calls = answers + loose_answers, [], []
                 for call_id, text in answers:
                     chat.messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
-                if not calls and not loose and self.is_completed():
+                if self.empty_reply(content, calls=bool(calls or loose_answers)):
+                    pending_user = self.next_message() + self.context_note()
+                    continue
+                if not calls and not loose_answers and self.is_completed():
                     return content
-                if not calls and not loose:
+                if not calls and not loose_answers:
                     await self.wait_first_event()
                     await asyncio.sleep(0)
                 extra = "".join(f"<tool_result call={cid}>\n{text}\n</tool_result>\n" for cid, text in loose_answers)
@@ -175,6 +211,7 @@ class ToolAgent(Agent):
             raise AgentError(f"stopped after {limit} tool rounds without a final answer — ask a narrower "
                              "question or raise --max-messages")
         finally:
+            _answer_the_rest(chat.messages)
             await self.settle()
 
     async def _answer_calls(self, calls: list[dict]) -> list[tuple[str, str]]:

@@ -31,6 +31,7 @@ from ._session import Session
 from .errors import WorkerClosed, WorkerError, WorkerStartError
 from .output import OutputSink
 from .results import BlockResult, OutputChunk, describe_exit
+from .script import Script, forward_stdin
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -227,6 +228,8 @@ class Worker:
             if self._session is not session or session.killing:
                 return
             assert session.proc is not None
+            # What it sent before it died is read before its blocks end (its last words).
+            await session.settle(min(0.5, self.engine.grace))
             words, sig = describe_exit(rc, via_namespace=session.proc.pid_namespace)
             if session.over_memory_limit():
                 words = (f"worker killed: over its memory limit ({self.engine.sandbox.memory_bytes / 2**20:.0f} MiB, "
@@ -280,6 +283,12 @@ class Worker:
                 block.finish("cancelled", message="cancelled")
             elif status in ("ok", "error"):
                 block.finish(status, error=error)
+            elif status == "exit":
+                code = msg.get("code")
+                code = code if type(code) is int and 0 <= code <= 255 else 1
+                block.finish("ok" if code == 0 else "error", exit_code=code,
+                             message=f"the code exited with {code} (SystemExit); the worker and its namespace "
+                                     "are kept")
             else:
                 block.finish("error", error=error, message=f"worker reported status {status!r}")
         elif kind == "stuck":
@@ -365,7 +374,8 @@ class Worker:
 
     # -- running blocks -----------------------------------------------------------------------
     async def _submit(self, code: str, timeout: float, block_id: str | None,
-                      on_output: Callable[[OutputChunk], None] | None, budget: int | None = None) -> _Block:
+                      on_output: Callable[[OutputChunk], None] | None, budget: int | None = None,
+                      script: Script | None = None) -> _Block:
         session = await self._ensure_ready()
         if block_id is None:
             block_id = f"b{next(self._block_ids)}"
@@ -377,17 +387,24 @@ class Worker:
                           file_cap=self.engine.output_file_cap)
         block = _Block(block_id, sink, timeout, on_output, budget)
         self._blocks[block_id] = block
-        session.send(wire.run(block_id, code))
+        session.send(wire.run(block_id, code, script.wire() if script is not None else None))
+        if script is not None and script.stdin is not None:
+            forward_stdin(script.stdin, self.send, block_id, block.future.done)
         return block
 
     async def run(self, code: str, *, timeout: float = 10.0, block_id: str | None = None,
                   on_output: Callable[[OutputChunk], None] | None = None,
-                  budget: int | None = None) -> BlockResult:
+                  budget: int | None = None, script: Script | None = None) -> BlockResult:
         """Run one block and return how it ended.  Never raises for what the code did.
 
         ``budget`` caps ``result.output`` in bytes (head and tail, with the count cut between).
+        ``script``: run the code as ``python FILE ARGS`` would (``agentloop exec``; see
+        ``engine.script``): then a traceback is part of the output, as Python prints it.
+
+        A ``SystemExit`` ends the block, never the worker: ``exit_code`` holds its status (the
+        status is ok for 0, else error) and ``exited`` is true.
         """
-        block = await self._submit(code, timeout, block_id, on_output, budget)
+        block = await self._submit(code, timeout, block_id, on_output, budget, script)
         return await self._supervise(block)
 
     async def stream(self, code: str, *, timeout: float = 10.0,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import model_server
+from engine import model_server, scripted
 from engine.engine import Engine
 
 REPO = Path(__file__).resolve().parent.parent
@@ -23,6 +23,19 @@ def _fresh_model_probes():
     model_server.forget()
     yield
     model_server.forget()
+
+
+@pytest.fixture(autouse=True)
+def _valid_model_requests():
+    """Every request a scripted server receives during a test must be a message sequence a
+    strict server accepts (``engine.scripted.sequence_problems``); the test fails otherwise.
+    A test that sends invalid ones on purpose takes them itself with ``scripted.take_invalid()``."""
+    scripted.take_invalid()
+    yield
+    invalid = scripted.take_invalid()
+    if invalid:
+        pytest.fail("a scripted server received requests a strict server refuses:\n" + "\n".join(invalid),
+                    pytrace=False)
 
 
 @pytest.fixture

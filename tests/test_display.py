@@ -21,7 +21,7 @@ from engine.display import (
 from engine.errors import ConfigError
 
 EVENT_TYPES = ["system", "sent", "replied", "delta", "launched", "output", "progress", "finished",
-               "cancelled", "failed", "agent_started", "agent_finished", "note"]
+               "cancelled", "failed", "agent_started", "agent_finished", "note", "waiting", "waited", "retrying"]
 
 
 class _Collect(AgentDisplay):
@@ -235,3 +235,99 @@ def test_replay_into_console(tmp_path):
     replayed, replay_buffer = _console()
     replay(path, replayed)
     assert replay_buffer.getvalue() == live_buffer.getvalue()
+
+
+def test_console_shows_retries_notes_to_the_model_and_why_a_sub_agent_failed():
+    display, buffer = _console()
+    display.event("retrying", name="main", attempt=1, of=4, wait=0.5, reason="HTTP 500", status=500)
+    display.event("sent", name="main", count=3, message=(
+        "<run_code_result id=b1 duration=0.01s>\nok\n</run_code_result>\n"
+        "<error reason=length>\nYour previous reply reached the\nreply-length limit.\n</error>\n"
+        "<error name=k2>\nCould not start this sub-agent: \x1b[31mlimit\n</error>\n<status context_tokens=1/>"))
+    display.event("agent_started", name="f", parent="main")
+    display.event("agent_finished", name="f", status="failed", duration=0.2, reason="unknown model 'x'\nsecond")
+    lines = buffer.getvalue().splitlines()
+    assert lines[0] == "↻ main: the request failed (HTTP 500); retry 1 of 4 in 0.5s"
+    assert lines[1:3] == ["  ⚠ main is told (reason=length): Your previous reply reached the reply-length limit.",
+                          "  ⚠ main is told (name=k2): Could not start this sub-agent: limit"]
+    assert lines[-1] == "  ✗ f failed in 0s: unknown model 'x' second"
+
+
+def test_console_shows_what_the_model_is_held_to_when_an_invented_result_is_cut():
+    display, buffer = _console()
+    display.event("delta", name="main", text="Let me check.\n<run_code>\nprint(1)\n</run_code>\n<run_co")
+    display.event("delta", name="main", text="de_result id=b1>\n1\n</run_code_result>\nSo it is 1.")
+    display.event("replied", name="main", message="(whole)")
+    text = buffer.getvalue()
+    assert "main › Let me check." in text and "main › </run_code>" in text
+    assert "<run_co" not in text.replace("<run_code>", "") and "So it is 1" not in text, text
+    assert "✂ main: the reply is cut here, where the model wrote a result itself" in text
+    # A tail held back because it might have begun a tag is shown once the reply ends.
+    display, buffer = _console()
+    display.event("delta", name="main", text="Answer: x <running")
+    assert "<running" not in buffer.getvalue()
+    display.event("delta", name="main", text="_total> is 3")
+    display.event("replied", name="main", message="Answer: x <running_total> is 3")
+    assert "main › Answer: x <running_total> is 3" in buffer.getvalue() and "✂" not in buffer.getvalue()
+    # A tag inside a block being written is code: shown once the block is complete, never cut.
+    display, buffer = _console()
+    display.event("delta", name="main", text='<run_code>\nprint("<running")\n')
+    display.event("delta", name="main", text="</run_code>\n")
+    display.event("replied", name="main", message='<run_code>\nprint("<running")\n</run_code>\n')
+    assert 'main › print("<running")' in buffer.getvalue() and "✂" not in buffer.getvalue()
+    # Not streamed: the reply is shown as cut.
+    display, buffer = _console()
+    display.event("replied", name="main", message="Done.\n<agent_result name=x>\ninvented\n</agent_result>")
+    assert "main › Done." in buffer.getvalue() and "invented" not in buffer.getvalue()
+    assert "✂" in buffer.getvalue()
+
+
+def test_console_shows_code_once():
+    code = "x = 1\nprint(x)"
+    display, buffer = _console()
+    display.event("delta", name="main", text=f"<run_code>\n{code}\n</run_code>\n")
+    display.event("replied", name="main", message=f"<run_code>\n{code}\n</run_code>\n")
+    display.event("launched", name="main", id="b1", timeout=10.0, code=code)
+    assert buffer.getvalue().count("print(x)") == 1
+    # A tool call's code is in no reply text: it is shown under its block.
+    display, buffer = _console()
+    display.event("replied", name="main", message="")
+    display.event("launched", name="main", id="c1", timeout=10.0, code=code)
+    assert "    ┆ print(x)" in buffer.getvalue().splitlines()
+
+
+def test_waiting_for_the_first_token_is_shown_on_a_terminal_only():
+    now = [100.0]
+    display, buffer = _console(clock=lambda: now[0])
+    display.event("waiting", name="main", attempt=1)
+    assert display._live is None and buffer.getvalue() == ""  # not a terminal: nothing extra
+
+    terminal = io.StringIO()
+    display = ConsoleDisplay(Console(file=terminal, width=80, force_terminal=True), clock=lambda: now[0])
+    display.event("agent_started", name="main", parent=None)
+    display.event("waiting", name="main", attempt=1)
+    assert display._live is not None
+    now[0] += 3.2
+    assert display._waiting.lines() == ["⠹ main waiting for the model · 3s"]
+    display.event("delta", name="main", text="hi")  # the first token ends the wait
+    assert display._live is None and display._waiting.lines() == []
+    display.event("waiting", name="main", attempt=1)
+    display.event("retrying", name="main", attempt=1, of=4, wait=1.0, reason="HTTP 503", status=503)
+    assert display._live is None
+    display.event("waiting", name="main", attempt=2)
+    display.close()
+    assert display._live is None
+
+
+def test_the_spinner_pauses_while_another_agent_streams_a_line():
+    terminal = io.StringIO()
+    display = ConsoleDisplay(Console(file=terminal, width=80, force_terminal=True), clock=lambda: 5.0)
+    display.event("waiting", name="sub", attempt=1)
+    assert display._live is not None
+    display.event("delta", name="main", text="half a li")
+    assert display._live is None  # a partial line is never split by the spinner
+    display.event("delta", name="main", text="ne\n")
+    display.event("replied", name="main", message="half a line\n")
+    assert display._live is not None  # sub still waits
+    display.close()
+    assert display._live is None

@@ -28,6 +28,20 @@ async def test_namespace_persists_across_blocks(worker):
     assert {"x", "f"} <= set(worker.vars)
 
 
+async def test_system_exit_ends_the_block_not_the_worker(worker):
+    assert (await worker.run("x = 7")).ok
+    pid = worker.pid
+    three = await worker.run("import sys\nprint('a')\nsys.exit(3)")
+    assert three.status == "error" and three.exited and three.exit_code == 3
+    assert three.output == "a\n" and "exited with 3" in three.message and not three.worker_killed
+    said = await worker.run("import sys; sys.exit('no more')")
+    assert said.exit_code == 1 and said.output == "no more\n"
+    zero = await worker.run("raise SystemExit")
+    assert zero.ok and zero.exit_code == 0
+    after = await worker.run("print(x)")
+    assert after.output == "7\n" and worker.pid == pid
+
+
 async def test_two_sleeping_blocks_run_concurrently(worker):
     started = time.monotonic()
     a, b = await asyncio.gather(worker.run("import time; time.sleep(1); print('a')"),

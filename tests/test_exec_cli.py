@@ -43,7 +43,7 @@ def test_exec_raised_prints_the_traceback(tmp_path):
     proc = run_exec(tmp_path, "print('before')\nraise ValueError('bad')")
     assert proc.returncode == 1
     assert proc.stdout == "before\n"
-    assert 'File "<block main>", line 2' in proc.stderr and "ValueError: bad" in proc.stderr
+    assert 'File "<stdin>", line 2' in proc.stderr and "ValueError: bad" in proc.stderr
 
 
 def test_exec_deadline(tmp_path):

@@ -58,7 +58,8 @@ async def test_streamed_reply_arrives_in_deltas_and_lands_in_the_transcript():
                           {"role": "assistant", "content": text}]
     deltas = [e["text"] for e in display.of("delta")]
     assert len(deltas) > 1 and "".join(deltas) == text
-    assert [kind for kind, _ in display.events] == ["system"] + ["sent"] + ["delta"] * len(deltas) + ["replied"]
+    assert [kind for kind, _ in display.events] == (["system", "sent", "waiting"] + ["delta"] * len(deltas)
+                                                    + ["waited", "replied"])
     assert display.of("sent")[0] == {"name": "main", "message": "hello", "count": 2}
     replied = display.of("replied")[0]
     assert replied["message"] == text and replied["stats"]["requests"] == 1 and replied["latency"] >= 0
@@ -291,18 +292,32 @@ async def test_unreachable_endpoint_says_how_to_start_one_quickly():
         with pytest.raises(ModelUnreachable) as caught:
             await c.send("x")
     message = str(caught.value)
-    assert message.startswith(f"cannot reach the model at {url} (connection refused). Start one:")
-    assert "llama-server" in message and "LLM_URL=http://localhost:11434/v1" in message
+    assert message.startswith(f"cannot reach the model at {url} (connection refused). Start one there:")
+    port = url.split(":")[-1].split("/")[0]
+    assert f"llama-server -m MODEL.gguf --port {port} --jinja" in message, message  # its port, not 8080
+    assert "LLM_URL=http://localhost:11434/v1" in message
     assert "Traceback" not in message and "\n" not in message
     assert time.monotonic() - started < 5
     assert len(c.messages) == 1
 
 
-async def test_a_silent_server_times_out_as_unreachable():
+async def test_a_silent_server_times_out_saying_it_is_slow_not_absent():
     with ScriptedServer([Delay(5, then="too late")]) as srv:
         async with chat(srv.url, config=model(srv.url, timeout=0.3), max_retries=0) as c:
-            with pytest.raises(ModelUnreachable, match=r"no answer within 0.3s"):
+            with pytest.raises(ModelUnreachable) as caught:
                 await c.send("x")
+    message = str(caught.value)
+    assert message.startswith(f"the model at {srv.url} did not answer within 0.3 s"), message
+    assert "LLM_TIMEOUT" in message and "Raise the timeout" in message
+    assert "Start one" not in message and "llama-server" not in message  # a server is there
+
+
+def test_the_start_hint_uses_the_configured_host_and_port():
+    from engine.llm import start_hint
+
+    assert "llama-server -m MODEL.gguf --port 9123 --jinja" in start_hint("http://127.0.0.1:9123/v1")
+    assert "--host 10.0.0.5 --port 80 " in start_hint("http://10.0.0.5/v1")
+    assert "8080" not in start_hint("https://models.example/v1")
 
 
 # ------------------------------------------------------------------ keys

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import select
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
+
 from engine.display import read_recording
-from engine.scripted import ScriptedServer
+from engine.scripted import Delay, Fail, ScriptedServer
 
 AGENTLOOP = [sys.executable, "-m", "engine.cli"]
 
@@ -54,7 +60,7 @@ def test_run_unreachable_endpoint_says_how_to_start_one(tmp_path):
     proc = agentloop(tmp_path, "run", "hello", "-q", url="http://127.0.0.1:9/v1")
     assert proc.returncode == 1
     assert "cannot reach the model at http://127.0.0.1:9/v1" in proc.stderr
-    assert "llama-server" in proc.stderr and "Traceback" not in proc.stderr
+    assert "llama-server -m MODEL.gguf --port 9 --jinja" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_run_gives_up_after_max_messages(tmp_path):
@@ -125,3 +131,97 @@ def test_max_subagents_bounds_the_sub_agents_of_run_and_chat(tmp_path):
         assert "<error name=k2>\nCould not start this sub-agent: this run already has 2 sub-agents working, " \
                "its limit (max_subagents=2)" in second, second
         assert "<error name=k0>" not in second and "<error name=k1>" not in second
+
+
+def test_an_ended_run_says_so_in_one_plain_sentence(tmp_path):
+    with ScriptedServer({"*": [Delay(30, then="late")]}) as server:
+        timed = agentloop(tmp_path, "run", "slow", "-q", "--timeout", "1", url=server.url)
+        proc = subprocess.Popen([*AGENTLOOP, "run", "slow", "-q"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=tmp_path, env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "s"),
+                                                              "LLM_URL": server.url})
+        try:
+            assert server.wait_requests(2, timeout=60)  # the timed run's request, then this one's
+            proc.send_signal(signal.SIGINT)
+            _, cancelled = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+    assert timed.returncode == 124
+    assert timed.stderr.strip().splitlines()[-1] == \
+        "agentloop: the run was stopped at its --timeout: no answer within 1 s.", timed.stderr
+    assert proc.returncode == 130
+    assert cancelled.strip().splitlines()[-1] == "agentloop: the run was cancelled.", cancelled
+
+
+def test_retries_show_as_they_happen(tmp_path):
+    with ScriptedServer({"*": [Fail(500, times=2), "fine"]}) as server:
+        proc = agentloop(tmp_path, "run", "flaky", url=server.url)
+    assert proc.returncode == 0 and proc.stdout == "fine\n", proc.stderr
+    assert "↻ main: the request failed (HTTP 500); retry 1 of 4 in 0.5s" in proc.stderr
+    assert "↻ main: the request failed (HTTP 500); retry 2 of 4 in 1.0s" in proc.stderr
+    assert "waiting for the model" not in proc.stderr  # not a terminal: no spinner
+
+
+def test_doctor_fails_on_a_refused_key_and_says_what_to_check(tmp_path):
+    with ScriptedServer({"*": ["hi"]}, routes={"/v1/models": Fail(401)}) as server:
+        proc = agentloop(tmp_path, "doctor", url=server.url, extra_env={"LLM_API_KEY": "wrong"})
+    assert proc.returncode == 1, proc.stdout
+    assert f"model endpoint {server.url}: refuses the key (HTTP 401). Check $LLM_API_KEY (is set)" in proc.stdout
+    assert "wrong" not in proc.stdout + proc.stderr
+
+
+def test_doctor_on_a_dead_port_names_that_port(tmp_path):
+    proc = agentloop(tmp_path, "doctor", url="http://127.0.0.1:9/v1")
+    assert proc.returncode == 1
+    assert "llama-server -m MODEL.gguf --port 9 --jinja" in proc.stdout and "8080" not in proc.stdout
+
+
+def test_models_and_doctor_say_whether_llm_url_or_the_file_wins(tmp_path):
+    with ScriptedServer({"*": ["hi"]}) as server:
+        (tmp_path / "agentloop.toml").write_text(f'default = "big"\n[models.big]\nbase_url = "{server.url}"\n')
+        models = agentloop(tmp_path, "models", url="http://127.0.0.1:9/v1")
+        doctor = agentloop(tmp_path, "doctor", url="http://127.0.0.1:9/v1")
+        (tmp_path / "agentloop.toml").write_text(f'[models.big]\nbase_url = "{server.url}"\n')
+        env_wins = agentloop(tmp_path, "models", url="http://127.0.0.1:9/v1")
+    wins = "LLM_URL and agentloop.toml are both set: agentloop.toml wins, the default model is 'big'"
+    assert wins in models.stdout and "LLM_URL is used only as the alias 'default'" in models.stdout
+    assert wins in doctor.stdout, doctor.stdout
+    assert "LLM_URL and agentloop.toml are both set: LLM_URL wins" in env_wins.stdout, env_wins.stdout
+    plain = agentloop(tmp_path, "models")
+    assert "both set" not in plain.stdout
+
+
+@pytest.mark.parametrize("command", ["run", "chat"])
+def test_the_answer_is_printed_once_on_a_terminal(tmp_path, command):
+    script = {"*": ["<run_code>\nprint('x' + 'y')\n</run_code>", "The answer is 42."]}
+    with ScriptedServer(script) as server:
+        main, child = pty.openpty()
+        try:
+            argv = [*AGENTLOOP, "run", "term"] if command == "run" else [*AGENTLOOP, "chat"]
+            stdin = subprocess.DEVNULL if command == "run" else subprocess.PIPE
+            proc = subprocess.Popen(argv, stdin=stdin, stdout=child,
+                                    stderr=child, cwd=tmp_path, env={**os.environ, "LLM_URL": server.url,
+                                                                     "XDG_STATE_HOME": str(tmp_path / "s")})
+            if command == "chat":  # one question on a pipe, then the end of input
+                proc.stdin.write(b"term\n")
+                proc.stdin.close()
+            os.close(child)
+            screen = b""
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                ready, _, _ = select.select([main], [], [], 1.0)
+                if ready:
+                    try:
+                        chunk = os.read(main, 65536)
+                    except OSError:  # the child closed the terminal
+                        break
+                    if not chunk:
+                        break
+                    screen += chunk
+                elif proc.poll() is not None:
+                    break
+            assert proc.wait(timeout=10) == 0, screen
+        finally:
+            os.close(main)
+    text = screen.decode("utf-8", "replace")
+    assert text.count("The answer is 42.") == 1, text
+    assert text.count("print('x' + 'y')") == 1, text  # the code once, too

@@ -11,7 +11,8 @@ A ``print`` costs a dictionary lookup and a deque append: text is encoded and fr
 when it is sent.  A block's output leaves when ``MAX_BATCH`` of it waits (sent by the thread
 that wrote it, which therefore waits while the coordinator is behind: output exerts
 backpressure instead of growing without bound), at the listener's tick every
-``FLUSH_INTERVAL`` seconds, and before the block's ``done``.
+``FLUSH_INTERVAL`` seconds, before the block's ``done``, and at once when the code calls
+``flush()`` (``print(..., flush=True)``), so that what it flushed survives its death.
 """
 
 from __future__ import annotations
@@ -145,6 +146,12 @@ class Router:
                 self._sending.release()
         return FLUSH_INTERVAL
 
+    def flush_block(self, block_id: str | None = None) -> None:
+        """Send what ``block_id`` (default: the current block) wrote and is not sent yet."""
+        out = self.outs.get(block_id or current_block.get())
+        if out is not None and out.parts:
+            self.send_out(out)
+
     def flush_all(self) -> None:
         with self._sending:
             for out in list(self.outs.values()):
@@ -228,7 +235,9 @@ class TextStream:
             self.write(line)
 
     def flush(self) -> None:
-        pass
+        # An explicit flush sends now, as a flush to a pipe writes now: what was printed with
+        # ``flush=True`` has left the process before a kill or a crash that follows it.
+        self._router.flush_block()
 
     def fileno(self) -> int:
         return self._stream  # fd 1/2 are the capture pipes: subprocesses land in the same place
@@ -263,7 +272,7 @@ class _BinaryStream:
         return len(b)
 
     def flush(self) -> None:
-        pass
+        self._router.flush_block()
 
     def fileno(self) -> int:
         return self._stream

@@ -27,7 +27,7 @@ import time
 import traceback
 from collections.abc import Callable
 
-from . import proxy, wire
+from . import proxy, script, wire
 from .capture import FdCapture, Router, current_block
 
 _WORKER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -64,26 +64,31 @@ def _is_user_file(filename: str) -> bool:
         "/", os.sep)
 
 
-def _trim(te: traceback.TracebackException, seen: set[int]) -> None:
+def _is_block(filename: str, block_file: str | None) -> bool:
+    return filename == block_file or filename.startswith("<block ")
+
+
+def _trim(te: traceback.TracebackException, seen: set[int], block_file: str | None) -> None:
     """Drop the worker's own frames (and asyncio's scaffolding around a task) from a traceback."""
     if id(te) in seen:
         return
     seen.add(id(te))
     frames = list(te.stack)
-    start = next((i for i, f in enumerate(frames) if f.filename.startswith("<block ")), 0)
+    start = next((i for i, f in enumerate(frames) if _is_block(f.filename, block_file)), 0)
     te.stack = traceback.StackSummary.from_list(
         [f for f in frames[start:] if _is_user_file(f.filename)])
     for nested in (te.__cause__, te.__context__):
         if nested is not None:
-            _trim(nested, seen)
+            _trim(nested, seen, block_file)
 
 
-def format_user_error(exc: BaseException) -> str:
-    """A traceback of the user's frames only, with the block's own line numbers and source."""
-    if isinstance(exc, SyntaxError) and exc.filename and exc.filename.startswith("<block "):
+def format_user_error(exc: BaseException, block_file: str | None = None) -> str:
+    """A traceback of the user's frames only, with the block's own line numbers and source.
+    ``block_file``: the name the block was compiled under, when it is not ``<block ID>``."""
+    if isinstance(exc, SyntaxError) and exc.filename and _is_block(exc.filename, block_file):
         return "".join(traceback.format_exception_only(exc))  # raised by compile(): no user frames
     te = traceback.TracebackException.from_exception(exc)
-    _trim(te, set())
+    _trim(te, set(), block_file)
     return "".join(te.format())
 
 
@@ -164,6 +169,7 @@ class Runtime:
         self._tasks: dict[str, concurrent.futures.Future] = {}
         self._threads: dict[str, _Running] = {}
         self._sources: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._stdin: script.ScriptInput | None = None  # a script run's forwarded stdin
 
     def base_names(self, names: set[str]) -> None:
         """Names injected by the host (tools, ``self``): not reported as the user's variables."""
@@ -184,11 +190,15 @@ class Runtime:
                 break
         return out
 
-    def submit(self, block_id: str, code: str) -> Callable[[], None] | None:
+    def submit(self, block_id: str, code: str, run_as: dict | None = None) -> Callable[[], None] | None:
         """Register a block so that a cancel finds it from now on.  Awaiting code starts on the
         user loop (None is returned); sync code is returned as a function for the caller to run
-        in the thread of its choice."""
+        in the thread of its choice.  ``run_as``: the ``script`` of a ``run`` message, to run
+        the code as ``python FILE ARGS`` would (see ``script``)."""
         filename = block_filename(block_id)
+        if run_as is not None:
+            self._stdin = script.ScriptInput(bool(run_as.get("stdin")))
+            filename = script.enter(self.namespace, run_as, self._stdin)
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         self._sources[filename] = None
         self._sources.move_to_end(filename)
@@ -200,17 +210,55 @@ class Runtime:
                                dont_inherit=True)
         except Exception as exc:  # noqa: BLE001 - SyntaxError, ValueError (NUL bytes),
             # RecursionError or MemoryError (deep nesting): the block's error, not the worker's
-            error = format_user_error(exc)
-            return lambda: self._finish(block_id, "error", error)
+            error = format_user_error(exc, filename)
+            ctx = contextvars.copy_context()
+            ctx.run(current_block.set, block_id)
+            return lambda: self._finish(block_id, *ctx.run(self._ending, block_id, run_as, ("error", error, None)))
         ctx = contextvars.copy_context()
         ctx.run(current_block.set, block_id)
         if compiled.co_flags & inspect.CO_COROUTINE:
             coro = eval(compiled, self.namespace)  # noqa: S307 - running user code is the job
-            future = asyncio.run_coroutine_threadsafe(self._spawn(block_id, coro, ctx), self._loop())
+            future = asyncio.run_coroutine_threadsafe(self._spawn(block_id, coro, ctx, run_as, filename),
+                                                      self._loop())
             self._tasks[block_id] = future
             return None
         running = self._threads[block_id] = _Running()
-        return lambda: ctx.run(self._run_sync, block_id, compiled, running)
+        return lambda: ctx.run(self._run_sync, block_id, compiled, running, run_as, filename)
+
+    def feed_stdin(self, data: bytes, eof: bool) -> None:
+        """Bytes for a script run's stdin (dropped when no script run forwards it)."""
+        if self._stdin is not None:
+            self._stdin.feed(data, eof)
+
+    @staticmethod
+    def _outcome(exc: BaseException, filename: str) -> tuple[str, str, int | None]:
+        """How a block that raised ``exc`` ended: (status, error, exit code).  A ``SystemExit``
+        is an exit, with its message (``sys.exit("msg")``) written to stderr as CPython does."""
+        if isinstance(exc, SystemExit):
+            code, text = script.exit_status(exc)
+            if text is not None:
+                sys.stderr.write(text + "\n")
+            return "exit", "", code
+        return "error", format_user_error(exc, filename), None
+
+    def _ending(self, block_id: str, run_as: dict | None, outcome: tuple[str, str, int | None]
+                ) -> tuple[str, str, int | None]:
+        """For a script run, what the interpreter does at the end: the traceback to stderr,
+        then the threads and ``atexit`` handlers (``script.finish``).  Runs in the block's
+        context, so what they print is the block's."""
+        if run_as is None:
+            return outcome
+        status, error, code = outcome
+        if status == "error":
+            sys.stderr.write(error)
+        if status in ("ok", "error", "exit"):
+            try:
+                script.finish()
+            except BlockCancelled:
+                return "cancelled", "", None
+            except BaseException as exc:  # noqa: BLE001 - CPython reports it and exits all the same
+                sys.stderr.write(format_user_error(exc))
+        return outcome
 
     def _loop(self) -> asyncio.AbstractEventLoop:
         with self._loop_lock:
@@ -218,26 +266,36 @@ class Runtime:
                 self._user_loop = _start_loop()
             return self._user_loop
 
-    async def _spawn(self, block_id: str, coro, ctx: contextvars.Context) -> None:
+    async def _spawn(self, block_id: str, coro, ctx: contextvars.Context, run_as: dict | None,
+                     filename: str) -> None:
         # A task of its own on the user loop, in the block's context.
-        await asyncio.get_running_loop().create_task(self._run_async(block_id, coro), context=ctx)
+        await asyncio.get_running_loop().create_task(self._run_async(block_id, coro, run_as, filename),
+                                                     context=ctx)
 
-    async def _run_async(self, block_id: str, coro) -> None:
+    async def _run_async(self, block_id: str, coro, run_as: dict | None, filename: str) -> None:
+        outcome: tuple[str, str, int | None]
+        if run_as is not None:
+            script.like_main_thread()
         try:
             await coro
         except asyncio.CancelledError:
-            outcome = ("cancelled", "")
+            outcome = ("cancelled", "", None)
         except BaseException as exc:  # noqa: BLE001 - user code may raise anything
-            outcome = ("error", format_user_error(exc))
+            outcome = self._outcome(exc, filename)
         else:
-            outcome = ("ok", "")
+            outcome = ("ok", "", None)
+        if run_as is not None:  # atexit handlers may block: not on the loop
+            outcome = await asyncio.to_thread(self._ending, block_id, run_as, outcome)  # in this context
         if self._fdcap is not None:
             self._fdcap.drain(0.02)
         self._tasks.pop(block_id, None)
         self._finish(block_id, *outcome)
 
-    def _run_sync(self, block_id: str, compiled, running: _Running) -> None:
-        outcome = ("cancelled", "")
+    def _run_sync(self, block_id: str, compiled, running: _Running, run_as: dict | None = None,
+                  filename: str = "") -> None:
+        outcome: tuple[str, str, int | None] = ("cancelled", "", None)
+        if run_as is not None:
+            script.like_main_thread()
         try:
             if running.enter():
                 try:
@@ -245,9 +303,10 @@ class Runtime:
                 except BlockCancelled:
                     pass
                 except BaseException as exc:  # noqa: BLE001
-                    outcome = ("error", format_user_error(exc))
+                    outcome = self._outcome(exc, filename)
                 else:
-                    outcome = ("ok", "")
+                    outcome = ("ok", "", None)
+                outcome = self._ending(block_id, run_as, outcome)
         except BlockCancelled:  # landed in the handlers above
             pass
         finally:
@@ -257,9 +316,9 @@ class Runtime:
         self._threads.pop(block_id, None)
         self._finish(block_id, *outcome)
 
-    def _finish(self, block_id: str, status: str, error: str) -> None:
+    def _finish(self, block_id: str, status: str, error: str, code: int | None = None) -> None:
         self._router.end(block_id)
-        self._send(wire.done(block_id, status, error, self.user_vars()))
+        self._send(wire.done(block_id, status, error, self.user_vars(), code))
 
     def position(self, block_id: str) -> tuple[int, int] | None:
         """Where a thread block is (frame, bytecode offset), to compare before and after a cancel."""

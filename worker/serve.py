@@ -13,11 +13,13 @@ listens on.  Cancels and host-call replies are handled by the listener as they c
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from . import _memory, wire
@@ -156,9 +158,13 @@ class Crew:
         """Act on one message; returns a function to run for one that may run user code."""
         kind = msg["t"]
         if kind == "run":
-            block_id, code = msg.get("id"), msg.get("code")
+            block_id, code, run_as = msg.get("id"), msg.get("code"), msg.get("script")
             if isinstance(block_id, str) and isinstance(code, str):
-                return self.runtime.submit(block_id, code)
+                return self.runtime.submit(block_id, code, run_as if isinstance(run_as, dict) else None)
+        elif kind == "stdin":
+            data = msg.get("data")
+            if isinstance(data, bytes):
+                self.runtime.feed_stdin(data, bool(msg.get("eof")))
         elif kind == "req":
             return lambda: self._answer(msg)
         elif kind == "cancel":
@@ -203,6 +209,31 @@ def _decode(frame: bytes) -> dict | None:
         return None
 
 
+def _keep_last_words(fdcap: FdCapture, router: Router, channel: Channel) -> Callable[[], None]:
+    """Make ``os._exit`` in this process deliver what was written before it: fd 1/2's pipe
+    drained, every block's pending output sent, and the socket closed with its linger (which
+    waits until the frames have left).  A process that dies on a signal cannot do this; for
+    it, ``flush()`` (``print(..., flush=True)``) sends at once.  ``os._exit`` is replaced as a
+    Python attribute: code that calls it from C, or a child forked from this process, exits
+    at once as before.  Returns the function that puts the original back."""
+    real_exit, pid = os._exit, os.getpid()
+
+    def _exit(status: int) -> None:
+        if os.getpid() == pid:
+            with contextlib.suppress(BaseException):  # last words are best effort; the exit is not
+                fdcap.drain(0.2)
+                router.flush_all()
+                channel.close()
+        real_exit(status)
+
+    os._exit = _exit  # type: ignore[assignment]
+
+    def restore() -> None:
+        os._exit = real_exit
+
+    return restore
+
+
 def serve(endpoint: str, token: str) -> int:
     """Handshake with the coordinator at ``endpoint``, then serve until ``shutdown``.  Returns
     the exit code; user code left running in threads is the caller's to abandon."""
@@ -237,6 +268,8 @@ def serve(endpoint: str, token: str) -> int:
     calls = HostCalls(channel, baton)
     runtime = Runtime(router, fdcap, channel.send, calls.call)
     crew = Crew(channel, router, runtime, calls, baton, fdcap.diag_fd)
+    restore_exit = _keep_last_words(fdcap, router, channel)
     crew.start(early)
     crew.exited.wait()
+    restore_exit()
     return crew.exit_code or 0

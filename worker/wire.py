@@ -8,7 +8,9 @@ coordinator answers ``welcome`` or drops the connection.
 
 Coordinator -> worker
     welcome  {v}                          the hello was accepted
-    run      {id, code}                   start a block
+    run      {id, code, script}           start a block; ``script`` (only for a script run as
+                                          ``python FILE ARGS`` would: ``exec``) is {path, argv, stdin}
+    stdin    {id, data, eof}              bytes for a script's stdin; ``eof`` once it has ended
     cancel   {id}                         cooperative cancel (the coordinator kills if ignored)
     reply    {cid, ok, value|error}       answer to a worker's ``call``
     req      {rid, op, args}              a control request (bind, export, inject, describe, env)
@@ -17,7 +19,8 @@ Coordinator -> worker
 Worker -> coordinator
     hello    {v, token, pid}
     out      {id, o: [[stream, bytes], ...]}   batched output; stream 1 = stdout, 2 = stderr
-    done     {id, status, error, vars}    status: ok | error | cancelled
+    done     {id, status, error, vars, code}  status: ok | error | cancelled | exit (SystemExit;
+                                          ``code`` is the exit status, as the interpreter's)
     call     {cid, name, args, kwargs, block}  call a host function (``self``, tools) for a block
     resp     {rid, ok, value|error}       answer to a ``req``
     stuck    {id}                         a cancelled block sits in C code: only a kill stops it
@@ -54,7 +57,7 @@ STDERR = 2
 
 
 #: Message types by direction: what each side may receive.
-TO_WORKER = ("welcome", "run", "cancel", "reply", "req", "shutdown")
+TO_WORKER = ("welcome", "run", "stdin", "cancel", "reply", "req", "shutdown")
 TO_COORDINATOR = ("hello", "out", "done", "call", "resp", "stuck", "bye")
 
 
@@ -62,8 +65,16 @@ def welcome() -> dict[str, Any]:
     return {"t": "welcome", "v": PROTOCOL_VERSION}
 
 
-def run(block_id: str, code: str) -> dict[str, Any]:
-    return {"t": "run", "id": block_id, "code": code}
+def run(block_id: str, code: str, script: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``script``: {path (str or None for code read from stdin), argv (list of str), stdin
+    (bool: ``input`` messages follow)}; left out for an agent's block."""
+    if script is None:
+        return {"t": "run", "id": block_id, "code": code}
+    return {"t": "run", "id": block_id, "code": code, "script": script}
+
+
+def stdin(block_id: str, data: bytes, eof: bool) -> dict[str, Any]:
+    return {"t": "stdin", "id": block_id, "data": data, "eof": eof}
 
 
 def cancel(block_id: str) -> dict[str, Any]:
@@ -93,8 +104,12 @@ def out(block_id: str, chunks: list) -> dict[str, Any]:
     return {"t": "out", "id": block_id, "o": chunks}
 
 
-def done(block_id: str, status: str, error: str, variables: list) -> dict[str, Any]:
-    return {"t": "done", "id": block_id, "status": status, "error": error, "vars": variables}
+def done(block_id: str, status: str, error: str, variables: list, code: int | None = None) -> dict[str, Any]:
+    """``code``: the exit status, for status ``exit`` only."""
+    msg = {"t": "done", "id": block_id, "status": status, "error": error, "vars": variables}
+    if code is not None:
+        msg["code"] = code
+    return msg
 
 
 def call(cid: int, name: str, args: list, kwargs: dict, block: str | None) -> dict[str, Any]:

@@ -1,0 +1,10 @@
+import sys
+
+
+def main() -> int:
+    print("main ran")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,4 @@
+import sys
+
+print("out")
+sys.exit("fatal: something went wrong")

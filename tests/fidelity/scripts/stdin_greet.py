@@ -1,0 +1,5 @@
+import sys
+
+name = input("name? ")
+print(f"hello {name}")
+print(repr(sys.stdin.read()))
