@@ -26,8 +26,8 @@ log = logging.getLogger("agentloop")
 _PREFIX = "agentloop-"
 
 
-def _mounts() -> tuple[Path | None, Path | None]:
-    """(v1 memory hierarchy, v2 hierarchy) as (mount point + the mount's own root) pairs."""
+def _mounts(controller: str) -> tuple[Path | None, Path | None]:
+    """(v1 hierarchy of ``controller``, v2 hierarchy) as (mount point, the mount's own root)."""
     v1 = v2 = None
     with contextlib.suppress(OSError), open("/proc/self/mountinfo") as f:
         for line in f:
@@ -36,14 +36,14 @@ def _mounts() -> tuple[Path | None, Path | None]:
             if len(fields) < 5 or len(tail) < 3:
                 continue
             root, point = fields[3], fields[4].encode().decode("unicode_escape")
-            if tail[0] == "cgroup" and "memory" in tail[2].split(","):
+            if tail[0] == "cgroup" and controller in tail[2].split(","):
                 v1 = (Path(point), root)
             elif tail[0] == "cgroup2" and v2 is None:
                 v2 = (Path(point), root)
     return v1, v2  # type: ignore[return-value]
 
 
-def _own_dir(mount: tuple[Path, str] | None, v1: bool) -> Path | None:
+def _own_dir(mount: tuple[Path, str] | None, v1: bool, controller: str) -> Path | None:
     """This process's cgroup directory in the hierarchy mounted at ``mount``."""
     if mount is None:
         return None
@@ -51,7 +51,7 @@ def _own_dir(mount: tuple[Path, str] | None, v1: bool) -> Path | None:
     with contextlib.suppress(OSError), open("/proc/self/cgroup") as f:
         for line in f:
             _, controllers, path = line.rstrip("\n").split(":", 2)
-            if (v1 and "memory" in controllers.split(",")) or (not v1 and controllers == ""):
+            if (v1 and controller in controllers.split(",")) or (not v1 and controllers == ""):
                 if not (path == root or path.startswith(root.rstrip("/") + "/")):
                     return None  # our cgroup lies outside what this mount shows
                 return point / path[len(root.rstrip("/")):].lstrip("/")
@@ -59,43 +59,49 @@ def _own_dir(mount: tuple[Path, str] | None, v1: bool) -> Path | None:
 
 
 class MemoryCgroups:
-    """The coordinator's memory cgroups: one parent for this process, one child per worker."""
+    """The coordinator's cgroups of one controller (``memory``, or ``pids``: the process limit
+    of each worker): one parent for an engine, one child per worker."""
 
-    def __init__(self, base: Path, v1: bool) -> None:
+    def __init__(self, base: Path, v1: bool, controller: str = "memory") -> None:
         self.base = base
         self.v1 = v1
+        self.controller = controller
 
     @classmethod
-    def find(cls, name: str = "") -> MemoryCgroups | None:
+    def find(cls, name: str = "", controller: str = "memory") -> MemoryCgroups | None:
         """A parent cgroup for one engine's workers (``agentloop-PID-NAME``: a process may run
         several engines, a batch does), or None where this process may not make one (most
-        unprivileged users, a hierarchy without the memory controller)."""
-        v1_mount, v2_mount = _mounts()
+        unprivileged users, a hierarchy without the controller)."""
+        v1_mount, v2_mount = _mounts(controller)
         for v1, mount in ((True, v1_mount), (False, v2_mount)):
-            own = _own_dir(mount, v1)
+            own = _own_dir(mount, v1, controller)
             if own is None or not os.access(own, os.W_OK):
                 continue
-            if not v1 and not _v2_memory_for_children(own):
+            if not v1 and not _v2_controller_for_children(own, controller):
                 continue
             _remove_stale(own)
             base = own / f"{_PREFIX}{os.getpid()}-{name}"
             try:
                 base.mkdir(exist_ok=True)
                 if not v1:
-                    (base / "cgroup.subtree_control").write_text("+memory")
+                    (base / "cgroup.subtree_control").write_text(f"+{controller}")
             except OSError as exc:
-                log.info("no memory cgroup in %s: %s", own, exc)
+                log.info("no %s cgroup in %s: %s", controller, own, exc)
                 _rmdir(base)
                 continue
-            return cls(base, v1)
+            return cls(base, v1, controller)
         return None
 
-    def make(self, name: str, memory_bytes: int) -> Path | None:
-        """A cgroup limited to ``memory_bytes`` (swap included, where the kernel accounts it)."""
+    def make(self, name: str, limit: int) -> Path | None:
+        """A cgroup limited to ``limit``: bytes of memory (swap included, where the kernel
+        accounts it), or processes and threads for ``pids``."""
         group = self.base / name
         try:
             group.mkdir(exist_ok=True)
-            if self.v1:
+            memory_bytes = limit
+            if self.controller == "pids":
+                (group / "pids.max").write_text(str(limit))
+            elif self.v1:
                 (group / "memory.limit_in_bytes").write_text(str(memory_bytes))
                 with contextlib.suppress(OSError):  # absent without swap accounting
                     (group / "memory.memsw.limit_in_bytes").write_text(str(memory_bytes))
@@ -104,7 +110,7 @@ class MemoryCgroups:
                 with contextlib.suppress(OSError):
                     (group / "memory.swap.max").write_text("0")
         except OSError as exc:
-            log.warning("could not make the memory cgroup %s: %s", group, exc)
+            log.warning("could not make the %s cgroup %s: %s", self.controller, group, exc)
             _rmdir(group)
             return None
         return group
@@ -156,15 +162,15 @@ class MemoryCgroups:
         _rmdir(self.base)
 
 
-def _v2_memory_for_children(own: Path) -> bool:
-    """cgroup v2 hands the memory controller to children only through ``subtree_control``,
-    and only where the parent holds no process (the root excepted)."""
+def _v2_controller_for_children(own: Path, controller: str) -> bool:
+    """cgroup v2 hands a controller to children only through ``subtree_control``, and only
+    where the parent holds no process (the root excepted)."""
     try:
-        if "memory" in (own / "cgroup.subtree_control").read_text().split():
+        if controller in (own / "cgroup.subtree_control").read_text().split():
             return True
-        if "memory" not in (own / "cgroup.controllers").read_text().split():
+        if controller not in (own / "cgroup.controllers").read_text().split():
             return False
-        (own / "cgroup.subtree_control").write_text("+memory")
+        (own / "cgroup.subtree_control").write_text(f"+{controller}")
         return True
     except OSError:
         return False

@@ -81,7 +81,7 @@ class Session:
         self.dropped = 0
         self.sock: zmq.Socket | None = None
         self.sock_dir: Path | None = None
-        self.memory_group: Path | None = None  # its memory cgroup, where the engine has them
+        self.cgroups: list[Path] = []  # its memory and process-count cgroups, where the engine has them
         self._loop = asyncio.get_running_loop()
         self._hello: asyncio.Future[dict] = self._loop.create_future()
         self._reading = False
@@ -143,8 +143,8 @@ class Session:
         exited = asyncio.ensure_future(self.proc.wait())
         # Its memory cgroup is made and entered while the worker starts (a move costs
         # milliseconds), and checked again once it has said hello: before it runs any code.
-        moved: set[int] = set()
-        adopting = asyncio.ensure_future(asyncio.to_thread(self._enter_memory_group, moved))
+        moved: dict[Path, set[int]] = {}
+        adopting = asyncio.ensure_future(asyncio.to_thread(self._enter_cgroups, moved))
         try:
             done, _ = await asyncio.wait({self._hello, exited}, timeout=engine.start_timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
@@ -152,8 +152,8 @@ class Session:
             exited.cancel()
         try:
             await adopting
-            if self._hello in done and not self._hello.exception() and self.memory_group is not None:
-                await asyncio.to_thread(engine._adopt, self.memory_group, self.proc.pid, moved)
+            if self._hello in done and not self._hello.exception() and self.cgroups:
+                await asyncio.to_thread(engine._adopt, self.cgroups, self.proc.pid, moved)
         except WorkerStartError:
             await self.proc.kill()
             await self.discard()
@@ -223,25 +223,24 @@ class Session:
                 self._reading = False
             self.sock.close(linger=0)
             self.sock = None
-        if self.memory_group is not None:
-            self.engine._release_memory_group(self.memory_group)
-            self.memory_group = None
+        if self.cgroups:
+            groups, self.cgroups = self.cgroups, []
+            self.engine._release_groups(groups)
         if self.sock_dir is not None:
             # Removed off the event loop, and by a walk that takes any shape or size: the
             # directory is read-only to the worker, but nothing it could reach is trusted.
             sock_dir, self.sock_dir = self.sock_dir, None
             await asyncio.to_thread(remove_tree, sock_dir)
 
-    def _enter_memory_group(self, moved: set[int]) -> None:
-        """(In a thread.) Make this worker's memory cgroup and move its tree in."""
+    def _enter_cgroups(self, moved: dict[Path, set[int]]) -> None:
+        """(In a thread.) Make this worker's cgroups and move its tree in."""
         assert self.proc is not None
-        self.memory_group = self.engine._memory_group(self.number)
-        if self.memory_group is not None:
-            self.engine._adopt(self.memory_group, self.proc.pid, moved)
+        self.cgroups = self.engine._worker_groups(self.number)
+        self.engine._adopt(self.cgroups, self.proc.pid, moved)
 
     def over_memory_limit(self) -> bool:
         """Whether the kernel killed a process of this worker for its memory cgroup's limit."""
-        return self.memory_group is not None and self.engine._memory_exceeded(self.memory_group)
+        return bool(self.cgroups) and self.engine._memory_exceeded(self.cgroups)
 
     async def _watch(self) -> None:
         assert self.proc is not None

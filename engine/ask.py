@@ -55,7 +55,7 @@ from typing import Any
 
 import click
 
-from .cli import _fail, _terminated, load_registry
+from .cli import EXIT_INTERRUPTED, _fail, _terminated, load_registry
 from .errors import AgentloopError, ModelError
 from .inert import InertText, inert
 from .llm import Chat
@@ -77,7 +77,6 @@ PROMPT = "you> "
 #: Characters of a call's arguments shown on its ⚙ line (the seed's cut).
 ARGS_SHOWN = 120
 EXIT_FAILED = 1
-EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 _HIDDEN = {"<think>": "</think>", "<tool_call>": "</tool_call>"}
 _STRAY_CLOSE = "</think>"

@@ -66,7 +66,7 @@ import click
 
 from ._tree import copy_tree, remove_tree, walk
 from .agent import RunResult, run_task
-from .cli import EXIT_OWN, Duration, _fail, _policy, apply_max_tokens, max_tokens_option
+from .cli import EXIT_INTERRUPTED, EXIT_OWN, Duration, _fail, _policy, apply_max_tokens, max_tokens_option
 from .display import AgentDisplay, FanoutDisplay, JsonlRecorder
 from .durations import parse_duration
 from .engine import Engine
@@ -79,7 +79,6 @@ from .worker import Worker, WorkerState
 
 STATUSES = ("answered", "failed", "timed_out", "cancelled")
 EXIT_STOPPED = 1
-EXIT_INTERRUPTED = 128 + signal.SIGINT
 #: Upper bound of the default --parallel; more needs saying so.
 MAX_DEFAULT_PARALLEL = 64
 #: Memory budgeted per run when choosing the default --parallel.

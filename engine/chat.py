@@ -41,6 +41,7 @@ import click
 
 from .agent import Agent, make_agent
 from .cli import (
+    EXIT_INTERRUPTED,
     _fail,
     _policy,
     agent_options,
@@ -58,7 +59,6 @@ PROMPT = "you> "
 STEER = "/steer"
 #: Two Ctrl-C at the prompt within this many seconds leave the chat.
 DOUBLE_INTERRUPT_S = 2.0
-EXIT_INTERRUPTED = 128 + signal.SIGINT
 #: How long a cancelled turn's blocks get to stop (a stuck one is killed within the engine's grace).
 _SETTLE_S = 30.0
 _INTERRUPTED_NOTE = ("(The user interrupted the previous turn; whatever was still running then was cancelled "

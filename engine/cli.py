@@ -21,7 +21,7 @@ from pathlib import Path
 
 import click
 
-from .durations import parse_duration
+from .durations import DEFAULT_BLOCK_TIMEOUT, parse_duration
 from .engine import Engine
 from .errors import AgentloopError
 from .inert import InertStream, inert
@@ -32,6 +32,7 @@ from .script import Script
 EXIT_ERROR = 1
 EXIT_OWN = 125
 EXIT_TIMEOUT = 124
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # Ctrl-C (and SIGTERM, which stops a command the same way)
 
 
 class Duration(click.ParamType):
@@ -65,7 +66,7 @@ def _exit_code(result: BlockResult) -> int:
             return 128 + result.signal
         return result.exit_code if result.exit_code else EXIT_ERROR
     if result.status == "cancelled":
-        return 128 + signal.SIGINT
+        return EXIT_INTERRUPTED
     return EXIT_ERROR
 
 
@@ -190,7 +191,7 @@ def _terminated(signum: int, frame) -> None:
 @main.command("exec", context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
 @click.argument("file", type=click.File("r", encoding="utf-8"))
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-@click.option("--timeout", type=Duration(), default="10s", show_default=True,
+@click.option("--timeout", type=Duration(), default=f"{DEFAULT_BLOCK_TIMEOUT:g}s", show_default=True,
               help="Deadline of the block: 250ms, 30s, 5m, 1h or plain seconds.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object on stdout after the run (the code's stdout goes to stderr).")
@@ -217,7 +218,7 @@ def exec_cmd(file, args: tuple[str, ...], timeout: float, as_json: bool, allow_s
     except AgentloopError as exc:
         _fail(str(exc))
     except KeyboardInterrupt:
-        sys.exit(128 + signal.SIGINT)
+        sys.exit(EXIT_INTERRUPTED)
     finally:
         out.end()
         err.end()
@@ -401,14 +402,14 @@ def run_until_done(coro, display):
         return asyncio.run(coro)
     except KeyboardInterrupt:
         click.echo("agentloop: interrupted", err=True)
-        sys.exit(128 + signal.SIGINT)
+        sys.exit(EXIT_INTERRUPTED)
     except AgentloopError as exc:
         _fail(str(exc))
     finally:
         close_display(display)
 
 
-_RUN_EXIT = {"answered": 0, "failed": 1, "timed_out": EXIT_TIMEOUT, "cancelled": 128 + signal.SIGINT}
+_RUN_EXIT = {"answered": 0, "failed": 1, "timed_out": EXIT_TIMEOUT, "cancelled": EXIT_INTERRUPTED}
 
 
 @main.command("run")

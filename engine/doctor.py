@@ -93,15 +93,20 @@ def report(policy: SandboxPolicy) -> list[Layer]:
         layers.append(Layer("unprivileged uid", True, on and switches, why))
     else:
         layers.append(Layer("unprivileged uid", True, on, f"already uid {os.getuid()}"))
-    if not switches:
+    pids = MemoryCgroups.find(controller="pids")
+    if pids is not None:
+        pids.close()
+    if pids is not None:
+        nproc = "a pids cgroup per worker"
+    elif not switches:
         nproc = "not bounded: uid 0 is exempt"
     elif host.root:
-        nproc = "counted for the run's own uid (all its workers together)"
+        nproc = "RLIMIT_NPROC on the run's own uid (all its workers together)"
     elif bw:
-        nproc = "counted inside the worker's user namespace"
+        nproc = "RLIMIT_NPROC, counted inside the worker's user namespace"
     else:
-        nproc = "counted against all of your processes (budget added to your current count)"
-    layers.append(Layer("process limit (RLIMIT_NPROC)", True, on and "not bounded" not in nproc, nproc))
+        nproc = "RLIMIT_NPROC, counted against all of your processes (budget added to your current count)"
+    layers.append(Layer("process limit", True, on and "not bounded" not in nproc, nproc))
     layers.append(Layer("no_new_privs", True, on, "blocks privilege gain through setuid binaries"))
 
     abi = host.landlock_abi

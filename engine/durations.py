@@ -11,6 +11,9 @@ import re
 
 from engine.errors import ConfigError
 
+#: A block's deadline, in seconds, when neither the model nor the caller names one.
+DEFAULT_BLOCK_TIMEOUT = 10.0
+
 _NUMBER = r"(?:\d+(?:\.\d*)?|\.\d+)"
 # Units in descending order, each at most once. `m(?!s)` keeps "5ms" from reading as "5m" + "s".
 _DURATION_RE = re.compile(

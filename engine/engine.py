@@ -153,7 +153,8 @@ class Engine:
         self.workers: list[Worker] = []
         self._ctx: zmq.Context | None = None
         self._sock_root: Path | None = None
-        self._cgroups: MemoryCgroups | None = None
+        self._cgroups: MemoryCgroups | None = None  # each worker's memory limit
+        self._pids: MemoryCgroups | None = None  # each worker's process limit
         self._outputs = 0
         self._closed = False
 
@@ -185,6 +186,7 @@ class Engine:
         self._ctx = zmq.Context()
         if self.sandbox.mode != "none":
             self._cgroups = MemoryCgroups.find(self.run_id.rsplit("-", 1)[-1])
+            self._pids = MemoryCgroups.find(self.run_id.rsplit("-", 1)[-1], "pids")
 
     async def start_worker(self, name: str = "worker") -> Worker:
         """Start a worker and wait until it is ready to run code."""
@@ -216,8 +218,9 @@ class Engine:
             self._ctx.destroy(linger=0)
         if self._sock_root is not None:
             remove_tree(self._sock_root)
-        if self._cgroups is not None:
-            self._cgroups.close()
+        for cgroups in (self._cgroups, self._pids):
+            if cgroups is not None:
+                cgroups.close()
         with contextlib.suppress(OSError):
             self.output_dir.rmdir()  # only if no block needed a file
             self.run_dir.rmdir()
@@ -297,32 +300,38 @@ class Engine:
     def _plan(self, sock_dir: Path) -> _sandbox.LaunchPlan:
         return _sandbox.plan(self.sandbox, socket_dir=sock_dir, workspace=self.workspace,
                              cwd=self.cwd, output_dir=self.output_dir, python=self.python,
-                             memory_cgroup=self._cgroups is not None)
+                             memory_cgroup=self._cgroups is not None, pids_cgroup=self._pids is not None)
 
-    def _memory_group(self, number: int) -> Path | None:
-        """A memory cgroup for worker ``number``, limited to the policy's memory; None where
-        the engine has no cgroups.  Raises WorkerStartError when it cannot be made: the sandbox
-        was planned on it."""
-        if self._cgroups is None:
-            return None
-        group = self._cgroups.make(f"w{number}", self.sandbox.memory_bytes)
-        if group is None:
-            raise WorkerStartError("could not make the worker's memory cgroup (agentloop -v logs "
-                                   "why); its memory limit would not hold")
-        return group
+    def _worker_groups(self, number: int) -> list[Path]:
+        """The cgroups of worker ``number``: one limiting its memory and one its processes,
+        where the engine has them.  Raises WorkerStartError when one cannot be made: the
+        sandbox was planned on it."""
+        groups: list[Path] = []
+        for cgroups, limit in ((self._cgroups, self.sandbox.memory_bytes), (self._pids, self.sandbox.max_processes)):
+            if cgroups is None:
+                continue
+            group = cgroups.make(f"w{number}", limit)
+            if group is None:
+                self._release_groups(groups)
+                raise WorkerStartError(f"could not make the worker's {cgroups.controller} cgroup (agentloop "
+                                       "-v logs why); its limit would not hold")
+            groups.append(group)
+        return groups
 
-    def _adopt(self, group: Path, root: int, moved: set[int]) -> None:
-        """Move the tree of process ``root`` into ``group`` (see ``MemoryCgroups.adopt_tree``)."""
-        if not MemoryCgroups.adopt_tree(group, root, moved):
-            raise WorkerStartError("could not put the worker in its memory cgroup (agentloop -v "
-                                   "logs why); its memory limit would not hold")
+    def _adopt(self, groups: list[Path], root: int, moved: dict[Path, set[int]]) -> None:
+        """Move the tree of process ``root`` into each of ``groups`` (see ``adopt_tree``)."""
+        for group in groups:
+            if not MemoryCgroups.adopt_tree(group, root, moved.setdefault(group, set())):
+                raise WorkerStartError("could not put the worker in its cgroups (agentloop -v logs "
+                                       "why); its limits would not hold")
 
-    def _release_memory_group(self, group: Path) -> None:
-        if self._cgroups is not None:
-            self._cgroups.remove(group)
+    def _release_groups(self, groups: list[Path]) -> None:
+        for group in groups:
+            MemoryCgroups.remove(group)
 
-    def _memory_exceeded(self, group: Path) -> bool:
-        return self._cgroups is not None and self._cgroups.oom_killed(group)
+    def _memory_exceeded(self, groups: list[Path]) -> bool:
+        cgroups = self._cgroups
+        return cgroups is not None and any(g.parent == cgroups.base and cgroups.oom_killed(g) for g in groups)
 
     def _env(self, token: str, plan: _sandbox.LaunchPlan) -> dict[str, str]:
         env = {k: os.environ[k] for k in (*ENV_ALLOWLIST, *self.env_allow) if k in os.environ}

@@ -75,7 +75,7 @@ class SandboxPolicy:
     network: bool = False
     memory_bytes: int = 2 * GiB          # the worker's whole tree (cgroup), RLIMIT_DATA per process
     cpu_seconds: int | None = None       # RLIMIT_CPU, per process
-    max_processes: int = 256             # RLIMIT_NPROC (threads count too), see `_nproc`
+    max_processes: int = 256             # per worker, threads too: pids cgroup or RLIMIT_NPROC (`_nproc`)
     max_open_files: int = 1024           # RLIMIT_NOFILE
     max_file_bytes: int = 1 * GiB        # RLIMIT_FSIZE: largest file the worker can write
     tmp_bytes: int = 512 * MiB           # size of the private /tmp (and, separately, /dev/shm)
@@ -370,11 +370,14 @@ class View:
 
 
 def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
-         output_dir: Path, python: str, memory_cgroup: bool = False) -> LaunchPlan:
+         output_dir: Path, python: str, memory_cgroup: bool = False,
+         pids_cgroup: bool = False) -> LaunchPlan:
     """The launch plan for one worker under `policy` on this machine.
 
     `memory_cgroup`: the coordinator puts the worker in a memory cgroup of its own (see
     `engine._cgroup`); without one, the shared memory that escapes RLIMIT_DATA is refused.
+    `pids_cgroup`: its process count is bounded by a cgroup of its own (``pids.max``), so a
+    root coordinator's workers, who share the run's uid, need no RLIMIT_NPROC on that uid.
 
     Four steps: choose the layers (`_layers`), decide the view and, for root, set the run's
     directories up for its uid (the only side effects, with creating `workspace`, `socket_dir`
@@ -412,7 +415,7 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
     view = View(tuple(system), tuple(links), python_paths(python), workspace, socket_dir, output_dir,
                 cwd if share_cwd else None)
     start_dir = str(view.cwd or workspace)
-    confine, more = _confinement(policy, host, use_bwrap, uid, view, memory_cgroup)
+    confine, more = _confinement(policy, host, use_bwrap, uid, view, memory_cgroup, pids_cgroup)
     notes += more
     env = {"HOME": tmp, "TMPDIR": tmp}
     if not use_bwrap:
@@ -440,10 +443,10 @@ def _layers(policy: SandboxPolicy, host: HostSupport) -> tuple[bool, list[str]]:
 
 
 def _confinement(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid: int | None,
-                 view: View, memory_cgroup: bool) -> tuple[dict, list[str]]:
+                 view: View, memory_cgroup: bool, pids_cgroup: bool = False) -> tuple[dict, list[str]]:
     """The JSON-able spec `worker._confine.apply` installs, and a note for each layer missing."""
     notes: list[str] = []
-    confine: dict = {"rlimits": _rlimits(policy, host, use_bwrap, uid), "drop_caps": True,
+    confine: dict = {"rlimits": _rlimits(policy, host, use_bwrap, uid, pids_cgroup), "drop_caps": True,
                      "no_new_privs": True}
     if uid is not None:
         confine["uid"] = [uid, uid]
@@ -591,7 +594,8 @@ def _parents(path: str, made: set[str]) -> list[str]:
     return out
 
 
-def _rlimits(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid: int | None) -> dict:
+def _rlimits(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid: int | None,
+             pids_cgroup: bool = False) -> dict:
     """Resource limits as [soft, hard] by name.
 
     Memory is RLIMIT_DATA, not RLIMIT_AS: glibc reserves 64 MiB of address space per malloc
@@ -605,23 +609,26 @@ def _rlimits(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid: int
     }
     if policy.cpu_seconds is not None:
         limits["CPU"] = [policy.cpu_seconds, policy.cpu_seconds + 1]  # SIGXCPU, then SIGKILL
-    nproc = _nproc(policy, host, use_bwrap, uid)
+    nproc = _nproc(policy, host, use_bwrap, uid, pids_cgroup)
     if nproc is not None:
         limits["NPROC"] = [nproc, nproc]
     return limits
 
 
-def _nproc(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid: int | None) -> int | None:
+def _nproc(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid: int | None,
+           pids_cgroup: bool = False) -> int | None:
     # RLIMIT_NPROC compares the count of tasks of the *real uid* with the limit, and uid 0 is
     # exempt.  So:
     # - non-root under bwrap: the user namespace has its own count (Linux 5.14+ ucounts), so
     #   the limit is the sandbox's own budget;
-    # - root: the worker switches to a uid of its own (`_worker_uid`), whose count holds only
-    #   the workers of that workspace; where it cannot switch, nothing bounds it (a note says so);
+    # - root: the worker switches to the run's uid (`_worker_uid`), whose count holds every
+    #   worker of that workspace, so each worker's own budget is its pids cgroup where it has
+    #   one, and the uid's count (all the run's workers together) only where it has none; where
+    #   it keeps uid 0, only the cgroup bounds it;
     # - non-root without bwrap: the count is every task of the user on the host, so the budget
     #   is added to what the user runs now.
     if host.root:
-        return policy.max_processes if uid is not None else None
+        return policy.max_processes if uid is not None and not pids_cgroup else None
     if use_bwrap:
         return policy.max_processes
     return _tasks_of(os.getuid()) + policy.max_processes

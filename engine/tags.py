@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from engine.durations import parse_duration
+from engine.durations import DEFAULT_BLOCK_TIMEOUT, parse_duration
 from engine.errors import ConfigError
 from worker.describe import describe_object  # noqa: F401 - re-exported: one implementation
 
@@ -175,7 +175,7 @@ def _duration_attr(attrs: dict[str, str], name: str, default: float | None = Non
         raise ConfigError(f"{name}: {error}") from error
 
 
-def parse_reply(reply: str, default_timeout: float = 10.0) -> ParsedReply:
+def parse_reply(reply: str, default_timeout: float = DEFAULT_BLOCK_TIMEOUT) -> ParsedReply:
     """The code blocks and sub-agents `reply` asks for, or the errors to tell the model.
 
     One malformed attribute (a bad timeout or heartbeat) voids the whole reply: nothing runs and one

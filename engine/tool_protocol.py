@@ -35,7 +35,7 @@ from typing import Any
 
 from . import tags
 from .agent import Agent, AgentError, _CodeTask, _task_text
-from .durations import parse_duration
+from .durations import DEFAULT_BLOCK_TIMEOUT, parse_duration
 from .errors import ConfigError
 from .model_server import ServerInfo
 from .repo_tools import MAX_RESULT, execute_tool_call_async, parse_arguments, schema_for
@@ -255,7 +255,7 @@ class ToolAgent(Agent):
         if not isinstance(code, str):
             raise TypeError("code must be a string")
         request = tags.CodeRequest(id=str(args.get("id") or call_id), code=code,
-                                   timeout=parse_duration(args.get("timeout") or None, 10.0),
+                                   timeout=parse_duration(args.get("timeout") or None, DEFAULT_BLOCK_TIMEOUT),
                                    heartbeat=parse_duration(args.get("heartbeat") or None), attrs=args)
         if any(b.id == request.id and b.is_running() for b in self.blocks):
             raise AgentError(f"id={request.id} already running, not restarted")

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from worker import wire
 
 from ._session import Session
+from .durations import DEFAULT_BLOCK_TIMEOUT
 from .errors import WorkerClosed, WorkerError, WorkerStartError
 from .output import OutputSink
 from .results import BlockResult, OutputChunk, describe_exit
@@ -392,7 +393,7 @@ class Worker:
             forward_stdin(script.stdin, self.send, block_id, block.future.done)
         return block
 
-    async def run(self, code: str, *, timeout: float = 10.0, block_id: str | None = None,
+    async def run(self, code: str, *, timeout: float = DEFAULT_BLOCK_TIMEOUT, block_id: str | None = None,
                   on_output: Callable[[OutputChunk], None] | None = None,
                   budget: int | None = None, script: Script | None = None) -> BlockResult:
         """Run one block and return how it ended.  Never raises for what the code did.
@@ -407,7 +408,7 @@ class Worker:
         block = await self._submit(code, timeout, block_id, on_output, budget, script)
         return await self._supervise(block)
 
-    async def stream(self, code: str, *, timeout: float = 10.0,
+    async def stream(self, code: str, *, timeout: float = DEFAULT_BLOCK_TIMEOUT,
                      block_id: str | None = None) -> AsyncIterator[OutputChunk | BlockResult]:
         """Run one block, yielding its output chunks as they arrive and then its result.
 

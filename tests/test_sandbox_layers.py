@@ -775,7 +775,7 @@ def test_workspace_excess(tmp_path: Path) -> None:
 def test_doctor_reports_every_layer() -> None:
     layers = {layer.name: layer for layer in report(SandboxPolicy())}
     for name in ("bubblewrap", "pid namespace", "network namespace", "rlimits", "no_new_privs",
-                 "landlock", "seccomp", "process limit (RLIMIT_NPROC)"):
+                 "landlock", "seccomp", "process limit", "memory cgroup"):
         assert name in layers and layers[name].reason
     host = host_support()
     assert layers["bubblewrap"].available == (host.bwrap is not None)
