@@ -184,6 +184,9 @@ class Engine:
             raise ConfigError(f"cannot create the run's directories: {exc}; "
                               "choose another --workspace or check permissions") from exc
         self._ctx = zmq.Context()
+        # Each worker costs three ZeroMQ sockets (its channel, a monitor and the monitor's peer);
+        # the default cap of 1023 would stop an engine at about 340 workers.
+        self._ctx.set(zmq.MAX_SOCKETS, 16384)
         if self.sandbox.mode != "none":
             self._cgroups = MemoryCgroups.find(self.run_id.rsplit("-", 1)[-1])
             self._pids = MemoryCgroups.find(self.run_id.rsplit("-", 1)[-1], "pids")
