@@ -26,6 +26,7 @@ variables the sandbox needs on top (HOME, TMPDIR).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -397,8 +398,8 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
     use_bwrap, notes = _layers(policy, host)
     share_cwd, why = _shareable_cwd(cwd, policy.share_cwd)
     tmp = "/tmp" if use_bwrap else str(workspace / ".tmp")
-    if not use_bwrap:
-        Path(tmp).mkdir(exist_ok=True)
+    if not use_bwrap and not os.path.lexists(tmp):
+        os.mkdir(tmp)  # (a link a worker put in its place is replaced in `_share_with_run`)
 
     uid = None
     if host.root:
@@ -546,17 +547,31 @@ def _share_with_run(uid: int, workspaces: list[Path], output_dir: Path, socket_d
     whether the run may change it).  Others may not enter it: another run's workers have
     another group.  The output directory is readable by the run; the socket directory only
     searchable (the socket itself is the worker's, see `LaunchPlan.grant`)."""
-    me = os.getuid()
     for d in workspaces:
-        st = os.stat(d)
-        if (st.st_uid, st.st_gid) != (me, uid):
-            os.chown(d, me, uid)
-        os.chmod(d, 0o3770)
-    st = os.stat(output_dir)
-    if (st.st_uid, st.st_gid) != (me, uid):
-        os.chown(output_dir, me, uid)
-    os.chmod(output_dir, 0o750)
-    os.chmod(socket_dir, 0o711)
+        _set_dir(d, uid, 0o3770)
+    _set_dir(output_dir, uid, 0o750)
+    _set_dir(socket_dir, None, 0o711)
+
+
+def _set_dir(path: Path, gid: int | None, mode: int) -> None:
+    """Make directory `path` the coordinator's, in group `gid`, with `mode` — through a
+    descriptor opened without following a link: a worker may have replaced a directory it can
+    write (the fallback's `files/.tmp`) with a link to a host file, which root must not chmod."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        os.unlink(path)  # a link or a file where the directory belongs: the directory comes back
+        os.mkdir(path, 0o700)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if gid is not None and (st.st_uid, st.st_gid) != (os.getuid(), gid):
+            os.fchown(fd, os.getuid(), gid)
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
 
 
 def _root_worker(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, python: str,

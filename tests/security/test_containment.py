@@ -379,3 +379,24 @@ def _workers_in(tmp_path: Path) -> list[int]:
         except OSError:
             continue
     return found
+
+
+@pytest.mark.skipif(not ROOT, reason="only a root coordinator changes owners and modes")
+def test_a_link_where_a_run_directory_belongs_is_not_followed(tmp_path: Path):
+    """Root gives the run's directories to its group; a worker that swapped one it can write
+    (the fallback's files/.tmp) for a link to a host file must not get that file's mode or
+    owner changed — the directory is put back instead."""
+    from engine.sandbox import _set_dir
+
+    host_file = tmp_path / "host.conf"
+    host_file.write_text("root's\n")
+    host_file.chmod(0o600)
+    before = host_file.stat()
+    planted = tmp_path / "ws" / ".tmp"
+    planted.parent.mkdir()
+    planted.symlink_to(host_file)
+    _set_dir(planted, 2_000_000_123, 0o3770)
+    after = host_file.stat()
+    assert (after.st_mode, after.st_uid, after.st_gid) == (before.st_mode, before.st_uid, before.st_gid)
+    assert planted.is_dir() and not planted.is_symlink()
+    assert planted.stat().st_gid == 2_000_000_123 and planted.stat().st_mode & 0o7777 == 0o3770
