@@ -1,15 +1,18 @@
-"""A memory cgroup per worker: the memory limit bounds the whole tree, however it allocates.
+"""A memory cgroup and a pids cgroup per worker: its limits bound the whole tree.
 
 RLIMIT_DATA counts a process's private writable memory and nothing else, so shared memory
 escapes it: ``memfd_create``, files in /dev/shm or /tmp (tmpfs), SysV segments and
 ``mmap(MAP_SHARED | MAP_ANONYMOUS)`` — one worker held 3 GiB under a 2 GiB RLIMIT_DATA.  A
 memory cgroup charges every page a process faults in, shared or not, to the cgroup, so the
-limit holds for the worker and everything it starts, together.
+limit holds for the worker and everything it starts, together.  RLIMIT_NPROC counts the tasks
+of a uid, which all the workers of a run share: a pids cgroup is each worker's own count.
 
-The coordinator makes ``agentloop-<pid>-<run>/w<N>`` beneath its own cgroup (cgroup v2 or the v1
-memory hierarchy, where it may write there: root, or a delegated subtree) and moves a worker's
-processes in after its handshake, before it has run any code.  Where no cgroup can be made the
-sandbox refuses the shared-memory calls instead (see ``engine.sandbox``), and says so.
+The coordinator makes ``agentloop-<pid>-<run>/w<N>`` beneath its own cgroup in each hierarchy
+(cgroup v2, or the v1 hierarchy of the controller, where it may write there: root, or a
+delegated subtree) and moves a worker's processes in while it starts, checking again after its
+handshake, before it has run any code.  Where no memory cgroup can be made the sandbox refuses
+the shared-memory calls instead (see ``engine.sandbox``), and says so; where no pids cgroup can
+be made, RLIMIT_NPROC bounds the processes.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ def _own_dir(mount: tuple[Path, str] | None, v1: bool, controller: str) -> Path 
     return None
 
 
-class MemoryCgroups:
+class WorkerCgroups:
     """The coordinator's cgroups of one controller (``memory``, or ``pids``: the process limit
     of each worker): one parent for an engine, one child per worker."""
 
@@ -68,7 +71,7 @@ class MemoryCgroups:
         self.controller = controller
 
     @classmethod
-    def find(cls, name: str = "", controller: str = "memory") -> MemoryCgroups | None:
+    def find(cls, name: str = "", controller: str = "memory") -> WorkerCgroups | None:
         """A parent cgroup for one engine's workers (``agentloop-PID-NAME``: a process may run
         several engines, a batch does), or None where this process may not make one (most
         unprivileged users, a hierarchy without the controller)."""

@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine._cgroup import MemoryCgroups
+from engine._cgroup import WorkerCgroups
 from engine.sandbox import HostSupport, SandboxPolicy, host_support, root_blocker
 
 
@@ -76,7 +76,7 @@ def report(policy: SandboxPolicy) -> list[Layer]:
     layers.append(Layer("network namespace", host.bwrap is not None, bw and not policy.network, net_why))
 
     layers.append(Layer("rlimits", True, on, "memory (RLIMIT_DATA), open files, file size, core, cpu"))
-    cgroups = MemoryCgroups.find()
+    cgroups = WorkerCgroups.find()
     if cgroups is not None:
         cgroups.close()
     cg_why = ("a cgroup per worker: the limit bounds its whole tree, shared memory included"
@@ -93,7 +93,7 @@ def report(policy: SandboxPolicy) -> list[Layer]:
         layers.append(Layer("unprivileged uid", True, on and switches, why))
     else:
         layers.append(Layer("unprivileged uid", True, on, f"already uid {os.getuid()}"))
-    pids = MemoryCgroups.find(controller="pids")
+    pids = WorkerCgroups.find(controller="pids")
     if pids is not None:
         pids.close()
     if pids is not None:

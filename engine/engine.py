@@ -30,7 +30,7 @@ from pathlib import Path
 import zmq
 
 from . import sandbox as _sandbox
-from ._cgroup import MemoryCgroups
+from ._cgroup import WorkerCgroups
 from ._session import Session
 from ._tree import remove_tree
 from ._zygote import Zygote
@@ -153,8 +153,8 @@ class Engine:
         self.workers: list[Worker] = []
         self._ctx: zmq.Context | None = None
         self._sock_root: Path | None = None
-        self._cgroups: MemoryCgroups | None = None  # each worker's memory limit
-        self._pids: MemoryCgroups | None = None  # each worker's process limit
+        self._cgroups: WorkerCgroups | None = None  # each worker's memory limit
+        self._pids: WorkerCgroups | None = None  # each worker's process limit
         self._outputs = 0
         self._closed = False
 
@@ -188,8 +188,8 @@ class Engine:
         # the default cap of 1023 would stop an engine at about 340 workers.
         self._ctx.set(zmq.MAX_SOCKETS, 16384)
         if self.sandbox.mode != "none":
-            self._cgroups = MemoryCgroups.find(self.run_id.rsplit("-", 1)[-1])
-            self._pids = MemoryCgroups.find(self.run_id.rsplit("-", 1)[-1], "pids")
+            self._cgroups = WorkerCgroups.find(self.run_id.rsplit("-", 1)[-1])
+            self._pids = WorkerCgroups.find(self.run_id.rsplit("-", 1)[-1], "pids")
 
     async def start_worker(self, name: str = "worker") -> Worker:
         """Start a worker and wait until it is ready to run code."""
@@ -324,13 +324,13 @@ class Engine:
     def _adopt(self, groups: list[Path], root: int, moved: dict[Path, set[int]]) -> None:
         """Move the tree of process ``root`` into each of ``groups`` (see ``adopt_tree``)."""
         for group in groups:
-            if not MemoryCgroups.adopt_tree(group, root, moved.setdefault(group, set())):
+            if not WorkerCgroups.adopt_tree(group, root, moved.setdefault(group, set())):
                 raise WorkerStartError("could not put the worker in its cgroups (agentloop -v logs "
                                        "why); its limits would not hold")
 
     def _release_groups(self, groups: list[Path]) -> None:
         for group in groups:
-            MemoryCgroups.remove(group)
+            WorkerCgroups.remove(group)
 
     def _memory_exceeded(self, groups: list[Path]) -> bool:
         cgroups = self._cgroups
