@@ -101,15 +101,14 @@ class WorkerCgroups:
         group = self.base / name
         try:
             group.mkdir(exist_ok=True)
-            memory_bytes = limit
             if self.controller == "pids":
                 (group / "pids.max").write_text(str(limit))
             elif self.v1:
-                (group / "memory.limit_in_bytes").write_text(str(memory_bytes))
+                (group / "memory.limit_in_bytes").write_text(str(limit))
                 with contextlib.suppress(OSError):  # absent without swap accounting
-                    (group / "memory.memsw.limit_in_bytes").write_text(str(memory_bytes))
+                    (group / "memory.memsw.limit_in_bytes").write_text(str(limit))
             else:
-                (group / "memory.max").write_text(str(memory_bytes))
+                (group / "memory.max").write_text(str(limit))
                 with contextlib.suppress(OSError):
                     (group / "memory.swap.max").write_text("0")
         except OSError as exc:

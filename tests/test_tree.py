@@ -22,8 +22,10 @@ def _no_deep_tree_left(tmp_path: Path):
         remove_tree(entry)
 
 
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def _open_fds() -> set[str]:
+    """The descriptors open now.  A leak adds one; other tests' objects the collector finalizes
+    meanwhile may only take some away, so callers check for a subset, not equality."""
+    return set(os.listdir("/proc/self/fd"))
 
 
 def deep(root: Path, depth: int) -> None:
@@ -59,9 +61,9 @@ def test_a_tree_deeper_than_path_max_is_walked_measured_and_removed(tmp_path: Pa
     assert max(len(e.parts) for e in entries) == 3001
     assert entries[0].parts == ("d",) and entries[-1].parts == ("link",)  # parents first, name order
     assert disk_usage(root) >= 3000 * 512
-    assert _open_fds() == fds
+    assert _open_fds() <= fds
     assert remove_tree(root) and not root.exists()
-    assert _open_fds() == fds
+    assert _open_fds() <= fds
     assert (outside / "keep.txt").read_text() == "keep"
 
 
