@@ -30,7 +30,7 @@ leaves room for half of them to peak at once.  Each run holds at most
 Ctrl-C (or SIGTERM) stops starting runs, cancels the running ones (their workers killed, their
 records written as ``cancelled``) and exits 130; a second Ctrl-C exits at once — finished
 records are already on disk.  ``--ray ADDRESS`` runs each run as a Ray task instead
-(``engine._batch_ray``, imported only then).
+(``engine.batch.on_ray``, imported only then).
 
 Exit status: 0 the batch ran to its end (whatever the runs' statuses), 1 it stopped early
 because the infrastructure kept failing, 125 bad input or options, 130 interrupted.
@@ -64,18 +64,18 @@ from typing import Any
 
 import click
 
-from ._tree import copy_tree, remove_tree, walk
-from .agent import RunResult, run_task
-from .cli import EXIT_INTERRUPTED, EXIT_OWN, Duration, _fail, _policy, apply_max_tokens, max_tokens_option
-from .display import AgentDisplay, FanoutDisplay, JsonlRecorder
-from .durations import parse_duration
-from .engine import Engine
-from .errors import AgentloopError, ConfigError, WorkerError
-from .inert import inert
-from .models import ModelRegistry, load_models
-from .repo_tools import RepoTools
-from .sandbox import GiB, SandboxPolicy
-from .worker import Worker, WorkerState
+from .._tree import copy_tree, remove_tree, walk
+from ..agent import RunResult, run_task
+from ..cli import EXIT_INTERRUPTED, EXIT_OWN, Duration, _fail, _policy, apply_max_tokens, max_tokens_option
+from ..display import AgentDisplay, FanoutDisplay, JsonlRecorder
+from ..durations import parse_duration
+from ..engine import Engine
+from ..errors import AgentloopError, ConfigError, WorkerError
+from ..inert import inert
+from ..models import ModelRegistry, load_models
+from ..repo_tools import RepoTools
+from ..sandbox import GiB, SandboxPolicy
+from ..worker import Worker, WorkerState
 
 STATUSES = ("answered", "failed", "timed_out", "cancelled")
 EXIT_STOPPED = 1
@@ -1023,9 +1023,9 @@ def run_batch(tasks_path: str | Path, output: str | Path, settings: RunSettings,
         view.start()
         try:
             if ray_address is not None and pending:
-                from . import _batch_ray
+                from . import on_ray
 
-                _batch_ray.run_on_ray(ray_address, pending, settings, results=results, tally=tally, view=view,
+                on_ray.run_on_ray(ray_address, pending, settings, results=results, tally=tally, view=view,
                                       parallel=parallel, stopper=stopper)
             elif pending:
                 asyncio.run(_run_local(pending, settings, results, tally, view, parallel, stopper))

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import click
 
-from .durations import DEFAULT_BLOCK_TIMEOUT, parse_duration
-from .engine import Engine
-from .errors import AgentloopError
-from .inert import InertStream, inert
-from .results import BlockResult, OutputChunk
-from .sandbox import SandboxPolicy
-from .script import Script
+from ..durations import DEFAULT_BLOCK_TIMEOUT, parse_duration
+from ..engine import Engine
+from ..errors import AgentloopError
+from ..inert import InertStream, inert
+from ..results import BlockResult, OutputChunk
+from ..sandbox import SandboxPolicy
+from ..script import Script
 
 EXIT_ERROR = 1
 EXIT_OWN = 125
@@ -308,7 +308,7 @@ async def _exec(code: str, timeout: float, out: _Sink, err: _Sink, policy: Sandb
 def _subagent_limit(ctx, param, value):
     """``--max-subagents``: the limit of the agents this command makes, for as long as it runs
     (so ``run`` and ``chat`` need no parameter for it)."""
-    from .agent import subagent_limit
+    from ..agent import subagent_limit
 
     token = subagent_limit.set(value)
     ctx.call_on_close(lambda: subagent_limit.reset(token))
@@ -354,7 +354,7 @@ def agent_options(f):
 def load_registry(models_file: Path | None):
     """The model aliases (the file, else LLM_URL/LLM_MODEL), with the command's ``--max-tokens``
     applied to every one; a bad file ends the command in one line."""
-    from .models import load_models
+    from ..models import load_models
 
     try:
         return apply_max_tokens(load_models(models_file))
@@ -371,7 +371,7 @@ def apply_max_tokens(registry):
 
 def host_functions(tools: str, root: Path) -> dict:
     if tools == "repo":
-        from .repo_tools import RepoTools
+        from ..repo_tools import RepoTools
 
         return RepoTools(root).functions()
     return {}
@@ -379,8 +379,8 @@ def host_functions(tools: str, root: Path) -> dict:
 
 def make_display(record: Path | None, quiet: bool):
     """The live console on stderr (unless quiet), plus a JSONL recorder when asked."""
-    from .console import ConsoleDisplay
-    from .display import AgentDisplay, FanoutDisplay, JsonlRecorder
+    from ..console import ConsoleDisplay
+    from ..display import AgentDisplay, FanoutDisplay, JsonlRecorder
 
     displays = [] if quiet else [ConsoleDisplay()]
     if record is not None:
@@ -426,7 +426,7 @@ def run_cmd(task: str, model, models_file, max_messages, record, tools, root, qu
 
     The answer is printed inert (escape sequences and control characters but newline and tab
     removed, a lone carriage return made a newline); --json holds it exactly."""
-    from .agent import run_task
+    from ..agent import run_task
 
     registry = load_registry(models_file)
     try:
@@ -480,7 +480,7 @@ def ending(result) -> str:
 def doctor_cmd(models_file, model, sandbox, network, workspace) -> None:
     """Which sandbox layers are available and active here, whether a sandboxed worker really
     starts, and whether the model endpoint answers.  Exit 1 when something does not work."""
-    from .doctor import report
+    from ..doctor import report
 
     policy = _policy(sandbox, network)
     healthy = True
@@ -515,9 +515,9 @@ def doctor_cmd(models_file, model, sandbox, network, workspace) -> None:
         config = registry.get(model)
     except AgentloopError as exc:
         _fail(str(exc))
-    from .llm import start_hint
-    from .model_server import probe
-    from .models import which_wins
+    from ..llm import start_hint
+    from ..model_server import probe
+    from ..models import which_wins
 
     if wins := which_wins(registry, models_file):
         click.echo(inert(f"models: {wins}"))
@@ -575,8 +575,8 @@ def models_cmd(models_file) -> None:
     tool support); a server that does not answer within a few seconds is listed as configured."""
     from dataclasses import replace
 
-    from .model_server import probe
-    from .models import which_wins
+    from ..model_server import probe
+    from ..models import which_wins
 
     registry = load_registry(models_file)
     if wins := which_wins(registry, models_file):
@@ -595,6 +595,3 @@ def models_cmd(models_file) -> None:
             notes.append("no tools: tools falls back to tags")
         click.echo(inert(f"{mark} {shown.describe(context_from=source).removeprefix('- ')}  [{', '.join(notes)}]"))
 
-
-if __name__ == "__main__":  # pragma: no cover
-    main(prog_name=os.path.basename(sys.argv[0]))

@@ -57,8 +57,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import batch
-from .errors import AgentloopError
+from .. import batch
+from ..errors import AgentloopError
 
 #: Re-executions Ray allows a task whose node or worker process died.
 NODE_RETRIES = 3

@@ -1,0 +1,5 @@
+"""``python -m engine.cli``: the ``agentloop`` command."""
+
+from . import main
+
+main(prog_name="agentloop")
