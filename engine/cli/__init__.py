@@ -144,7 +144,7 @@ class _LazyGroup(click.Group):
     """Commands with heavy or optional imports load only when called."""
 
     lazy = {"ask": "engine.ask:ask", "batch": "engine.batch:batch", "chat": "engine.chat:chat",
-            "demo": "engine.demo:demo"}
+            "demo": "engine.demo:demo", "mcp": "engine.cli.mcp:mcp"}
 
     def list_commands(self, ctx):
         return sorted({*super().list_commands(ctx), *self.lazy})
