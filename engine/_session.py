@@ -30,7 +30,7 @@ import logging
 import os
 import secrets
 import struct
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -44,7 +44,7 @@ from .errors import WorkerStartError
 from .results import describe_exit
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .launcher import Launcher
 
 log = logging.getLogger("agentloop")
 _ids = itertools.count(1)
@@ -68,11 +68,13 @@ class Owner(Protocol):
 class Session:
     """A started worker process: socket, process, handshake, reader and death watch."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, launcher: Launcher) -> None:
+        self.launcher = launcher
         self.number = next(_ids)
         self.token = secrets.token_hex(16)
         self.owner: Owner | None = None
+        #: Told when the process of a session nobody owns (an idle one) dies or is killed.
+        self.on_lost: Callable[[Session], None] | None = None
         self.peer: bytes | None = None
         self.proc: Process | None = None
         self.notes: list[str] = []
@@ -81,7 +83,7 @@ class Session:
         self.dropped = 0
         self.sock: zmq.Socket | None = None
         self.sock_dir: Path | None = None
-        self.cgroups: list[Path] = []  # its memory and process-count cgroups, where the engine has them
+        self.cgroups: list[Path] = []  # its memory and process-count cgroups, where the run has them
         self._loop = asyncio.get_running_loop()
         self._hello: asyncio.Future[dict] = self._loop.create_future()
         self._reading = False
@@ -98,10 +100,10 @@ class Session:
         return self.owner.name if self.owner else f"pool-{self.number}"
 
     @classmethod
-    async def start(cls, engine: Engine) -> Session:
+    async def start(cls, launcher: Launcher) -> Session:
         """Launch a worker process and wait for its handshake; WorkerStartError if it fails.
         Cancelled half-way, it leaves nothing running."""
-        session = cls(engine)
+        session = cls(launcher)
         try:
             await session._start()
         except asyncio.CancelledError:
@@ -110,16 +112,16 @@ class Session:
         return session
 
     async def _start(self) -> None:
-        engine = self.engine
-        endpoint, self.sock_dir = engine._endpoint(self.number)
-        sock = self.sock = engine._ctx.socket(zmq.ROUTER)
+        launcher = self.launcher
+        endpoint, self.sock_dir = launcher.endpoint(self.number)
+        sock = self.sock = launcher.socket()
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME)
         sock.setsockopt(zmq.RCVHWM, 4)  # with MAX_FRAME: what a worker can make us hold unread
         sock.bind(endpoint)
         endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        if engine.connect_host and endpoint.startswith("tcp://"):
-            endpoint = f"tcp://{engine.connect_host}:{endpoint.rsplit(':', 1)[1]}"
+        if launcher.connect_host and endpoint.startswith("tcp://"):
+            endpoint = f"tcp://{launcher.connect_host}:{endpoint.rsplit(':', 1)[1]}"
         self._loop.add_reader(sock.getsockopt(zmq.FD), self._readable)
         self._reading = True
         # A peer whose frame ZeroMQ refuses (over MAXMSGSIZE, or bytes that are not ZMTP) is
@@ -128,11 +130,11 @@ class Session:
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._loop.add_reader(self._monitor.getsockopt(zmq.FD), self._monitor_readable)
         self._monitor_readable()  # ZeroMQ signals only a reader that found the queue empty
-        launch = engine._launch(endpoint, self.sock_dir, self.token)
+        launch = launcher.launch(endpoint, self.sock_dir, self.token)
         self.notes = launch.notes
         pid_ns = launch.pid_namespace
         try:
-            zygote = await engine._fork_server(launch)
+            zygote = launcher.fork_server(launch)
             if zygote is not None:
                 self.proc = await zygote.spawn(launch)
             else:
@@ -146,14 +148,14 @@ class Session:
         moved: dict[Path, set[int]] = {}
         adopting = asyncio.ensure_future(asyncio.to_thread(self._enter_cgroups, moved))
         try:
-            done, _ = await asyncio.wait({self._hello, exited}, timeout=engine.start_timeout,
+            done, _ = await asyncio.wait({self._hello, exited}, timeout=launcher.start_timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
         finally:
             exited.cancel()
         try:
             await adopting
             if self._hello in done and not self._hello.exception() and self.cgroups:
-                await asyncio.to_thread(engine._adopt, self.cgroups, self.proc.pid, moved)
+                await asyncio.to_thread(launcher.adopt, self.cgroups, self.proc.pid, moved)
         except WorkerStartError:
             await self.proc.kill()
             await self.discard()
@@ -167,7 +169,7 @@ class Session:
             elif self.proc.returncode is not None:
                 reason = describe_exit(self.proc.returncode, via_namespace=pid_ns)[0]
             else:
-                reason = f"no handshake within {engine.start_timeout:.0f} s"
+                reason = f"no handshake within {launcher.start_timeout:.0f} s"
             raise WorkerStartError(f"worker failed to start: {reason}" + (f"\n{said}" if said else ""))
         self._watcher = self._loop.create_task(self._watch())
 
@@ -225,7 +227,7 @@ class Session:
             self.sock = None
         if self.cgroups:
             groups, self.cgroups = self.cgroups, []
-            self.engine._release_groups(groups)
+            self.launcher.release_groups(groups)
         if self.sock_dir is not None:
             # Removed off the event loop, and by a walk that takes any shape or size: the
             # directory is read-only to the worker, but nothing it could reach is trusted.
@@ -235,12 +237,12 @@ class Session:
     def _enter_cgroups(self, moved: dict[Path, set[int]]) -> None:
         """(In a thread.) Make this worker's cgroups and move its tree in."""
         assert self.proc is not None
-        self.cgroups = self.engine._worker_groups(self.number)
-        self.engine._adopt(self.cgroups, self.proc.pid, moved)
+        self.cgroups = self.launcher.worker_groups(self.number)
+        self.launcher.adopt(self.cgroups, self.proc.pid, moved)
 
     def over_memory_limit(self) -> bool:
         """Whether the kernel killed a process of this worker for its memory cgroup's limit."""
-        return bool(self.cgroups) and self.engine._memory_exceeded(self.cgroups)
+        return bool(self.cgroups) and self.launcher.memory_exceeded(self.cgroups)
 
     async def _watch(self) -> None:
         assert self.proc is not None
@@ -251,7 +253,8 @@ class Session:
             await self.owner._on_exit(self, rc)
         else:
             log.info("idle worker %s exited (%s)", self.name, describe_exit(rc, via_namespace=True)[0])
-            self.engine._pool_lost(self)
+            if self.on_lost is not None:
+                self.on_lost(self)
             self.killing = True
             await self.kill()
 
@@ -392,7 +395,8 @@ class Session:
         if self.owner is not None:
             await self.owner._on_broken(self, why)
         else:
-            self.engine._pool_lost(self)
+            if self.on_lost is not None:
+                self.on_lost(self)
             await self.kill()
 
     def _monitor_readable(self) -> None:
@@ -416,7 +420,7 @@ class Session:
         # give the death watch the time to report it with its cause first.
         if self.proc is not None and not self.killing:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self.proc.wait()), self.engine.grace)
+                await asyncio.wait_for(asyncio.shield(self.proc.wait()), self.launcher.grace)
         if self.proc is not None and self.proc.returncode is None:
             self.violation("its connection was cut: a frame over the size limit, bytes that are not "
                            "ZeroMQ, or its socket closed")

@@ -1,6 +1,6 @@
 """The coordinator's side of the fork server (see ``worker/zygote.py``).
 
-One zygote per engine, started on first use inside the run's sandbox with two extra
+One zygote per run (its launcher), started on first use inside the run's sandbox with two extra
 capabilities (CAP_SYS_ADMIN and CAP_NET_ADMIN, inside bubblewrap's namespaces) so that each
 forked worker can get namespaces, a /proc, a /tmp and a loopback of its own; the worker drops
 them with every other privilege before user code runs.  It is started by
@@ -19,16 +19,17 @@ import logging
 import os
 import struct
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgpack
 
 from ._process import Process, _signal, descendants, watch_exit
 from .errors import WorkerStartError
-from .sandbox import runtime_argv
+from .sandbox import LaunchPlan, SandboxPolicy, runtime_argv
 
 if TYPE_CHECKING:
-    from .engine import Engine, Launch
+    from .launcher import Launch
 
 log = logging.getLogger("agentloop")
 _READY_TIMEOUT = 30.0
@@ -96,10 +97,19 @@ def _zombie_status(pid: int) -> int:
 
 
 class Zygote:
-    """Starts the fork server and asks it for workers."""
+    """Starts the fork server and asks it for workers.
 
-    def __init__(self, engine: Engine, preload: tuple[str, ...]) -> None:
-        self.engine = engine
+    ``plan`` and ``env`` are the sandbox and environment the server runs in (the run's, with
+    no worker's token); each forked worker gets its own environment from its ``Launch``."""
+
+    def __init__(self, plan: LaunchPlan, env: dict[str, str], *, python: str, cwd: Path,
+                 sandbox: SandboxPolicy, start_timeout: float, preload: tuple[str, ...]) -> None:
+        self.plan = plan
+        self.env = env
+        self.python = python
+        self.cwd = cwd
+        self.sandbox = sandbox
+        self.start_timeout = start_timeout
         self.preload = preload
         self._proc: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task | None = None
@@ -115,20 +125,18 @@ class Zygote:
         return os.geteuid() == 0 and "--cap-drop" in argv_prefix and sys.platform == "linux"
 
     async def start(self) -> None:
-        engine = self.engine
-        assert engine._sock_root is not None
-        plan = engine._plan(engine._sock_root)
+        plan = self.plan
         argv = list(plan.argv_prefix)
         at = argv.index("--cap-drop") + 2
         argv[at:at] = ["--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_NET_ADMIN"]
-        env = engine._env("", plan)
+        env = dict(self.env)
         for key in ("AGENTLOOP_TOKEN", "AGENTLOOP_CONFINE", "AGENTLOOP_PARENT"):
             env.pop(key, None)
         env["AGENTLOOP_PRELOAD"] = ",".join(self.preload)
         self._proc = await asyncio.create_subprocess_exec(
-            *argv, *runtime_argv(engine.python, "worker.zygote:serve"), stdin=asyncio.subprocess.PIPE,
+            *argv, *runtime_argv(self.python, "worker.zygote:serve"), stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
-            cwd=plan.cwd or str(engine.cwd), start_new_session=True)
+            cwd=plan.cwd or str(self.cwd), start_new_session=True)
         ready = asyncio.get_running_loop().create_future()
         self._waiting[0] = ready
         self._reader = asyncio.get_running_loop().create_task(self._read())
@@ -189,12 +197,12 @@ class Zygote:
         future = asyncio.get_running_loop().create_future()
         self._waiting[rid] = future
         request = {"t": "spawn", "id": rid, "endpoint": launch.argv[-1], "env": launch.env,
-                   "cwd": str(launch.cwd), "private_net": not self.engine.sandbox.network,
-                   "tmp_bytes": self.engine.sandbox.tmp_bytes}
+                   "cwd": str(launch.cwd), "private_net": not self.sandbox.network,
+                   "tmp_bytes": self.sandbox.tmp_bytes}
         data = msgpack.packb(request, use_bin_type=True)
         self._proc.stdin.write(struct.pack(">I", len(data)) + data)
         try:
-            reply = await asyncio.wait_for(future, self.engine.start_timeout)
+            reply = await asyncio.wait_for(future, self.start_timeout)
         except (TimeoutError, EOFError) as exc:
             raise WorkerStartError(f"the fork server did not fork: {exc}") from exc
         if reply["t"] == "failed":

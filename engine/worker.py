@@ -35,7 +35,7 @@ from .results import BlockResult, OutputChunk, describe_exit
 from .script import Script, forward_stdin
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .launcher import Launcher
 
 log = logging.getLogger("agentloop")
 
@@ -87,8 +87,10 @@ class Worker:
 
     _ids = itertools.count(1)
 
-    def __init__(self, engine: Engine, name: str = "worker") -> None:
-        self.engine = engine
+    def __init__(self, launcher: Launcher, name: str = "worker", *,
+                 take_idle: Callable[[], Session | None] | None = None) -> None:
+        self.launcher = launcher
+        self._take_idle = take_idle or (lambda: None)  # a started process from a warm pool
         self.name = name
         self.index = next(Worker._ids)
         self.state = WorkerState.STARTING
@@ -134,10 +136,10 @@ class Worker:
 
     async def _start_locked(self) -> None:
         self.state = WorkerState.STARTING
-        session = self.engine._pool_take()
+        session = self._take_idle()
         if session is None:
             try:
-                session = await Session.start(self.engine)
+                session = await Session.start(self.launcher)
             except WorkerStartError as exc:
                 self.state = WorkerState.DEAD
                 raise WorkerStartError(f"worker {self.name!r}: {exc}") from exc
@@ -230,10 +232,10 @@ class Worker:
                 return
             assert session.proc is not None
             # What it sent before it died is read before its blocks end (its last words).
-            await session.settle(min(0.5, self.engine.grace))
+            await session.settle(min(0.5, self.launcher.grace))
             words, sig = describe_exit(rc, via_namespace=session.proc.pid_namespace)
             if session.over_memory_limit():
-                words = (f"worker killed: over its memory limit ({self.engine.sandbox.memory_bytes / 2**20:.0f} MiB, "
+                words = (f"worker killed: over its memory limit ({self.launcher.sandbox.memory_bytes / 2**20:.0f} MiB, "
                          "shared memory and /tmp files included)")
             await self._kill_locked(words, status="died", signal=sig, exit_code=rc)
             log.info("worker %s: %s", self.name, words)
@@ -384,8 +386,8 @@ class Worker:
                 block_id = f"b{next(self._block_ids)}"
         elif block_id in self._blocks:
             raise ValueError(f"block {block_id!r} is already running")
-        sink = OutputSink(lambda: self.engine._output_path(self.index, block_id),
-                          file_cap=self.engine.output_file_cap)
+        sink = OutputSink(lambda: self.launcher.output_path(self.index, block_id),
+                          file_cap=self.launcher.output_file_cap)
         block = _Block(block_id, sink, timeout, on_output, budget)
         self._blocks[block_id] = block
         session.send(wire.run(block_id, code, script.wire() if script is not None else None))
@@ -444,7 +446,7 @@ class Worker:
         - The deadline is ``timeout`` seconds from when the ``run`` was sent, kept by the
           coordinator; the worker's own clock and good will are never relied on.
         - At the deadline the block is cancelled cooperatively (its task cancelled, or an
-          exception raised in its thread), and its ``finally:`` blocks get ``engine.grace``.
+          exception raised in its thread), and its ``finally:`` blocks get ``grace`` (the engine's, ``Engine(grace=...)``).
         - The worker is killed (SIGKILL to its whole tree) when the grace runs out, or at once
           when it reports the block ``stuck`` in C code, where no cancellation can reach.
         - A kill resets the namespace: every block running in that worker ends ("killed",
@@ -484,7 +486,7 @@ class Worker:
     async def _stop(self, block: _Block, why: str) -> BlockResult:
         """Cooperative cancel, then — after ``grace`` — the hard kill of the whole tree."""
         self.send(wire.cancel(block.id))
-        grace = self.engine.grace
+        grace = self.launcher.grace
         stuck = asyncio.ensure_future(block.stuck.wait())
         try:
             await asyncio.wait([block.future, stuck], timeout=grace, return_when=asyncio.FIRST_COMPLETED)

@@ -421,20 +421,20 @@ async def test_tcp_transport(run_dir, tmp_path):
 async def test_warm_pool_serves_new_workers_and_replacements(run_dir, tmp_path):
     async with Engine(cwd=run_dir, state_dir=tmp_path / "state", pool=1) as engine:
         first = await engine.start_worker("first")
-        assert await asyncio.to_thread(wait_until, lambda: len(engine._pool) == 1, 30)
-        pooled = engine._pool[0]
+        assert await asyncio.to_thread(wait_until, lambda: len(engine.idle_pids) == 1, 30)
+        pooled = engine.idle_pids[0]
         started = time.monotonic()
         second = await engine.start_worker("second")
         assert time.monotonic() - started < 1.0  # the target is ~10 ms; no process start happened
-        assert second._session is pooled
+        assert second.pid == pooled
         assert (await second.run("print('warm')")).output == "warm\n"
         # A kill's replacement comes from the refilled pool too.
-        assert await asyncio.to_thread(wait_until, lambda: len(engine._pool) == 1, 30)
-        refill = engine._pool[0]
+        assert await asyncio.to_thread(wait_until, lambda: len(engine.idle_pids) == 1, 30)
+        refill = engine.idle_pids[0]
         result = await first.run("import time; time.sleep(10**6)", timeout=0.3)
         assert result.worker_killed
         assert (await first.run("print('replaced')")).output == "replaced\n"
-        assert first._session is refill
+        assert first.pid == refill
 
 
 async def test_cancellation_lets_cleanup_finish_but_not_a_block_in_c(worker):

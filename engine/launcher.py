@@ -1,0 +1,294 @@
+"""The launcher: everything that touches the operating system to start a worker.
+
+``Engine`` decides (the pool, shutdown, how many workers); the launcher acts: it owns the
+run's directories, the ZeroMQ context and the endpoints, the sandbox plan, the worker's
+environment, the cgroups, the cold start and the fork server.  Sessions, workers and the fork
+server are handed a launcher and call only its public methods; nothing here calls back up.
+
+A run owns a private socket directory (mode 0700, one sub-directory per worker process so a
+sandbox can expose exactly one socket) and an output directory for block outputs too large
+to keep in memory.  Workers get an environment built from an allowlist, never a copy of
+the coordinator's: API keys set for the coordinator do not reach model code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+
+from . import sandbox as _sandbox
+from ._cgroup import WorkerCgroups
+from ._tree import remove_tree
+from ._zygote import Zygote
+from .errors import ConfigError, WorkerStartError
+
+
+@dataclass
+class Launch:
+    """Everything needed to start one worker process."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: Path
+    pid_namespace: bool
+    notes: list[str]
+
+
+#: Variables a worker inherits from the coordinator's environment, if set.  Everything else
+#: (API keys, cloud credentials, tokens) stays behind.
+ENV_ALLOWLIST = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "LC_MESSAGES", "LC_NUMERIC",
+                 "TERM", "TZ", "PYTHONIOENCODING", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+
+
+def _state_home() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "agentloop"
+
+
+def _runtime_home() -> Path:
+    # Short on purpose: an ipc:// path must fit in 107 bytes.
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg) and len(xdg) < 40:
+        return Path(xdg) / "agentloop"
+    return Path("/tmp") / f"agentloop-{os.getuid()}"
+
+
+def _remove_stale_runs(parent: Path) -> None:
+    """Remove what coordinators that were killed (SIGKILL, a crash) left in ``parent``: run
+    directories are named ``DATE-TIME-PID-HEX``, and one whose PID no longer runs is stale.
+    A PID taken again by another process keeps its directory until that one ends too."""
+    with contextlib.suppress(OSError):
+        for entry in list(parent.iterdir()):
+            fields = entry.name.split("-")
+            if (len(fields) == 4 and fields[2].isdigit() and int(fields[2]) != os.getpid()
+                    and not os.path.exists(f"/proc/{fields[2]}") and entry.is_dir()
+                    and not entry.is_symlink() and entry.lstat().st_uid == os.getuid()):
+                remove_tree(entry)
+
+
+def _file_part(block_id: str) -> str:
+    """``block_id`` as a short file-name part: ASCII letters, digits, ``-`` and ``.`` as they
+    are, every other character as ``_`` and its UTF-8 bytes in hex (so ``x/y`` and ``x_y``
+    stay apart), cut at 48 characters."""
+    out = "".join(c if c.isascii() and (c.isalnum() or c in "-.") else
+                  "".join(f"_{b:02x}" for b in c.encode()) for c in block_id)
+    return out.lstrip(".")[:48]
+
+
+def _private_dir(path: Path) -> Path:
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.lstat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o077 or path.is_symlink():
+        raise ConfigError(f"{path} is not a private directory of this user; remove it and retry")
+    return path
+
+
+class Launcher:
+    """Starts worker processes for one run: directories, sockets, sandbox, cgroups, fork server.
+
+    ``open`` is idempotent and ``close`` removes everything the run made (the fork server and
+    every worker it forked included); what a worker wrote to the workspace stays."""
+
+    def __init__(
+        self,
+        *,
+        cwd: Path,
+        workspace: Path,
+        sandbox: _sandbox.SandboxPolicy,
+        python: str,
+        transport: str = "ipc",
+        tcp_bind: str = "127.0.0.1",
+        connect_host: str | None = None,
+        state_dir: str | Path | None = None,
+        start_timeout: float = 30.0,
+        grace: float = 0.5,
+        env_allow: Iterable[str] = (),
+        output_file_cap: int = 256 * 1024 * 1024,
+        zygote: bool | None = None,
+        preload: Iterable[str] = (),
+    ) -> None:
+        if transport not in ("ipc", "tcp"):
+            raise ConfigError(f"transport must be 'ipc' or 'tcp', not {transport!r}")
+        self.cwd = cwd
+        self.workspace = workspace
+        self.sandbox = sandbox
+        self.python = python
+        self.transport = transport
+        self.tcp_bind = tcp_bind
+        self.connect_host = connect_host
+        self.start_timeout = start_timeout
+        #: Seconds a block or process that was asked to stop is given before the hard kill.
+        self.grace = grace
+        self.env_allow = tuple(env_allow)
+        self.output_file_cap = output_file_cap
+        self.zygote = zygote
+        self.preload = tuple(preload)
+        # The pid in the name lets a later start remove what a killed coordinator left.
+        self.run_id = time.strftime("%Y%m%d-%H%M%S-") + f"{os.getpid()}-{secrets.token_hex(3)}"
+        self.run_dir = Path(state_dir or _state_home()) / "runs" / self.run_id
+        self.output_dir = self.run_dir / "outputs"
+        self.sock_root: Path | None = None
+        self.memory_cgroups: WorkerCgroups | None = None  # each worker's memory limit
+        self.pids_cgroups: WorkerCgroups | None = None  # each worker's process limit
+        self._ctx: zmq.Context | None = None
+        self._zygote: Zygote | None = None
+        self._outputs = 0
+
+    @property
+    def opened(self) -> bool:
+        return self._ctx is not None
+
+    def open(self) -> None:
+        """Create the run's directories and the ZeroMQ context (idempotent)."""
+        if self._ctx is not None:
+            return
+        if self.sandbox.mode != "none":
+            _sandbox.check_workspace(self.workspace, self.python)
+        try:
+            self.workspace.mkdir(parents=True, exist_ok=True)
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            os.chmod(self.run_dir, 0o700)
+            _remove_stale_runs(self.run_dir.parent)
+            runtime = _private_dir(_runtime_home())
+            _remove_stale_runs(runtime)
+            self.sock_root = runtime / self.run_id
+            self.sock_root.mkdir(mode=0o700)
+        except OSError as exc:
+            raise ConfigError(f"cannot create the run's directories: {exc}; "
+                              "choose another --workspace or check permissions") from exc
+        self._ctx = zmq.Context()
+        # Each worker costs three ZeroMQ sockets (its channel, a monitor and the monitor's peer);
+        # the default cap of 1023 would stop an engine at about 340 workers.
+        self._ctx.set(zmq.MAX_SOCKETS, 16384)
+        if self.sandbox.mode != "none":
+            self.memory_cgroups = WorkerCgroups.find(self.run_id.rsplit("-", 1)[-1])
+            self.pids_cgroups = WorkerCgroups.find(self.run_id.rsplit("-", 1)[-1], "pids")
+
+    async def close(self) -> None:
+        """Kill the fork server, destroy the context, remove the sockets, cgroups and (when
+        empty) the output directory.  Workers are closed by their owners before this."""
+        if self._zygote is not None:
+            await self._zygote.close()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+        if self.sock_root is not None:
+            remove_tree(self.sock_root)
+        for cgroups in (self.memory_cgroups, self.pids_cgroups):
+            if cgroups is not None:
+                cgroups.close()
+        with contextlib.suppress(OSError):
+            self.output_dir.rmdir()  # only if no block needed a file
+            self.run_dir.rmdir()
+
+    # -- one worker -------------------------------------------------------------------------------
+    def socket(self) -> zmq.Socket:
+        """A ROUTER socket of this run's context, for one worker."""
+        assert self._ctx is not None, "open() the launcher first"
+        return self._ctx.socket(zmq.ROUTER)
+
+    def endpoint(self, number: int) -> tuple[str, Path]:
+        """Where worker ``number`` connects: the endpoint to bind, and its own socket directory."""
+        assert self.sock_root is not None, "open() the launcher first"
+        sock_dir = self.sock_root / f"w{number}"
+        sock_dir.mkdir(mode=0o700)
+        if self.transport == "tcp":
+            return f"tcp://{self.tcp_bind}:*", sock_dir
+        return f"ipc://{sock_dir}/sock", sock_dir
+
+    def output_path(self, index: int, block_id: str) -> Path:
+        """A file name of its own for one block's output: a sequence number makes it unique
+        (a block id may be reused, and ids differing only in characters a file name cannot
+        hold would otherwise meet); the id follows, readable where it is plain."""
+        self._outputs += 1
+        return self.output_dir / f"w{index}-{self._outputs}-{_file_part(block_id)}.txt"
+
+    def plan(self, sock_dir: Path) -> _sandbox.LaunchPlan:
+        """The sandbox plan for a process that may see ``sock_dir`` (a worker's, or the root)."""
+        return _sandbox.plan(self.sandbox, socket_dir=sock_dir, workspace=self.workspace,
+                             cwd=self.cwd, output_dir=self.output_dir, python=self.python,
+                             memory_cgroup=self.memory_cgroups is not None,
+                             pids_cgroup=self.pids_cgroups is not None)
+
+    def env(self, token: str, plan: _sandbox.LaunchPlan) -> dict[str, str]:
+        """A worker's whole environment: the allowlist, the sandbox's needs, the handshake token."""
+        env = {k: os.environ[k] for k in (*ENV_ALLOWLIST, *self.env_allow) if k in os.environ}
+        env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+        env["HOME"] = str(self.workspace)
+        env["TMPDIR"] = "/tmp"
+        env.update(plan.env)  # what the sandbox needs (a private TMPDIR without bubblewrap)
+        env["PYTHONDONTWRITEBYTECODE"] = "1"  # for the Pythons user code starts (``-B`` is ours)
+        env["AGENTLOOP_TOKEN"] = token
+        if not plan.pid_namespace:  # inside a PID namespace our parent is the namespace's init
+            env["AGENTLOOP_PARENT"] = str(os.getpid())
+        if plan.confine:
+            env["AGENTLOOP_CONFINE"] = json.dumps(plan.confine)
+        return env
+
+    def launch(self, endpoint: str, sock_dir: Path, token: str) -> Launch:
+        """How to start one worker process whose socket lives in ``sock_dir``."""
+        plan = self.plan(sock_dir)
+        if endpoint.startswith("ipc://"):
+            plan.grant(Path(endpoint[len("ipc://"):]))
+        argv = [*plan.argv_prefix, *_sandbox.runtime_argv(self.python, "worker.__main__:main", endpoint)]
+        return Launch(argv, self.env(token, plan), Path(plan.cwd) if plan.cwd else self.cwd,
+                      plan.pid_namespace, plan.notes)
+
+    def fork_server(self, launch: Launch) -> Zygote | None:
+        """The fork server to start ``launch`` with, or None to start it cold.
+
+        ``zygote=None`` (the default) uses one where it can give the same isolation: a root
+        coordinator with bubblewrap."""
+        if self.zygote is False or not launch.pid_namespace or not Zygote.usable(launch.argv):
+            if self.zygote:
+                raise ConfigError("the fork server needs bubblewrap and a coordinator running as root")
+            return None
+        if self._zygote is None:
+            assert self.sock_root is not None
+            self._zygote = Zygote(self.plan(self.sock_root), self.env("", self.plan(self.sock_root)),
+                                  python=self.python, cwd=self.cwd, sandbox=self.sandbox,
+                                  start_timeout=self.start_timeout, preload=self.preload)
+        return self._zygote
+
+    # -- cgroups ----------------------------------------------------------------------------------
+    def worker_groups(self, number: int) -> list[Path]:
+        """The cgroups of worker ``number``: one limiting its memory and one its processes,
+        where the run has them.  Raises WorkerStartError when one cannot be made: the
+        sandbox was planned on it."""
+        groups: list[Path] = []
+        for cgroups, limit in ((self.memory_cgroups, self.sandbox.memory_bytes),
+                               (self.pids_cgroups, self.sandbox.max_processes)):
+            if cgroups is None:
+                continue
+            group = cgroups.make(f"w{number}", limit)
+            if group is None:
+                self.release_groups(groups)
+                raise WorkerStartError(f"could not make the worker's {cgroups.controller} cgroup (agentloop "
+                                       "-v logs why); its limit would not hold")
+            groups.append(group)
+        return groups
+
+    @staticmethod
+    def adopt(groups: list[Path], root: int, moved: dict[Path, set[int]]) -> None:
+        """Move the tree of process ``root`` into each of ``groups`` (see ``adopt_tree``)."""
+        for group in groups:
+            if not WorkerCgroups.adopt_tree(group, root, moved.setdefault(group, set())):
+                raise WorkerStartError("could not put the worker in its cgroups (agentloop -v logs "
+                                       "why); its limits would not hold")
+
+    @staticmethod
+    def release_groups(groups: list[Path]) -> None:
+        for group in groups:
+            WorkerCgroups.remove(group)
+
+    def memory_exceeded(self, groups: list[Path]) -> bool:
+        """Whether the kernel killed a process in one of ``groups`` for its memory limit."""
+        cgroups = self.memory_cgroups
+        return cgroups is not None and any(g.parent == cgroups.base and cgroups.oom_killed(g) for g in groups)
