@@ -44,7 +44,7 @@ from . import tags
 from .display import AgentDisplay
 from .durations import parse_duration
 from .engine import Engine
-from .errors import AgentloopError, ConfigError, ModelError
+from .errors import AgentError, AgentloopError, ConfigError, ModelError
 from .llm import Chat
 from .model_server import ServerInfo, connect
 from .models import ModelConfig, ModelRegistry
@@ -81,10 +81,6 @@ EMPTY_REPLY_NOTE = ("your reply was empty: no text, no code, no tool call. Reply
 #: sets it for the command it runs (``--max-subagents``), others get ``MAX_SUBAGENTS``.
 subagent_limit: contextvars.ContextVar[int] = contextvars.ContextVar("agentloop_max_subagents",
                                                                      default=MAX_SUBAGENTS)
-
-
-class AgentError(AgentloopError):
-    """The agent could not finish (no answer within its message budget)."""
 
 
 def heartbeat_interval(seconds: float | None) -> float | None:

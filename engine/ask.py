@@ -41,23 +41,14 @@ Beyond the seed, and why:
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import os
-import signal
-import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import click
-
-from .cli import EXIT_INTERRUPTED, _fail, _terminated, load_registry
-from .errors import AgentloopError, ModelError
-from .inert import InertText, inert
+from .errors import EXIT_ERROR
+from .inert import InertText
 from .llm import Chat
 from .repo_tools import MAX_RESULT, TOOL_SCHEMAS, RepoTools, execute_tool_call_async
 from .tags import strip_think
@@ -76,7 +67,7 @@ STOPPED = ("[agent] stopped after {n} tool rounds without a final answer — "
 PROMPT = "you> "
 #: Characters of a call's arguments shown on its ⚙ line (the seed's cut).
 ARGS_SHOWN = 120
-EXIT_FAILED = 1
+EXIT_FAILED = EXIT_ERROR
 
 _HIDDEN = {"<think>": "</think>", "<tool_call>": "</tool_call>"}
 _STRAY_CLOSE = "</think>"
@@ -298,188 +289,3 @@ class Assistant:
         display = self.chat.display
         if display is not None:
             display.event(type, name=self.chat.name, **fields)
-
-
-# ---------------------------------------------------------------------------------- terminal
-
-def _isatty(stream: Any) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False
-
-
-def _out(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()
-
-
-def _err(text: str) -> None:
-    sys.stderr.write(inert(text) + "\n")
-    sys.stderr.flush()
-
-
-def _show(answer: Answer) -> None:
-    if not answer.streamed:  # else it is on the terminal already, its line ended
-        _out(inert(answer.text) + "\n")
-
-
-def _banner(config: Any, root: Path) -> str:
-    model = config.model if config.alias == "default" else f"{config.alias} ({config.model})"
-    return (f"agentloop ask — model {model} at {config.base_url}\n"
-            f"root {root} (Ctrl-D to exit; the conversation persists across questions)")
-
-
-def _one_shot(runner: asyncio.Runner, assistant: Assistant, question: str, as_json: bool) -> int:
-    started = time.monotonic()
-    answer, error = None, ""
-    try:
-        answer = runner.run(assistant.ask(question))
-    except KeyboardInterrupt:
-        _err("agentloop: interrupted")
-        return EXIT_INTERRUPTED
-    except ModelError as exc:
-        error = str(exc)
-        _err(f"agentloop: {exc}")
-    if as_json:
-        chat = assistant.chat
-        status = "failed" if answer is None else "stopped" if answer.stopped else "answered"
-        _out(json.dumps({"answer": answer and answer.text, "status": status, "error": error,
-                         "messages": chat.requests, "tokens": {"in": chat.tokens_in, "out": chat.tokens_out},
-                         "cost": round(chat.cost, 6), "duration_s": round(time.monotonic() - started, 3),
-                         "tool_calls": assistant.tool_calls, "root": str(assistant.tools.root)}) + "\n")
-    elif answer is not None:
-        _show(answer)
-    return EXIT_FAILED if answer is None else 0
-
-
-def _read_question(terminal: bool) -> str | None:
-    """The next line typed, None at end of input; KeyboardInterrupt passes through."""
-    _out("\n")
-    try:
-        line = input(PROMPT)
-    except EOFError:
-        _out("\n")
-        return None
-    if not terminal:
-        _out(inert(line) + "\n")  # stdout reads as the session would have on a terminal
-    return line
-
-
-def _interactive(runner: asyncio.Runner, assistant: Assistant, banner: str) -> int:
-    """The prompt loop (see the module docstring); returns the exit status."""
-    terminal = _isatty(sys.stdin)
-    if terminal and _isatty(sys.stdout):
-        import readline  # noqa: F401 - line editing and history for input()
-    _err(banner)
-    terminated: list[int] = []
-
-    def on_sigterm(signum: int, frame: Any) -> None:  # leave, wherever it comes
-        terminated.append(signum)
-        _terminated(signum, frame)  # a running question is cancelled as by Ctrl-C
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    failures, interrupted = 0, False
-    try:
-        while True:
-            try:
-                line = _read_question(terminal)
-            except KeyboardInterrupt:
-                _out("\n")
-                if interrupted or terminated:
-                    return EXIT_INTERRUPTED
-                interrupted = True
-                _err("(Ctrl-C again to leave, or Ctrl-D)")
-                continue
-            if line is None:
-                break
-            interrupted = False
-            question = line.strip()
-            if not question:
-                continue
-            try:
-                _show(runner.run(assistant.ask(question)))
-            except KeyboardInterrupt:
-                if terminated:
-                    return EXIT_INTERRUPTED
-                _err("agentloop: interrupted; the question was dropped from the conversation")
-            except ModelError as exc:
-                failures += 1
-                _err(f"agentloop: {exc} (the question was dropped from the conversation; ask it again)")
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    return EXIT_FAILED if failures and not terminal else 0
-
-
-# ---------------------------------------------------------------------------------- the command
-
-@click.command("ask")
-@click.argument("question", nargs=-1)
-@click.option("--root", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
-              envvar="AGENT_ROOT", show_envvar=True,
-              help="The directory the tools may read (default: the current directory).")
-@click.option("--max-turns", type=click.IntRange(1), default=20, show_default=True, envvar="MAX_TURNS",
-              show_envvar=True, help="Requests to the model per question before it is stopped.")
-@click.option("--model", "model", default=None, help="Model alias (see `agentloop models`).")
-@click.option("--models", "models_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Model aliases file (default ./agentloop.toml, else LLM_URL/LLM_MODEL).")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print one JSON object (answer, status, messages, tokens, cost, duration_s, ...).")
-@click.option("--record", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Record every event to this JSONL file.")
-def ask(question: tuple[str, ...], root: Path | None, max_turns: int, model: str | None,
-        models_file: Path | None, as_json: bool, record: Path | None) -> None:
-    """Answer QUESTION about the repository at --root with three read-only tools
-    (list_dir, read_file, search); without QUESTION, ask one after another at a you> prompt.
-
-    The words of QUESTION are joined with spaces.  The answer goes to stdout (shown as it is
-    written on a terminal), one line per tool call to stderr.  No code is run.  Exit 0 with an
-    answer (the round-limit message included), 1 when the model endpoint failed, 130 when
-    interrupted.
-    """
-    text = " ".join(question).strip()
-    if question and not text:
-        raise click.UsageError("the question is empty")
-    if as_json and not text:
-        raise click.UsageError("--json needs a QUESTION")
-    registry = load_registry(models_file)
-    try:
-        config = registry.get(model)
-        tools = RepoTools(root if root is not None else os.getcwd())
-    except AgentloopError as exc:
-        _fail(str(exc))
-    recorder = None
-    if record is not None:
-        from .display import JsonlRecorder
-
-        try:
-            recorder = JsonlRecorder(record)
-        except OSError as exc:
-            tools.close()
-            _fail(f"cannot record to {record}: {exc.strerror or exc}")
-    stream = AnswerStream(_out) if _isatty(sys.stdout) and not as_json else None
-    events = _events(recorder, stream)
-    chat = Chat(SYSTEM.format(root=tools.root), config, display=events, name="ask")
-    assistant = Assistant(chat, tools, max_turns=max_turns, stream=stream, gear=_err)
-    code = EXIT_FAILED
-    try:
-        with asyncio.Runner() as runner:
-            try:
-                if text:
-                    code = _one_shot(runner, assistant, text, as_json)
-                else:
-                    code = _interactive(runner, assistant, _banner(config, tools.root))
-            finally:
-                tools.close()  # first: a tool call abandoned by Ctrl-C ends with its process
-                runner.run(chat.aclose())
-    except KeyboardInterrupt:  # while closing
-        code = EXIT_INTERRUPTED
-    finally:
-        tools.close()
-        if recorder is not None:
-            recorder.close()
-    sys.exit(code)
-
-
-def _events(recorder: Any, stream: AnswerStream | None) -> _Events:
-    return _Events(recorder, stream, (lambda text: _err(f"agentloop: {text}")) if _isatty(sys.stderr) else None)

@@ -6,6 +6,7 @@
     │   ├── WorkerStartError        the process did not come up / handshake failed
     │   └── WorkerClosed            the handle was closed; start a new worker
     ├── SandboxError                the requested sandbox cannot be applied here
+    ├── AgentError                  a model's request the agent refuses (said to the model)
     └── ModelError                  the model endpoint failed us
         ├── ModelUnreachable        connection refused / DNS / timeout, after retries
         └── ModelResponseError      HTTP error status or a body we cannot read
@@ -17,6 +18,14 @@ libraries below (zmq, msgpack, httpx) are translated once, at the edge, with
 """
 
 from __future__ import annotations
+
+import signal
+
+#: Exit statuses of the command line (``exec`` adds 128+N for a worker killed by signal N).
+EXIT_ERROR = 1
+EXIT_TIMEOUT = 124  # as timeout(1)
+EXIT_OWN = 125  # agentloop's own errors: bad input, options, set-up
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # Ctrl-C (and SIGTERM, which stops a command the same way)
 
 
 class AgentloopError(Exception):
@@ -41,6 +50,12 @@ class WorkerClosed(WorkerError):
 
 class SandboxError(AgentloopError):
     """The requested sandbox cannot be applied on this machine."""
+
+
+class AgentError(AgentloopError):
+    """What the agent refuses or cannot do for its model: no answer within the message budget,
+    a sub-agent over the limit, an unknown host function.  Said to the model in words, or the
+    run's failure."""
 
 
 class ModelError(AgentloopError):

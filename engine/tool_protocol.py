@@ -34,9 +34,9 @@ import time
 from typing import Any
 
 from . import tags
-from .agent import Agent, AgentError, _CodeTask, _task_text
+from .agent import Agent, _CodeTask, _task_text
 from .durations import DEFAULT_BLOCK_TIMEOUT, parse_duration
-from .errors import ConfigError
+from .errors import AgentError, ConfigError
 from .model_server import ServerInfo
 from .repo_tools import MAX_RESULT, execute_tool_call_async, parse_arguments, schema_for
 

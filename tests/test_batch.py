@@ -14,15 +14,9 @@ from pathlib import Path
 import pytest
 
 from engine.agent import RunResult
-from engine.batch import (
-    ResultsFile,
-    RunEngine,
-    default_parallel,
-    is_infrastructure,
-    read_tasks,
-    redo_selector,
-    run_slug,
-)
+from engine.batch import ResultsFile, default_parallel, is_infrastructure, read_tasks
+from engine.batch.results import redo_selector
+from engine.batch.run import RunEngine, run_slug
 from engine.display import read_recording
 from engine.engine import Engine
 from engine.errors import ModelError, WorkerError, WorkerStartError

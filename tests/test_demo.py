@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.demo import COMPLETE
+from engine.cli.demo import COMPLETE
 from engine.display import read_recording
 
 AGENTLOOP = [sys.executable, "-m", "engine.cli"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine._tree import TreeError, copy_tree, disk_usage, remove_tree, walk
-from engine.batch import _clear, _place_files, pack_files
+from engine.batch.run import _clear, _place_files, pack_files
 
 
 @pytest.fixture(autouse=True)

@@ -57,8 +57,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .. import batch
 from ..errors import AgentloopError
+from .progress import LinesView, Tally, short
+from .results import ResultsFile
+from .run import RunSettings, execute, make_record, pack_files
+from .stopping import Stopper, infra_threshold
+from .tasks import TaskSpec
 
 #: Re-executions Ray allows a task whose node or worker process died.
 NODE_RETRIES = 3
@@ -72,7 +76,7 @@ _AUTH_HINT = ("If the cluster uses token authentication (Ray 2.60's default for 
               "to its token; `ray get-auth-token` on the head node prints it.")
 
 
-def run_on_node(spec: batch.TaskSpec, settings: batch.RunSettings,
+def run_on_node(spec: TaskSpec, settings: RunSettings,
                 packed: list[tuple[str, bytes, int]]) -> dict:
     """The Ray task: one run on this node, to its record.  Ray's interrupt (a polite
     ``ray.cancel``) cancels the run; the record then says ``cancelled``."""
@@ -85,7 +89,7 @@ def run_on_node(spec: batch.TaskSpec, settings: batch.RunSettings,
         # blocked in a long wait notices at once.
         with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
             asyncio.get_running_loop().add_signal_handler(signal.SIGINT, me.cancel)
-        return await batch.execute(spec, settings, packed=packed)
+        return await execute(spec, settings, packed=packed)
 
     record = asyncio.run(main())
     record["node"] = ray.util.get_node_ip_address()
@@ -96,7 +100,7 @@ def run_on_node(spec: batch.TaskSpec, settings: batch.RunSettings,
 class _Flight:
     """A submitted task: its run, when it went, and why it is being cancelled (if it is)."""
 
-    spec: batch.TaskSpec
+    spec: TaskSpec
     ref: Any
     submitted: float
     deadline: float | None
@@ -125,7 +129,7 @@ def _import_ray() -> Any:
     return ray
 
 
-def _forwarded_env(settings: batch.RunSettings) -> dict[str, str]:
+def _forwarded_env(settings: RunSettings) -> dict[str, str]:
     names = {config.api_key_env for config in settings.models}
     return {name: os.environ[name] for name in sorted(names) if os.environ.get(name)}
 
@@ -153,7 +157,7 @@ def _warn_unsent_token() -> None:
               "authentication, set RAY_AUTH_MODE=token", file=sys.stderr, flush=True)
 
 
-def _connect(ray: Any, address: str, settings: batch.RunSettings) -> bool:
+def _connect(ray: Any, address: str, settings: RunSettings) -> bool:
     """Join the cluster; True when this call connected (and so must disconnect)."""
     if ray.is_initialized():
         return False
@@ -173,7 +177,7 @@ def _slots(ray: Any) -> int:
     return int(ray.cluster_resources().get("agent_slot", 0))
 
 
-def _collect(ray: Any, flight: _Flight, settings: batch.RunSettings) -> dict:
+def _collect(ray: Any, flight: _Flight, settings: RunSettings) -> dict:
     """The record of a finished task, made here when the task could not return one."""
     spec = flight.spec
     lost = True
@@ -181,10 +185,10 @@ def _collect(ray: Any, flight: _Flight, settings: batch.RunSettings) -> dict:
         record = ray.get(flight.ref)
         lost = False
     except ray.exceptions.TaskCancelledError:
-        record = batch.make_record(spec, settings, status="cancelled", error="cancelled")
+        record = make_record(spec, settings, status="cancelled", error="cancelled")
     except ray.exceptions.RayError as exc:  # worker or node lost after Ray's retries, out of memory, ...
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        record = batch.make_record(spec, settings, status="failed", infrastructure=True,
+        record = make_record(spec, settings, status="failed", infrastructure=True,
                                    error=f"Ray: {type(exc).__name__}: {first}"[:2000])
     if flight.reason is not None and (lost or record["status"] == "cancelled"):
         record["status"], record["infrastructure"] = flight.reason, False
@@ -198,9 +202,9 @@ def _collect(ray: Any, flight: _Flight, settings: batch.RunSettings) -> dict:
     return record
 
 
-def run_on_ray(address: str, pending: list[batch.TaskSpec], settings: batch.RunSettings, *,
-               results: batch.ResultsFile, tally: batch.Tally, view: batch.LinesView, parallel: int | None,
-               stopper: batch.Stopper) -> None:
+def run_on_ray(address: str, pending: list[TaskSpec], settings: RunSettings, *,
+               results: ResultsFile, tally: Tally, view: LinesView, parallel: int | None,
+               stopper: Stopper) -> None:
     """Run ``pending`` on the cluster at ``address``, writing each record as it comes."""
     ray = _import_ray()
     connected = _connect(ray, address, settings)
@@ -227,7 +231,7 @@ def run_on_ray(address: str, pending: list[batch.TaskSpec], settings: batch.RunS
                 spec = next(queue, None)
                 if spec is None:
                     break
-                ref = remote.remote(spec, settings, batch.pack_files(spec.files))
+                ref = remote.remote(spec, settings, pack_files(spec.files))
                 budget = settings.deadline(spec)
                 inflight[ref] = _Flight(spec, ref, now, now + budget if budget is not None else None)
                 tally.start(spec.key)
@@ -244,9 +248,9 @@ def run_on_ray(address: str, pending: list[batch.TaskSpec], settings: batch.RunS
                 results.append(record)
                 tally.finish(flight.spec.key, record)
                 view.finished(record)
-                if tally.consecutive_infra >= batch.infra_threshold(limit):
+                if tally.consecutive_infra >= infra_threshold(limit):
                     stopper.abort(f"{tally.consecutive_infra} runs in a row failed for infrastructure reasons "
-                                  f"(last: {batch._short(record['error'], 200)}); fix it and run the same "
+                                  f"(last: {short(record['error'], 200)}); fix it and run the same "
                                   "command again")
             now = time.monotonic()
             for flight in inflight.values():

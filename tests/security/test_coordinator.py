@@ -20,7 +20,7 @@ from rich.console import Console
 
 from engine._tree import disk_usage, remove_tree
 from engine.agent import run_task
-from engine.batch import _clear
+from engine.batch.run import _clear
 from engine.console import ConsoleDisplay
 from engine.engine import Engine
 from engine.models import ModelConfig, ModelRegistry

@@ -19,13 +19,13 @@ from typing import Any
 
 import click
 
-from .agent import run_task
-from .cli import _policy, _sandbox_options, ending, make_display, run_until_done
-from .engine import Engine
-from .inert import inert
-from .models import ModelConfig, ModelRegistry
-from .scripted import ScriptedServer
-from .tags import find_tags
+from ..agent import run_task
+from ..engine import Engine
+from ..inert import inert
+from ..models import ModelConfig, ModelRegistry
+from ..scripted import ScriptedServer
+from ..tags import find_tags
+from .options import ending, make_display, run_until_done, worker_options, worker_settings
 
 DEMO_TASK = ("Show me what agentloop can do: run blocks at once, report progress while one works, "
              "survive a block stuck in C, and hand work to a sub-agent.")
@@ -233,8 +233,8 @@ def demo_registry(url: str) -> ModelRegistry:
 @click.option("--record", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Record every display event to this JSONL file.")
 @click.option("-q", "--quiet", is_flag=True, help="No live display on stderr.")
-@_sandbox_options
-def demo(record: Path | None, quiet: bool, sandbox: str, network: bool, workspace: Path | None) -> None:
+@worker_options
+def demo(record: Path | None, quiet: bool) -> None:
     """Watch the engine work: scripted model, no LLM involved.
 
     A built-in conversation plays the model: two blocks run at once, one streams heartbeats,
@@ -243,13 +243,13 @@ def demo(record: Path | None, quiet: bool, sandbox: str, network: bool, workspac
     server.  Exits 0 when every step happened as scripted.
     """
     display = make_display(record, quiet)
-    policy = _policy(sandbox, network)
+    options = worker_settings().engine_options()
 
     async def go():
         with ScriptedServer(DEMO_SCRIPT) as server:
             display.event("note", name="demo", message=NOTICE)
             display.event("note", name="demo", message=f"task: {DEMO_TASK}")
-            async with Engine(sandbox=policy, workspace=workspace) as engine:
+            async with Engine(**options) as engine:
                 return await run_task(DEMO_TASK, models=demo_registry(server.url), engine=engine,
                                       display=display, timeout=120)
 

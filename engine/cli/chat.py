@@ -35,25 +35,25 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 
 import click
 
-from .agent import Agent, make_agent
-from .cli import (
+from ..agent import Agent, make_agent
+from ..engine import Engine
+from ..errors import AgentloopError
+from ..inert import inert
+from .options import (
     EXIT_INTERRUPTED,
-    _fail,
-    _policy,
     agent_options,
     close_display,
+    fail,
     host_functions,
     load_registry,
     make_display,
     same_terminal,
+    worker_options,
+    worker_settings,
 )
-from .engine import Engine
-from .errors import AgentloopError
-from .inert import inert
 
 PROMPT = "you> "
 STEER = "/steer"
@@ -265,8 +265,8 @@ def _banner(config, engine: Engine, interactive: bool) -> str:
 
 @click.command("chat")
 @agent_options
-def chat(model, models_file, max_messages, record, tools, root, quiet, protocol, sandbox, network,
-         workspace: Path | None) -> None:
+@worker_options
+def chat(model, models_file, max_messages, record, tools, root, quiet, protocol) -> None:
     """Talk to an agent: its answers on stdout, the live display on stderr.
 
     The conversation and the namespace persist across questions.  A line typed while the
@@ -281,15 +281,15 @@ def chat(model, models_file, max_messages, record, tools, root, quiet, protocol,
     try:
         config = registry.get(model)
     except AgentloopError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     functions = host_functions(tools, root)
-    policy = _policy(sandbox, network)
+    options = worker_settings().engine_options()
     display = make_display(record, quiet)
     interactive = os.isatty(sys.stdin.fileno())
 
     async def go() -> int:
         loop = asyncio.get_running_loop()
-        async with Engine(sandbox=policy, workspace=workspace) as engine:
+        async with Engine(**options) as engine:
             if not quiet:
                 click.echo(_banner(config, engine, interactive), err=True)
             agent = make_agent(engine=engine, models=registry, model=config, functions=functions,
@@ -316,7 +316,7 @@ def chat(model, models_file, max_messages, record, tools, root, quiet, protocol,
     except KeyboardInterrupt:  # while the worker was starting
         sys.exit(EXIT_INTERRUPTED)
     except AgentloopError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     finally:
         close_display(display)
     sys.exit(code)

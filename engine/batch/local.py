@@ -1,0 +1,146 @@
+"""The local scheduler: runs at once up to --parallel, stopping on Ctrl-C or when the
+infrastructure keeps failing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import EXIT_INTERRUPTED, AgentloopError, ConfigError
+from ..inert import inert
+from .capacity import default_parallel
+from .progress import LinesView, Meter, Tally, make_view, short
+from .results import ResultsFile, lock_runs_dir, redo_selector
+from .run import RunSettings, execute
+from .stopping import Stopper, infra_threshold
+from .tasks import TaskSpec, read_tasks
+
+EXIT_STOPPED = 1
+
+
+@dataclass
+class BatchOutcome:
+    """How an invocation ended: its tally and why it stopped early (None: it did not)."""
+
+    tally: Tally
+    stopped: str | None
+
+    @property
+    def exit_code(self) -> int:
+        if self.stopped == "interrupted":
+            return EXIT_INTERRUPTED
+        return EXIT_STOPPED if self.stopped else 0
+
+
+async def _run_local(pending: list[TaskSpec], settings: RunSettings, results: ResultsFile, tally: Tally,
+                     view: LinesView, parallel: int, stopper: Stopper) -> None:
+    loop = asyncio.get_running_loop()
+    running: dict[asyncio.Task, TaskSpec] = {}
+
+    def cancel_all() -> None:
+        for task in running:
+            task.cancel()
+
+    stopper.on_stop = cancel_all
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stopper.interrupt)
+
+    async def one(spec: TaskSpec) -> None:
+        meter = Meter()
+        tally.start(spec.key, meter)
+        record = await execute(spec, settings, display=meter)
+        try:
+            results.append(record)
+        except OSError as exc:
+            raise AgentloopError(f"cannot write to {results.path}: {exc}; the batch stops (rerun to resume)") from exc
+        tally.finish(spec.key, record)
+        view.finished(record)
+        if tally.consecutive_infra >= infra_threshold(parallel):
+            stopper.abort(f"{tally.consecutive_infra} runs in a row failed for infrastructure reasons "
+                          f"(last: {short(record['error'], 200)}); fix it and run the same command again")
+
+    async def ticker() -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            view.tick()
+
+    ticking = asyncio.ensure_future(ticker())
+    queue = iter(pending)
+    try:
+        while True:
+            while not stopper.stopping and len(running) < parallel:
+                spec = next(queue, None)
+                if spec is None:
+                    break
+                running[asyncio.ensure_future(one(spec))] = spec
+            if not running:
+                break
+            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                running.pop(task)
+                task.result()  # a failure to write the output ends the batch, loudly
+    finally:
+        ticking.cancel()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        if running:  # the output failed: stop the rest before leaving
+            cancel_all()
+            await asyncio.gather(*running, return_exceptions=True)
+
+
+def run_batch(tasks_path: str | Path, output: str | Path, settings: RunSettings, *,
+              parallel: int | None = None, progress: str = "auto", skip_invalid: bool = False,
+              redo: Iterable[str] = (), ray_address: str | None = None) -> BatchOutcome:
+    """Run every task of ``tasks_path`` not yet in ``output``; see the module docstring.
+
+    Raises ConfigError, before anything starts, for invalid task lines (unless
+    ``skip_invalid``: then they are reported and left out), a damaged output or a runs
+    directory another batch holds."""
+    output = Path(output)
+    specs, problems = read_tasks(tasks_path, settings.models)
+    if problems:
+        listing = "\n".join(f"  {p}" for p in problems)
+        if not skip_invalid:
+            raise ConfigError(f"{tasks_path}: {len(problems)} invalid line(s), nothing started "
+                              f"(--skip-invalid to go on without them):\n{listing}")
+        print(inert(f"agentloop: {tasks_path}: skipping {len(problems)} invalid line(s):\n{listing}"),
+              file=sys.stderr)
+    lock = lock_runs_dir(settings.runs_dir)
+    results = ResultsFile(output)
+    try:
+        resumed = results.open(redo_selector(redo))
+        if resumed.torn_bytes:
+            print(f"agentloop: {output}: cut off a torn last line ({resumed.torn_bytes} bytes); "
+                  "that run will be done again", file=sys.stderr)
+        if resumed.dropped:
+            print(f"agentloop: {output}: {resumed.dropped} record(s) removed to be run again", file=sys.stderr)
+        pending = [s for s in specs if s.key not in resumed.done]
+        before = len(specs) - len(pending)
+        if ray_address is None:
+            parallel = parallel or default_parallel()
+        where = f"on Ray at {ray_address}" if ray_address else f"{parallel} at once"
+        print(f"agentloop: {len(specs)} tasks, {before} done before, {len(pending)} to run, {where}; "
+              f"results in {output}, runs in {settings.runs_dir}", file=sys.stderr, flush=True)
+        tally = Tally(len(specs), before)
+        view = make_view(progress, tally)
+        stopper = Stopper()
+        view.start()
+        try:
+            if ray_address is not None and pending:
+                from . import on_ray
+
+                on_ray.run_on_ray(ray_address, pending, settings, results=results, tally=tally, view=view,
+                                      parallel=parallel, stopper=stopper)
+            elif pending:
+                asyncio.run(_run_local(pending, settings, results, tally, view, parallel, stopper))
+        finally:
+            view.stop()
+        return BatchOutcome(tally, stopper.reason)
+    finally:
+        results.close()
+        os.close(lock)

@@ -1,0 +1,225 @@
+"""Progress: the tally of results, the live bar or lines, and the summary (all inert)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from ..display import AgentDisplay
+from ..inert import inert
+from .results import STATUSES
+
+
+class Meter(AgentDisplay):
+    """Tokens and cost of one running run, from its agents' ``replied`` events."""
+
+    def __init__(self) -> None:
+        self.by_agent: dict[str, dict] = {}
+
+    def event(self, type: str, **fields: Any) -> None:
+        if type == "replied" and isinstance(fields.get("stats"), dict):
+            self.by_agent[str(fields.get("name"))] = fields["stats"]
+
+    def totals(self) -> tuple[int, int, float]:
+        stats = self.by_agent.values()
+        return (sum(s.get("tokens_in", 0) for s in stats), sum(s.get("tokens_out", 0) for s in stats),
+                sum(s.get("cost", 0.0) for s in stats))
+
+
+class Tally:
+    """Counts of the batch so far: what finished (by status), what runs, tokens and cost."""
+
+    def __init__(self, total: int, before: int) -> None:
+        self.total = total
+        self.before = before  # finished by an earlier invocation
+        self.counts: Counter[str] = Counter()
+        self.infrastructure = 0
+        self.tokens_in = self.tokens_out = 0
+        self.cost = 0.0
+        self.running: dict[str, Meter | None] = {}
+        self.started = time.monotonic()
+        self.consecutive_infra = 0
+
+    @property
+    def finished(self) -> int:
+        return sum(self.counts.values())
+
+    def start(self, key: str, meter: Meter | None = None) -> None:
+        self.running[key] = meter
+
+    def finish(self, key: str, record: dict) -> None:
+        self.running.pop(key, None)
+        self.counts[record["status"]] += 1
+        self.tokens_in += record["tokens"]["in"]
+        self.tokens_out += record["tokens"]["out"]
+        self.cost += record["cost"]
+        if record.get("infrastructure"):
+            self.infrastructure += 1
+            self.consecutive_infra += 1
+        elif record["status"] != "cancelled":
+            self.consecutive_infra = 0
+
+    def usage(self) -> tuple[int, int, float]:
+        """Tokens in, out and cost: finished runs plus what running ones have used so far."""
+        tin, tout, cost = self.tokens_in, self.tokens_out, self.cost
+        for meter in self.running.values():
+            if meter is not None:
+                a, b, c = meter.totals()
+                tin, tout, cost = tin + a, tout + b, cost + c
+        return tin, tout, cost
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def rate(self) -> float:
+        """Runs finished per minute in this invocation."""
+        elapsed = self.elapsed()
+        return self.finished / elapsed * 60 if elapsed > 0 else 0.0
+
+    def eta(self) -> float | None:
+        left = self.total - self.before - self.finished
+        if not self.finished:
+            return None
+        return left * self.elapsed() / self.finished
+
+
+def short(text: str, limit: int = 120) -> str:
+    """``text`` on one line, inert, at most ``limit`` characters."""
+    text = " ".join(inert(str(text)).split())
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _clock(seconds: float | None) -> str:
+    if seconds is None:
+        return "-:--"
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+def _tokens(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}k" if n >= 1e4 else str(n)
+
+
+class LinesView:
+    """One plain line per finished run, for logs: ``[12/100] id=t7 answered 3.2s``."""
+
+    def __init__(self, tally: Tally, stream: Any = None) -> None:
+        self.tally = tally
+        self.stream = stream or sys.stderr
+
+    def start(self) -> None:
+        pass
+
+    def tick(self) -> None:
+        pass
+
+    def finished(self, record: dict) -> None:
+        t = self.tally
+        line = (f"[{t.before + t.finished}/{t.total}] id={inert(str(record['id']))} {record['status']} "
+                f"{record['duration_s']:.1f}s")
+        if record.get("attempts", 1) > 1:
+            line += f" after {record['attempts']} attempts"
+        if record["status"] != "answered" and record.get("error"):
+            line += f": {short(record['error'])}"
+        print(line, file=self.stream, flush=True)
+
+    def stop(self) -> None:
+        pass
+
+
+class QuietView(LinesView):
+    def finished(self, record: dict) -> None:
+        pass
+
+
+class BarView(LinesView):
+    """A rich progress bar on stderr (done/total, ETA) over a line of counts: by status, running,
+    rate, tokens and cost so far.  Failures are printed above it as they happen."""
+
+    def __init__(self, tally: Tally, force_terminal: bool = False) -> None:
+        super().__init__(tally)
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+        from rich.text import Text
+
+        view = self
+
+        class _Progress(Progress):
+            def get_renderables(self):
+                yield self.make_tasks_table(self.tasks)
+                yield Text.from_markup(view.status)
+
+        self.status = ""
+        self.console = Console(stderr=True, force_terminal=force_terminal or None)
+        self.progress = _Progress(TextColumn("[bold]batch"), BarColumn(bar_width=None), MofNCompleteColumn(),
+                                  TextColumn("ETA {task.fields[eta]}"), console=self.console,
+                                  refresh_per_second=4, expand=True)
+        self.task = self.progress.add_task("batch", total=tally.total, completed=tally.before, eta="-:--")
+
+    def start(self) -> None:
+        self.progress.start()
+        self.tick()
+
+    def tick(self) -> None:
+        t = self.tally
+        tin, tout, cost = t.usage()
+        self.status = (f"[green]answered {t.counts['answered']}[/] · [red]failed {t.counts['failed']}[/] · "
+                       f"timed out {t.counts['timed_out']} · running {len(t.running)} · "
+                       f"{t.rate():.1f} runs/min · {_tokens(tin)}/{_tokens(tout)} tokens in/out · ${cost:.4f}")
+        self.progress.update(self.task, completed=t.before + t.finished, eta=_clock(t.eta()))
+
+    def finished(self, record: dict) -> None:
+        if record["status"] not in ("answered", "cancelled"):
+            error = f": {short(record['error'], 100)}" if record.get("error") else ""
+            self.progress.console.print(f"id={inert(str(record['id']))} {record['status']}{error}", markup=False,
+                                        highlight=False)
+        self.tick()
+
+    def stop(self) -> None:
+        self.tick()
+        self.progress.stop()
+
+
+def make_view(mode: str, tally: Tally) -> LinesView:
+    """``auto``: a bar when stderr is a terminal, else lines; ``bar``, ``lines``, ``none``."""
+    if mode == "auto":
+        mode = "bar" if sys.stderr.isatty() else "lines"
+    if mode == "bar":
+        return BarView(tally, force_terminal=True)
+    return QuietView(tally) if mode == "none" else LinesView(tally)
+
+
+def print_summary(tally: Tally, results: Path, runs_dir: Path, stopped: str | None) -> None:
+    """The closing table on stderr: runs by status, tokens, cost, wall time, rate."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    tin, tout, cost = tally.usage()
+    table = Table(title="batch summary", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    for status in STATUSES:
+        label = status.replace("_", " ")
+        value = str(tally.counts[status])
+        if status == "failed" and tally.infrastructure:
+            value += f" ({tally.infrastructure} infrastructure)"
+        table.add_row(label, value)
+    table.add_row("done before", str(tally.before))
+    left = tally.total - tally.before - tally.finished
+    if left:
+        table.add_row("not run", str(left))
+    table.add_row("tokens in / out", f"{tin:,} / {tout:,}")
+    table.add_row("cost", f"${cost:.4f}")
+    table.add_row("wall time", _clock(tally.elapsed()))
+    table.add_row("runs / minute", f"{tally.rate():.1f}")
+    # Text, not str: a cell given as str is read as markup
+    table.add_row("results", Text(inert(str(results))))
+    table.add_row("runs", Text(inert(str(runs_dir))))
+    if stopped:
+        table.add_row("stopped", Text(inert(stopped)))
+    Console(stderr=True).print(table)

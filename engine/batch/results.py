@@ -1,0 +1,141 @@
+"""The results file: appended, fsynced, resumed (torn last line cut), and the runs directory's lock."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ConfigError
+
+STATUSES = ("answered", "failed", "timed_out", "cancelled")
+
+
+@dataclass
+class Resumed:
+    """What an existing output held: finished ids (key -> status), whether a torn last line
+    was cut off, and how many records were dropped to be run again."""
+
+    done: dict[str, str] = field(default_factory=dict)
+    torn_bytes: int = 0
+    dropped: int = 0
+
+
+class ResultsFile:
+    """The output JSONL.  ``open`` repairs and reads it; ``append`` writes one whole line with
+    one ``write`` and fsyncs it before returning, so a line on disk is a finished run."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._fd: int | None = None
+
+    def open(self, redo: Callable[[dict], bool] = lambda record: False) -> Resumed:
+        """Create or repair the file; drop (atomically) the records ``redo`` selects."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            data = read_all(fd)
+            report = Resumed()
+            cut = data.rstrip(b"\0")  # a crash can leave zeros past the last write
+            if cut and not cut.endswith(b"\n"):
+                cut = cut[:cut.rfind(b"\n") + 1]
+            if len(cut) != len(data):
+                report.torn_bytes = len(data) - len(cut)
+                os.ftruncate(fd, len(cut))
+                os.fsync(fd)
+            kept: list[bytes] = []
+            for number, line in enumerate(cut.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    key = str(record["id"])
+                except (ValueError, TypeError, KeyError):
+                    raise ConfigError(f"{self.path}:{number}: not a result record; fix or remove that line "
+                                      "and run again") from None
+                if redo(record):
+                    report.dropped += 1
+                    report.done.pop(key, None)
+                    continue
+                report.done[key] = str(record.get("status"))
+                kept.append(line)
+            if report.dropped:
+                os.close(fd)
+                fd = -1
+                _replace_atomically(self.path, b"".join(line + b"\n" for line in kept))
+                fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            raise
+        self._fd = fd
+        _fsync_dir(self.path.parent)
+        return report
+
+    def append(self, record: dict) -> None:
+        assert self._fd is not None, "open() first"
+        data = (json.dumps(record, ensure_ascii=False, default=str) + "\n").encode()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view):]
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def read_all(fd: int) -> bytes:
+    os.lseek(fd, 0, os.SEEK_SET)
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _replace_atomically(path: Path, data: bytes) -> None:
+    temporary = path.with_name(f".{path.name}.rewrite")
+    with open(temporary, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def redo_selector(statuses: Iterable[str]) -> Callable[[dict], bool]:
+    """Which existing records to run again: always ``cancelled`` ones (they never finished),
+    plus the given statuses; ``infrastructure`` means failed for infrastructure reasons."""
+    wanted = {"cancelled", *statuses}
+
+    def select(record: dict) -> bool:
+        status = record.get("status")
+        return status in wanted or ("infrastructure" in wanted and status == "failed"
+                                    and bool(record.get("infrastructure")))
+    return select
+
+
+def lock_runs_dir(runs_dir: Path) -> int:
+    """Hold an exclusive lock on ``runs_dir`` for this process's life (one writer per batch)."""
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(runs_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(f"another agentloop batch is using {runs_dir}; wait for it or stop it") from None
+    return fd

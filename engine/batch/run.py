@@ -1,0 +1,316 @@
+"""One run of a batch: its directory, workspace and files, its engine, its attempts and its record."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import stat
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from .._tree import copy_tree, remove_tree, walk
+from ..agent import RunResult, run_task
+from ..display import AgentDisplay, FanoutDisplay, JsonlRecorder
+from ..engine import Engine
+from ..errors import ConfigError, WorkerError
+from ..models import ModelRegistry
+from ..repo_tools import RepoTools
+from ..sandbox import SandboxPolicy
+from ..worker import Worker, WorkerState
+from .results import read_all
+from .tasks import TaskSpec
+
+#: Longest wait between two attempts of a run.
+BACKOFF_MAX = 60.0
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What every run of a batch shares (picklable: Ray ships it to the nodes)."""
+
+    models: ModelRegistry
+    runs_dir: Path
+    model: str | None = None
+    protocol: str | None = None
+    max_messages: int = 200
+    timeout: float | None = 3600.0
+    tools: str = "none"
+    root: str = "."
+    sandbox: SandboxPolicy = field(default_factory=SandboxPolicy)
+    preload: tuple[str, ...] = ()
+    retries: int = 0
+    retry_backoff: float = 2.0
+    max_workers: int = 16
+    #: What the repository tools never show a run: the batch's runs directory and results file.
+    exclude: tuple[Path, ...] = ()
+
+    def backoff(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt ``attempt`` (1-based): doubling, capped."""
+        return min(self.retry_backoff * 2 ** (attempt - 1), BACKOFF_MAX)
+
+    def deadline(self, spec: TaskSpec) -> float | None:
+        """Seconds after which a run, all attempts included, is surely hung (None: no cap)."""
+        timeout = spec.timeout or self.timeout
+        if timeout is None:
+            return None
+        waits = sum(self.backoff(a) for a in range(1, self.retries + 1))
+        return (timeout + 60.0) * (self.retries + 1) + waits
+
+
+class RunEngine(Engine):
+    """The Engine of one batch run.
+
+    It refuses a worker beyond ``max_workers`` live ones: the per-run cap that bounds the
+    workers of a whole batch (the refusal reaches the model as words; it only happens when
+    starting a sub-agent).  And it hands the files placed in the workspace (``placed``) to the
+    run once a worker has started (see ``_give_to_run``), so the model can change them, not only
+    read them."""
+
+    def __init__(self, *, max_workers: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.max_workers = max_workers
+        self.placed: list[Path] = []
+
+    async def start_worker(self, name: str = "worker") -> Worker:
+        live = sum(1 for w in self.workers if w.state is not WorkerState.CLOSED)
+        if live >= self.max_workers:
+            raise WorkerError(f"this run already holds {live} workers, its limit; wait for a sub-agent "
+                              "to finish, or do the work yourself, before starting another")
+        worker = await super().start_worker(name)
+        placed, self.placed = self.placed, []
+        if placed:
+            await asyncio.to_thread(_give_to_run, self.workspace, placed)
+        return worker
+
+
+def _give_to_run(workspace: Path, paths: list[Path]) -> None:
+    """Give ``paths`` to the run's workers.  A root coordinator runs them as the run's uid and
+    keeps the workspace its own (in the run's group, sticky: see ``engine.sandbox``), so files
+    it placed there would be read-only to them; the task's files are the run's copies, not the
+    user's originals, so they become the run's uid's and group-writable."""
+    ws = workspace.stat()
+    if os.geteuid() != 0 or not ws.st_mode & stat.S_ISVTX or ws.st_gid == 0:
+        return
+    run = ws.st_gid  # the run's uid and gid are one number
+
+    def give(name: str | Path, mode: int, dir_fd: int | None = None) -> None:
+        os.chown(name, run, run, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISLNK(mode):
+            extra = stat.S_ISGID | stat.S_IRWXG if stat.S_ISDIR(mode) else stat.S_IRGRP | stat.S_IWGRP
+            os.chmod(name, stat.S_IMODE(mode) | extra, dir_fd=dir_fd)
+
+    for path in paths:
+        mode = path.lstat().st_mode
+        give(path, mode)
+        if stat.S_ISDIR(mode):  # the walk never follows a symlink out of the workspace
+            for entry in walk(path):
+                give(entry.name, entry.stat.st_mode, entry.dir_fd)
+
+
+def run_slug(key: str) -> str:
+    """A directory name for an id: the id itself when it is tame, else a cleaned prefix plus a
+    hash (so distinct ids never share a directory)."""
+    if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,79}", key):
+        return key
+    clean = re.sub(r"[^A-Za-z0-9._-]+", "_", key).strip("._")[:60]
+    return f"{clean or 'id'}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+
+
+#: Stopgap until RunResult says which exception ended a run: the first words of what
+#: ModelUnreachable, a retryable ModelResponseError (5xx, 408, 429 after the client's own
+#: retries) and WorkerStartError / WorkerError raise.  ``cannot use the model URL`` (also a
+#: ModelUnreachable) is a configuration mistake and deliberately not matched.
+_INFRA_TEXT = re.compile(
+    r"(cannot reach the model at |the model at \S+ did not answer within "
+    r"|the model endpoint \S+ answered HTTP (5\d\d|408|429)\b"
+    r"|(worker '[^']*': )?(could not start a worker|worker failed to start)\b"
+    r"|worker '[^']*' (failed to start|did not answer)\b)")
+_INFRA_TYPES = {"ModelUnreachable", "WorkerStartError", "WorkerError", "WorkerClosed"}
+
+
+def is_infrastructure(result: RunResult) -> bool:
+    """Whether a failed run failed for reasons outside the model (worth another attempt)."""
+    if result.status != "failed":
+        return False
+    kind = result.extra.get("error_type") if result.extra else None
+    if kind == "ModelResponseError":
+        return bool(_INFRA_TEXT.match(result.error))
+    if kind:
+        return kind in _INFRA_TYPES and not result.error.startswith("cannot use the model URL")
+    return bool(_INFRA_TEXT.match(result.error))
+
+
+def make_record(spec: TaskSpec, settings: RunSettings, *, status: str, answer: str | None = None,
+                error: str = "", messages: int = 0, tokens_in: int = 0, tokens_out: int = 0,
+                cost: float = 0.0, duration_s: float = 0.0, attempts: int = 0,
+                infrastructure: bool = False, **extra: Any) -> dict:
+    """One output line.  Counts are totals over all attempts; ``transcript`` and ``workspace``
+    are paths on the machine that ran the run."""
+    run_dir = settings.runs_dir / run_slug(spec.key)
+    return {"id": spec.id, "status": status, "answer": answer, "error": error,
+            "messages": messages, "tokens": {"in": tokens_in, "out": tokens_out},
+            "cost": round(cost, 6), "duration_s": round(duration_s, 3), "attempts": attempts,
+            "infrastructure": infrastructure, "model": settings.models.get(spec.model or settings.model).alias,
+            "transcript": str(run_dir / "transcript.jsonl"), "workspace": str(run_dir / "workspace"),
+            "finished_at": datetime.now(UTC).isoformat(timespec="seconds"), **extra}
+
+
+def pack_files(paths: Iterable[str]) -> list[tuple[str, bytes, int]]:
+    """The files (directories walked) as (relative path, bytes, mode): what a run on another
+    machine needs to rebuild them in its workspace."""
+    packed = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            found = []
+            for entry in walk(path, one_filesystem=False):
+                if not entry.is_dir and (content := _regular_file(entry.name, entry.dir_fd)) is not None:
+                    found.append((entry.parts, *content))
+            packed += [(str(Path(path.name, *parts)), data, mode) for parts, data, mode in sorted(found)]
+        else:
+            packed.append((path.name, path.read_bytes(), path.stat().st_mode & 0o777))
+    return packed
+
+
+def _regular_file(name: str, dir_fd: int) -> tuple[bytes, int] | None:
+    """(content, permission bits) of ``name`` if it is a regular file or a symlink to one (as
+    ``Path.is_file()`` has it), else None; a fifo or a device is never read."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        mode = os.fstat(fd).st_mode
+        return (read_all(fd), mode & 0o777) if stat.S_ISREG(mode) else None
+    finally:
+        os.close(fd)
+
+
+def _clear(run_dir: Path, first: bool) -> None:
+    """Remove what an earlier attempt left.  The first attempt also clears what an earlier,
+    interrupted batch left; later ones keep the transcript (it records every attempt).  A
+    worker wrote the workspace: it is removed whatever its shape (``_tree.remove_tree``), and
+    what cannot be removed is an OSError, not a run on top of an old workspace."""
+    for path in [run_dir] if first else [run_dir / "workspace", run_dir / "state"]:
+        if not remove_tree(path):
+            raise OSError(f"could not remove all of {path}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _place_files(workspace: Path, spec: TaskSpec, packed: list[tuple[str, bytes, int]] | None) -> list[Path]:
+    """Copy the task's files into the workspace; the paths placed there (top level)."""
+    workspace.mkdir(parents=True, exist_ok=True)
+    placed: list[Path] = []
+    if packed is not None:
+        for relative, data, mode in packed:
+            target = workspace / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+            target.chmod(mode)
+            placed.append(target)
+    else:
+        for source in map(Path, spec.files):
+            target = workspace / source.name
+            if source.is_dir():
+                copy_tree(source, target)
+            else:
+                shutil.copy2(source, target)
+            placed.append(target)
+    return placed
+
+
+async def _to_the_end(awaitable: Any) -> None:
+    """Await ``awaitable`` to its end even if this task is cancelled meanwhile (cleanup must
+    finish: it kills workers); the cancellation is re-raised afterwards."""
+    task = asyncio.ensure_future(awaitable)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    task.result()
+
+
+async def _attempt(spec: TaskSpec, settings: RunSettings, attempt: int, display: AgentDisplay | None,
+                   packed: list[tuple[str, bytes, int]] | None) -> tuple[RunResult, bool]:
+    """One attempt of a run: (its result, whether it failed for infrastructure reasons)."""
+    run_dir = settings.runs_dir / run_slug(spec.key)
+    workspace = run_dir / "workspace"
+    try:
+        await asyncio.to_thread(_clear, run_dir, attempt == 1)
+    except OSError as exc:
+        return RunResult(None, "failed", f"cannot prepare the run's directory {run_dir}: {exc}"), True
+    recorder = JsonlRecorder(run_dir / "transcript.jsonl")
+    recorder.event("note", name="batch", message=f"run {spec.key!r}, attempt {attempt}")
+    shown: AgentDisplay = FanoutDisplay([recorder, display]) if display is not None else recorder
+    # No warm pool: an idle spare worker per run would double a batch's processes for the rare
+    # run that starts a sub-agent.  No fork server either: each run has a sandbox (and so a
+    # server) of its own, and starting one costs more than the one or two workers a run starts.
+    engine = RunEngine(max_workers=settings.max_workers, cwd=workspace, workspace=workspace,
+                       sandbox=settings.sandbox, state_dir=run_dir / "state", pool=0, zygote=False,
+                       preload=settings.preload)
+    infrastructure = False
+    tools = None
+    try:
+        engine.placed = await asyncio.to_thread(_place_files, workspace, spec, packed)
+        if settings.tools == "repo":  # other runs' directories and results are not this run's to read
+            tools = RepoTools(settings.root, exclude=settings.exclude)
+        result = await run_task(spec.task, models=settings.models, model=spec.model or settings.model,
+                                engine=engine, functions=tools.functions() if tools else {},
+                                display=shown, max_messages=spec.max_messages or settings.max_messages,
+                                timeout=spec.timeout or settings.timeout, protocol=settings.protocol)
+    except (OSError, ConfigError) as exc:  # placing files; the run's directories
+        result = RunResult(None, "failed", f"cannot prepare the run's workspace {workspace}: {exc}")
+        infrastructure = True
+    except Exception as exc:  # noqa: BLE001 - a bug or an OS failure costs one attempt, not the batch
+        result = RunResult(None, "failed", f"internal error: {type(exc).__name__}: {exc}")
+        infrastructure = True
+    finally:
+        try:
+            if tools is not None:
+                tools.close()
+            await _to_the_end(engine.shutdown())
+        finally:
+            recorder.close()
+            with contextlib.suppress(OSError):  # the engine removed its empty run directory
+                (run_dir / "state" / "runs").rmdir()
+                (run_dir / "state").rmdir()
+    return result, infrastructure or is_infrastructure(result)
+
+
+async def execute(spec: TaskSpec, settings: RunSettings, *, display: AgentDisplay | None = None,
+                  packed: list[tuple[str, bytes, int]] | None = None) -> dict:
+    """Run one task, with up to ``settings.retries`` more attempts after infrastructure
+    failures, and return its record.  Never raises: cancelling it yields a ``cancelled`` record
+    once its workers are gone.  ``packed`` (from ``pack_files``) replaces copying ``spec.files``
+    when the run happens on another machine."""
+    started = time.monotonic()
+    sums = Counter()
+    attempts, infrastructure = 0, False
+    result = RunResult(None, "cancelled", "cancelled before it started")
+    try:
+        while True:
+            attempts += 1
+            result, infrastructure = await _attempt(spec, settings, attempts, display, packed)
+            sums.update(messages=result.messages, tokens_in=result.tokens_in, tokens_out=result.tokens_out)
+            sums["cost"] += result.cost
+            if not infrastructure or attempts > settings.retries or result.status == "cancelled":
+                break
+            await asyncio.sleep(settings.backoff(attempts))
+    except asyncio.CancelledError:  # during a backoff or a cleanup: the run ends here
+        result, infrastructure = RunResult(result.answer, "cancelled", "cancelled"), False
+    return make_record(spec, settings, status=result.status, answer=result.answer, error=result.error,
+                       messages=sums["messages"], tokens_in=sums["tokens_in"], tokens_out=sums["tokens_out"],
+                       cost=sums["cost"], duration_s=time.monotonic() - started, attempts=attempts,
+                       infrastructure=infrastructure)

@@ -1,0 +1,118 @@
+"""The task file: JSONL lines checked, every problem reported with its line number."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..durations import parse_duration
+from ..errors import ConfigError
+from ..models import ModelRegistry
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One valid task line.  ``files`` are absolute paths; ``key`` is the id as a string, which
+    is how ids are compared (so ``7`` and ``"7"`` are the same id)."""
+
+    id: str | int
+    task: str
+    line: int
+    model: str | None = None
+    max_messages: int | None = None
+    timeout: float | None = None
+    files: tuple[str, ...] = ()
+
+    @property
+    def key(self) -> str:
+        return str(self.id)
+
+
+def read_tasks(path: str | Path, models: ModelRegistry | None = None) -> tuple[list[TaskSpec], list[str]]:
+    """The valid tasks of ``path`` in file order, and one ``"line N: ..."`` per invalid line.
+
+    A line is invalid when it is not a JSON object, lacks an id or a task, repeats an id (the
+    first one stays valid), names a model ``models`` does not know, or names a file that does
+    not exist.  Blank lines are ignored.  Raises ConfigError only if the file cannot be read."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read the task file {path}: {exc}") from exc
+    base = path.resolve().parent
+    specs: list[TaskSpec] = []
+    problems: list[str] = []
+    first_line: dict[str, int] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            spec = _task(json.loads(line), number, base, models)
+        except json.JSONDecodeError as exc:
+            problems.append(f"line {number}: not JSON ({exc.msg} at column {exc.colno})")
+            continue
+        except ConfigError as exc:
+            problems.append(f"line {number}: {exc}")
+            continue
+        if spec.key in first_line:
+            problems.append(f"line {number}: duplicate id {spec.id!r} (first on line {first_line[spec.key]})")
+            continue
+        first_line[spec.key] = number
+        specs.append(spec)
+    return specs, problems
+
+
+def _task(data: Any, number: int, base: Path, models: ModelRegistry | None) -> TaskSpec:
+    if not isinstance(data, dict):
+        raise ConfigError(f"not a JSON object but {type(data).__name__}")
+    if "id" not in data:
+        raise ConfigError("no id")
+    ident = data["id"]
+    if isinstance(ident, bool) or not (isinstance(ident, int) or (isinstance(ident, str) and ident.strip())):
+        raise ConfigError(f"id must be a non-empty string or an integer, not {ident!r}")
+    where = f"id {ident!r}"
+    task = data.get("task")
+    if not isinstance(task, str) or not task.strip():
+        raise ConfigError(f"{where}: task must be a non-empty string")
+    model = data.get("model")
+    if model is not None:
+        if not isinstance(model, str) or not model:
+            raise ConfigError(f"{where}: model must be an alias (a string)")
+        if models is not None:
+            try:
+                models.get(model)
+            except ConfigError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
+    max_messages = data.get("max_messages")
+    if max_messages is not None and (isinstance(max_messages, bool) or not isinstance(max_messages, int)
+                                     or max_messages < 1):
+        raise ConfigError(f"{where}: max_messages must be a whole number >= 1, not {max_messages!r}")
+    try:
+        timeout = parse_duration(data.get("timeout"))
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: timeout: {exc}") from None
+    return TaskSpec(id=ident, task=task, line=number, model=model, max_messages=max_messages,
+                    timeout=timeout, files=_task_files(data.get("files"), where, base))
+
+
+def _task_files(value: Any, where: str, base: Path) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"{where}: files must be a list of paths")
+    paths: list[str] = []
+    names: dict[str, str] = {}
+    for entry in value:
+        resolved = (base / entry).resolve()
+        if not resolved.exists():
+            raise ConfigError(f"{where}: file {entry!r} does not exist ({resolved})")
+        if resolved.name in names:
+            raise ConfigError(f"{where}: files {names[resolved.name]!r} and {entry!r} would both be "
+                              f"{resolved.name!r} in the workspace")
+        names[resolved.name] = entry
+        paths.append(str(resolved))
+    return tuple(paths)

@@ -1,0 +1,108 @@
+"""``agentloop doctor``: the sandbox layers here, a real worker start, the model endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import click
+
+from ..doctor import report
+from ..engine import Engine
+from ..errors import AgentloopError
+from ..inert import inert
+from .options import fail, load_registry, worker_options, worker_settings
+
+
+@click.command("doctor")
+@click.option("--models", "models_file", type=click.Path(dir_okay=False, path_type=Path), default=None)
+@click.option("--model", default=None, help="Model alias whose endpoint to check.")
+@worker_options
+def doctor_cmd(models_file, model) -> None:
+    """Which sandbox layers are available and active here, whether a sandboxed worker really
+    starts, and whether the model endpoint answers.  Exit 1 when something does not work."""
+    options = worker_settings().engine_options()
+    policy = options["sandbox"]
+    healthy = True
+    try:
+        layers = report(policy)
+    except AgentloopError as exc:
+        fail(str(exc))
+    click.echo("sandbox layers (available / active here):")
+    for layer in layers:
+        mark = "✓" if layer.active else ("·" if layer.available else "✗")
+        click.echo(f"  {mark} {layer.name:<34} {'yes' if layer.available else 'no ':>3} / "
+                   f"{'yes' if layer.active else 'no ':>3}  {layer.reason}")
+
+    async def try_worker():
+        async with Engine(**options, pool=0) as engine:
+            worker = await engine.start_worker("doctor")
+            result = await worker.run("import os; print(os.getuid(), os.getpid())", timeout=20)
+            return worker.notes, result
+
+    try:
+        notes, result = asyncio.run(try_worker())
+        started = result.ok
+        click.echo(inert(f"worker: {'starts and runs code' if started else 'started but failed: ' + result.text()}"))
+        for note in notes:
+            click.echo(inert(f"  note: {note}"))
+    except AgentloopError as exc:
+        click.echo(inert(f"worker: does not start: {exc}"))
+        started = False
+    healthy &= started
+    registry = load_registry(models_file)
+    try:
+        config = registry.get(model)
+    except AgentloopError as exc:
+        fail(str(exc))
+    from ..llm import start_hint
+    from ..model_server import probe
+    from ..models import which_wins
+
+    if wins := which_wins(registry, models_file):
+        click.echo(inert(f"models: {wins}"))
+    server = asyncio.run(probe(config))
+    if server.models_status is None:
+        answers = False
+        advice = start_hint(config.base_url) if server.no_server else (
+            "Check that the server at that address is up and reachable from here, or set LLM_URL.")
+        click.echo(inert(f"model endpoint {config.base_url}: does not answer ({server.models_error}). {advice}"))
+    elif server.models_status in (401, 403):
+        answers = False
+        held = "is set" if config.api_key() else "is not set"
+        click.echo(inert(f"model endpoint {config.base_url}: refuses the key (HTTP {server.models_status}). "
+                         f"Check ${config.api_key_env} ({held}): it must hold a key this server accepts, and "
+                         f"api_key_env of the alias {config.alias!r} in agentloop.toml must name that variable."))
+    else:
+        answers = server.models_status < 500
+        click.echo(inert(f"model endpoint {config.base_url}: answers (HTTP {server.models_status})"))
+        for fine, line in _endpoint_lines(config, server):
+            click.echo(inert(f"  {'✓' if fine else '✗'} {line}"))
+            answers &= fine
+    healthy &= answers
+    sys.exit(0 if healthy else 1)
+
+
+def _endpoint_lines(config, server) -> list[tuple[bool, str]]:
+    """``doctor``'s lines on what the endpoint reported about itself: (fine, words)."""
+    lines = []
+    if server.kind:
+        lines.append((True, f"server: {server.kind}"))
+    served, words = server.check_id(config.model)
+    if words:
+        lines.append((served, words))
+    if config.context_window:
+        reported = f"; the server reports {server.context_window}" if server.context_window else ""
+        lines.append((True, f"context window: {config.context_window} tokens (agentloop.toml){reported}"))
+    elif server.context_window:
+        lines.append((True, f"context window: {server.context_window} tokens (from the server, "
+                            f"{server.context_source})"))
+    else:
+        lines.append((True, "context window: not reported; set context_window in agentloop.toml"))
+    if server.supports_tools is not None:
+        lines.append((True, f"tools: {'supported' if server.supports_tools else 'not supported'} "
+                            f"({server.tools_source})" + ("" if server.supports_tools else
+                                                          "; --protocol tools falls back to tags")))
+    lines.append((True, f"reply cap: max_tokens {config.max_tokens}"))
+    return lines

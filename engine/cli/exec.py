@@ -1,0 +1,165 @@
+"""``agentloop exec``: one file as one block in a fresh worker, as ``python FILE ARGS`` runs it.
+
+Exit codes follow timeout(1) and the shell: 0 finished, 1 raised, 124 deadline, 128+N worker
+died of signal N (the worker's own exit code when it exited), 125 agentloop's own errors.
+Output bound for a terminal is made inert (``engine.inert``); to a pipe or a file the
+program's bytes pass unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+
+import click
+
+from ..durations import DEFAULT_BLOCK_TIMEOUT
+from ..engine import Engine
+from ..errors import AgentloopError
+from ..inert import InertStream, inert
+from ..results import BlockResult, OutputChunk
+from ..script import Script
+from .options import (
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_TIMEOUT,
+    Duration,
+    fail,
+    worker_options,
+    worker_settings,
+)
+
+
+def _exit_code(result: BlockResult) -> int:
+    if result.exited:  # SystemExit: its status, as Python exits with it
+        return result.exit_code or 0
+    if result.status == "ok":
+        return 0
+    if result.status == "timeout":
+        return EXIT_TIMEOUT
+    if result.status == "died":
+        if result.signal:
+            return 128 + result.signal
+        return result.exit_code if result.exit_code else EXIT_ERROR
+    if result.status == "cancelled":
+        return EXIT_INTERRUPTED
+    return EXIT_ERROR
+
+
+
+@click.command("exec", context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
+@click.argument("file", type=click.File("r", encoding="utf-8"))
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.option("--timeout", type=Duration(), default=f"{DEFAULT_BLOCK_TIMEOUT:g}s", show_default=True,
+              help="Deadline of the block: 250ms, 30s, 5m, 1h or plain seconds.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object on stdout after the run (the code's stdout goes to stderr).")
+@click.option("--color", "allow_sgr", is_flag=True,
+              help="Let the code's colour sequences (ESC [ ... m) through to a terminal.  Without it, "
+                   "output bound for a terminal loses every escape sequence and control character but "
+                   "newline and tab (a lone carriage return becomes a newline); output to a pipe or a "
+                   "file is passed unchanged either way.")
+@worker_options
+def exec_cmd(file, args: tuple[str, ...], timeout: float, as_json: bool, allow_sgr: bool) -> None:
+    """Run FILE (or - for stdin) as one block in a fresh worker, streaming its output, as
+    `python FILE ARGS` runs it: sys.argv is [FILE, *ARGS], __file__ is set, SystemExit gives
+    the exit status, atexit handlers run, a piped stdin reaches the code.  Options go before
+    FILE; everything after it (a leading -- dropped) is the script's.
+
+    On a terminal the output is made inert (see --color); piped, it is passed byte for byte."""
+    code = file.read()
+    script = _script(file, args)
+    out = _Sink(sys.stderr if as_json else sys.stdout, allow_sgr)
+    err = _Sink(sys.stderr, allow_sgr)
+    try:
+        result = asyncio.run(_exec(code, timeout, out, err, worker_settings().engine_options(), script))
+    except AgentloopError as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        sys.exit(EXIT_INTERRUPTED)
+    finally:
+        out.end()
+        err.end()
+    # A traceback, or sys.exit's message, is part of a script's output, where Python prints it;
+    # a script that exited (SystemExit, os._exit) gets no words of ours, as under Python.
+    on_its_own = result.exited or (result.status == "died" and not result.signal and result.exit_code)
+    if result.message and not on_its_own:
+        err.text(f"agentloop: {result.message}\n")
+    if result.truncated and result.output_file:
+        err.text(f"agentloop: the whole output is in {result.output_file}\n")
+    if as_json:
+        click.echo(json.dumps({
+            "status": result.status, "exit_code": _exit_code(result),
+            "duration_s": round(result.duration_s, 4), "output_bytes": result.output_bytes,
+            "truncated": result.truncated, "output_file": result.output_file,
+        }))
+    sys.exit(_exit_code(result))
+
+
+class _Sink:
+    """One of ``exec``'s output streams.  To a terminal, bytes go through an ``InertStream``
+    (its state carries sequences and characters split across chunks); to anything else they
+    pass unchanged.  Each stream decides on its own, as ``python script.py 2>log`` would."""
+
+    def __init__(self, stream, allow_sgr: bool) -> None:
+        self.stream = stream
+        self.buffer = stream.buffer
+        try:
+            terminal = stream.isatty()
+        except (AttributeError, ValueError):
+            terminal = False
+        self.filter = InertStream(allow_sgr=allow_sgr, encoding=stream.encoding or "utf-8") if terminal else None
+
+    def write(self, data: bytes) -> None:
+        if self.filter is not None:
+            data = self.filter.feed(data)
+        if data:
+            self.buffer.write(data)
+            self.buffer.flush()
+
+    def text(self, text: str) -> None:
+        """A whole message (agentloop's, or the code's traceback), after the output has ended."""
+        if self.filter is None:
+            self.stream.write(text)
+            self.stream.flush()
+        else:
+            self.buffer.write(inert(text).encode(self.filter.encoding, "replace"))
+            self.buffer.flush()
+
+    def end(self) -> None:
+        """The program's output ended: what a sequence cut short left in the filter is dropped."""
+        if self.filter is not None and (tail := self.filter.flush()):
+            self.buffer.write(tail)
+        self.buffer.flush()
+
+
+def _script(file, args: tuple[str, ...]) -> Script:
+    """What ``exec FILE ARGS`` runs as: the file's absolute path (``<stdin>`` for ``-``), the
+    arguments as given, and this process's stdin when it is a pipe or a file that is not the
+    code itself (a terminal is not read: a background job would stop on it)."""
+    if args[:1] == ("--",):
+        args = args[1:]
+    from_stdin = file.name in ("-", "<stdin>")
+    path = None if from_stdin else os.path.abspath(file.name)
+    stdin = None
+    if not from_stdin:
+        try:
+            if not os.isatty(0):
+                stdin = 0
+        except OSError:
+            stdin = None
+    return Script(path, ["-" if from_stdin else file.name, *args], stdin)
+
+
+async def _exec(code: str, timeout: float, out: _Sink, err: _Sink, options: dict,
+                script: Script | None = None) -> BlockResult:
+    def show(chunk: OutputChunk) -> None:
+        (err if chunk.stream == "stderr" else out).write(chunk.data)
+
+    async with Engine(**options, pool=0) as engine:  # one worker: no pool
+        worker = await engine.start_worker("exec")
+        for note in worker.notes:
+            err.text(f"agentloop: {note}\n")
+        return await worker.run(code, timeout=timeout, block_id="main", on_output=show, script=script)
