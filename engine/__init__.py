@@ -1,6 +1,6 @@
 """agentloop's coordinator: engine, workers, results, errors."""
 
-from .agent import Agent, RunResult, make_agent, run_task
+from .agent import Agent
 from .engine import Engine
 from .errors import (
     AgentloopError,
@@ -14,6 +14,7 @@ from .errors import (
     WorkerStartError,
 )
 from .results import BlockResult, OutputChunk
+from .runner import RunResult, make_agent, run_task
 from .sandbox import SandboxPolicy
 from .worker import Worker, WorkerState
 

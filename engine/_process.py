@@ -16,12 +16,24 @@ import logging
 import os
 import signal
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger("agentloop")
 
 #: Diagnostics kept from a worker's own stderr (its last words before the capture is up).
 STDERR_TAIL = 4096
+
+
+@dataclass
+class Launch:
+    """Everything needed to start one worker process."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: Path
+    pid_namespace: bool
+    notes: list[str]
 
 
 class Process:

@@ -20,16 +20,12 @@ import os
 import struct
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import msgpack
 
-from ._process import Process, _signal, descendants, watch_exit
+from ._process import Launch, Process, _signal, descendants, watch_exit
 from .errors import WorkerStartError
 from .sandbox import LaunchPlan, SandboxPolicy, runtime_argv
-
-if TYPE_CHECKING:
-    from .launcher import Launch
 
 log = logging.getLogger("agentloop")
 _READY_TIMEOUT = 30.0

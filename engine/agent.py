@@ -30,45 +30,38 @@ first request uses is opened then.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import inspect
 import itertools
 import os
 import time
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta
+from dataclasses import replace
 from typing import Any
 
 from . import tags
+from .code_task import (
+    HEARTBEAT_FLOOR,
+    CodeTask,
+    heartbeat_interval,
+    host_spec,
+    task_text,
+    words,
+)
 from .display import AgentDisplay
 from .durations import parse_duration
 from .engine import Engine
-from .errors import AgentError, AgentloopError, ConfigError, ModelError
+from .errors import AgentError, ConfigError
 from .llm import Chat
 from .model_server import ServerInfo, connect
 from .models import ModelConfig, ModelRegistry
-from .results import BlockResult, OutputChunk
-from .sandbox import workspace_excess
+from .subagents import SubagentSlots, subagent_limit
 from .worker import Worker
 
 #: Stop sequences: a model starting a result tag on a new line is inventing output.
 #: Only at a line start, so code that merely mentions a tag is not cut by the server.
 STOP_SEQUENCES = [f"\n{tag}" for tag in tags.HALLUCINATION_STOPS]
-#: Bytes of a block's output the model sees in one result (head and tail, the rest counted).
-OUTPUT_BUDGET = 16_000
 #: Compaction reminder threshold when the model's context window is unknown.
 DEFAULT_REMIND_AT = 16_000
-#: Shortest heartbeat interval; also the shortest time between two messages that heartbeat
-#: reports alone cause (``heartbeat="1ms"`` would otherwise be a request flood).
-HEARTBEAT_FLOOR = 1.0
-#: Sub-agents one run may have working at once, unless ``max_subagents`` says otherwise.
-MAX_SUBAGENTS = 8
-#: Bytes of one output line the live display is shown; the rest of the line is counted only
-#: in the block's result.  Displays split and join lines (a console keeps an unterminated line
-#: until its newline), so an endless line must never reach them whole.
-DISPLAY_LINE_BYTES = 16 * 1024
-_DISPLAY_CUT = b" [... the rest of this line is not shown live]"
 #: Replies cut at the length cap in a row after which a run gives up: a model that never ends
 #: its turn (a base model, a loop) would otherwise spend its whole message budget that way.
 MAX_CUT_REPLIES = 3
@@ -76,204 +69,6 @@ MAX_CUT_REPLIES = 3
 MAX_EMPTY_REPLIES = 2
 EMPTY_REPLY_NOTE = ("your reply was empty: no text, no code, no tool call. Reply with your final answer in "
                     "plain text, or with the code or sub-agents you want run.")
-
-#: The sub-agent limit of runs whose agent is made without ``max_subagents``: the command line
-#: sets it for the command it runs (``--max-subagents``), others get ``MAX_SUBAGENTS``.
-subagent_limit: contextvars.ContextVar[int] = contextvars.ContextVar("agentloop_max_subagents",
-                                                                     default=MAX_SUBAGENTS)
-
-
-def heartbeat_interval(seconds: float | None) -> float | None:
-    """The interval heartbeats really come at: none stays none, and nothing is shorter than
-    ``HEARTBEAT_FLOOR``."""
-    return max(seconds, HEARTBEAT_FLOOR) if seconds else None
-
-
-class SubagentSlots:
-    """The sub-agents of one run: the agent a run starts and every agent below it share one, so
-    the limit holds for the whole tree.  At most ``limit`` work at once, and at most ``limit``
-    hold a worker, working or finished: a finished one keeps its worker (and namespace) for a
-    follow-up until a newer sub-agent needs the room, so processes stay bounded too."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.live: set[Agent] = set()
-        self.idle: list[Agent] = []  # finished, still holding a worker; the oldest first
-
-    def check(self) -> None:
-        """Raise AgentError, in words for the model, when no other sub-agent may start now."""
-        if len(self.live) >= self.limit:
-            raise AgentError(
-                f"this run already has {len(self.live)} sub-agents working, its limit (max_subagents="
-                f"{self.limit}): wait for one to finish (its <agent_result> arrives by itself) or cancel "
-                "some (self.cancel_subagents(), handle.cancel()) before starting another, or do this part "
-                "yourself")
-
-    def take(self, agent: Agent, task: asyncio.Future) -> None:
-        """Count ``agent`` as working until ``task`` ends (``check`` first: this does not)."""
-        if agent in self.idle:
-            self.idle.remove(agent)
-        self.live.add(agent)
-        task.add_done_callback(lambda _: self._finished(agent))
-
-    def _finished(self, agent: Agent) -> None:
-        self.live.discard(agent)
-        if agent.worker is not None and not agent.released:
-            self.idle.append(agent)
-
-    async def make_room(self) -> None:
-        """Close the workers of finished sub-agents, the oldest first, until one more fits."""
-        while self.idle and len(self.live) + len(self.idle) >= self.limit:
-            await self.idle.pop(0).release()
-
-
-class _LineCut:
-    """Output for the live display, every line cut to ``limit`` bytes (per stream, across
-    chunks); the first cut of a line says so."""
-
-    def __init__(self, limit: int = DISPLAY_LINE_BYTES) -> None:
-        self.limit = limit
-        self._open: dict[str, int] = {}  # bytes of the unterminated line so far, per stream
-
-    def __call__(self, stream: str, data: bytes) -> bytes:
-        used = self._open.get(stream, 0)
-        parts = data.split(b"\n")
-        if used + len(parts[0]) <= self.limit and max(map(len, parts)) <= self.limit:  # the usual case
-            self._open[stream] = used + len(parts[0]) if len(parts) == 1 else len(parts[-1])
-            return data
-        shown = []
-        for i, part in enumerate(parts):
-            if i:
-                used = 0
-            room = self.limit - used
-            shown.append(part if len(part) <= room else part[:room] + _DISPLAY_CUT if room >= 0 else b"")
-            used += len(part)
-        self._open[stream] = used
-        return b"\n".join(shown)
-
-
-def host_spec(name: str, fn: Callable) -> dict:
-    """What a worker needs to build a stub for host function ``fn``."""
-    try:
-        signature = str(inspect.signature(fn))
-    except (TypeError, ValueError):
-        signature = "(*args, **kwargs)"
-    return {"name": name, "signature": signature, "doc": inspect.getdoc(fn) or "",
-            "is_async": inspect.iscoroutinefunction(fn)}
-
-
-class _CodeTask:
-    """One ``<run_code>`` block running in the agent's worker, with its heartbeats."""
-
-    def __init__(self, agent: Agent, request: tags.CodeRequest, block_id: str) -> None:
-        self.agent = agent
-        self.request = request
-        self.id = block_id
-        self.started = time.monotonic()
-        self.started_at = datetime.now()
-        self.interval = heartbeat_interval(request.heartbeat)
-        self._fresh = bytearray()  # output since the last heartbeat (bounded)
-        self._fresh_skipped = 0
-        self._reported = 0  # bytes already shown in earlier heartbeats
-        self._shown = _LineCut()
-        self._work: asyncio.Future[BlockResult] | None = None
-        self.task = asyncio.ensure_future(self._run())
-
-    def _on_output(self, chunk: OutputChunk) -> None:
-        data = chunk.data
-        if len(data) >= OUTPUT_BUDGET:  # replaces what is fresh: never grow by a big chunk
-            self._fresh_skipped += len(self._fresh) + len(data) - OUTPUT_BUDGET
-            self._fresh = bytearray(data[-OUTPUT_BUDGET:])
-        else:
-            self._fresh += data
-            if len(self._fresh) > 2 * OUTPUT_BUDGET:
-                cut = len(self._fresh) - OUTPUT_BUDGET
-                self._fresh_skipped += cut
-                del self._fresh[:cut]
-        shown = self._shown(chunk.stream, data)
-        if shown:
-            self.agent._event("output", id=self.id, stream=chunk.stream,
-                              text=shown.decode("utf-8", "replace"))
-
-    def is_running(self) -> bool:
-        return not self.task.done()
-
-    async def _run(self) -> str:
-        agent, req = self.agent, self.request
-        self._work = asyncio.ensure_future(agent.worker.run(
-            req.code, timeout=req.timeout, block_id=self.id, on_output=self._on_output, budget=OUTPUT_BUDGET))
-        try:
-            while not self._work.done():
-                await asyncio.wait([self._work], timeout=self.interval)
-                if not self._work.done() and self.interval:
-                    agent._event("progress", id=self.id, current=time.monotonic() - self.started,
-                                 output=bytes(self._fresh).decode("utf-8", "replace"))
-                    agent.on_heartbeat(self._report, key=("run_code", self.id))
-        except asyncio.CancelledError:
-            self._work.cancel()
-            await asyncio.wait([self._work])
-            raise
-        try:
-            result = self._work.result()
-            body = result.text()
-            status = result.status
-        except asyncio.CancelledError:
-            body, status = "[cancelled]", "cancelled"
-        except AgentloopError as exc:  # the worker could not even be started again
-            body, status = f"[failed] {exc}", "error"
-        # The workspace is a bind mount that no quota caps: its size is checked between blocks.
-        engine = agent.engine
-        excess = await asyncio.to_thread(workspace_excess, engine.sandbox, engine.workspace)
-        if excess:
-            body += f"[{excess}]"
-        duration = time.monotonic() - self.started
-        agent._event("finished", id=self.id, duration=duration, cancelled=status != "ok" and status != "error",
-                     output=body, status=status)
-        return tags.format_code_result(self.id, duration, body)
-
-    def _report(self) -> str:
-        """The heartbeat as it is delivered: written then, so it holds all output since the last
-        one delivered; nothing once the block has ended (its result says it all)."""
-        return "" if self._work is None or self._work.done() else self.heartbeat()
-
-    def heartbeat(self) -> str:
-        """A ``<running>`` note with the output that is new since the last one."""
-        fresh = bytes(self._fresh)
-        skipped = self._fresh_skipped
-        self._fresh.clear()
-        self._fresh_skipped = 0
-        before = self._reported
-        self._reported += len(fresh) + skipped
-        note = ""
-        if before:
-            note += f"[{before} bytes of output shown before]\n"
-        if skipped:
-            note += f"[... {skipped} bytes skipped ...]\n"
-        elapsed = time.monotonic() - self.started
-        deadline = self.started_at + timedelta(seconds=self.request.timeout)
-        return tags.format_running(self.id, elapsed, datetime.now(), deadline,
-                                   note + fresh.decode("utf-8", "replace"))
-
-
-@dataclass
-class RunResult:
-    """How one agent run ended, for the CLI and batch jobs."""
-
-    answer: str | None
-    status: str  # answered | failed | timed_out | cancelled
-    error: str = ""
-    messages: int = 0
-    tokens_in: int = 0
-    tokens_out: int = 0
-    cost: float = 0.0
-    duration_s: float = 0.0
-    extra: dict = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        return {"answer": self.answer, "status": self.status, "error": self.error,
-                "messages": self.messages, "tokens": {"in": self.tokens_in, "out": self.tokens_out},
-                "cost": round(self.cost, 6), "duration_s": round(self.duration_s, 3)}
-
 
 class Agent:
     """Conversation loop, block runtime and the API exposed (as ``self``) to code the model writes."""
@@ -283,7 +78,8 @@ class Agent:
                  depth: int = 0, max_depth: int = 3, name: str = "main", context: str = "",
                  max_messages: int = 200, handed: dict | None = None,
                  chat_factory: Callable[..., Chat] | None = None, protocol: str | None = None,
-                 max_subagents: int | None = None, subagent_slots: SubagentSlots | None = None) -> None:
+                 max_subagents: int | None = None, subagent_slots: SubagentSlots | None = None,
+                 agent_factory: Callable[..., Agent] | None = None) -> None:
         self.engine = engine
         self.models = models
         self.model = model if isinstance(model, ModelConfig) else models.get(model)
@@ -298,11 +94,14 @@ class Agent:
                       if context else "")
         self._handed = dict(handed or {})
         self._chat_factory = chat_factory or Chat
+        # How sub-agents are made (``engine.runner.make_agent`` picks the class by protocol);
+        # handed in, so this module never imports the protocols built on it.
+        self._agent_factory = agent_factory or type(self)
         self._protocol_override = protocol  # --protocol: applies to sub-agents too
         self.protocol = protocol or self.model.protocol
         self.worker: Worker | None = None
         self.chat: Chat | None = None
-        self.blocks: list[_CodeTask] = []
+        self.blocks: list[CodeTask] = []
         self.sub_agents: list[Agent] = []
         self.children: dict[str, Agent] = {}
         self.inbox: list[str] = []
@@ -437,7 +236,7 @@ class Agent:
             self._event("failed", message=f"id={block_id} already running, not restarted")
             self.inbox.append(tags.format_already_running(block_id))
             return
-        block = _CodeTask(self, request, block_id)
+        block = CodeTask(self, request, block_id)
         self._event("launched", id=block_id, timeout=request.timeout, heartbeat=block.interval,
                     code=request.code)
         self.blocks.append(block)
@@ -452,7 +251,7 @@ class Agent:
         reports, self._reports = self._reports, {}
         self._last_message = time.monotonic()
         events += [report() if callable(report) else report for report in reports.values()]
-        return "".join(events + [_task_text(w.task) for w in done])
+        return "".join(events + [task_text(w.task) for w in done])
 
     def is_completed(self) -> bool:
         return not self.blocks and not self.sub_agents and not self.inbox
@@ -603,11 +402,12 @@ class Agent:
             config = self.models.get(model) if model else self.model
         except ConfigError as exc:
             raise AgentError(str(exc)) from exc
-        child = make_agent(engine=self.engine, models=self.models, model=config, functions=functions,
+        child = self._agent_factory(engine=self.engine, models=self.models, model=config, functions=functions,
                            display=self.display, depth=self.depth + 1, max_depth=self.max_depth,
                            name=self._unique_name(name or "sub"), context=context,
                            max_messages=self.max_messages, handed=handed, chat_factory=self._chat_factory,
-                           protocol=self._protocol_override, subagent_slots=self.subagent_slots)
+                           protocol=self._protocol_override, subagent_slots=self.subagent_slots,
+                           agent_factory=self._agent_factory)
         child.start_task(task, heartbeat, self.on_heartbeat, supervisor=self)
         self.children[child.name] = child
         self.display.event("agent_started", name=child.name, parent=self.name, model=config.alias, task=task)
@@ -645,7 +445,7 @@ class Agent:
         if self._inner.cancelled():
             body, status = "[cancelled]", "cancelled"
         elif self._inner.exception() is not None:
-            reason = _words(self._inner.exception())
+            reason = words(self._inner.exception())
             body, status = f"[failed] {reason}", "failed"
         else:
             self.result_value = self._inner.result()
@@ -685,7 +485,7 @@ class Agent:
             # the agent, whose task is about to be the new one: it is queued now, ahead of the
             # new task's, so each answer reaches the parent once and in order.
             supervisor.sub_agents.remove(self)
-            supervisor.inbox.append(_task_text(self.task))
+            supervisor.inbox.append(task_text(self.task))
             supervisor.wake.set()
         self.start_task(task, self.heartbeat_interval, self._parent_on_heartbeat)
         supervisor.sub_agents.append(self)
@@ -784,74 +584,3 @@ class Agent:
                 await asyncio.wait([child.task])
             return child.result_value
         raise AgentError(f"self has no method {op!r}")
-
-
-def _words(exc: BaseException) -> str:
-    if isinstance(exc, AgentloopError):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _task_text(task: asyncio.Task) -> str:
-    if task.cancelled():
-        return ""
-    exc = task.exception()
-    if exc is not None:
-        return tags.format_error("", f"internal error: {_words(exc)}")
-    return task.result()
-
-
-def make_agent(*, model: ModelConfig | str | None = None, models: ModelRegistry, protocol: str | None = None,
-               **kwargs: Any) -> Agent:
-    """An agent speaking ``protocol`` (default: its model's, from agentloop.toml; else tags)."""
-    config = model if isinstance(model, ModelConfig) else models.get(model)
-    chosen = protocol or config.protocol
-    if chosen == "tools":
-        from .tool_protocol import ToolAgent
-
-        return ToolAgent(model=config, models=models, protocol=protocol, **kwargs)
-    if chosen not in ("tags", None):
-        raise ConfigError(f"unknown protocol {chosen!r}: use 'tags' or 'tools'")
-    return Agent(model=config, models=models, protocol=protocol, **kwargs)
-
-
-async def run_task(task: str, *, models: ModelRegistry, model: str | None = None, engine: Engine | None = None,
-                   functions: Mapping[str, Callable] | None = None, display: AgentDisplay | None = None,
-                   max_messages: int = 200, timeout: float | None = None,
-                   chat_factory: Callable[..., Chat] | None = None, protocol: str | None = None,
-                   max_subagents: int | None = None) -> RunResult:
-    """Run one task to its end and say how it went.  Never raises for the model's or the
-    endpoint's failures: they are the result's ``status`` and ``error``.  ``max_subagents``:
-    sub-agents working at once (default: ``subagent_limit``)."""
-    started = time.monotonic()
-    own_engine = engine is None
-    engine = engine or Engine()
-    agent: Agent | None = None
-    answer: str | None = None
-    status, error = "answered", ""
-    extra: dict = {}
-    try:
-        if own_engine:
-            engine.open()
-        agent = make_agent(engine=engine, models=models, model=model, functions=functions, display=display,
-                           max_messages=max_messages, chat_factory=chat_factory, protocol=protocol,
-                           max_subagents=max_subagents)
-        answer = await asyncio.wait_for(agent.run(task), timeout)
-    except TimeoutError:
-        status, error = "timed_out", f"no answer within {timeout:g} s"
-    except asyncio.CancelledError:
-        status, error = "cancelled", "cancelled"
-    except (AgentloopError, ModelError) as exc:
-        status, error = "failed", str(exc)
-        extra["error_type"] = type(exc).__name__  # lets batch jobs tell infrastructure from the model
-        if getattr(exc, "status", None) is not None:
-            extra["http_status"] = exc.status
-    finally:
-        totals = agent.totals() if agent else {"tokens_in": 0, "tokens_out": 0, "cost": 0.0, "messages": 0}
-        if agent is not None:
-            await asyncio.shield(agent.close())
-        if own_engine:
-            await asyncio.shield(engine.shutdown())
-    return RunResult(answer=answer, status=status, error=error, messages=totals["messages"],
-                     tokens_in=totals["tokens_in"], tokens_out=totals["tokens_out"], cost=totals["cost"],
-                     duration_s=time.monotonic() - started, extra=extra)

@@ -19,28 +19,16 @@ import os
 import secrets
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 
 from . import sandbox as _sandbox
 from ._cgroup import WorkerCgroups
+from ._process import Launch
 from ._tree import remove_tree
 from ._zygote import Zygote
 from .errors import ConfigError, WorkerStartError
-
-
-@dataclass
-class Launch:
-    """Everything needed to start one worker process."""
-
-    argv: list[str]
-    env: dict[str, str]
-    cwd: Path
-    pid_namespace: bool
-    notes: list[str]
-
 
 #: Variables a worker inherits from the coordinator's environment, if set.  Everything else
 #: (API keys, cloud credentials, tokens) stays behind.

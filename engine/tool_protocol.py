@@ -34,7 +34,8 @@ import time
 from typing import Any
 
 from . import tags
-from .agent import Agent, _CodeTask, _task_text
+from .agent import Agent
+from .code_task import CodeTask, task_text
 from .durations import DEFAULT_BLOCK_TIMEOUT, parse_duration
 from .errors import AgentError, ConfigError
 from .model_server import ServerInfo
@@ -131,7 +132,7 @@ class _Pending:
 
     def __init__(self, call_id: str, work: Any) -> None:
         self.call_id = call_id
-        self.work = work  # a _CodeTask or a sub-agent
+        self.work = work  # a CodeTask or a sub-agent
 
 
 class ToolAgent(Agent):
@@ -250,7 +251,7 @@ class ToolAgent(Agent):
             answers[call_id] = await self._wait_tool(timeout)
         return [(call["id"], answers[call["id"]]) for call in calls]
 
-    def _launch_code(self, call_id: str, args: dict) -> _CodeTask:
+    def _launch_code(self, call_id: str, args: dict) -> CodeTask:
         code = args["code"]
         if not isinstance(code, str):
             raise TypeError("code must be a string")
@@ -285,8 +286,8 @@ class ToolAgent(Agent):
                 self.blocks.remove(work)
             if work in self.sub_agents:
                 self.sub_agents.remove(work)
-            return _task_text(work.task)  # the same words the tags protocol sends
-        if isinstance(work, _CodeTask):
+            return task_text(work.task)  # the same words the tags protocol sends
+        if isinstance(work, CodeTask):
             return (work.heartbeat() + f"(still running; its <run_code_result id={work.id}> will arrive later — "
                     "call wait() for it or reply in plain text to keep going)")
         return (f"(sub-agent {work.name} started and working; its <agent_result name={work.name}> will arrive "

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import model_server, scripted
+from engine import model_server, sequence
 from engine.engine import Engine
 
 REPO = Path(__file__).resolve().parent.parent
@@ -28,11 +28,11 @@ def _fresh_model_probes():
 @pytest.fixture(autouse=True)
 def _valid_model_requests():
     """Every request a scripted server receives during a test must be a message sequence a
-    strict server accepts (``engine.scripted.sequence_problems``); the test fails otherwise.
-    A test that sends invalid ones on purpose takes them itself with ``scripted.take_invalid()``."""
-    scripted.take_invalid()
+    strict server accepts (``engine.sequence.sequence_problems``); the test fails otherwise.
+    A test that sends invalid ones on purpose takes them itself with ``sequence.take_invalid()``."""
+    sequence.take_invalid()
     yield
-    invalid = scripted.take_invalid()
+    invalid = sequence.take_invalid()
     if invalid:
         pytest.fail("a scripted server received requests a strict server refuses:\n" + "\n".join(invalid),
                     pytrace=False)

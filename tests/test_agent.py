@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import re
 
-from engine.agent import Agent, run_task
+from engine.agent import Agent
 from engine.display import AgentDisplay
 from engine.engine import Engine
 from engine.models import ModelConfig, ModelRegistry
+from engine.runner import run_task
 from engine.scripted import Fail, ScriptedServer
 
 

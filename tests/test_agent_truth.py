@@ -8,10 +8,12 @@ import json
 
 import pytest
 
-from engine.agent import EMPTY_REPLY_NOTE, run_task
+from engine.agent import EMPTY_REPLY_NOTE
 from engine.display import AgentDisplay
 from engine.models import ModelConfig, ModelRegistry
-from engine.scripted import ScriptedServer, sequence_problems
+from engine.runner import run_task
+from engine.scripted import ScriptedServer
+from engine.sequence import sequence_problems
 
 
 def registry(url: str, protocol: str = "tags") -> ModelRegistry:

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from engine.agent import RunResult
 from engine.batch import ResultsFile, default_parallel, is_infrastructure, read_tasks
 from engine.batch.results import redo_selector
 from engine.batch.run import RunEngine, run_slug
@@ -22,6 +21,7 @@ from engine.engine import Engine
 from engine.errors import ModelError, WorkerError, WorkerStartError
 from engine.llm import Chat
 from engine.models import ModelConfig, load_models
+from engine.runner import RunResult
 from engine.sandbox import GiB, SandboxPolicy
 from engine.scripted import Delay, Fail, ScriptedServer
 

@@ -23,13 +23,14 @@ import pytest
 from rich.console import Console
 
 from engine import model_server
-from engine.agent import run_task
 from engine.console import ConsoleDisplay
 from engine.display import AgentDisplay, read_recording
 from engine.model_server import ServerInfo, probe
 from engine.models import ModelConfig, ModelRegistry
 from engine.reasoning import ThinkSplitter
-from engine.scripted import ScriptedServer, like_llama_server, like_ollama, like_vllm
+from engine.runner import run_task
+from engine.scripted import ScriptedServer
+from engine.scripted_servers import like_llama_server, like_ollama, like_vllm
 
 AGENTLOOP = [sys.executable, "-m", "engine.cli"]
 

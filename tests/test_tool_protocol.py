@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from engine.agent import run_task
+from engine.runner import run_task
 from engine.models import ModelConfig, ModelRegistry
 from engine.scripted import ScriptedServer
 from engine.tool_protocol import embedded_calls

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from .._tree import copy_tree, remove_tree, walk
-from ..agent import RunResult, run_task
 from ..display import AgentDisplay, FanoutDisplay, JsonlRecorder
 from ..engine import Engine
 from ..errors import ConfigError, WorkerError
 from ..models import ModelRegistry
 from ..repo_tools import RepoTools
+from ..runner import RunResult, run_task
 from ..sandbox import SandboxPolicy
 from ..worker import Worker, WorkerState
 from .results import read_all

@@ -38,10 +38,11 @@ import time
 
 import click
 
-from ..agent import Agent, make_agent
+from ..agent import Agent
 from ..engine import Engine
 from ..errors import AgentloopError
 from ..inert import inert
+from ..runner import make_agent
 from .options import (
     EXIT_INTERRUPTED,
     agent_options,

@@ -19,10 +19,10 @@ from typing import Any
 
 import click
 
-from ..agent import run_task
 from ..engine import Engine
 from ..inert import inert
 from ..models import ModelConfig, ModelRegistry
+from ..runner import run_task
 from ..scripted import ScriptedServer
 from ..tags import find_tags
 from .options import ending, make_display, run_until_done, worker_options, worker_settings

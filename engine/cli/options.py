@@ -158,7 +158,7 @@ def worker_options(f):
 def _subagent_limit(ctx, param, value):
     """``--max-subagents``: the limit of the agents this command makes, for as long as it runs
     (so ``run`` and ``chat`` need no parameter for it)."""
-    from ..agent import subagent_limit
+    from ..subagents import subagent_limit
 
     token = subagent_limit.set(value)
     ctx.call_on_close(lambda: subagent_limit.reset(token))

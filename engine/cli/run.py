@@ -42,7 +42,7 @@ def run_cmd(task: str, model, models_file, max_messages, record, tools, root, qu
 
     The answer is printed inert (escape sequences and control characters but newline and tab
     removed, a lone carriage return made a newline); --json holds it exactly."""
-    from ..agent import run_task
+    from ..runner import run_task
 
     registry = load_registry(models_file)
     try:

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.agent import RunResult, run_task
 from engine.engine import Engine
 from engine.models import ModelConfig, ModelRegistry
 from engine.results import BlockResult
+from engine.runner import RunResult, run_task
 from engine.sandbox import host_support
 from engine.scripted import ScriptedServer
 from engine.worker import Worker

@@ -19,11 +19,11 @@ import pytest
 from rich.console import Console
 
 from engine._tree import disk_usage, remove_tree
-from engine.agent import run_task
 from engine.batch.run import _clear
 from engine.console import ConsoleDisplay
 from engine.engine import Engine
 from engine.models import ModelConfig, ModelRegistry
+from engine.runner import run_task
 from engine.sandbox import workspace_excess
 from engine.scripted import ScriptedServer
 from engine.worker import WorkerState

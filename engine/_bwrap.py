@@ -1,0 +1,97 @@
+"""The bubblewrap command line: pure functions of their arguments, tested argument for argument.
+
+``View`` is what a worker is shown; ``bwrap_argv`` turns it into bubblewrap's options.  The
+choice of layers and every side effect (directories handed to the run, the confinement spec)
+are ``engine.sandbox``'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def _bwrap_flags(root: bool, network: bool) -> list[str]:
+    flags = ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+    if not network:
+        flags.append("--unshare-net")
+    if root:
+        # Real root needs no user namespace; keep only what apply() needs to switch uid and
+        # empty the bounding set.  The worker keeps none of them (see `_root_worker`).
+        flags += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
+                  "--cap-add", "CAP_SETPCAP"]
+    else:
+        # Unprivileged: a user namespace, and no further ones inside it.
+        flags += ["--unshare-user", "--disable-userns"]
+    return flags + ["--die-with-parent", "--new-session"]
+
+
+
+
+def _outermost(paths: list[str]) -> tuple[str, ...]:
+    """Drop paths that lie beneath another path of the list."""
+    out: list[str] = []
+    for p in sorted(set(paths), key=lambda s: (s.count("/"), s)):
+        if not any(_beneath(p, q) for q in out):
+            out.append(p)
+    return tuple(out)
+
+
+def _beneath(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def _parents(path: str, made: set[str]) -> list[str]:
+    """bwrap options creating the missing ancestors of a bind target as mode 0755: bwrap would
+    make them 0700, which the worker's uid could not traverse (/root/.pyenv/... for one)."""
+    out: list[str] = []
+    for anc in reversed(Path(path).parents):
+        a = str(anc)
+        if a not in made:
+            made.add(a)
+            out += ["--perms", "0755", "--dir", a]
+    made.add(path)
+    return out
+
+
+@dataclass(frozen=True)
+class View:
+    """What a worker is shown, every path resolved: the system (read-only, with the symlinks
+    of a merged /usr), its Python, the current directory when shown, the run's output and
+    socket directories (read-only) and the workspace (read-write)."""
+
+    system: tuple[str, ...]
+    links: tuple[tuple[str, str], ...]
+    python: tuple[str, ...]
+    workspace: Path
+    socket_dir: Path
+    output_dir: Path
+    cwd: Path | None
+
+
+def bwrap_argv(bwrap: str, *, root: bool, network: bool, tmp_bytes: int, view: View,
+               start_dir: str) -> list[str]:
+    """The bubblewrap command line (up to and including ``--``) that builds `view`.  Pure: the
+    same arguments give the same list, which the tests compare argument for argument."""
+    argv = [bwrap, *_bwrap_flags(root, network), "--hostname", "agentloop"]
+    made = {"/", "/tmp", "/dev", "/proc"}
+    size = str(tmp_bytes)
+    # The private /tmp first: a Python installed beneath /tmp (a checkout there) is bound on top
+    # of it, not hidden by it.
+    argv += ["--proc", "/proc", "--dev", "/dev",
+             "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm",
+             "--perms", "1777", "--size", size, "--tmpfs", "/tmp"]
+    for path in _outermost([*view.system, *view.python]):
+        argv += [*_parents(path, made), "--ro-bind", path, path]
+    for target, link in view.links:
+        argv += ["--symlink", target, link]
+    # Host directories last, shallowest first, so a deeper (more specific) bind wins and none
+    # is hidden by the /tmp tmpfs.  The socket directory is read-only: connecting to a socket
+    # needs no write access to its directory, and nothing else belongs there.
+    binds = [("--bind", view.workspace), ("--ro-bind", view.socket_dir), ("--ro-bind", view.output_dir)]
+    if view.cwd is not None and not _beneath(str(view.cwd), str(view.workspace)):
+        binds.append(("--ro-bind", view.cwd))  # (beneath the workspace it is visible, writable)
+    for kind, path in sorted(binds, key=lambda b: (len(b[1].parts), b[0] == "--bind")):
+        argv += [*_parents(str(path), made), kind, str(path), str(path)]
+    # The root and /dev are tmpfs that bwrap builds; nothing may be written to them.
+    return argv + ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", start_dir, "--"]

@@ -1,0 +1,137 @@
+"""The shape of the code: engine/ imports without a circle, lazy imports included; nothing
+below ``Engine`` reaches into its private members; no module outgrows 600 lines; every
+command that starts workers takes the same worker options."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE = ROOT / "engine"
+AGENTLOOP = [sys.executable, "-m", "engine.cli"]
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(name: str) -> bool:
+    base = ROOT.joinpath(*name.split("."))
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def _imports(path: Path) -> set[str]:
+    """Every engine module ``path`` imports: at the top, in functions, under TYPE_CHECKING."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            targets = [f"{origin}.{a.name}" if _is_module(f"{origin}.{a.name}") else origin for a in node.names]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module" and node.args \
+                and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            targets = [node.args[0].value]
+        else:
+            continue
+        found.update(t for t in targets if t.split(".")[0] == "engine" and t != name)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    return {_module_name(p): _imports(p) for p in ENGINE.rglob("*.py")}
+
+
+def _lazy_commands() -> list[str]:
+    text = (ENGINE / "cli" / "__init__.py").read_text()
+    return re.findall(r'"(engine\.cli\.[a-z_]+):', text)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The circles a depth-first walk meets (each as the modules on it, first repeated last)."""
+    state: dict[str, int] = {}
+    found: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, set())):
+            if state.get(nxt) == 1:
+                found.append(path[path.index(nxt):] + [nxt])
+            elif nxt in graph and nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    return found
+
+
+def test_engine_imports_have_no_circle():
+    graph = _graph()
+    # The command group loads its commands by name (importlib, from a table): edges too.
+    graph["engine.cli"] |= set(_lazy_commands())
+    cycles = _cycles(graph)
+    assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_walk_sees_lazy_imports_and_finds_circles(tmp_path):
+    # What the test above relies on: an import inside a function is an edge, and a circle of
+    # three is found.
+    lazy = ENGINE / "runner.py"
+    assert "engine.tool_protocol" in _imports(lazy)
+    assert "engine.cli.run" in _lazy_commands()
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_nothing_below_the_engine_names_its_private_members():
+    offenders = []
+    for path in ENGINE.rglob("*.py"):
+        if path == ENGINE / "engine.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                value = node.value
+                holder = value.id if isinstance(value, ast.Name) else getattr(value, "attr", "")
+                if holder in ("engine", "_engine"):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {holder}.{node.attr}")
+    assert not offenders, offenders
+
+
+@pytest.mark.parametrize("path", sorted(ENGINE.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_module_is_over_600_lines(path):
+    assert len(path.read_text().splitlines()) <= 600, f"{path.relative_to(ROOT)}: split it by what it holds"
+
+
+def _options(command: str) -> set[str]:
+    out = subprocess.run([*AGENTLOOP, command, "--help"], capture_output=True, text=True, timeout=60,
+                         env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"}, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    return set(re.findall(r"^\s+(?:-\w, )?(--[a-z][a-z-]*(?:\s*/\s*--[a-z-]+)?)", out.stdout, re.M))
+
+
+WORKER_COMMANDS = ["run", "chat", "exec", "batch", "demo", "doctor", "mcp"]
+
+
+def test_every_command_that_starts_workers_takes_the_same_worker_options():
+    expected = {"--sandbox", "--network", "--workspace", "--preload", "--memory", "--cpu-time",
+                "--max-processes", "--max-open-files", "--max-file-size", "--tmp-size",
+                "--share-cwd / --no-share-cwd"}
+    for command in WORKER_COMMANDS:
+        missing = expected - _options(command)
+        assert not missing, f"agentloop {command} --help lacks {sorted(missing)}"
