@@ -346,29 +346,38 @@ def _vm_rss(status: str) -> int:
     return 0
 
 
-async def test_garbage_frames_are_dropped(worker, engine, caplog):
-    session = worker._session
-    endpoint = session.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    ctx = zmq.asyncio.Context()
-    intruder = ctx.socket(zmq.DEALER)
-    intruder.setsockopt(zmq.LINGER, 0)
-    intruder.connect(endpoint)
-    running = asyncio.ensure_future(worker.run("import time; time.sleep(0.5); print('real')", timeout=20,
-                                               block_id="victim"))
-    try:
-        for frame in (b"", b"\xc1garbage", b"\x92\x01\x02", wire.encode({"no": "type"}),
-                      wire.encode({"t": "done", "id": "victim", "status": "ok", "error": ""}),
-                      wire.encode({"t": "out", "id": "victim", "o": [[1, b"injected"]]}),
-                      wire.encode({"t": "hello", "v": 1, "token": "guess", "pid": 1}),
-                      b"\xdd\xff\xff\xff\xff"):
-            await intruder.send(frame)
-        await intruder.send_multipart([b"a", b"b", b"c"])
-        result = await running
-    finally:
-        intruder.close(0)
-        ctx.term()
-    assert result.status == "ok" and result.output == "real\n"
-    assert (await worker.run("print(1)")).output == "1\n"
+async def test_garbage_frames_are_dropped(run_dir, tmp_path):
+    # Over TCP a stranger can connect (an ipc socket's file is gone once the worker is in):
+    # nothing it sends reaches a block, and each of its messages is counted as dropped.
+    policy = SandboxPolicy(network=True)  # the worker connects over the host's loopback
+    async with Engine(cwd=run_dir, state_dir=tmp_path / "state", transport="tcp", sandbox=policy) as engine:
+        worker = await engine.start_worker()
+        session = worker._session
+        endpoint = session.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        ctx = zmq.asyncio.Context()
+        intruder = ctx.socket(zmq.DEALER)
+        intruder.setsockopt(zmq.LINGER, 0)
+        intruder.connect(endpoint)
+        running = asyncio.ensure_future(worker.run("import time; time.sleep(0.5); print('real')", timeout=20,
+                                                   block_id="victim"))
+        frames = (b"", b"\xc1garbage", b"\x92\x01\x02", wire.encode({"no": "type"}),
+                  wire.encode({"t": "done", "id": "victim", "status": "ok", "error": ""}),
+                  wire.encode({"t": "out", "id": "victim", "o": [[1, b"injected"]]}),
+                  wire.encode({"t": "hello", "v": 1, "token": "guess", "pid": 1}),
+                  b"\xdd\xff\xff\xff\xff")
+        try:
+            for frame in frames:
+                await intruder.send(frame)
+            await intruder.send_multipart([b"a", b"b", b"c"])
+            result = await running
+            assert await asyncio.to_thread(wait_until, lambda: session.dropped >= len(frames) + 1, 30), \
+                session.dropped
+        finally:
+            intruder.close(0)
+            ctx.term()
+        assert result.status == "ok" and result.output == "real\n"
+        assert (await worker.run("print(1)")).output == "1\n"
+        assert worker._session is session  # the stranger did not cost the worker anything
 
 
 async def test_a_worker_that_breaks_the_protocol_is_stopped(worker):
