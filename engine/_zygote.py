@@ -99,7 +99,8 @@ class Zygote:
     no worker's token); each forked worker gets its own environment from its ``Launch``."""
 
     def __init__(self, plan: LaunchPlan, env: dict[str, str], *, python: str, cwd: Path,
-                 sandbox: SandboxPolicy, start_timeout: float, preload: tuple[str, ...]) -> None:
+                 sandbox: SandboxPolicy, start_timeout: float, preload: tuple[str, ...],
+                 packages: dict[str, str] | None = None) -> None:
         self.plan = plan
         self.env = env
         self.python = python
@@ -107,6 +108,7 @@ class Zygote:
         self.sandbox = sandbox
         self.start_timeout = start_timeout
         self.preload = preload
+        self.packages = packages  # see ``runtime_argv``
         self._proc: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task | None = None
         self._waiting: dict[int, asyncio.Future] = {}
@@ -130,7 +132,7 @@ class Zygote:
             env.pop(key, None)
         env["AGENTLOOP_PRELOAD"] = ",".join(self.preload)
         self._proc = await asyncio.create_subprocess_exec(
-            *argv, *runtime_argv(self.python, "worker.zygote:serve"), stdin=asyncio.subprocess.PIPE,
+            *argv, *runtime_argv(self.python, "worker.zygote:serve", packages=self.packages), stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
             cwd=plan.cwd or str(self.cwd), start_new_session=True)
         ready = asyncio.get_running_loop().create_future()

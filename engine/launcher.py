@@ -23,6 +23,7 @@ from pathlib import Path
 
 import zmq
 
+from . import interpreter
 from . import sandbox as _sandbox
 from ._cgroup import WorkerCgroups
 from ._process import Launch
@@ -119,6 +120,8 @@ class Launcher:
         self.output_file_cap = output_file_cap
         self.zygote = zygote
         self.preload = tuple(preload)
+        #: Runtime packages the workers' Python lacks, loaded from agentloop's own copies.
+        self.runtime_packages: dict[str, str] = {}
         # The pid in the name lets a later start remove what a killed coordinator left.
         self.run_id = time.strftime("%Y%m%d-%H%M%S-") + f"{os.getpid()}-{secrets.token_hex(3)}"
         self.run_dir = Path(state_dir or _state_home()) / "runs" / self.run_id
@@ -138,6 +141,7 @@ class Launcher:
         """Create the run's directories and the ZeroMQ context (idempotent)."""
         if self._ctx is not None:
             return
+        self.check_python()
         if self.sandbox.mode != "none":
             _sandbox.check_workspace(self.workspace, self.python)
         try:
@@ -159,6 +163,16 @@ class Launcher:
         if self.sandbox.mode != "none":
             self.memory_cgroups = WorkerCgroups.find(self.run_id.rsplit("-", 1)[-1])
             self.pids_cgroups = WorkerCgroups.find(self.run_id.rsplit("-", 1)[-1], "pids")
+
+    def check_python(self) -> None:
+        """ConfigError, in one line, unless the workers' Python starts, can run agentloop's
+        runtime and imports every ``preload`` module."""
+        self.runtime_packages = interpreter.runtime_packages(self.python)
+        missing = interpreter.not_importable(self.python, self.preload)
+        if missing:
+            raise ConfigError(f"--preload: {', '.join(missing)} cannot be imported by the workers' Python "
+                              f"{self.python}; install {'it' if len(missing) == 1 else 'them'} there "
+                              f"({self.python} -m pip install ...) or choose that interpreter with --python")
 
     async def close(self) -> None:
         """Kill the fork server, destroy the context, remove the sockets, cgroups and (when
@@ -225,7 +239,8 @@ class Launcher:
         plan = self.plan(sock_dir)
         if endpoint.startswith("ipc://"):
             plan.grant(Path(endpoint[len("ipc://"):]))
-        argv = [*plan.argv_prefix, *_sandbox.runtime_argv(self.python, "worker.__main__:main", endpoint)]
+        argv = [*plan.argv_prefix, *_sandbox.runtime_argv(self.python, "worker.__main__:main", endpoint,
+                                                          packages=self.runtime_packages)]
         return Launch(argv, self.env(token, plan), Path(plan.cwd) if plan.cwd else self.cwd,
                       plan.pid_namespace, plan.notes)
 
@@ -240,9 +255,10 @@ class Launcher:
             return None
         if self._zygote is None:
             assert self.sock_root is not None
-            self._zygote = Zygote(self.plan(self.sock_root), self.env("", self.plan(self.sock_root)),
-                                  python=self.python, cwd=self.cwd, sandbox=self.sandbox,
-                                  start_timeout=self.start_timeout, preload=self.preload)
+            plan = self.plan(self.sock_root)
+            self._zygote = Zygote(plan, self.env("", plan), python=self.python, packages=self.runtime_packages,
+                                  cwd=self.cwd, sandbox=self.sandbox, start_timeout=self.start_timeout,
+                                  preload=self.preload)
         return self._zygote
 
     # -- cgroups ----------------------------------------------------------------------------------

@@ -27,7 +27,6 @@ variables the sandbox needs on top (HOME, TMPDIR).
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import subprocess
@@ -37,6 +36,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from engine import interpreter
 from engine._bwrap import View, _beneath, _bwrap_flags, _outermost, _parents, bwrap_argv
 from engine._tree import TreeError, disk_usage
 from engine.errors import ConfigError, SandboxError
@@ -157,36 +157,45 @@ def host_support() -> HostSupport:
 RUNTIME_ROOT = str(Path(_confine.__file__).resolve().parent.parent)
 
 
-def runtime_argv(python: str, entry: str, *args: str) -> list[str]:
+def runtime_argv(python: str, entry: str, *args: str, packages: dict[str, str] | None = None) -> list[str]:
     """The command line that runs ``entry`` (``"module:function"``) of agentloop's runtime.
 
     ``-I`` (isolated mode) leaves the current directory, ``PYTHON*`` variables and the user's
     site directory off ``sys.path``, and the runtime is found by its absolute path: a process
     that starts with privileges (a worker before it confines itself, the fork server) imports
     nothing from a directory a worker can write, whatever directory it starts in.  ``-B``: the
-    runtime never writes bytecode next to its sources."""
+    runtime never writes bytecode next to its sources.  ``packages`` (``interpreter.
+    runtime_packages``): runtime packages that ``python`` lacks, by name, with the directory
+    of agentloop's copy; an import hook finds those names, and only those, there."""
     module, _, function = entry.partition(":")
     if not (module.replace(".", "").replace("_", "").isalnum() and function.isidentifier()):
         raise ValueError(f"not a runtime entry point: {entry!r}")
-    boot = (f"import sys; sys.path.insert(0, {RUNTIME_ROOT!r}); "
-            f"from {module} import {function}; {function}()")
+    boot = f"import sys; sys.path.insert(0, {RUNTIME_ROOT!r}); "
+    if packages:
+        # The package's own directory, not its parent's: under Landlock alone a worker may
+        # read the package but not list the site-packages around it.
+        boot += ("import importlib.util\n"
+                 "class _RuntimePackages:\n"
+                 f"    at = {dict(packages)!r}\n"
+                 "    spec = staticmethod(importlib.util.spec_from_file_location)\n"
+                 "    @classmethod\n"
+                 "    def find_spec(cls, name, path=None, target=None):\n"
+                 "        where = cls.at.get(name)\n"
+                 "        return cls.spec(name, where + '/__init__.py', submodule_search_locations=[where]) "
+                 "if where else None\n"
+                 "sys.meta_path.append(_RuntimePackages)\n")
+    boot += f"from {module} import {function}; {function}()"
     return [python, "-I", "-B", "-c", boot, *args]
 
 
 @lru_cache(maxsize=8)
 def python_paths(python: str) -> tuple[str, ...]:
     """Directories the interpreter `python` needs read-only: its prefixes and every sys.path
-    entry it starts with (site-packages, editable installs, PYTHONPATH), plus this project's
-    packages.  Asked of the interpreter itself (once), not taken from ours: the coordinator's
-    own sys.path[0] may be any directory, a home among them."""
-    code = ("import sys, json; print(json.dumps([sys.prefix, sys.base_prefix, sys.exec_prefix,"
-            " sys.base_exec_prefix, *sys.path[1:]]))")
-    try:
-        out = subprocess.run([python, "-I", "-c", code], capture_output=True, timeout=60, cwd="/",
-                             stdin=subprocess.DEVNULL, check=True).stdout
-        info = json.loads(out)
-    except (OSError, ValueError, subprocess.SubprocessError) as exc:
-        raise SandboxError(f"cannot start the worker's python {python}: {exc}") from exc
+    entry it starts with (site-packages, editable installs, PYTHONPATH), agentloop's copies of
+    the runtime packages it lacks, plus this project's packages.  Asked of the interpreter
+    itself (once), not taken from ours: the coordinator's own sys.path[0] may be any directory,
+    a home among them."""
+    info = [*interpreter.probe(python).paths, *interpreter.runtime_dirs(python)]
     # The worker imports `worker` (and may import `engine`) from wherever this project lives;
     # an editable install maps them to the source tree without a sys.path entry.
     info += [str(Path(_confine.__file__).resolve().parent), str(Path(__file__).resolve().parent)]

@@ -47,6 +47,7 @@ class RunSettings:
     root: str = "."
     sandbox: SandboxPolicy = field(default_factory=SandboxPolicy)
     preload: tuple[str, ...] = ()
+    python: str | None = None  # the workers' interpreter (default: the coordinator's)
     retries: int = 0
     retry_backoff: float = 2.0
     max_workers: int = 16
@@ -259,7 +260,7 @@ async def _attempt(spec: TaskSpec, settings: RunSettings, attempt: int, display:
     # server) of its own, and starting one costs more than the one or two workers a run starts.
     engine = RunEngine(max_workers=settings.max_workers, cwd=workspace, workspace=workspace,
                        sandbox=settings.sandbox, state_dir=run_dir / "state", pool=0, zygote=False,
-                       preload=settings.preload)
+                       preload=settings.preload, python=settings.python)
     infrastructure = False
     tools = None
     try:

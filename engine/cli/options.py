@@ -19,6 +19,7 @@ import click
 from ..durations import parse_duration
 from ..errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OWN, EXIT_TIMEOUT, AgentloopError
 from ..inert import inert
+from ..interpreter import choose_python
 from ..sandbox import SandboxPolicy
 
 
@@ -80,6 +81,7 @@ class WorkerSettings:
     network: bool = False
     workspace: Path | None = None
     preload: tuple[str, ...] = ()
+    python: str | None = None
     limits: dict = field(default_factory=dict)
 
     def policy(self) -> SandboxPolicy:
@@ -89,8 +91,13 @@ class WorkerSettings:
         return SandboxPolicy(mode=self.sandbox, network=self.network, **self.limits)
 
     def engine_options(self) -> dict:
-        """``Engine`` keyword arguments for these settings."""
-        return {"sandbox": self.policy(), "workspace": self.workspace, "preload": self.preload}
+        """``Engine`` keyword arguments for these settings (the interpreter chosen as
+        ``engine.interpreter.choose_python`` says; a bad choice ends the command in one line)."""
+        try:
+            python = choose_python(self.python)
+        except AgentloopError as exc:
+            fail(str(exc))
+        return {"sandbox": self.policy(), "workspace": self.workspace, "preload": self.preload, "python": python}
 
 
 def worker_settings() -> WorkerSettings:
@@ -139,6 +146,9 @@ def worker_options(f):
         click.option("--workspace", type=click.Path(file_okay=False, path_type=Path), default=None,
                      expose_value=False, callback=_setting("workspace"),
                      help="The directory workers may write (default ./files; batch: each run's own)."),
+        click.option("--python", default=None, metavar="PATH", expose_value=False, callback=_setting("python"),
+                     help="The Python workers run (default: $AGENTLOOP_PYTHON, python in ./agentloop.toml, "
+                          "the active virtual environment, else agentloop's own)."),
         click.option("--preload", default=None, metavar="MODULES", expose_value=False,
                      callback=_preload,
                      help="Modules the fork server imports once for every worker, e.g. numpy,pandas."),

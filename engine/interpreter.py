@@ -1,0 +1,166 @@
+"""The Python that workers run: which one, what it holds, and how agentloop's runtime runs in it.
+
+Which one, first found: ``--python``, ``$AGENTLOOP_PYTHON``, ``python`` in ``./agentloop.toml``
+(relative to that file), the active virtual environment (``$VIRTUAL_ENV/bin/python``), else the
+Python agentloop itself runs on.  So code in a worker imports what the user's own ``python``
+imports, not agentloop's private packages.
+
+The worker runtime needs two packages of its own, pyzmq and msgpack.  An interpreter that
+lacks them but is the same Python as agentloop's (version and ABI) gets agentloop's copies,
+found by an import hook that knows those two names only: they are neither added to that
+interpreter's ``sys.path`` nor listed among its packages.  Any other interpreter must have them
+installed, and the error says how.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tomllib
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from .errors import ConfigError, SandboxError
+
+#: Third-party packages the worker runtime imports, by import name (distribution in brackets
+#: of ``RUNTIME_INSTALL``).
+RUNTIME_PACKAGES = ("zmq", "msgpack")
+RUNTIME_INSTALL = "pyzmq msgpack"
+#: Directories next to a package that belong to it (pyzmq's wheel keeps libzmq in ``pyzmq.libs``).
+_COMPANIONS = {"zmq": ("pyzmq.libs",)}
+
+
+@dataclass(frozen=True)
+class Interpreter:
+    """What one Python answered about itself (asked once per process)."""
+
+    path: str  # the interpreter itself, as it names itself (a launcher script, e.g. pyenv's, resolved)
+    version: str  # "3.11.7"
+    abi: str  # sys.implementation.cache_tag + the extension suffix: what compiled modules must match
+    paths: tuple[str, ...]  # its prefixes and the sys.path it starts with (``-I``)
+    missing: tuple[str, ...]  # runtime packages it cannot import by itself
+
+
+def choose_python(explicit: str | None = None, config: Path | None = None) -> str:
+    """The interpreter workers run (see the module docstring), as an absolute path.  A name is
+    looked up on PATH; one that is not there, or not executable, is a ConfigError."""
+    config = config or Path("agentloop.toml")
+    for given, where in ((explicit, "--python"), (os.environ.get("AGENTLOOP_PYTHON"), "AGENTLOOP_PYTHON"),
+                         *_configured(config)):
+        if given:
+            return _resolve(given, where)
+    venv = os.environ.get("VIRTUAL_ENV")
+    if venv and os.access(os.path.join(venv, "bin", "python"), os.X_OK):
+        return os.path.join(venv, "bin", "python")
+    return sys.executable
+
+
+def _configured(config: Path) -> list[tuple[str | None, str]]:
+    try:
+        with config.open("rb") as f:
+            value = tomllib.load(f).get("python")
+    except (OSError, tomllib.TOMLDecodeError):
+        return []  # the model settings of that file report its errors
+    if value is None:
+        return []
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{config}: python must be the path of an interpreter, as a string")
+    if os.sep in value and not os.path.isabs(value):
+        value = str(config.resolve().parent / value)
+    return [(value, f"python in {config}")]
+
+
+def _resolve(given: str, where: str) -> str:
+    found = given if os.sep in given else shutil.which(given)
+    if not found or not os.path.isfile(found) or not os.access(found, os.X_OK):
+        raise ConfigError(f"{where}: {given} is not an executable Python interpreter; give its path, "
+                          "e.g. --python /usr/bin/python3 or --python .venv/bin/python")
+    # What the interpreter calls itself: a launcher script (pyenv's shims) becomes the program it
+    # runs; links are kept, as a virtual environment's python finds its packages by its own place.
+    return probe(os.path.abspath(found)).path
+
+
+_PROBE = """
+import importlib.util, json, sys, sysconfig
+missing = [n for n in sys.argv[1].split(",") if importlib.util.find_spec(n) is None]
+print(json.dumps({"version": sys.version.split()[0], "executable": sys.executable,
+    "abi": sys.implementation.cache_tag + (sysconfig.get_config_var("EXT_SUFFIX") or ""),
+    "paths": [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *sys.path[1:]],
+    "missing": missing}))
+"""
+
+
+@lru_cache(maxsize=8)
+def probe(python: str) -> Interpreter:
+    """Ask ``python`` (isolated, from ``/``) for its version, ABI, paths and which runtime
+    packages it lacks.  SandboxError when it does not start or answer."""
+    try:
+        out = subprocess.run([python, "-I", "-c", _PROBE, ",".join(RUNTIME_PACKAGES)], capture_output=True,
+                             timeout=60, cwd="/", stdin=subprocess.DEVNULL, check=True).stdout
+        info = json.loads(out)
+    except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        raise SandboxError(f"cannot start the worker's python {python}: {exc}") from exc
+    return Interpreter(info["executable"] or python, info["version"], info["abi"], tuple(info["paths"]),
+                       tuple(info["missing"]))
+
+
+def _our_abi() -> str:
+    return sys.implementation.cache_tag + (sysconfig.get_config_var("EXT_SUFFIX") or "")
+
+
+def runtime_packages(python: str) -> dict[str, str]:
+    """For each runtime package ``python`` lacks, the directory of agentloop's own copy
+    (empty when it has them all).  ConfigError, saying what to install, when it lacks some and
+    cannot load ours (another Python version or ABI)."""
+    info = probe(python)
+    if not info.missing:
+        return {}
+    if info.abi != _our_abi():
+        raise ConfigError(
+            f"the worker's Python {python} ({info.version}) cannot import {', '.join(info.missing)}, which "
+            f"agentloop's runtime needs, and agentloop's own copies are built for Python "
+            f"{sys.version.split()[0]}: install them there with `{python} -m pip install {RUNTIME_INSTALL}`, "
+            "or choose an interpreter of that version with --python")
+    found = {}
+    for name in info.missing:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            raise ConfigError(f"agentloop's own {name} is not installed; run scripts/agentloop once to set it up")
+        found[name] = str(Path(next(iter(spec.submodule_search_locations))).resolve())
+    return found
+
+
+def runtime_dirs(python: str) -> tuple[str, ...]:
+    """The directories of agentloop's copies that ``python``'s workers load (to be shown to
+    them read-only): each package and its companions, never the rest of their site-packages."""
+    dirs = []
+    for name, package in runtime_packages(python).items():
+        dirs.append(package)
+        site = os.path.dirname(package)
+        dirs += [os.path.join(site, c) for c in _COMPANIONS.get(name, ()) if os.path.isdir(os.path.join(site, c))]
+    return tuple(dirs)
+
+
+def not_importable(python: str, modules: tuple[str, ...]) -> list[str]:
+    """The names among ``modules`` that ``python`` cannot import (found without importing them)."""
+    if not modules:
+        return []
+    code = ("import importlib.util, sys\n"
+            "for n in sys.argv[1:]:\n"
+            "    try:\n"
+            "        ok = importlib.util.find_spec(n) is not None\n"
+            "    except (ImportError, ValueError):\n"
+            "        ok = False\n"
+            "    ok or print(n)\n")
+    try:
+        out = subprocess.run([python, "-I", "-c", code, *modules], capture_output=True, text=True, timeout=60,
+                             cwd="/", stdin=subprocess.DEVNULL, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise SandboxError(f"cannot start the worker's python {python}: {exc}") from exc
+    return out.split()

@@ -1,0 +1,129 @@
+"""Workers run the user's Python: ``--python``, ``AGENTLOOP_PYTHON``, ``python`` in agentloop.toml,
+the active virtual environment.  Each case runs the same script under that interpreter directly
+and through ``agentloop exec``, and compares."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+from engine.scripted import ScriptedServer
+
+AGENTLOOP = [sys.executable, "-m", "engine.cli"]
+BASE_PYTHON = os.path.realpath(os.path.join(sys.base_prefix, "bin", "python3"))
+
+SCRIPT = """\
+import sys
+import mylib
+print(mylib.greet(sys.argv[1]), sys.prefix == sys.base_prefix)
+"""
+
+
+@pytest.fixture(scope="module")
+def user_venv(tmp_path_factory) -> Path:
+    """A virtual environment of the user's, without pyzmq or msgpack, holding a package of its
+    own (``mylib``, installed as a distribution) that agentloop's environment does not have."""
+    root = tmp_path_factory.mktemp("uservenv") / "venv"
+    venv.EnvBuilder(with_pip=False, symlinks=True).create(root)
+    site = next(root.glob("lib/python3*/site-packages"))
+    (site / "mylib").mkdir()
+    (site / "mylib" / "__init__.py").write_text("def greet(name):\n    return f'hello {name}'\n")
+    dist = site / "mylib-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: mylib\nVersion: 1.0\n")
+    return root
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "AGENTLOOP_PYTHON")}
+    return {**env, "XDG_STATE_HOME": str(tmp_path / "state"), **extra}
+
+
+def _both(tmp_path: Path, python: str, *options: str, **env: str):
+    script = tmp_path / "greet.py"
+    script.write_text(SCRIPT)
+    direct = subprocess.run([python, str(script), "Bob"], capture_output=True, text=True, cwd=tmp_path,
+                            timeout=60)
+    ours = subprocess.run([*AGENTLOOP, "exec", *options, str(script), "Bob"], capture_output=True, text=True,
+                          cwd=tmp_path, env=_env(tmp_path, **env), timeout=120)
+    return direct, ours
+
+
+def test_python_option_runs_the_users_venv_as_python_does(tmp_path, user_venv):
+    python = str(user_venv / "bin" / "python")
+    direct, ours = _both(tmp_path, python, "--python", python)
+    assert direct.returncode == 0 and direct.stdout == "hello Bob False\n", direct.stderr
+    assert (ours.stdout, ours.returncode) == (direct.stdout, 0), ours.stderr
+
+
+def test_the_active_virtual_environment_is_the_default(tmp_path, user_venv):
+    direct, ours = _both(tmp_path, str(user_venv / "bin" / "python"), VIRTUAL_ENV=str(user_venv))
+    assert (ours.stdout, ours.returncode) == (direct.stdout, 0), ours.stderr
+
+
+def test_agentloop_python_and_the_toml_choose_too(tmp_path, user_venv):
+    direct, ours = _both(tmp_path, str(user_venv / "bin" / "python"), AGENTLOOP_PYTHON=str(user_venv / "bin" / "python"))
+    assert (ours.stdout, ours.returncode) == (direct.stdout, 0), ours.stderr
+    # Relative to the file that names it.
+    (tmp_path / "agentloop.toml").write_text(f'python = "{os.path.relpath(user_venv / "bin" / "python", tmp_path)}"\n')
+    direct, ours = _both(tmp_path, str(user_venv / "bin" / "python"))
+    assert (ours.stdout, ours.returncode) == (direct.stdout, 0), ours.stderr
+    # --python wins over the file: agentloop's own Python has no mylib.
+    direct, ours = _both(tmp_path, sys.executable, "--python", sys.executable)
+    assert "No module named 'mylib'" in direct.stderr and direct.returncode == 1
+    assert ours.returncode == 1 and "No module named 'mylib'" in ours.stderr
+
+
+@pytest.mark.skipif(subprocess.run([BASE_PYTHON, "-c", "import numpy"], capture_output=True).returncode != 0,
+                    reason="the base interpreter has no numpy")
+def test_numpy_of_the_chosen_interpreter(tmp_path):
+    script = tmp_path / "np.py"
+    script.write_text("import numpy as np\nprint(np.arange(10).sum(), np.__name__)\n")
+    direct = subprocess.run([BASE_PYTHON, str(script)], capture_output=True, text=True, timeout=60)
+    ours = subprocess.run([*AGENTLOOP, "exec", "--python", BASE_PYTHON, str(script)], capture_output=True,
+                          text=True, cwd=tmp_path, env=_env(tmp_path), timeout=120)
+    assert (ours.stdout, ours.returncode) == (direct.stdout, 0) == ("45 numpy\n", 0), ours.stderr
+
+
+@pytest.mark.parametrize("sandbox", ["auto", "landlock"])
+def test_runtime_packages_come_from_agentloop_for_a_python_without_them(tmp_path, user_venv, sandbox):
+    # The user's venv has neither pyzmq nor msgpack; the worker runs anyway, and its package
+    # list (what the model is told is installed) is that venv's, without them.
+    python = str(user_venv / "bin" / "python")
+    code = tmp_path / "dists.py"
+    code.write_text("from importlib import metadata\n"
+                    "print(sorted(d.metadata['Name'] for d in metadata.distributions()))\n")
+    ours = subprocess.run([*AGENTLOOP, "exec", "--sandbox", sandbox, "--python", python, str(code)],
+                          capture_output=True, text=True, cwd=tmp_path, env=_env(tmp_path), timeout=120)
+    direct = subprocess.run([python, str(code)], capture_output=True, text=True, timeout=60)
+    assert ours.returncode == 0, ours.stderr
+    assert ours.stdout == direct.stdout and "'mylib'" in ours.stdout and "pyzmq" not in ours.stdout
+
+
+def test_the_system_prompt_lists_the_chosen_interpreters_packages(tmp_path, user_venv):
+    with ScriptedServer({"*": ["done"]}) as server:
+        proc = subprocess.run([*AGENTLOOP, "run", "hello", "-q", "--python", str(user_venv / "bin" / "python")],
+                              capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                              env=_env(tmp_path, LLM_URL=server.url))
+        system = server.requests[0]["messages"][0]["content"]
+    assert proc.returncode == 0, proc.stderr
+    listed = next(line for line in system.splitlines() if line.startswith("Top-level installed packages"))
+    assert "mylib" in listed and "httpx" not in listed and "pyzmq" not in listed
+
+
+def test_a_bad_interpreter_or_preload_is_one_line(tmp_path):
+    (tmp_path / "x.py").write_text("print(1)\n")
+    for options, words in ((["--python", str(tmp_path / "nope")], "is not an executable Python"),
+                           (["--preload", "no_such_module_here"], "no_such_module_here cannot be imported")):
+        proc = subprocess.run([*AGENTLOOP, "exec", *options, str(tmp_path / "x.py")], capture_output=True,
+                              text=True, cwd=tmp_path, env=_env(tmp_path), timeout=120)
+        assert proc.returncode == 125 and words in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    proc = subprocess.run([*AGENTLOOP, "exec", "--preload", "json,decimal", str(tmp_path / "x.py")],
+                          capture_output=True, text=True, cwd=tmp_path, env=_env(tmp_path), timeout=120)
+    assert (proc.returncode, proc.stdout) == (0, "1\n"), proc.stderr
