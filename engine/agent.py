@@ -164,9 +164,15 @@ class Agent:
             available_models=self.models.describe({self.model.alias: self.model}),
             python=env["python"], os=env["os"], cpu=env["cpu"], ram=env["ram"], packages=env["packages"],
             namespace_block=tags.describe_namespace(descriptions),
-            minimal=os.environ.get("AGENT_MINIMAL_SYSTEM") == "1", guide=self.guide)
+            minimal=os.environ.get("AGENT_MINIMAL_SYSTEM") == "1", guide=self.guide,
+            files=self.writable_places())
         self.chat = self._chat_factory(system, self.model, display=self.display, name=self.name,
                                        stop=STOP_SEQUENCES, client=client)
+
+    def writable_places(self) -> str:
+        """Where this agent's code may write, in one line (the system prompt's ``Files:``)."""
+        engine = self.engine
+        return tags.writable_places(str(engine.cwd), str(engine.workspace), engine.sandbox.mode != "none")
 
     def adapt(self, server: ServerInfo) -> None:
         """Take in what the endpoint reported: its context window where the configuration sets

@@ -125,6 +125,8 @@ class CodeTask:
             status = result.status
         except asyncio.CancelledError:
             body, status = "[cancelled]", "cancelled"
+            if result.refused_write():
+                body += f"[note: {agent.writable_places()}]"
         except AgentloopError as exc:  # the worker could not even be started again
             body, status = f"[failed] {exc}", "error"
         # The workspace is a bind mount that no quota caps: its size is checked between blocks.

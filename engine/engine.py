@@ -33,7 +33,12 @@ __all__ = ["ENV_ALLOWLIST", "Engine", "Launch"]
 log = logging.getLogger("agentloop")
 
 class Engine:
-    """Starts, supervises and shuts down the workers of one run."""
+    """Starts, supervises and shuts down the workers of one run.
+
+    A block's output beyond what is kept in memory goes to a file under ``run_dir`` (in
+    ``state_dir``, default ``~/.local/state/agentloop/runs/``); the run's directory is removed at
+    shutdown unless ``keep_output``.  The workspace (default ``./files``) is made when missing
+    and removed again at shutdown if nothing was written to it."""
 
     def __init__(
         self,
@@ -54,6 +59,7 @@ class Engine:
         pool_idle: float = 60.0,
         zygote: bool | None = None,
         preload: Iterable[str] = (),
+        keep_output: bool = False,
     ) -> None:
         if not 0 < grace <= 1.0:
             raise ConfigError("grace must be in (0, 1] seconds")
@@ -63,7 +69,8 @@ class Engine:
             sandbox=sandbox or _sandbox.SandboxPolicy(), python=python or sys.executable,
             transport=transport, tcp_bind=tcp_bind, connect_host=connect_host, state_dir=state_dir,
             start_timeout=start_timeout, grace=grace, env_allow=env_allow,
-            output_file_cap=output_file_cap, zygote=zygote, preload=preload)
+            output_file_cap=output_file_cap, zygote=zygote, preload=preload,
+            keep_output=keep_output)
         self.pool_size = max(0, pool)
         self.pool_idle = pool_idle
         self._pool: list[Session] = []

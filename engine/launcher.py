@@ -13,7 +13,9 @@ the coordinator's: API keys set for the coordinator do not reach model code.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import secrets
@@ -53,13 +55,15 @@ def _runtime_home() -> Path:
 def _remove_stale_runs(parent: Path) -> None:
     """Remove what coordinators that were killed (SIGKILL, a crash) left in ``parent``: run
     directories are named ``DATE-TIME-PID-HEX``, and one whose PID no longer runs is stale.
-    A PID taken again by another process keeps its directory until that one ends too."""
+    A PID taken again by another process keeps its directory until that one ends too; a run
+    that was asked to keep its output (a ``.kept`` file) keeps it."""
     with contextlib.suppress(OSError):
         for entry in list(parent.iterdir()):
             fields = entry.name.split("-")
             if (len(fields) == 4 and fields[2].isdigit() and int(fields[2]) != os.getpid()
                     and not os.path.exists(f"/proc/{fields[2]}") and entry.is_dir()
-                    and not entry.is_symlink() and entry.lstat().st_uid == os.getuid()):
+                    and not entry.is_symlink() and entry.lstat().st_uid == os.getuid()
+                    and not (entry / ".kept").exists()):
                 remove_tree(entry)
 
 
@@ -103,6 +107,7 @@ class Launcher:
         output_file_cap: int = 256 * 1024 * 1024,
         zygote: bool | None = None,
         preload: Iterable[str] = (),
+        keep_output: bool = False,
     ) -> None:
         if transport not in ("ipc", "tcp"):
             raise ConfigError(f"transport must be 'ipc' or 'tcp', not {transport!r}")
@@ -120,6 +125,9 @@ class Launcher:
         self.output_file_cap = output_file_cap
         self.zygote = zygote
         self.preload = tuple(preload)
+        #: Keep the run's directory (block outputs too large for memory) after ``close``.
+        self.keep_output = keep_output
+        self._made_workspace = False  # made by this run: removed again when nothing was written
         #: Runtime packages the workers' Python lacks, loaded from agentloop's own copies.
         self.runtime_packages: dict[str, str] = {}
         # The pid in the name lets a later start remove what a killed coordinator left.
@@ -132,6 +140,7 @@ class Launcher:
         self._ctx: zmq.Context | None = None
         self._zygote: Zygote | None = None
         self._outputs = 0
+        self._first_plan: tuple[Path, _sandbox.LaunchPlan] | None = None
 
     @property
     def opened(self) -> bool:
@@ -145,9 +154,12 @@ class Launcher:
         if self.sandbox.mode != "none":
             _sandbox.check_workspace(self.workspace, self.python)
         try:
+            self._made_workspace = not self.workspace.exists()
             self.workspace.mkdir(parents=True, exist_ok=True)
             self.output_dir.mkdir(parents=True, exist_ok=True)
             os.chmod(self.run_dir, 0o700)
+            if self.keep_output:
+                (self.run_dir / ".kept").touch()
             _remove_stale_runs(self.run_dir.parent)
             runtime = _private_dir(_runtime_home())
             _remove_stale_runs(runtime)
@@ -175,8 +187,10 @@ class Launcher:
                               f"({self.python} -m pip install ...) or choose that interpreter with --python")
 
     async def close(self) -> None:
-        """Kill the fork server, destroy the context, remove the sockets, cgroups and (when
-        empty) the output directory.  Workers are closed by their owners before this."""
+        """Kill the fork server, destroy the context, remove the sockets, the cgroups and the
+        run's directory (unless ``keep_output``; then only when empty), and the workspace when
+        this run made it and nothing was written there.  Workers are closed by their owners
+        before this."""
         if self._zygote is not None:
             await self._zygote.close()
         if self._ctx is not None:
@@ -186,9 +200,16 @@ class Launcher:
         for cgroups in (self.memory_cgroups, self.pids_cgroups):
             if cgroups is not None:
                 cgroups.close()
+        if not self.keep_output:
+            await asyncio.to_thread(remove_tree, self.run_dir)
         with contextlib.suppress(OSError):
             self.output_dir.rmdir()  # only if no block needed a file
+            (self.run_dir / ".kept").unlink()
             self.run_dir.rmdir()
+        if self._made_workspace:
+            for leftover in (self.workspace / ".tmp", self.workspace):  # (.tmp: the fallback's TMPDIR)
+                with contextlib.suppress(OSError):
+                    leftover.rmdir()
 
     # -- one worker -------------------------------------------------------------------------------
     def socket(self) -> zmq.Socket:
@@ -213,11 +234,27 @@ class Launcher:
         return self.output_dir / f"w{index}-{self._outputs}-{_file_part(block_id)}.txt"
 
     def plan(self, sock_dir: Path) -> _sandbox.LaunchPlan:
-        """The sandbox plan for a process that may see ``sock_dir`` (a worker's, or the root)."""
-        return _sandbox.plan(self.sandbox, socket_dir=sock_dir, workspace=self.workspace,
-                             cwd=self.cwd, output_dir=self.output_dir, python=self.python,
-                             memory_cgroup=self.memory_cgroups is not None,
-                             pids_cgroup=self.pids_cgroups is not None)
+        """The sandbox plan for a process that may see ``sock_dir`` (a worker's, or the root).
+
+        The plans of one run differ in the socket directory alone: the first is made in full
+        (a few milliseconds: the view, the uid, the confinement), later ones are copies of it
+        naming their own directory, made searchable by the run's uid as the full one would."""
+        first = self._first_plan
+        if first is None or sock_dir.parent != first[0].parent:
+            plan = _sandbox.plan(self.sandbox, socket_dir=sock_dir, workspace=self.workspace,
+                                 cwd=self.cwd, output_dir=self.output_dir, python=self.python,
+                                 memory_cgroup=self.memory_cgroups is not None,
+                                 pids_cgroup=self.pids_cgroups is not None)
+            if first is None and sock_dir.parent == self.sock_root:
+                self._first_plan = (sock_dir, plan)
+            return plan
+        old, plan = first
+        if plan.uid is not None:
+            os.chmod(sock_dir, 0o711)  # as ``sandbox._share_with_run`` leaves a worker's directory
+        return dataclasses.replace(plan, argv_prefix=[str(sock_dir) if a == str(old) else a
+                                                      for a in plan.argv_prefix],
+                                   confine=json.loads(json.dumps(plan.confine)), notes=list(plan.notes),
+                                   env=dict(plan.env))
 
     def env(self, token: str, plan: _sandbox.LaunchPlan) -> dict[str, str]:
         """A worker's whole environment: the allowlist, the sandbox's needs, the handshake token."""

@@ -53,6 +53,14 @@ class BlockResult:
         """The code raised ``SystemExit`` (``exit_code`` is its status); the worker lives on."""
         return self.exit_code is not None and self.status in ("ok", "error")
 
+    def refused_write(self) -> bool:
+        """Whether the code ended on a write the file system refused (EROFS, EACCES): the
+        sandbox's rule, most likely, which the caller then states."""
+        if self.status != "error":
+            return False
+        tail = (self.error or self.output[-4096:]).rstrip().rsplit("\n", 1)[-1]
+        return "[Errno 30] Read-only file system" in tail or "[Errno 13] Permission denied" in tail
+
     def text(self) -> str:
         """Output, traceback and a ``[what happened]`` suffix, concatenated as the seed does
         (``output + "[timed out]"``), for a model or a log."""

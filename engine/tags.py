@@ -314,16 +314,17 @@ ENVIRONMENT = """You are running on the '{model_alias}' model ({model}). When yo
 {available_models}
 Environment:
 Runtime: Python {python} on {os}
-CPU cores: {cpu}{ram}
+CPU cores: {cpu}{ram}{files}
 Top-level installed packages: {packages}{namespace}"""
 
 
 def build_system(*, model_alias: str, model: str, available_models: str, python: str, os: str, cpu: int | None,
                  ram: str, packages: Sequence[str], namespace_block: str, minimal: bool = False,
-                 guide: str | None = None) -> str:
+                 guide: str | None = None, files: str = "") -> str:
     """The system prompt: the format guide (SYSTEM) then the filled ENVIRONMENT.
 
-    `ram` is ``"12 GB available of 16 GB"`` or "" when unknown; `namespace_block` comes from
+    `ram` is ``"12 GB available of 16 GB"`` or "" when unknown; `files` the one line saying where
+    code may write (``writable_places``); `namespace_block` comes from
     describe_namespace. `minimal` (AGENT_MINIMAL_SYSTEM=1) drops the guide, for models fine-tuned to
     know the format. `guide` replaces SYSTEM (the tool-calling protocol has its own).
     """
@@ -336,9 +337,22 @@ def build_system(*, model_alias: str, model: str, available_models: str, python:
         os=os,
         cpu=cpu,
         ram=f"\nRAM: {ram}" if ram else "",
+        files=f"\nFiles: {files}" if files else "",
         packages=", ".join(packages),
         namespace=namespace_block,
     )
+
+
+def writable_places(cwd: str, workspace: str, sandboxed: bool) -> str:
+    """Where code may write, in one line for the model (and for a write refused elsewhere)."""
+    if not sandboxed:
+        return f"no sandbox; keep your files in the workspace {workspace}"
+    if cwd == workspace:
+        return (f"write in the current directory {workspace} (the workspace; ./files is there too) "
+                "and $TMPDIR; everything else is read-only")
+    if workspace == cwd.rstrip("/") + "/files":
+        return f"the current directory {cwd} is read-only; write in ./files ({workspace}) and $TMPDIR"
+    return f"write in the workspace {workspace} and $TMPDIR; everything else, the current directory {cwd} included, is read-only"
 
 
 def describe_namespace(descriptions: Sequence[str]) -> str:

@@ -323,8 +323,11 @@ async def test_errors_of_the_infrastructure_are_told_apart(tmp_path):
         with pytest.raises(ModelError) as status_404:
             await Chat("s", live, max_retries=0).send("[404]")
 
-    def failed(exc: BaseException) -> RunResult:
-        return RunResult(None, "failed", str(exc))
+    def failed(exc: BaseException | str) -> RunResult:  # as run_task reports an exception
+        if isinstance(exc, str):
+            return RunResult(None, "failed", exc)
+        return RunResult(None, "failed", str(exc), extra={"error_type": type(exc).__name__,
+                                                          "http_status": getattr(exc, "status", None)})
 
     assert is_infrastructure(failed(unreachable.value))
     assert is_infrastructure(failed(status_500.value))

@@ -126,28 +126,23 @@ def run_slug(key: str) -> str:
     return f"{clean or 'id'}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
 
 
-#: Stopgap until RunResult says which exception ended a run: the first words of what
-#: ModelUnreachable, a retryable ModelResponseError (5xx, 408, 429 after the client's own
-#: retries) and WorkerStartError / WorkerError raise.  ``cannot use the model URL`` (also a
-#: ModelUnreachable) is a configuration mistake and deliberately not matched.
-_INFRA_TEXT = re.compile(
-    r"(cannot reach the model at |the model at \S+ did not answer within "
-    r"|the model endpoint \S+ answered HTTP (5\d\d|408|429)\b"
-    r"|(worker '[^']*': )?(could not start a worker|worker failed to start)\b"
-    r"|worker '[^']*' (failed to start|did not answer)\b)")
+#: Exceptions that end a run for reasons outside the model (``RunResult.extra["error_type"]``).
 _INFRA_TYPES = {"ModelUnreachable", "WorkerStartError", "WorkerError", "WorkerClosed"}
 
 
 def is_infrastructure(result: RunResult) -> bool:
-    """Whether a failed run failed for reasons outside the model (worth another attempt)."""
+    """Whether a failed run failed for reasons outside the model (worth another attempt): the
+    endpoint unreachable or answering 5xx, 408 or 429 after the client's own retries, a worker
+    that does not start or answer.  ``cannot use the model URL`` (a ModelUnreachable too) is a
+    configuration mistake and never retried."""
     if result.status != "failed":
         return False
-    kind = result.extra.get("error_type") if result.extra else None
+    extra = result.extra or {}
+    kind = extra.get("error_type")
     if kind == "ModelResponseError":
-        return bool(_INFRA_TEXT.match(result.error))
-    if kind:
-        return kind in _INFRA_TYPES and not result.error.startswith("cannot use the model URL")
-    return bool(_INFRA_TEXT.match(result.error))
+        status = extra.get("http_status")
+        return isinstance(status, int) and (status >= 500 or status in (408, 429))
+    return kind in _INFRA_TYPES and not result.error.startswith("cannot use the model URL")
 
 
 def make_record(spec: TaskSpec, settings: RunSettings, *, status: str, answer: str | None = None,
@@ -207,7 +202,8 @@ def _clear(run_dir: Path, first: bool) -> None:
 
 
 def _place_files(workspace: Path, spec: TaskSpec, packed: list[tuple[str, bytes, int]] | None) -> list[Path]:
-    """Copy the task's files into the workspace; the paths placed there (top level)."""
+    """Copy the task's files into the workspace, and make its ``files`` directory; the paths
+    placed there (top level)."""
     workspace.mkdir(parents=True, exist_ok=True)
     placed: list[Path] = []
     if packed is not None:
@@ -225,6 +221,11 @@ def _place_files(workspace: Path, spec: TaskSpec, packed: list[tuple[str, bytes,
             else:
                 shutil.copy2(source, target)
             placed.append(target)
+    # ./files, as under run and exec: the place the system prompt names for the run's output.
+    files = workspace / "files"
+    if not files.is_dir() or files.is_symlink():
+        files.mkdir(mode=0o755)
+        placed.append(files)
     return placed
 
 
@@ -260,7 +261,7 @@ async def _attempt(spec: TaskSpec, settings: RunSettings, attempt: int, display:
     # server) of its own, and starting one costs more than the one or two workers a run starts.
     engine = RunEngine(max_workers=settings.max_workers, cwd=workspace, workspace=workspace,
                        sandbox=settings.sandbox, state_dir=run_dir / "state", pool=0, zygote=False,
-                       preload=settings.preload, python=settings.python)
+                       preload=settings.preload, python=settings.python, keep_output=True)
     infrastructure = False
     tools = None
     try:

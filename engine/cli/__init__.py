@@ -9,7 +9,6 @@ SIGTERM).  Whatever a model or a worker wrote is printed inert (``engine.inert``
 
 from __future__ import annotations
 
-import functools
 import importlib
 import logging
 import signal
@@ -75,19 +74,3 @@ def main(verbose: bool) -> None:
     # running blocks and workers are stopped and the run's sockets and directories removed.
     # Commands that handle signals themselves (batch, chat) replace this while they run.
     signal.signal(signal.SIGTERM, terminated)
-
-
-# Transitional names for engine/cli/mcp.py, until it takes ``worker_options`` directly.
-_fail = fail
-
-
-def _sandbox_options(f):
-    @functools.wraps(f)
-    def with_values(*args, **kwargs):
-        s = worker_settings()
-        return f(*args, sandbox=s.sandbox, network=s.network, workspace=s.workspace, **kwargs)
-    return worker_options(with_values)
-
-
-def _policy(sandbox: str, network: bool):
-    return worker_settings().policy()

@@ -87,13 +87,19 @@ def exec_cmd(file, args: tuple[str, ...], timeout: float, as_json: bool, allow_s
     on_its_own = result.exited or (result.status == "died" and not result.signal and result.exit_code)
     if result.message and not on_its_own:
         err.text(f"agentloop: {result.message}\n")
-    if result.truncated and result.output_file:
-        err.text(f"agentloop: the whole output is in {result.output_file}\n")
+    if result.refused_write():
+        workspace = worker_settings().workspace or "./files"
+        err.text(f"agentloop: note: in this sandbox code writes only to the workspace ({workspace}) and "
+                 "$TMPDIR; the rest is read-only\n")
+    # All of it was streamed here; the file is kept only on request (then it is said where).
+    output_file = result.output_file if worker_settings().keep_output else None
+    if result.truncated and output_file:
+        err.text(f"agentloop: the whole output is in {output_file}\n")
     if as_json:
         click.echo(json.dumps({
             "status": result.status, "exit_code": _exit_code(result),
             "duration_s": round(result.duration_s, 4), "output_bytes": result.output_bytes,
-            "truncated": result.truncated, "output_file": result.output_file,
+            "truncated": result.truncated, "output_file": output_file,
         }))
     sys.exit(_exit_code(result))
 

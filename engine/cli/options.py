@@ -82,6 +82,7 @@ class WorkerSettings:
     workspace: Path | None = None
     preload: tuple[str, ...] = ()
     python: str | None = None
+    keep_output: bool = False
     limits: dict = field(default_factory=dict)
 
     def policy(self) -> SandboxPolicy:
@@ -97,7 +98,8 @@ class WorkerSettings:
             python = choose_python(self.python)
         except AgentloopError as exc:
             fail(str(exc))
-        return {"sandbox": self.policy(), "workspace": self.workspace, "preload": self.preload, "python": python}
+        return {"sandbox": self.policy(), "workspace": self.workspace, "preload": self.preload, "python": python,
+                "keep_output": self.keep_output}
 
 
 def worker_settings() -> WorkerSettings:
@@ -152,6 +154,10 @@ def worker_options(f):
         click.option("--preload", default=None, metavar="MODULES", expose_value=False,
                      callback=_preload,
                      help="Modules the fork server imports once for every worker, e.g. numpy,pandas."),
+        click.option("--keep-output", is_flag=True, default=None, expose_value=False,
+                     callback=_setting("keep_output"),
+                     help="Keep the files of block outputs too large for memory after the run (batch "
+                          "always keeps them, in each run's directory)."),
         _limit("--memory", "memory_bytes", Size(), "Memory per worker (default 2G)."),
         _limit("--cpu-time", "cpu_seconds", click.IntRange(1), "CPU seconds per worker (default: no limit)."),
         _limit("--max-processes", "max_processes", click.IntRange(1), "Processes per worker (default 256)."),

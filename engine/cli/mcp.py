@@ -1,0 +1,63 @@
+"""``agentloop mcp``: agentloop's workers as an MCP server (``engine.integrations.mcp``).
+
+The MCP SDK is an optional extra: without it the command says which one to install, and the
+rest of the command line keeps working.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from ..errors import AgentloopError
+from .options import Duration, fail, worker_options, worker_settings
+
+
+@click.command("mcp")
+@click.option("--http", "http", metavar="HOST:PORT", default=None,
+              help="Serve the streamable HTTP transport at http://HOST:PORT/mcp instead of stdio "
+                   "(port 0 picks a free one; the URL is printed on stderr).")
+@click.option("--idle-timeout", type=Duration(), default="30m", show_default=True,
+              help="Close a session (its worker; its files stay) after this long without a call.")
+@click.option("--max-sessions", type=click.IntRange(1, 256), default=8, show_default=True,
+              help="Sessions open at once; run_python naming one more is refused in words.")
+@worker_options
+def mcp(http: str | None, idle_timeout: float, max_sessions: int) -> None:
+    """Serve agentloop's sandboxed workers to an MCP client (stdio by default).
+
+    Tools: run_python(code, session="default", timeout="30s") runs code in the session's
+    persistent worker (output streamed as progress notifications); reset_session(session);
+    list_sessions().  Each session is a sandbox of its own whose files, in WORKSPACE/SESSION
+    (default ./files/SESSION), are readable as resources agentloop://SESSION/PATH.  The sandbox
+    and limit options, --python and --preload apply to every session.  The server stops, killing every worker, when the
+    client closes the connection or on SIGTERM."""
+    try:
+        from ..integrations import mcp as server
+        from ..integrations import mcp_transports as transports
+    except ImportError as exc:  # its message names the extra to install
+        fail(str(exc))
+    address = None
+    if http is not None:
+        try:
+            address = transports.parse_address(http)
+        except ValueError as exc:
+            fail(f"--http: {exc}")
+        if address[0] not in ("127.0.0.1", "localhost", "::1"):
+            click.echo(f"agentloop: warning: anyone who reaches {http} can run code in the sandbox "
+                       "(the MCP transport carries no authentication here)", err=True)
+    settings = worker_settings()
+    engine = settings.engine_options()  # the interpreter chosen, the policy (warning for --sandbox none)
+    config = server.ServerConfig(
+        workspace=(settings.workspace or Path("files")).resolve(), policy=engine["sandbox"],
+        cwd=Path(os.getcwd()).resolve(), idle_timeout=idle_timeout, max_sessions=max_sessions,
+        python=engine["python"], preload=tuple(engine["preload"]))
+
+    def announce(url: str) -> None:
+        click.echo(f"agentloop: serving MCP at {url}", err=True)
+
+    try:
+        transports.run(config, address, announce)
+    except AgentloopError as exc:
+        fail(str(exc))
