@@ -123,10 +123,10 @@ class CodeTask:
             result = self._work.result()
             body = result.text()
             status = result.status
-        except asyncio.CancelledError:
-            body, status = "[cancelled]", "cancelled"
             if result.refused_write():
                 body += f"[note: {agent.writable_places()}]"
+        except asyncio.CancelledError:
+            body, status = "[cancelled]", "cancelled"
         except AgentloopError as exc:  # the worker could not even be started again
             body, status = f"[failed] {exc}", "error"
         # The workspace is a bind mount that no quota caps: its size is checked between blocks.
