@@ -16,6 +16,8 @@ SCRIPTS = Path(__file__).parent / "scripts"
 CASES = {
     "argv.py": (["a", "b c", "--flag", "-x"], ""),
     "stdin_greet.py": ([], "Bob\nrest of it\n"),
+    "argparse_args.py": (["1", "2", "39", "--scale", "0.5", "-v"], ""),
+    "argparse_error.py": (["not-a-number"], ""),
 }
 
 
@@ -31,12 +33,20 @@ def _run(argv: list[str], stdin: str, tmp_path: Path) -> tuple[str, str, int]:
 #: Known to differ at times: what was flushed just before a SIGKILL has been handed to the
 #: socket's I/O thread, which the kill may stop before it writes (see worker/capture.py).
 RACY = {"last_words_kill.py"}
+#: Differences that remain, and why (the README lists them too).
+KNOWN = {"threads_pool.py": "threading.enumerate() lists the runtime's own two threads (output pump, listener)"}
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(reason="flushed output can be lost to an immediate SIGKILL",
-                                            strict=False)) if n in RACY else n
-    for n in sorted(p.name for p in SCRIPTS.glob("*.py"))])
+def _param(name: str):
+    if name in RACY:
+        return pytest.param(name, marks=pytest.mark.xfail(reason="flushed output can be lost to an immediate "
+                                                                 "SIGKILL", strict=False))
+    if name in KNOWN:
+        return pytest.param(name, marks=pytest.mark.xfail(reason=KNOWN[name], strict=True))
+    return name
+
+
+@pytest.mark.parametrize("name", [_param(n) for n in sorted(p.name for p in SCRIPTS.glob("*.py"))])
 def test_exec_runs_a_script_as_python_does(name, tmp_path):
     script = str(SCRIPTS / name)
     args, stdin = CASES.get(name, ([], ""))
