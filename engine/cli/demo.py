@@ -63,12 +63,12 @@ for step in range(1, 5):
     print(f"step {step} of 4", flush=True)
 </run_code>"""
 
-_STUCK = """Next, a block stuck inside C (time.sleep) with a 1 s deadline. Cancellation cannot reach it, \
-so the engine has to kill the worker.
+_STUCK = """Next, a block stuck inside C (a catastrophic regular expression) with a 1 s deadline. No \
+interrupt can reach it (a sleeping block would just get TimeoutError), so the engine has to kill the worker.
 
 <run_code id="stuck" timeout="1s">
-import time
-time.sleep(10**6)
+import re
+re.match(r"(a+)+$", "a" * 40 + "b")
 </run_code>"""
 
 _AFTER = """What is left in the namespace after the kill? And a function to hand to a sub-agent.
@@ -148,8 +148,8 @@ def _summary(seen: str) -> str:
     stuck = results.get("stuck", "")
     lost = re.search(r"lost variables: ([^)\]]*)", stuck)
     if "worker was killed" in stuck:
-        kill = ("block stuck sat in time.sleep() past its 1 s deadline; cancellation could not reach C "
-                "code, so the worker was killed and a fresh one started"
+        kill = ("block stuck sat in the regular expression engine past its 1 s deadline; no interrupt "
+                "reaches C code, so the worker was killed and a fresh one started"
                 + (f" (lost: {lost.group(1)})." if lost else "."))
     else:
         kill = "block stuck was not killed."
