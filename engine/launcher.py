@@ -25,7 +25,7 @@ from pathlib import Path
 
 import zmq
 
-from . import interpreter
+from . import _uids, interpreter
 from . import sandbox as _sandbox
 from ._cgroup import WorkerCgroups
 from ._process import Launch
@@ -108,6 +108,7 @@ class Launcher:
         zygote: bool | None = None,
         preload: Iterable[str] = (),
         keep_output: bool = False,
+        own_workspaces: bool = False,
     ) -> None:
         if transport not in ("ipc", "tcp"):
             raise ConfigError(f"transport must be 'ipc' or 'tcp', not {transport!r}")
@@ -127,7 +128,11 @@ class Launcher:
         self.preload = tuple(preload)
         #: Keep the run's directory (block outputs too large for memory) after ``close``.
         self.keep_output = keep_output
+        #: Each worker sees an empty workspace of its own instead of the shared one (a tmpfs the
+        #: fork server mounts there; code samples).  Needs the fork server.
+        self.own_workspaces = own_workspaces
         self._made_workspace = False  # made by this run: removed again when nothing was written
+        self._uid_claimed = False
         #: Runtime packages the workers' Python lacks, loaded from agentloop's own copies.
         self.runtime_packages: dict[str, str] = {}
         # The pid in the name lets a later start remove what a killed coordinator left.
@@ -153,6 +158,9 @@ class Launcher:
         self.check_python()
         if self.sandbox.mode != "none":
             _sandbox.check_workspace(self.workspace, self.python)
+            if os.geteuid() == 0 and self.sandbox.worker_uid is None:
+                self._uid_claimed = True
+                _uids.claim(str(self.workspace))  # the run's uid, its own while it lives
         try:
             self._made_workspace = not self.workspace.exists()
             self.workspace.mkdir(parents=True, exist_ok=True)
@@ -200,6 +208,9 @@ class Launcher:
         for cgroups in (self.memory_cgroups, self.pids_cgroups):
             if cgroups is not None:
                 cgroups.close()
+        if self._uid_claimed:
+            self._uid_claimed = False
+            _uids.release(str(self.workspace))
         if not self.keep_output:
             await asyncio.to_thread(remove_tree, self.run_dir)
         with contextlib.suppress(OSError):
@@ -287,7 +298,7 @@ class Launcher:
         ``zygote=None`` (the default) uses one where it can give the same isolation: a root
         coordinator with bubblewrap."""
         if self.zygote is False or not launch.pid_namespace or not Zygote.usable(launch.argv):
-            if self.zygote:
+            if self.zygote or self.own_workspaces:
                 raise ConfigError("the fork server needs bubblewrap and a coordinator running as root")
             return None
         if self._zygote is None:
@@ -296,6 +307,8 @@ class Launcher:
             self._zygote = Zygote(plan, self.env("", plan), python=self.python, packages=self.runtime_packages,
                                   cwd=self.cwd, sandbox=self.sandbox, start_timeout=self.start_timeout,
                                   preload=self.preload)
+            if self.own_workspaces:
+                self._zygote.own_workspace = str(self.workspace)
         return self._zygote
 
     # -- cgroups ----------------------------------------------------------------------------------

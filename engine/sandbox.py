@@ -31,12 +31,11 @@ import os
 import shutil
 import subprocess
 import sys
-import zlib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from engine import interpreter
+from engine import _uids, interpreter
 from engine._bwrap import View, _beneath, _bwrap_flags, _outermost, _parents, bwrap_argv
 from engine._tree import TreeError, disk_usage
 from engine.errors import ConfigError, SandboxError
@@ -59,8 +58,6 @@ _TOP = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # merged-/usr s
 _DEV_FILES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 _CPU_INFO = "/sys/devices/system/cpu"  # read by os.cpu_count() and BLAS thread pools
 
-# Root workers switch to a uid in this range, derived from the workspace (see `_worker_uid`).
-_UID_BASE, _UID_SPAN = 2_000_000_000, 100_000_000
 
 _AF_UNIX, _AF_INET, _AF_NETLINK, _AF_INET6 = 1, 2, 16, 10
 
@@ -285,11 +282,12 @@ def _shareable_cwd(cwd: Path, force: bool | None) -> tuple[bool, str]:
 
 def _worker_uid(policy: SandboxPolicy, workspace: Path) -> int:
     # One uid (and gid) per workspace: every worker of the run runs as it, so a replacement
-    # worker owns what its predecessor wrote; other runs almost surely get another, so
-    # ordinary file permissions separate them too.
+    # worker owns what its predecessor wrote; a run on another workspace alive at the same time
+    # never gets it (``engine._uids``), so ordinary file permissions separate them too.
     if policy.worker_uid is not None:
         return policy.worker_uid
-    return _UID_BASE + zlib.crc32(str(workspace).encode()) % _UID_SPAN
+    held = _uids.of(str(workspace))
+    return held if held is not None else _uids.claim(str(workspace))  # (a plan made outside a Launcher)
 
 
 def root_blocker(python: str, use_bwrap: bool) -> str | None:
