@@ -193,18 +193,6 @@ max_tokens_option = click.option(
 
 
 
-def _remember_max_tokens(ctx, param, value):
-    if value is not None:
-        ctx.meta["agentloop.max_tokens"] = value
-
-
-#: ``--max-tokens``: read by ``load_registry``, so commands need no parameter for it.
-max_tokens_option = click.option(
-    "--max-tokens", type=click.IntRange(1), default=None, expose_value=False, callback=_remember_max_tokens,
-    help="Longest reply in tokens, sent as max_tokens (default: each model alias's max_tokens in "
-         "agentloop.toml, else 8192).  A reply cut there is never taken as the answer.")
-
-
 def agent_options(f):
     """The model and agent options of the commands that run agents interactively (run, chat);
     the worker options are ``worker_options``'s."""
