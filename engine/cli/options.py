@@ -37,7 +37,6 @@ class Duration(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
-
 def fail(message: str) -> None:
     """End the command with one line on stderr and exit status 125 (agentloop's own errors)."""
     click.echo(inert(f"agentloop: {message}"), err=True)  # messages quote endpoints and files
