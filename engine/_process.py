@@ -182,12 +182,34 @@ def _children_map() -> dict[int, list[int]]:
     return children
 
 
+def _children(pid: int) -> list[int]:
+    """The live children of process ``pid``, of every thread of it (``/proc/PID/task/TID/children``:
+    a few small reads instead of a look at every process of the machine)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []  # gone
+    found: list[int] = []
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                found += map(int, f.read().split())
+        except OSError:
+            continue  # a thread that ended meanwhile
+    return found
+
+
+#: Whether the kernel lists each task's children (CONFIG_PROC_CHILDREN); else every process is read.
+_CHILDREN_FILES = os.path.exists(f"/proc/self/task/{os.getpid()}/children")
+
+
 def descendants(root: int) -> list[int]:
     """Every live process below ``root`` (children, grandchildren, ...)."""
-    tree = _children_map()
+    tree = None if _CHILDREN_FILES else _children_map()
     out, todo = [], [root]
     while todo:
-        for child in tree.get(todo.pop(), ()):
+        pid = todo.pop()
+        for child in _children(pid) if tree is None else tree.get(pid, ()):
             out.append(child)
             todo.append(child)
     return out

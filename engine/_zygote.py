@@ -109,6 +109,9 @@ class Zygote:
         self.start_timeout = start_timeout
         self.preload = preload
         self.packages = packages  # see ``runtime_argv``
+        #: Where set, each worker gets an empty workspace of its own there, a tmpfs gone with it
+        #: (code samples: ``engine.samples``).
+        self.own_workspace: str | None = None
         self._proc: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task | None = None
         self._waiting: dict[int, asyncio.Future] = {}
@@ -197,11 +200,17 @@ class Zygote:
         request = {"t": "spawn", "id": rid, "endpoint": launch.argv[-1], "env": launch.env,
                    "cwd": str(launch.cwd), "private_net": not self.sandbox.network,
                    "tmp_bytes": self.sandbox.tmp_bytes}
+        if self.own_workspace is not None:
+            request["own_workspace"] = self.own_workspace
         data = msgpack.packb(request, use_bin_type=True)
         self._proc.stdin.write(struct.pack(">I", len(data)) + data)
         try:
-            reply = await asyncio.wait_for(future, self.start_timeout)
-        except (TimeoutError, EOFError) as exc:
+            reply = await asyncio.wait_for(asyncio.shield(future), self.start_timeout)
+        except (TimeoutError, EOFError, asyncio.CancelledError) as exc:
+            # The request stands: a worker forked for it after all would belong to nobody.
+            future.add_done_callback(self._unowned)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
             raise WorkerStartError(f"the fork server did not fork: {exc}") from exc
         if reply["t"] == "failed":
             raise WorkerStartError(f"the fork server could not fork: {reply.get('error')}")
@@ -213,6 +222,14 @@ class Zygote:
             said = self.stderr_tail.decode("utf-8", "replace").strip()
             raise WorkerStartError(f"the forked worker exited at once: {said}")
         return ZygoteProcess(self, host, below[0])
+
+    def _unowned(self, future: asyncio.Future) -> None:
+        """Kill what the server forked for a request nobody waits for any more (its namespace's
+        init: the worker goes with it)."""
+        if future.cancelled() or future.exception() is not None or future.result().get("t") != "spawned":
+            return
+        with contextlib.suppress(WorkerStartError, ValueError, TypeError):
+            _signal(self._host_pid(int(future.result()["pid"])), 9)
 
     def _host_pid(self, zpid: int) -> int:
         """The host pid of the server's child ``zpid`` (numbered in the sandbox's namespace)."""

@@ -19,13 +19,15 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
 from . import sandbox as _sandbox
 from ._session import Session
+from .durations import DEFAULT_BLOCK_TIMEOUT
 from .errors import AgentloopError, ConfigError
 from .launcher import ENV_ALLOWLIST, Launch, Launcher
+from .samples import OUTPUT_BYTES, Sample, SampleResult, SampleRunner, map_samples
 from .worker import Worker
 
 __all__ = ["ENV_ALLOWLIST", "Engine", "Launch"]
@@ -60,6 +62,8 @@ class Engine:
         zygote: bool | None = None,
         preload: Iterable[str] = (),
         keep_output: bool = False,
+        own_workspaces: bool = False,
+        tty: Iterable[int] = (),
     ) -> None:
         if not 0 < grace <= 1.0:
             raise ConfigError("grace must be in (0, 1] seconds")
@@ -70,13 +74,14 @@ class Engine:
             transport=transport, tcp_bind=tcp_bind, connect_host=connect_host, state_dir=state_dir,
             start_timeout=start_timeout, grace=grace, env_allow=env_allow,
             output_file_cap=output_file_cap, zygote=zygote, preload=preload,
-            keep_output=keep_output)
+            keep_output=keep_output, own_workspaces=own_workspaces, tty=tty)
         self.pool_size = max(0, pool)
         self.pool_idle = pool_idle
         self._pool: list[Session] = []
         self._pool_filling: asyncio.Task | None = None
         self._pool_shrink: asyncio.TimerHandle | None = None
         self.workers: list[Worker] = []
+        self._samples: SampleRunner | None = None
         self._closed = False
 
     # What the run is, as its launcher holds it.
@@ -116,6 +121,8 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        if self._samples is not None:
+            await self._samples.close()
         if self._pool_filling is not None:
             self._pool_filling.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -126,6 +133,24 @@ class Engine:
         await asyncio.gather(*(w.close() for w in self.workers), *(s.kill() for s in pooled),
                              return_exceptions=True)
         await self.launcher.close()
+
+    def map(self, samples: Iterable[Sample], *, concurrency: int | None = None,
+            timeout: float = DEFAULT_BLOCK_TIMEOUT, output_bytes: int = OUTPUT_BYTES) -> AsyncIterator[SampleResult]:
+        """Run code samples, ``concurrency`` at once (default: twice the usable CPUs), each as
+        ``agentloop exec`` runs a file, in a fresh worker with namespaces, ``/tmp`` and workspace of
+        its own that is killed after; an async iterator of ``SampleResult``, in the order they
+        complete.  ``timeout``: the deadline of a sample that names none.  Leaving the iteration
+        early kills the samples still running.  See ``engine.samples``::
+
+            async for result in engine.map([Sample("a", "print(1)"), Sample("b", "1/0")]):
+                print(result.id, result.status, result.exit_code)
+        """
+        if self._closed:
+            raise ConfigError("this engine was shut down; create a new Engine")
+        if self._samples is None:
+            self._samples = SampleRunner(self, Engine)
+        return map_samples(self._samples, samples, concurrency=concurrency, timeout=timeout,
+                           output_bytes=output_bytes)
 
     # -- the warm pool ---------------------------------------------------------------------------
     @property

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import secrets
+import shutil
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -109,6 +110,7 @@ class Launcher:
         preload: Iterable[str] = (),
         keep_output: bool = False,
         own_workspaces: bool = False,
+        tty: Iterable[int] = (),
     ) -> None:
         if transport not in ("ipc", "tcp"):
             raise ConfigError(f"transport must be 'ipc' or 'tcp', not {transport!r}")
@@ -131,6 +133,9 @@ class Launcher:
         #: Each worker sees an empty workspace of its own instead of the shared one (a tmpfs the
         #: fork server mounts there; code samples).  Needs the fork server.
         self.own_workspaces = own_workspaces
+        #: The workers' fds (1, 2) that are a terminal (a pty of their own, with the size of the
+        #: coordinator's terminal) instead of a pipe: what ``exec`` gives a script on a terminal.
+        self.tty = tuple(fd for fd in tty if fd in (1, 2))
         self._made_workspace = False  # made by this run: removed again when nothing was written
         self._uid_claimed = False
         #: Runtime packages the workers' Python lacks, loaded from agentloop's own copies.
@@ -280,6 +285,9 @@ class Launcher:
             env["AGENTLOOP_PARENT"] = str(os.getpid())
         if plan.confine:
             env["AGENTLOOP_CONFINE"] = json.dumps(plan.confine)
+        if self.tty and token:
+            size = shutil.get_terminal_size()
+            env["AGENTLOOP_TTY"] = f"{','.join(map(str, self.tty))}:{size.lines}x{size.columns}"
         return env
 
     def launch(self, endpoint: str, sock_dir: Path, token: str) -> Launch:

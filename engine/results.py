@@ -24,7 +24,11 @@ class BlockResult:
 
     ``status``: ok (finished), error (raised; ``error`` holds the user's traceback),
     timeout (hit its deadline), cancelled (stopped on request), died (the worker crashed),
-    killed (the worker was killed because of another block).  A ``SystemExit`` is ok (status
+    killed (the worker was killed because of another block).  A timeout or a cancel is an
+    interrupt first: a ``TimeoutError`` (for a cancel, a ``KeyboardInterrupt``) raised where the
+    code waits; when the code stops, ``error`` holds its traceback, ``worker_killed`` is false,
+    the namespace is kept and ``message`` says what was raised.  Only code the interrupt cannot
+    stop is killed, and ``message`` says which it was.  A ``SystemExit`` is ok (status
     0) or error, with ``exit_code`` set (``exited``).  ``message`` says in words what
     happened whenever the status is not ok; ``lost_vars`` names the variables a worker
     kill took with it.

@@ -3,8 +3,9 @@
 A ``Worker`` outlives the processes behind it: when a block has to be killed, or the
 process crashes, the handle starts a fresh one and the next block runs there (with an
 empty namespace, which the result says).  Deadlines are kept here, never trusted to the
-worker: at the deadline the block is cancelled cooperatively; if it has not stopped within
-``grace`` seconds, the whole process tree is killed with SIGKILL.
+worker: at the deadline the block is interrupted (an exception raised inside what it waits
+on; the namespace is kept); if it has not stopped within ``grace`` seconds, the whole
+process tree is killed with SIGKILL (see ``Worker._supervise``).
 
 Everything a worker sends is checked: frames are size-bounded and decoded without
 unpickling, and messages from a peer that did not complete the handshake are dropped.  A
@@ -45,6 +46,8 @@ _MAX_VAR_NAME = 100
 _MAX_VARS = 200
 #: Host calls one worker may have running at once; more are refused in words, not queued.
 _MAX_CALLS = 64
+#: Longest words of the worker's on an interrupt (``note``, ``why``) that reach a result.
+_MAX_NOTE = 600
 
 
 class WorkerState(enum.Enum):
@@ -69,7 +72,10 @@ class _Block:
         self.future: asyncio.Future[BlockResult] = asyncio.get_running_loop().create_future()
         self.timed_out = False
         self.stopping: asyncio.Future | None = None  # the stop a deadline started
-        self.stuck = asyncio.Event()  # the worker says cancellation cannot reach the block
+        self.stuck = asyncio.Event()  # the worker says the interrupt cannot reach the block
+        self.stuck_why = ""  # ... and why
+        self.interrupted = False  # the worker has answered the interrupt (stuck or stopping)
+        self.stopping_why = ""  # the worker's words on a block that runs on after its interrupt
 
     def finish(self, status: str, *, error: str = "", message: str = "", **extra) -> None:
         if self.future.done():
@@ -280,12 +286,15 @@ class Worker:
             status = msg.get("status")
             error = msg.get("error") if isinstance(msg.get("error"), str) else ""
             error = error[:_MAX_ERROR]
-            if status == "cancelled" and block.timed_out:
-                block.finish("timeout", message=f"timed out after {_secs(block.timeout)}")
-            elif status == "cancelled":
-                block.finish("cancelled", message="cancelled")
+            note = msg.get("note") if isinstance(msg.get("note"), str) else ""
+            note = note[:_MAX_NOTE]
+            why = f"timed out after {_secs(block.timeout)}" if block.timed_out else "cancelled"
+            if status == "cancelled":
+                # Interrupted, and the process lives on: say what was raised and that nothing was lost.
+                block.finish("timeout" if block.timed_out else "cancelled", error=error,
+                             message=f"{why}: {note}; the worker and its namespace are kept" if note else why)
             elif status in ("ok", "error"):
-                block.finish(status, error=error)
+                block.finish(status, error=error, message=f"{why}: {note}" if note else "")
             elif status == "exit":
                 code = msg.get("code")
                 code = code if type(code) is int and 0 <= code <= 255 else 1
@@ -294,12 +303,16 @@ class Worker:
                                      "are kept")
             else:
                 block.finish("error", error=error, message=f"worker reported status {status!r}")
-        elif kind == "stuck":
+        elif kind in ("stuck", "stopping"):
             block = self._blocks.get(msg.get("id"))  # type: ignore[arg-type]
-            if block is None:
-                session.drop("stuck for no running block")
-            else:
-                block.stuck.set()
+            why = msg.get("why") if isinstance(msg.get("why"), str) else ""
+            if block is not None:  # else stale: the block's done came first, an honest race
+                block.interrupted = True
+                if kind == "stuck":
+                    block.stuck_why = why[:_MAX_NOTE]
+                    block.stuck.set()
+                else:
+                    block.stopping_why = why[:_MAX_NOTE]
         elif kind == "resp":
             future = self._requests.pop(msg.get("rid"), None)  # type: ignore[arg-type]
             if future is None or future.done():
@@ -445,10 +458,21 @@ class Worker:
 
         - The deadline is ``timeout`` seconds from when the ``run`` was sent, kept by the
           coordinator; the worker's own clock and good will are never relied on.
-        - At the deadline the block is cancelled cooperatively (its task cancelled, or an
-          exception raised in its thread), and its ``finally:`` blocks get ``grace`` (the engine's, ``Engine(grace=...)``).
+        - At the deadline the block is interrupted as Jupyter interrupts a cell: a
+          ``TimeoutError`` naming the deadline is raised inside what it waits on (a block on
+          the worker's main thread: ``time.sleep``, ``Event.wait``, ``queue.get``, ``select``,
+          socket reads, ``subprocess`` waits; in another thread at its next Python bytecode;
+          an awaiting block's task is cancelled), and its ``finally:`` blocks get ``grace``
+          (the engine's, ``Engine(grace=...)``).  A block that stops keeps the worker, its
+          namespace and the other blocks: status ``timeout``, the traceback in ``error``, the
+          message saying what was raised and that nothing was lost.  A cancel (``cancel``, a
+          cancelled caller, Ctrl-C in ``chat``/``run``) is the same with what Ctrl-C gives a
+          script: the code's SIGINT handler, else ``KeyboardInterrupt``.
         - The worker is killed (SIGKILL to its whole tree) when the grace runs out, or at once
-          when it reports the block ``stuck`` in C code, where no cancellation can reach.
+          when it reports the block ``stuck`` where no interrupt can reach (signals blocked or
+          ignored, an event loop held by synchronous code).  The message says which it was:
+          the worker's words, or that it did not answer at all (C code holding the
+          interpreter, such as a catastrophic regular expression).
         - A kill resets the namespace: every block running in that worker ends ("killed",
           naming the block that caused it), the result lists the variables lost, and the next
           block runs in a fresh process, bound as the first was (host functions, ``self``,
@@ -484,8 +508,10 @@ class Worker:
         return await asyncio.shield(self._stop(block, "cancelled"))
 
     async def _stop(self, block: _Block, why: str) -> BlockResult:
-        """Cooperative cancel, then — after ``grace`` — the hard kill of the whole tree."""
-        self.send(wire.cancel(block.id))
+        """The interrupt, then — after ``grace``, or at once when the worker says it cannot
+        reach the block — the hard kill of the whole tree, with words saying which it was."""
+        self.send(wire.cancel(block.id, "timeout" if block.timed_out else "cancel", block.timeout,
+                              self.launcher.grace))
         grace = self.launcher.grace
         stuck = asyncio.ensure_future(block.stuck.wait())
         try:
@@ -495,9 +521,14 @@ class Worker:
         async with self._lock:
             if not block.future.done():
                 if block.stuck.is_set():
-                    how = "it is blocked outside Python (in C code), where cancellation cannot reach"
+                    how = block.stuck_why or "the interrupt cannot reach it"
+                elif block.interrupted:
+                    how = f"it did not stop within {_secs(grace)} of the interrupt: " + (
+                        block.stopping_why or "it kept running")
                 else:
-                    how = f"it did not stop within {_secs(grace)} of being cancelled"
+                    how = (f"the worker did not answer the interrupt within {_secs(grace)}: C code held "
+                           "the interpreter (a long call into C, such as a regular expression or a "
+                           "C extension's loop), where no exception can be raised")
                 log.info("worker %s: block %s: %s; killing the worker", self.name, block.id, how)
                 await self._kill_locked(f"the worker was killed because block {block.id} {why}",
                                         cause=block, cause_message=f"{why}; {how}, so the worker was killed")

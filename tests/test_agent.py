@@ -81,8 +81,10 @@ async def test_timeout_and_heartbeat(engine):
     turn = adaptive(
         ([], '<run_code id="hb" heartbeat="0.3s" timeout="20s">\nimport time\nfor i in range(4):\n'
              '    print("step", i, flush=True); time.sleep(0.7)\n</run_code>'),
-        (["<run_code_result id=hb"], '<run_code id="stuck" timeout="1s">\nimport time; time.sleep(10**6)\n'
-                                     '</run_code>'),
+        # Waits in the kernel with every signal blocked: no interrupt reaches it, the deadline kills.
+        (["<run_code_result id=hb"], '<run_code id="stuck" timeout="1s">\nimport os, signal\n'
+                                     'signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())\n'
+                                     'os.read(os.pipe()[0], 1)\n</run_code>'),
         (["<run_code_result id=stuck"], "fine"))
     script = {"slow": [turn] * 12}
     result, server = await solve(engine, script, "slow work")

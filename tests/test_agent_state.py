@@ -10,12 +10,13 @@ import re
 
 import pytest
 
-from engine.runner import run_task
 from engine.models import ModelConfig, ModelRegistry
+from engine.runner import run_task
 from engine.scripted import ScriptedServer
 
-#: A block stuck in C: cancellation cannot reach it, so the deadline ends in a kill.
-STUCK = "import ctypes\nctypes.CDLL(None).sleep(30)"
+#: A block no interrupt can reach (it waits in the kernel with every signal blocked), so the
+#: deadline ends in a kill.
+STUCK = "import os, signal\nsignal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())\nos.read(os.pipe()[0], 1)"
 PARENT_AFTER = "print(double(21), self.cost() is not None, 'asyncio' in globals(), 'data' in globals())"
 SUB_AFTER = "print(self.cost() is not None, 'asyncio' in globals(), data['k'], 'mine' in globals())"
 

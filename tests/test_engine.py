@@ -128,8 +128,14 @@ async def test_while_true_is_cancelled_cooperatively(worker):
     assert (await worker.run("print(keep)")).output == "1\n"  # same namespace: no kill was needed
 
 
-@pytest.mark.parametrize("stuck", ["import time; time.sleep(10**6)",
-                                   "import threading; threading.Event().wait()"])
+#: Code no interrupt can reach: it waits in the kernel with every signal blocked.
+SIGNALS_BLOCKED = ("import os, signal\nsignal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())\n"
+                   "os.read(os.pipe()[0], 1)")
+#: Code that holds the interpreter in C: a catastrophic regular expression.
+C_LOOP = "import re\nre.match(r'(a+)+$', 'a' * 40 + 'b')"
+
+
+@pytest.mark.parametrize("stuck", [SIGNALS_BLOCKED, C_LOOP], ids=["signals-blocked", "c-loop"])
 async def test_block_stuck_in_c_is_killed_and_replaced(worker, stuck):
     await worker.run("precious = [1, 2, 3]")
     first_pid = worker.pid
@@ -154,7 +160,7 @@ async def test_double_forked_daemon_dies_with_the_worker(worker):
             "    if os.fork() == 0:\n"
             f"        os.execvp('sleep', ['sleep', '{token}'])\n"
             "    os._exit(0)\n"
-            "import time; time.sleep(10**6)\n")
+            + SIGNALS_BLOCKED)
     task = asyncio.ensure_future(worker.run(code, timeout=1.5))
     assert await asyncio.to_thread(wait_until, lambda: processes_with(token), 10)
     result = await task
@@ -440,7 +446,7 @@ async def test_warm_pool_serves_new_workers_and_replacements(run_dir, tmp_path):
         # A kill's replacement comes from the refilled pool too.
         assert await asyncio.to_thread(wait_until, lambda: len(engine.idle_pids) == 1, 30)
         refill = engine.idle_pids[0]
-        result = await first.run("import time; time.sleep(10**6)", timeout=0.3)
+        result = await first.run(SIGNALS_BLOCKED, timeout=0.3)
         assert result.worker_killed
         assert (await first.run("print('replaced')")).output == "replaced\n"
         assert first.pid == refill
@@ -452,9 +458,9 @@ async def test_cancellation_lets_cleanup_finish_but_not_a_block_in_c(worker):
                             "finally:\n    time.sleep(0.1)\n    print('cleaned up')", timeout=0.3)
     assert tidy.status == "timeout" and not tidy.worker_killed
     assert tidy.output == "cleaned up\n"
-    # ... one sitting in C, where cancellation cannot reach, is killed without waiting it out.
-    stuck = await worker.run("import time; time.sleep(10**6)", timeout=0.3)
-    assert stuck.worker_killed and "blocked outside Python" in stuck.message
+    # ... one the interrupt cannot reach is killed without waiting it out.
+    stuck = await worker.run(SIGNALS_BLOCKED, timeout=0.3)
+    assert stuck.worker_killed and "it waits with signals blocked" in stuck.message, stuck.message
 
 
 async def test_fork_server_preloads_and_isolates(run_dir, tmp_path):

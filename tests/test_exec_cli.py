@@ -147,3 +147,50 @@ def test_exec_limits_are_settable(tmp_path):
     assert fine.returncode == 0 and fine.stdout == "fits\n"
     bad = run_exec(tmp_path, "pass", "--memory", "lots")
     assert bad.returncode == 2 and "512M, 2G" in bad.stderr
+
+
+TERMINAL = ("import os, shutil, sys\n"
+            "print(sys.stdout.isatty(), sys.stderr.isatty(), os.isatty(1), shutil.get_terminal_size())\n"
+            "print('line one\\nline two')\n")
+
+
+def _at_a_terminal(argv: list[str], cwd: Path) -> tuple[bytes, int]:
+    """Run ``argv`` with a terminal of 40 rows and 132 columns as its stdin, stdout and stderr."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    pid, fd = pty.fork()
+    if pid == 0:  # pragma: no cover - the child
+        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 132, 0, 0))
+        os.chdir(cwd)
+        env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+        os.execve(argv[0], argv, env)
+    out = b""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # EIO: the child and everything it started closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(fd)
+    _, status = os.waitpid(pid, 0)
+    return out, os.waitstatus_to_exitcode(status)
+
+
+def test_exec_at_a_terminal_gives_the_code_a_terminal(tmp_path):
+    # As under python at the same terminal: isatty() true, the terminal's size, lines as written.
+    tmp_path.chmod(0o755)  # shown to the workers, so no note about it
+    script = tmp_path / "tty.py"
+    script.write_text(TERMINAL)
+    direct = _at_a_terminal([sys.executable, str(script)], tmp_path)
+    ours = _at_a_terminal([sys.executable, "-m", "engine.cli", "exec", str(script)], tmp_path)
+    assert direct == (b"True True True os.terminal_size(columns=132, lines=40)\r\nline one\r\nline two\r\n", 0)
+    assert ours == direct
+    # Piped (or --json), the code gets pipes, as under python.
+    piped = run_exec(tmp_path, TERMINAL)
+    assert piped.stdout.startswith("False False False")

@@ -288,15 +288,24 @@ def test_run_protocol_tools_says_it_falls_back_in_one_line(tmp_path):
 # ------------------------------------------------------------------ item 3: the context size
 
 async def test_the_compaction_reminder_comes_at_half_the_servers_window(engine):
-    script = {"window": ["<run_code>\nprint('x' * 3000)\n</run_code>", "<run_code>\nprint(1)\n</run_code>", "ok"]}
-    with like_llama_server(script, n_ctx=2000) as srv:
+    # Sized from the prompt the server gets (the system prompt's length depends on the packages
+    # installed): the first result brings the prompt to 60% of the window.  A status counts the
+    # exchange before it: the one after the first result counts the bare prompt, the next 60%.
+    def fill(share: float):
+        def turn(body: dict) -> str:
+            used = sum(len(str(m.get("content") or "")) for m in body["messages"]) // 4  # the server's count
+            return f"<run_code>\nprint('x' * {max(0, int(share * 6000) - used) * 4})\n</run_code>"
+        return turn
+
+    script = {"window": [fill(0.6), "<run_code>\nprint(1)\n</run_code>", "ok"]}
+    with like_llama_server(script, n_ctx=6000) as srv:
         result = await run_task("window", models=registry(srv.url), engine=engine)
         requests = srv.requests
     assert result.answer == "ok"
-    assert "- default: m (context 2000)" in requests[0]["messages"][0]["content"]
-    assert "<reminder>" not in last_user(requests[1])  # the status counts the last exchange: ~700
-    assert "<reminder>" in last_user(requests[2])  # ~1,500 tokens: past half of 2,000
-    assert requests[0]["max_tokens"] < 2000  # the cap leaves the prompt its room
+    assert "- default: m (context 6000)" in requests[0]["messages"][0]["content"]
+    assert "<reminder>" not in last_user(requests[1])  # the bare prompt: under half the window
+    assert "<reminder>" in last_user(requests[2])  # ~60%: past half of it
+    assert requests[0]["max_tokens"] < 6000  # the cap leaves the prompt its room
 
 
 async def test_a_configured_window_wins_over_the_servers(engine):

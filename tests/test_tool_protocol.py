@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from engine.runner import run_task
 from engine.models import ModelConfig, ModelRegistry
+from engine.runner import run_task
 from engine.scripted import ScriptedServer
 from engine.tool_protocol import embedded_calls
 
@@ -110,7 +110,9 @@ SCENARIO_STEPS = [
     ([("one", "total = 40\nprint('one', total)", "10s")], None, ["one 40"]),
     ([("two", "total += 2\nprint('two', total)", "10s"),
       ("nap", "import time; time.sleep(0.2); print('nap done')", "10s")], None, ["two 42", "nap done"]),
-    ([("stuck", "import time; time.sleep(10**6)", "1s")], None, ["id=stuck"]),
+    # Waits in the kernel with every signal blocked: no interrupt reaches it, the deadline kills.
+    ([("stuck", "import os, signal\nsignal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())\n"
+                "os.read(os.pipe()[0], 1)", "1s")], None, ["id=stuck"]),
     ([], "scenario child", ["<agent_result name=kid"]),
 ]
 

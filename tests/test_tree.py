@@ -135,7 +135,7 @@ def test_batch_packs_places_and_clears_with_the_same_walk(tmp_path: Path, outsid
 
     run = tmp_path / "run"
     placed = _place_files(run / "workspace", Spec(), None)
-    assert placed == [run / "workspace" / "kit"]
+    assert placed == [run / "workspace" / "kit", run / "workspace" / "files"]  # (files: the run's ./files)
     assert (run / "workspace" / "kit" / "sub" / "a.txt").read_text() == "a"
     assert os.readlink(run / "workspace" / "kit" / "dir-link") == str(outside)
     deep(run / "workspace", 2000)

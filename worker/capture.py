@@ -20,9 +20,11 @@ from __future__ import annotations
 import collections
 import contextvars
 import fcntl
+import io
 import os
 import select
 import struct
+import sys
 import termios
 import threading
 import time
@@ -38,6 +40,15 @@ _ENCODING = ("utf-8", "backslashreplace")
 
 #: The block the current thread or task writes for; None outside any block.
 current_block: contextvars.ContextVar[str | None] = contextvars.ContextVar("agentloop_block", default=None)
+
+
+def _nothing() -> None:
+    pass
+
+
+#: Called by a thread that has sent output (``Router.send_out``), once it is sent: the runtime
+#: raises there an interrupt it put off while the output was on its way out (see ``runtime``).
+after_send: Callable[[], None] = _nothing
 
 
 class _Out:
@@ -127,6 +138,7 @@ class Router:
     def send_out(self, out: _Out) -> None:
         with self._sending:
             self._send_locked(out)
+        after_send()
 
     def tick(self) -> float | None:
         """Send every block's waiting output if a tick is due; seconds until the next one is
@@ -243,7 +255,7 @@ class TextStream:
         return self._stream  # fd 1/2 are the capture pipes: subprocesses land in the same place
 
     def isatty(self) -> bool:
-        return False
+        return _isatty(self._stream)
 
     def writable(self) -> bool:
         return True
@@ -278,7 +290,7 @@ class _BinaryStream:
         return self._stream
 
     def isatty(self) -> bool:
-        return False
+        return _isatty(self._stream)
 
     def writable(self) -> bool:
         return True
@@ -313,6 +325,33 @@ class NoInput:
         pass
 
 
+def _isatty(fd: int) -> bool:
+    try:
+        return os.isatty(fd)
+    except OSError:
+        return False
+
+
+def _terminal() -> tuple[int, int]:
+    """A pty (read end, write end); a pipe where the sandbox has no terminal of its own to give
+    (Landlock alone: the host's /dev/pts stays out of reach)."""
+    try:
+        return os.openpty()
+    except OSError:
+        return os.pipe()
+
+
+def _raw_output(fd: int, size: str) -> None:
+    """A pty slave that passes bytes as a pipe does (no ``\n`` made ``\r\n``), with the
+    terminal's size when it is known."""
+    attrs = termios.tcgetattr(fd)
+    attrs[1] &= ~termios.OPOST
+    termios.tcsetattr(fd, termios.TCSANOW, attrs)
+    rows, _, cols = size.partition("x")
+    if rows.isdigit() and cols.isdigit():
+        fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", int(rows), int(cols), 0, 0))
+
+
 class FdCapture:
     """Replaces fd 1 and 2 with pipes drained by a thread into the router.
 
@@ -320,13 +359,16 @@ class FdCapture:
     error before the socket is up); user code never writes there.
     """
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, tty: str = "") -> None:
         self._router = router
         self.diag_fd = os.dup(2)
         os.set_inheritable(self.diag_fd, False)
         self._reads: dict[int, int] = {}
+        terminals, _, size = tty.partition(":")  # "1,2:ROWSxCOLS": which fds get a pty, and its size
         for fd, stream in ((1, STDOUT), (2, STDERR)):
-            r, w = os.pipe()
+            r, w = _terminal() if str(fd) in terminals.split(",") else os.pipe()
+            if os.isatty(w):
+                _raw_output(w, size)
             os.dup2(w, fd)
             os.close(w)
             os.set_blocking(r, True)
@@ -341,7 +383,10 @@ class FdCapture:
             ready, _, _ = select.select(fds, [], [])
             with self._busy:
                 for fd in ready:
-                    data = os.read(fd, 65536)
+                    try:
+                        data = os.read(fd, 65536)
+                    except OSError:  # EIO: a pty whose every writer is gone, as a pipe's EOF
+                        data = b""
                     if data:
                         self._router.write(self._reads[fd], data)
                     else:
@@ -384,3 +429,21 @@ def inherit_block_in_threads() -> None:
 
     threading.Thread.start = start  # type: ignore[method-assign]
     threading.Thread._bootstrap_inner = bootstrap_inner  # type: ignore[attr-defined]
+
+
+def plain_streams_in_children() -> None:
+    """In a process forked from the worker (``multiprocessing``'s fork, ``os.fork``),
+    ``sys.stdout`` and ``sys.stderr`` write to fd 1 and 2 as in a child of a script: the
+    worker's streams send over its socket, which a forked child cannot use.  fd 1 and 2 are
+    the capture pipes (or ptys), so what the child writes reaches the block as a subprocess's
+    output does.  Buffered as CPython buffers them (stdout by lines on a terminal, else by
+    blocks: ``multiprocessing`` flushes them when its child ends; ``os._exit`` loses what was
+    not flushed, as in CPython)."""
+
+    def child() -> None:
+        sys.stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)),
+                                      encoding="utf-8", errors="strict", line_buffering=os.isatty(1))
+        sys.stderr = io.TextIOWrapper(io.BufferedWriter(io.FileIO(2, "w", closefd=False)),
+                                      encoding="utf-8", errors="backslashreplace", line_buffering=True)
+
+    os.register_at_fork(after_in_child=child)

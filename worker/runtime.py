@@ -1,12 +1,41 @@
 """The block runtime: one persistent namespace, many concurrent blocks.
 
-A block without ``await`` runs in a thread (the one that received it); a block with
-top-level ``await`` runs as a task on the worker's event loop.  Both see the same namespace,
-so imports, variables and functions persist across blocks.
+Where blocks run (the rule, for every worker):
 
-Cancellation is cooperative here (cancel the task; raise ``BlockCancelled`` in the block's
-thread).  Code stuck in C ignores both; the coordinator then kills the whole worker — this
-module never has to be the last line of defence.
+- A block without ``await`` runs on the worker's **main thread** whenever the main thread is
+  free, which it is whenever no other such block runs.  A block that runs alone therefore runs
+  where a script's code runs: ``signal.signal``, ``signal.alarm``, ``threading.main_thread()``
+  and libraries that need the main thread work as under ``python``, and logging names the
+  thread ``MainThread``.  A sync block that starts while another one holds the main thread runs
+  beside it in a thread of its own; nothing moves between threads once started.
+- A block with top-level ``await`` runs as a task on the worker's event loop, in a thread of
+  its own.
+- They all share one namespace, and that namespace is ``sys.modules["__main__"]``: functions
+  and classes a block defines pickle by reference as a script's do, so ``multiprocessing`` and
+  ``ProcessPoolExecutor`` find them in children forked from the worker.  A child started by
+  spawn or forkserver re-imports ``__main__`` from its file: a script run's (``exec``) is
+  found, an agent block's code has no file (as in a REPL or Jupyter).
+
+Interrupts (a deadline, a cancel, Ctrl-C): the block gets an exception *inside* what it waits
+on, as Jupyter's interrupt does, and its namespace, the worker and other blocks are kept.
+
+- On the main thread: ``INTERRUPT_SIGNAL`` is sent to that thread, so a blocking call
+  (``time.sleep``, ``Event.wait``, ``queue.get``, ``select``, socket reads, ``subprocess``
+  waits) returns EINTR and Python runs the handler, which raises: ``TimeoutError`` naming the
+  deadline for a deadline; for a cancel what Ctrl-C gives in a script, the code's own SIGINT
+  handler if it set one, else ``KeyboardInterrupt``.  One that arrives while the runtime sends
+  (output taken off its queue, a host call) is raised once that is sent, so nothing is lost.
+- In another thread: the same exception is raised asynchronously in that thread.  CPython
+  runs it only when the thread next executes bytecode: a signal cannot end another thread's
+  blocking call (CPython retries the call, measured on 3.11-3.13), so a loop of short waits
+  stops within one wait, a single long wait only when it returns.
+- An awaiting block: its task is cancelled (``CancelledError`` at the ``await``).
+
+What an interrupt cannot reach is said in words (see ``assess``): signals blocked or ignored,
+an event loop held by synchronous code, C code that restarts its wait.  The coordinator then
+kills the worker, at once when the worker says it is stuck, else when the grace runs out; code
+that holds the interpreter in C (a catastrophic regular expression) cannot even be looked at,
+and the coordinator says so.
 """
 
 from __future__ import annotations
@@ -21,13 +50,15 @@ import ctypes
 import inspect
 import linecache
 import os
+import signal
 import sys
 import threading
 import time
 import traceback
+import types
 from collections.abc import Callable
 
-from . import proxy, script, wire
+from . import capture, proxy, script, wire
 from .capture import FdCapture, Router, current_block
 
 _WORKER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -35,9 +66,169 @@ _MAX_VARS = 100
 _KEPT_SOURCES = 1000  # block sources kept for tracebacks; a long session must not grow forever
 
 
-class BlockCancelled(BaseException):
-    """Raised inside a block's thread to cancel it.  A BaseException, so that a broad
-    ``except Exception`` in user code does not swallow the cancellation."""
+#: The signal that interrupts a block on the main thread: one no library uses, so a handler
+#: the code installs for SIGINT or SIGALRM is never replaced or confused with it.
+INTERRUPT_SIGNAL = signal.SIGRTMIN + 5
+_SIGNAL_BIT = 1 << (INTERRUPT_SIGNAL - 1)
+_WINDOW = 0.02  # seconds an interrupt is given before the runtime looks at what it did
+_MAIN = threading.main_thread().ident  # kept by a child the main thread forks (the zygote's)
+
+
+#: Where the runtime sends (output taken off its queue, a ``done``, a host call): an exception
+#: raised there, or in pyzmq below, would lose what is on its way out, so an interrupt waits
+#: until it is left (``Runtime._after_send``, or the next signal ``assess`` sends).
+_SENDING_FILES = frozenset(os.path.join(_WORKER_DIR, name) for name in ("channel.py", "wire.py"))
+_SENDING_CODES = frozenset(f.__code__ for f in (Router.send_out, Router._send_locked, Router.flush_all))
+
+
+def _put_off(frame) -> bool:
+    """Whether the main thread, interrupted in ``frame``, is sending, or in this module's own
+    code (before the block's code starts or after it ended: the interrupt is for the code)."""
+    if frame is not None and frame.f_code.co_filename == __file__:
+        return True
+    while frame is not None:
+        if frame.f_code in _SENDING_CODES or frame.f_code.co_filename in _SENDING_FILES:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _deadline_error(deadline: float | None) -> type[TimeoutError]:
+    """A ``TimeoutError`` class whose instances (made without arguments, as an exception raised
+    in another thread is) name the deadline.  It prints as ``TimeoutError``."""
+    text = _deadline_words(deadline)
+
+    def __init__(self, *args) -> None:  # noqa: N807
+        TimeoutError.__init__(self, *(args or (text,)))
+
+    return type("TimeoutError", (TimeoutError,), {"__init__": __init__, "__module__": "builtins"})
+
+
+def _deadline_words(deadline: float | None) -> str:
+    return (f"the block's deadline ({deadline:g} s) passed" if deadline is not None
+            else "the block's deadline passed")
+
+
+class _Running:
+    """A sync block's thread, as far as interrupts are concerned.  An interrupt is given only
+    while the block runs: on the main thread through ``INTERRUPT_SIGNAL`` (whose handler checks
+    ``active`` and ``pending``, both set and read on that thread between bytecodes), elsewhere
+    as an asynchronous exception, of which one that lands late is cleared before the thread
+    does anything else."""
+
+    __slots__ = ("ident", "native_id", "on_main", "lock", "active", "ended", "cancelled", "reason",
+                 "deadline", "pending", "deferred", "given", "exc_type")
+
+    def __init__(self) -> None:
+        self.ident: int | None = None
+        self.native_id: int | None = None
+        self.on_main = False
+        self.lock = threading.Lock()
+        self.active = False
+        self.ended = False
+        self.cancelled = False  # interrupted before it started: it never runs
+        self.reason: str | None = None  # "timeout" or "cancel", once an interrupt was asked for
+        self.deadline: float | None = None
+        self.pending = False  # main thread: the signal's handler has yet to raise
+        self.deferred = False  # main thread: ... because it ran while output was being sent
+        self.given = ""  # main thread: what the handler raised ("its SIGINT handler" if it called that)
+        self.exc_type: type[BaseException] | None = None  # another thread: what was raised there
+
+    def enter(self) -> bool:
+        """The block starts in this thread; False if it was cancelled before it could."""
+        with self.lock:
+            self.ident, self.native_id = threading.get_ident(), threading.get_native_id()
+            self.on_main = self.ident == _MAIN
+            self.active = not self.cancelled
+            return self.active
+
+    def leave(self) -> None:
+        # An interrupt may land anywhere until ``active`` is False: retry until the thread is
+        # out of reach, then clear what was raised but not yet delivered.
+        while True:
+            try:
+                if self.on_main:
+                    self.active = False  # the handler checks it on this very thread
+                    self.pending = False
+                else:
+                    with self.lock:
+                        self.active = False
+                        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.ident), None)
+                self.ended = True
+                return
+            except BaseException:  # noqa: BLE001, S112 - the interrupt, or the code's SIGINT handler's
+                continue
+
+    def interrupt(self, reason: str, deadline: float | None) -> None:
+        with self.lock:
+            if self.reason is None:
+                self.reason, self.deadline = reason, deadline
+            if not self.active:
+                self.cancelled = not self.ended
+                return
+            if self.on_main:
+                self.pending = True
+                signal.pthread_kill(self.ident, INTERRUPT_SIGNAL)
+            elif self.exc_type is None:
+                self.exc_type = KeyboardInterrupt if reason == "cancel" else _deadline_error(deadline)
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(self.ident), ctypes.py_object(self.exc_type))
+
+    def signal_again(self) -> None:
+        """The main thread's handler put the interrupt off (it ran in the runtime's own code):
+        signal again, so that it lands in the block's."""
+        with self.lock:
+            if self.on_main and self.active and self.pending:
+                signal.pthread_kill(self.ident, INTERRUPT_SIGNAL)
+
+    def took(self, exc: BaseException) -> bool:
+        """Whether ``exc``, which ended the block, is (or followed) its interrupt."""
+        if self.reason is None:
+            return False
+        return bool(self.given) or isinstance(exc, (KeyboardInterrupt, TimeoutError))
+
+
+def _note(running: _Running, status: str) -> str:
+    """Words for the coordinator on what an interrupt did to a block that ended with
+    ``status`` ("" when none was asked for, or when it is not known to have landed)."""
+    if running.reason is None:
+        return ""
+    if running.cancelled:
+        return "it was stopped before it started"
+    if running.given == "its SIGINT handler":
+        raised = "its SIGINT handler was called"
+    else:
+        what = running.given or ("KeyboardInterrupt" if running.reason == "cancel" else "TimeoutError")
+        raised = f"{what} was raised in it" + ("" if running.on_main else " (in its thread)")
+    if status == "cancelled":
+        return raised
+    if status == "ok" and running.given:
+        return f"{raised}, and it finished normally after it"
+    return ""
+
+
+def _task_status(native_id: int | None) -> dict[str, str]:
+    """Fields of ``/proc/self/task/TID/status`` (State, SigPnd, SigBlk, ...), {} if unreadable."""
+    fields: dict[str, str] = {}
+    try:
+        with open(f"/proc/self/task/{native_id}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                fields[key] = value.strip()
+        with open("/proc/self/status") as f:  # signals pending for the whole process
+            for line in f:
+                if line.startswith("ShdPnd:"):
+                    fields["ShdPnd"] = line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return fields
+
+
+def _has_signal(fields: dict[str, str], key: str) -> bool:
+    try:
+        return bool(int(fields.get(key, "0"), 16) & _SIGNAL_BIT)
+    except ValueError:
+        return False
 
 
 def _start_loop() -> asyncio.AbstractEventLoop:
@@ -92,66 +283,14 @@ def format_user_error(exc: BaseException, block_file: str | None = None) -> str:
     return "".join(te.format())
 
 
-class _Running:
-    """A sync block's thread, as far as cancellation is concerned.  ``cancel`` raises
-    ``BlockCancelled`` in the thread only while the block runs, and one that lands late is
-    cleared before the thread does anything else."""
-
-    __slots__ = ("ident", "native_id", "lock", "active", "cancelled")
-
-    def __init__(self) -> None:
-        self.ident: int | None = None
-        self.native_id: int | None = None
-        self.lock = threading.Lock()
-        self.active = False
-        self.cancelled = False
-
-    def enter(self) -> bool:
-        """The block starts in this thread; False if it was cancelled before it could."""
-        with self.lock:
-            self.ident, self.native_id = threading.get_ident(), threading.get_native_id()
-            self.active = not self.cancelled
-            return self.active
-
-    def leave(self) -> None:
-        # A cancel may land anywhere until ``active`` is False under the lock: retry until the
-        # thread is out of reach, then clear what was raised but not yet delivered.
-        while True:
-            try:
-                with self.lock:
-                    self.active = False
-                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.ident), None)
-                return
-            except BlockCancelled:
-                continue
-
-    def cancel(self) -> None:
-        with self.lock:
-            self.cancelled = True
-            if self.active:
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                    ctypes.c_ulong(self.ident), ctypes.py_object(BlockCancelled))
-
-    def position(self) -> tuple[int, int] | None:
-        """Where the thread is: (frame identity, bytecode offset); None when not running."""
-        frame = sys._current_frames().get(self.ident or -1) if self.active else None
-        return None if frame is None else (id(frame), frame.f_lasti)
-
-    def sleeping(self) -> bool:
-        """Whether the kernel has the thread waiting (state S or D), not running or runnable."""
-        try:
-            with open(f"/proc/self/task/{self.native_id}/stat", "rb") as f:
-                return f.read().rsplit(b")", 1)[1].split()[0] in (b"S", b"D")
-        except (OSError, IndexError):
-            return False
-
-
 class Runtime:
     """Runs blocks in one namespace and sends each one's ``done`` with ``send``.
 
     A sync block runs in the thread that calls the function ``submit`` returns (the worker's
-    listener itself, see ``serve``): no thread hand-off on the way in or out.  Awaiting blocks
-    run as tasks on the user loop, started on first use.
+    listener itself, see ``serve``, which picks the main thread when it is free): no thread
+    hand-off on the way in or out.  Awaiting blocks run as tasks on the user loop, started on
+    first use.  ``on_main_free`` is called on the main thread when a block there is over, just
+    before its ``done`` is sent.
     """
 
     def __init__(self, router: Router, fdcap: FdCapture | None, send: Callable[[dict], None],
@@ -162,9 +301,17 @@ class Runtime:
         self._send = send
         self._user_loop: asyncio.AbstractEventLoop | None = None
         self._loop_lock = threading.Lock()
-        self.namespace: dict = {"__name__": "__main__", "__builtins__": builtins, "asyncio": asyncio}
+        # The namespace is the dict of the module ``__main__`` resolves to, so that pickle finds
+        # what blocks define (``f.__module__ == "__main__"``), as it does in a script.
+        main = types.ModuleType("__main__")
+        sys.modules["__main__"] = main
+        self.namespace: dict = main.__dict__
+        self.namespace.update({"__builtins__": builtins, "asyncio": asyncio})
         if namespace:
             self.namespace.update(namespace)
+        self.on_main_free: Callable[[], None] = lambda: None
+        self._main = _MAIN
+        self._on_main: _Running | None = None  # the block the main thread runs
         self._base = set(self.namespace)
         self._tasks: dict[str, concurrent.futures.Future] = {}
         self._threads: dict[str, _Running] = {}
@@ -213,7 +360,8 @@ class Runtime:
             error = format_user_error(exc, filename)
             ctx = contextvars.copy_context()
             ctx.run(current_block.set, block_id)
-            return lambda: self._finish(block_id, *ctx.run(self._ending, block_id, run_as, ("error", error, None)))
+            return lambda: self._finish(block_id, *ctx.run(self._ending, block_id, run_as,
+                                                           ("error", error, None)))
         ctx = contextvars.copy_context()
         ctx.run(current_block.set, block_id)
         if compiled.co_flags & inspect.CO_COROUTINE:
@@ -231,33 +379,42 @@ class Runtime:
             self._stdin.feed(data, eof)
 
     @staticmethod
-    def _outcome(exc: BaseException, filename: str) -> tuple[str, str, int | None]:
+    def _outcome(exc: BaseException, filename: str, running: _Running | None = None
+                 ) -> tuple[str, str, int | None]:
         """How a block that raised ``exc`` ended: (status, error, exit code).  A ``SystemExit``
-        is an exit, with its message (``sys.exit("msg")``) written to stderr as CPython does."""
+        is an exit, with its message (``sys.exit("msg")``) written to stderr as CPython does;
+        an exception that ended an interrupted block is its interrupt ("cancelled"), with the
+        traceback, which says where the code was."""
         if isinstance(exc, SystemExit):
             code, text = script.exit_status(exc)
             if text is not None:
                 sys.stderr.write(text + "\n")
             return "exit", "", code
-        return "error", format_user_error(exc, filename), None
+        status = "cancelled" if running is not None and running.took(exc) else "error"
+        return status, format_user_error(exc, filename), None
 
-    def _ending(self, block_id: str, run_as: dict | None, outcome: tuple[str, str, int | None]
+    def _ending(self, block_id: str, run_as: dict | None, outcome: tuple[str, str, int | None],
+                running: _Running | None = None, raised: BaseException | None = None
                 ) -> tuple[str, str, int | None]:
         """For a script run, what the interpreter does at the end: the traceback to stderr,
-        then the threads and ``atexit`` handlers (``script.finish``).  Runs in the block's
-        context, so what they print is the block's."""
+        then the threads and ``atexit`` handlers (``script.finish``), which run after an
+        interrupt too (as after a ``KeyboardInterrupt`` in CPython).  A ``KeyboardInterrupt``
+        the script raised itself (``raised``; not an interrupt of ours) ends it as CPython
+        ends: status 130, as if killed by SIGINT.  Runs in the block's context, so what they
+        print is the block's."""
         if run_as is None:
             return outcome
         status, error, code = outcome
-        if status == "error":
+        if status in ("error", "cancelled"):
             sys.stderr.write(error)
-        if status in ("ok", "error", "exit"):
-            try:
-                script.finish()
-            except BlockCancelled:
-                return "cancelled", "", None
-            except BaseException as exc:  # noqa: BLE001 - CPython reports it and exits all the same
-                sys.stderr.write(format_user_error(exc))
+        if status == "error" and isinstance(raised, KeyboardInterrupt):
+            outcome = ("exit", "", 128 + signal.SIGINT)
+        try:
+            script.finish()
+        except BaseException as exc:  # noqa: BLE001 - CPython reports it and exits all the same
+            if running is not None and running.took(exc):
+                return "cancelled", error, None
+            sys.stderr.write(format_user_error(exc))
         return outcome
 
     def _loop(self) -> asyncio.AbstractEventLoop:
@@ -274,12 +431,14 @@ class Runtime:
 
     async def _run_async(self, block_id: str, coro, run_as: dict | None, filename: str) -> None:
         outcome: tuple[str, str, int | None]
+        note = ""
         if run_as is not None:
             script.like_main_thread()
         try:
             await coro
         except asyncio.CancelledError:
             outcome = ("cancelled", "", None)
+            note = "its task was cancelled (CancelledError at the await it was waiting on)"
         except BaseException as exc:  # noqa: BLE001 - user code may raise anything
             outcome = self._outcome(exc, filename)
         else:
@@ -289,63 +448,85 @@ class Runtime:
         if self._fdcap is not None:
             self._fdcap.drain(0.02)
         self._tasks.pop(block_id, None)
-        self._finish(block_id, *outcome)
+        self._finish(block_id, *outcome, note=note)
 
     def _run_sync(self, block_id: str, compiled, running: _Running, run_as: dict | None = None,
                   filename: str = "") -> None:
         outcome: tuple[str, str, int | None] = ("cancelled", "", None)
         if run_as is not None:
             script.like_main_thread()
+        if threading.get_ident() == self._main:
+            self._on_main = running  # before it can be interrupted: the handler looks here
         try:
             if running.enter():
+                raised = None
                 try:
                     exec(compiled, self.namespace)  # noqa: S102
-                except BlockCancelled:
-                    pass
                 except BaseException as exc:  # noqa: BLE001
-                    outcome = self._outcome(exc, filename)
+                    outcome, raised = self._outcome(exc, filename, running), exc
                 else:
                     outcome = ("ok", "", None)
-                outcome = self._ending(block_id, run_as, outcome)
-        except BlockCancelled:  # landed in the handlers above
-            pass
+                outcome = self._ending(block_id, run_as, outcome, running, raised)
+                del raised  # its traceback holds the block's frames
+        except BaseException as exc:  # noqa: BLE001 - the interrupt landed in the handlers above
+            if not running.took(exc):
+                outcome = ("error", format_user_error(exc, filename), None)
         finally:
             running.leave()
+        if self._on_main is running:
+            self._on_main = None
         if self._fdcap is not None:
             self._fdcap.drain()
         self._threads.pop(block_id, None)
-        self._finish(block_id, *outcome)
+        self._finish(block_id, *outcome, note=_note(running, outcome[0]))
 
-    def _finish(self, block_id: str, status: str, error: str, code: int | None = None) -> None:
+    def _finish(self, block_id: str, status: str, error: str, code: int | None = None,
+                note: str = "") -> None:
         self._router.end(block_id)
-        self._send(wire.done(block_id, status, error, self.user_vars(), code))
+        if threading.get_ident() == self._main:
+            self.on_main_free()
+        self._send(wire.done(block_id, status, error, self.user_vars(), code, note))
 
-    def position(self, block_id: str) -> tuple[int, int] | None:
-        """Where a thread block is (frame, bytecode offset), to compare before and after a cancel."""
-        running = self._threads.get(block_id)
-        return running.position() if running is not None else None
+    # -- interrupts ---------------------------------------------------------------------------
+    def install_interrupts(self) -> None:
+        """On the main thread: the handler of ``INTERRUPT_SIGNAL``, and SIGINT as a script has
+        it (a coordinator that ignored it must not leave the code ignoring it)."""
+        signal.signal(INTERRUPT_SIGNAL, self._on_signal)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        capture.after_send = self._after_send
 
-    def stuck(self, block_id: str, at_cancel: tuple[int, int] | None, window: float = 0.01) -> bool:
-        """After a cancel: is the block where cancellation cannot reach it?  Waits ``window``.
-        A thread still at the very bytecode it was at when cancelled is blocked in C (one that
-        moved on is running its cleanup, and gets the grace); an awaiting block is stuck when
-        its loop does not answer within ``window`` (sync code blocks it).  Either way only a
-        kill stops it, and waiting out the grace would be time lost."""
-        running = self._threads.get(block_id)
-        if running is not None:
-            time.sleep(window)
-            # Waiting in the kernel, at the same place: a spinning thread the scheduler starved
-            # would be runnable, and is given the grace instead.
-            return (block_id in self._threads and at_cancel is not None
-                    and running.position() == at_cancel and running.sleeping())
-        if block_id in self._tasks and self._user_loop is not None:
-            ping = asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self._user_loop)
-            time.sleep(window)
-            return block_id in self._tasks and not ping.done()
-        return False
+    def _after_send(self) -> None:
+        # Output has left: an interrupt put off while it was being sent is given now.
+        running = self._on_main
+        if running is not None and running.deferred and threading.get_ident() == self._main:
+            self._on_signal(INTERRUPT_SIGNAL, None)
 
-    def cancel(self, block_id: str) -> bool:
-        """Ask a block to stop.  Returns False when no such block runs."""
+    def _on_signal(self, signum: int, frame) -> None:
+        # Runs on the main thread between two bytecodes (or where a blocking call returned
+        # EINTR): raise only into the block that was asked to stop, and only once.
+        running = self._on_main
+        if running is None or not running.active or not running.pending:
+            return
+        if _put_off(frame):
+            running.deferred = True  # raised once sent (``_after_send``), or at the next signal
+            return
+        running.pending = running.deferred = False
+        if running.reason == "cancel":
+            handler = signal.getsignal(signal.SIGINT)
+            if handler is signal.default_int_handler:
+                running.given = "KeyboardInterrupt"
+                raise KeyboardInterrupt
+            if callable(handler):
+                running.given = "its SIGINT handler"
+                handler(signal.SIGINT, frame)  # what Ctrl-C does in a script that set one
+            # SIG_IGN or SIG_DFL: Ctrl-C would be ignored, or end the process; ``assess`` says so
+            return
+        running.given = "TimeoutError"
+        raise TimeoutError(_deadline_words(running.deadline))
+
+    def interrupt(self, block_id: str, reason: str, deadline: float | None = None) -> bool:
+        """Ask a block to stop: ``reason`` "timeout" (``TimeoutError`` naming ``deadline``) or
+        "cancel" (what Ctrl-C gives).  Returns False when no such block runs."""
         future = self._tasks.get(block_id)
         if future is not None:
             future.cancel()  # cancels the _spawn task, which cancels the block's task
@@ -353,8 +534,88 @@ class Runtime:
         running = self._threads.get(block_id)
         if running is None:
             return False
-        running.cancel()
+        running.interrupt(reason, deadline)
         return True
+
+    def assess(self, block_id: str, window: float = _WINDOW) -> tuple[str, str] | None:
+        """After an interrupt, wait up to ``window`` for the block to end, then say how things
+        stand: None if it ended; ("stuck", why) when the interrupt cannot reach it (only a kill
+        stops it, and waiting out the grace would be time lost); else ("stopping", why), the
+        words for a kill should the grace run out."""
+        running = self._threads.get(block_id)
+        if running is not None:
+            # What needs little waiting first: a signal blocked or ignored, seen twice 10 ms
+            # apart (CPython blocks signals for a moment while it starts a subprocess).
+            verdict = self._assess_main(running, at_once=True) if running.on_main else None
+            if verdict is not None:
+                time.sleep(0.01)
+                verdict = None if running.ended else self._assess_main(running, at_once=True)
+            until = time.monotonic() + window
+            while verdict is None and not running.ended and time.monotonic() < until:
+                time.sleep(0.002)
+                running.signal_again()
+            if running.ended:
+                return None
+            if verdict is not None:
+                return verdict
+            return self._assess_main(running) if running.on_main else self._assess_thread(running)
+        if block_id in self._tasks and self._user_loop is not None:
+            ping = asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self._user_loop)
+            try:
+                ping.result(window)
+            except concurrent.futures.TimeoutError:
+                if block_id in self._tasks:
+                    return ("stuck", "it is an awaiting block whose event loop is held by a call that "
+                                     "does not await (a synchronous wait or computation), where "
+                                     "cancelling its task cannot reach")
+                return None
+            return ("stopping", "its task was cancelled, and it goes on running (it caught the "
+                                "CancelledError, or waits in its cleanup)")
+        return None
+
+    def _assess_main(self, running: _Running, at_once: bool = False) -> tuple[str, str] | None:
+        """How a block on the main thread stands; ``at_once``: only a verdict of "stuck" that
+        needs no waiting (None otherwise)."""
+        what = "KeyboardInterrupt" if running.reason == "cancel" else "TimeoutError"
+        if running.reason == "cancel":
+            handler = signal.getsignal(signal.SIGINT)
+            if handler == signal.SIG_IGN:
+                return ("stuck", "it ignores SIGINT (signal.SIG_IGN): Ctrl-C cannot interrupt it")
+            if handler in (signal.SIG_DFL, None):
+                return ("stuck", "its SIGINT handler is SIG_DFL, with which Ctrl-C ends the process")
+        if signal.getsignal(INTERRUPT_SIGNAL) != self._on_signal:
+            return ("stuck", f"it replaced the handler of signal {INTERRUPT_SIGNAL} (SIGRTMIN+5), "
+                             "which agentloop interrupts blocks with")
+        fields = {} if running.given else _task_status(running.native_id)
+        pending = _has_signal(fields, "SigPnd") or _has_signal(fields, "ShdPnd")
+        if pending and _has_signal(fields, "SigBlk"):
+            return ("stuck", "it waits with signals blocked (signal.pthread_sigmask), where no "
+                             f"{what} can be raised in it")
+        if _has_signal(fields, "SigIgn"):
+            return ("stuck", f"it ignores signal {INTERRUPT_SIGNAL}, which agentloop interrupts blocks with")
+        if at_once:
+            return None
+        if running.given:
+            return ("stopping", f"{running.given} was raised in it, and it kept running (it caught "
+                                "the exception, or its cleanup takes long)" if running.given != "its SIGINT handler"
+                    else "its SIGINT handler was called, and it kept running")
+        state = fields.get("State", "?")[:1]
+        if state in ("S", "D") and not pending:
+            return ("stopping", f"the interrupt reached it but no {what} could be raised: it waits in C "
+                                "code that resumes its wait when a signal interrupts it, without "
+                                "returning to Python")
+        return ("stopping", f"it is running C code that has not returned to Python, where no {what} "
+                            "can be raised until it does")
+
+    @staticmethod
+    def _assess_thread(running: _Running) -> tuple[str, str]:
+        what = "KeyboardInterrupt" if running.reason == "cancel" else "TimeoutError"
+        state = _task_status(running.native_id).get("State", "?")[:1]
+        where = ("waiting in C (a sleep, a lock, a read)" if state in ("S", "D")
+                 else "running C code or a loop that catches it")
+        return ("stopping", f"it runs in a thread of its own (another block had the main thread), where "
+                            f"the {what} lands only when the code next runs Python, and it stayed "
+                            f"{where}")
 
     # -- control requests from the coordinator ------------------------------------------------
     def control(self, op: str, args: dict) -> object:

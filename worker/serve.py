@@ -1,11 +1,13 @@
 """The worker's side of the connection: handshake, then serve requests until shutdown.
 
-Threads take turns at the socket.  The listening thread runs a block (or a request that
-may run user code) it received itself, sends its ``done`` and listens on: a round trip
-crosses no thread boundary.  If the block runs longer than a couple of milliseconds, or
-waits for a host call, a waiting thread takes over the listening (see ``_baton``), so
-cancels, host-call replies and output keep flowing while user code blocks.  A burst of
-concurrent blocks gets a thread each; threads left idle beyond a few end.
+Threads take turns at the socket, the process's main thread first among them.  The listening
+thread runs a block (or a request that may run user code) it received itself, sends its
+``done`` and listens on: a round trip crosses no thread boundary.  If the block runs longer
+than a couple of milliseconds, or waits for a host call, a waiting thread takes over the
+listening (see ``_baton``), so cancels, host-call replies and output keep flowing while user
+code blocks.  A block that arrives while the main thread is free is handed to it, so a block
+that runs alone always runs on the main thread (see ``runtime``).  A burst of concurrent
+blocks gets a thread each; threads left idle beyond a few end.
 
 Blocks that ``await`` run on the user loop (see ``runtime``): the listener starts them and
 listens on.  Cancels and host-call replies are handled by the listener as they come.
@@ -24,9 +26,16 @@ from concurrent.futures import Future
 
 from . import _memory, wire
 from ._baton import Baton
-from .capture import FdCapture, NoInput, Router, TextStream, inherit_block_in_threads
+from .capture import (
+    FdCapture,
+    NoInput,
+    Router,
+    TextStream,
+    inherit_block_in_threads,
+    plain_streams_in_children,
+)
 from .channel import Channel
-from .runtime import BlockCancelled, Runtime
+from .runtime import Runtime
 
 HANDSHAKE_TIMEOUT = 15.0
 IDLE_TRIM = 1.0  # seconds idle before freed memory goes back to the kernel
@@ -90,36 +99,62 @@ class Crew:
         self._early: list[bytes] = []
         self._trim_at: float | None = None
         self._spin = 0.0
+        runtime.on_main_free = baton.main_free
+        #: Ends the process at once: ``shutdown`` heard by a thread other than the main one,
+        #: which may be running a block, never waits for it.
+        self.exit_now: Callable[[int], None] = os._exit
 
-    def start(self, early: list[bytes]) -> None:
-        """Start listening; ``early`` are frames already received, handled first."""
+    def serve_main(self, early: list[bytes]) -> None:
+        """Listen and run blocks on the calling thread, the process's main thread, until
+        ``shutdown``; ``early`` are frames already received, handled first.  An exception
+        that reaches this loop (a signal's handler, such as SIGINT's or an alarm the code
+        set, run while no block ran) is said and the serving goes on."""
         self._early = early
-        self._add()
+        while not self.exited.is_set():
+            try:
+                self._member()
+            except BaseException as exc:  # noqa: BLE001
+                os.write(self.diag_fd, f"agentloop worker: {type(exc).__name__} outside any block: "
+                                       f"{exc}\n".encode())
 
     def _add(self) -> None:
         threading.Thread(target=self._member, name="agentloop-worker", daemon=True).start()
 
     def _member(self) -> None:
+        main = threading.get_ident() == self.baton.main
         while not self.exited.is_set():
-            if self.baton.waiters >= _KEEP_IDLE:
+            if not main and self.baton.waiters >= _KEEP_IDLE:
                 return  # enough threads wait already
-            self.baton.take()
+            job = self.baton.take()  # the main thread may be handed a job with the baton
             while not self.exited.is_set():
-                # Blocks are registered (a cancel finds them, the output tick sees them) before
-                # they run.
-                jobs = [job for msg in self._listen() if (job := self._safely(self._handle, msg))]
-                if not jobs:
-                    continue
-                if not self.baton.busy():
-                    self._add()  # someone must be able to take over the listening
-                for job in jobs[:-1]:  # blocks of one agent run concurrently
-                    threading.Thread(target=self._safely, args=(job,), name="agentloop-block",
-                                     daemon=True).start()
-                self._safely(jobs[-1])
+                if main and job is None:
+                    job = self.baton.main_job()  # handed over while it finished the last one
+                if job is None:
+                    # Blocks are registered (a cancel finds them, the output tick sees them)
+                    # before they run.
+                    jobs = [j for msg in self._listen() if (j := self._safely(self._handle, msg))]
+                    if not jobs:
+                        continue
+                    if not main and self.baton.hand_to_main(jobs[0]):
+                        # The main thread was free: it runs the first and listens after it.
+                        self._spawn(jobs[1:])
+                        break
+                    if not self.baton.busy():
+                        self._add()  # someone must be able to take over the listening
+                    self._spawn(jobs[:-1])  # blocks of one agent run concurrently
+                    job = jobs[-1]
+                self._safely(job)
+                job = None
+                if main:
+                    self.baton.main_free()
                 self._trim_at = time.monotonic() + IDLE_TRIM
                 self._spin = SPIN_AFTER_BLOCK
                 if not self.baton.done():
                     break  # another thread listens now: wait for a turn
+
+    def _spawn(self, jobs: list) -> None:
+        for job in jobs:
+            threading.Thread(target=self._safely, args=(job,), name="agentloop-block", daemon=True).start()
 
     def _listen(self) -> list[dict]:
         """Wait for messages; handle the quick ones here (cancels, replies) and return as soon
@@ -148,8 +183,6 @@ class Crew:
         goes on."""
         try:
             return fn(*args)
-        except BlockCancelled:  # a cancel that landed after its block: nothing to do
-            pass
         except Exception as exc:  # noqa: BLE001
             os.write(self.diag_fd, f"agentloop worker: {type(exc).__name__}: {exc}\n".encode())
         return None
@@ -169,10 +202,18 @@ class Crew:
             return lambda: self._answer(msg)
         elif kind == "cancel":
             block_id = str(msg.get("id"))
-            at_cancel = self.runtime.position(block_id)
-            if self.runtime.cancel(block_id):
-                threading.Thread(target=self._report_stuck, args=(block_id, at_cancel),
-                                 name="agentloop-cancel", daemon=True).start()
+            reason = "timeout" if msg.get("reason") == "timeout" else "cancel"
+            deadline, grace = msg.get("deadline"), msg.get("grace")
+            deadline = float(deadline) if isinstance(deadline, (int, float)) else None
+            grace = float(grace) if isinstance(grace, (int, float)) else 0.5
+            if self.runtime.interrupt(block_id, reason, deadline):
+                try:
+                    threading.Thread(target=self._watch, args=(block_id, grace),
+                                     name="agentloop-cancel", daemon=True).start()
+                except RuntimeError:  # no thread to be had: the process limit is used up
+                    self.channel.send(wire.stopping(block_id, "it was interrupted, but no thread could be "
+                                                              "started to look at it (the worker's process "
+                                                              "limit is used up)"))
         elif kind == "reply":
             self.calls.resolve(msg)
         elif kind == "shutdown":
@@ -181,11 +222,25 @@ class Crew:
             self.channel.close()
             self.exit_code = 0
             self.exited.set()
+            if threading.get_ident() != self.baton.main:
+                self.exit_now(0)  # the main thread may be running a block: never wait for it
         return None
 
-    def _report_stuck(self, block_id: str, at_cancel) -> None:
-        if self.runtime.stuck(block_id, at_cancel):
-            self.channel.send(wire.stuck(block_id))
+    def _watch(self, block_id: str, grace: float) -> None:
+        """Say how an interrupted block stands: at once if the interrupt cannot reach it
+        (``stuck``: the coordinator kills now), else shortly after the interrupt and again
+        shortly before the grace runs out (``stopping``: the words of a kill, if one comes)."""
+        said = None
+        for window in (None, max(0.0, 0.8 * grace - 0.05)):
+            verdict = self.runtime.assess(block_id) if window is None else self.runtime.assess(block_id, window)
+            if verdict is None:
+                return
+            if verdict != said:
+                kind, why = verdict
+                self.channel.send(wire.stuck(block_id, why) if kind == "stuck" else wire.stopping(block_id, why))
+                said = verdict
+            if verdict[0] == "stuck":
+                return
 
     def _answer(self, msg: dict) -> None:
         """Answer a coordinator request (bind tools, export/inject a namespace, describe)."""
@@ -235,13 +290,15 @@ def _keep_last_words(fdcap: FdCapture, router: Router, channel: Channel) -> Call
 
 
 def serve(endpoint: str, token: str) -> int:
-    """Handshake with the coordinator at ``endpoint``, then serve until ``shutdown``.  Returns
-    the exit code; user code left running in threads is the caller's to abandon."""
+    """Handshake with the coordinator at ``endpoint``, then serve until ``shutdown``.  Must run
+    on the process's main thread, which runs blocks (see ``runtime``).  Returns the exit code;
+    user code left running in threads is the caller's to abandon."""
     channel = Channel(endpoint)
     router = Router(channel.send)
-    fdcap = FdCapture(router)
+    fdcap = FdCapture(router, os.environ.pop("AGENTLOOP_TTY", ""))
     channel.diag_fd = fdcap.diag_fd
     inherit_block_in_threads()
+    plain_streams_in_children()
     sys.stdout = TextStream(router, wire.STDOUT)
     sys.stderr = TextStream(router, wire.STDERR)
     sys.stdin = NoInput()
@@ -267,9 +324,9 @@ def serve(endpoint: str, token: str) -> int:
     baton = Baton()
     calls = HostCalls(channel, baton)
     runtime = Runtime(router, fdcap, channel.send, calls.call)
+    runtime.install_interrupts()
     crew = Crew(channel, router, runtime, calls, baton, fdcap.diag_fd)
     restore_exit = _keep_last_words(fdcap, router, channel)
-    crew.start(early)
-    crew.exited.wait()
+    crew.serve_main(early)
     restore_exit()
     return crew.exit_code or 0

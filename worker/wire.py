@@ -11,7 +11,10 @@ Coordinator -> worker
     run      {id, code, script}           start a block; ``script`` (only for a script run as
                                           ``python FILE ARGS`` would: ``exec``) is {path, argv, stdin}
     stdin    {id, data, eof}              bytes for a script's stdin; ``eof`` once it has ended
-    cancel   {id}                         cooperative cancel (the coordinator kills if ignored)
+    cancel   {id, reason, deadline, grace}  interrupt a block: ``reason`` "timeout" (a
+                                          ``TimeoutError`` naming ``deadline`` seconds) or
+                                          "cancel" (what Ctrl-C gives); the coordinator kills
+                                          the worker if it has not stopped ``grace`` s later
     reply    {cid, ok, value|error}       answer to a worker's ``call``
     req      {rid, op, args}              a control request (bind, export, inject, describe, env)
     shutdown {}                           finish: answer ``bye`` and exit
@@ -19,11 +22,14 @@ Coordinator -> worker
 Worker -> coordinator
     hello    {v, token, pid}
     out      {id, o: [[stream, bytes], ...]}   batched output; stream 1 = stdout, 2 = stderr
-    done     {id, status, error, vars, code}  status: ok | error | cancelled | exit (SystemExit;
-                                          ``code`` is the exit status, as the interpreter's)
+    done     {id, status, error, vars, code, note}  status: ok | error | cancelled | exit
+                                          (SystemExit; ``code`` is the exit status, as the
+                                          interpreter's); ``note``: what an interrupt did, in words
     call     {cid, name, args, kwargs, block}  call a host function (``self``, tools) for a block
     resp     {rid, ok, value|error}       answer to a ``req``
-    stuck    {id}                         a cancelled block sits in C code: only a kill stops it
+    stuck    {id, why}                    an interrupt cannot reach the block: only a kill stops it
+    stopping {id, why}                    the interrupt was given and the block runs on: the
+                                          words for a kill, should the grace run out
     bye      {}                           the answer to ``shutdown``, the worker's last message
 
 Decoding is bounded: the coordinator never trusts sizes a worker claims.  A message is
@@ -58,7 +64,7 @@ STDERR = 2
 
 #: Message types by direction: what each side may receive.
 TO_WORKER = ("welcome", "run", "stdin", "cancel", "reply", "req", "shutdown")
-TO_COORDINATOR = ("hello", "out", "done", "call", "resp", "stuck", "bye")
+TO_COORDINATOR = ("hello", "out", "done", "call", "resp", "stuck", "stopping", "bye")
 
 
 def welcome() -> dict[str, Any]:
@@ -77,8 +83,14 @@ def stdin(block_id: str, data: bytes, eof: bool) -> dict[str, Any]:
     return {"t": "stdin", "id": block_id, "data": data, "eof": eof}
 
 
-def cancel(block_id: str) -> dict[str, Any]:
-    return {"t": "cancel", "id": block_id}
+def cancel(block_id: str, reason: str = "cancel", deadline: float | None = None,
+           grace: float | None = None) -> dict[str, Any]:
+    msg: dict[str, Any] = {"t": "cancel", "id": block_id, "reason": reason}
+    if deadline is not None:
+        msg["deadline"] = deadline
+    if grace is not None:
+        msg["grace"] = grace
+    return msg
 
 
 def reply(cid: Any, *, value: Any = None, error: str | None = None) -> dict[str, Any]:
@@ -104,11 +116,14 @@ def out(block_id: str, chunks: list) -> dict[str, Any]:
     return {"t": "out", "id": block_id, "o": chunks}
 
 
-def done(block_id: str, status: str, error: str, variables: list, code: int | None = None) -> dict[str, Any]:
-    """``code``: the exit status, for status ``exit`` only."""
+def done(block_id: str, status: str, error: str, variables: list, code: int | None = None,
+         note: str = "") -> dict[str, Any]:
+    """``code``: the exit status, for status ``exit`` only; ``note``: what an interrupt did."""
     msg = {"t": "done", "id": block_id, "status": status, "error": error, "vars": variables}
     if code is not None:
         msg["code"] = code
+    if note:
+        msg["note"] = note
     return msg
 
 
@@ -123,8 +138,12 @@ def resp(rid: Any, *, value: Any = None, error: str | None = None) -> dict[str, 
     return {"t": "resp", "rid": rid, "ok": True, "value": value}
 
 
-def stuck(block_id: str) -> dict[str, Any]:
-    return {"t": "stuck", "id": block_id}
+def stuck(block_id: str, why: str) -> dict[str, Any]:
+    return {"t": "stuck", "id": block_id, "why": why}
+
+
+def stopping(block_id: str, why: str) -> dict[str, Any]:
+    return {"t": "stopping", "id": block_id, "why": why}
 
 
 def bye() -> dict[str, Any]:

@@ -21,7 +21,7 @@ sandbox) ends them all.  C reaps nothing: the worker is a child subreaper, so or
 code go to D, and D's own exit leaves a zombie whose status the coordinator reads before it
 kills C.  As a tiny program instead of a copy of this interpreter, C costs a worker about
 0.1 MB instead of 1.5 MB (and no share of the zygote's pages).
-Requests:  spawn {id, endpoint, env, cwd, private_net, tmp_bytes}  ->  spawned {id, pid}  |  failed {id, error}
+Requests:  spawn {id, endpoint, env, cwd, private_net, tmp_bytes, own_workspace?}  ->  spawned {id, pid}  |  failed {id, error}
            (pid: C's, in the zygote's namespace; D is C's only child)
 Reports:   exited {id, pid, status}  when a worker's C is reaped (status as a shell's $?).
 """
@@ -164,6 +164,9 @@ def _child(request: dict, control: tuple[int, ...], report: int, sleep: str | No
         _check(_libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "private mounts")
         _check(_libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None), "/proc")
         _private_tmp(request)
+        if request.get("own_workspace"):  # (code samples) an empty workspace of its own, gone with it
+            _check(_libc.mount(b"tmpfs", str(request["own_workspace"]).encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV,
+                               f"size={int(request['tmp_bytes'])},mode=1777".encode()), "workspace")
         if request.get("private_net", True):
             _loopback_up()
         worker = os.fork()

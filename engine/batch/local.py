@@ -15,7 +15,7 @@ from ..errors import EXIT_INTERRUPTED, AgentloopError, ConfigError
 from ..inert import inert
 from .capacity import default_parallel
 from .progress import LinesView, Meter, Tally, make_view, short
-from .results import ResultsFile, lock_runs_dir, redo_selector
+from .results import ResultsFile, lock_runs_dir, open_results
 from .run import RunSettings, execute
 from .stopping import Stopper, infra_threshold
 from .tasks import TaskSpec, read_tasks
@@ -111,14 +111,12 @@ def run_batch(tasks_path: str | Path, output: str | Path, settings: RunSettings,
         print(inert(f"agentloop: {tasks_path}: skipping {len(problems)} invalid line(s):\n{listing}"),
               file=sys.stderr)
     lock = lock_runs_dir(settings.runs_dir)
-    results = ResultsFile(output)
     try:
-        resumed = results.open(redo_selector(redo))
-        if resumed.torn_bytes:
-            print(f"agentloop: {output}: cut off a torn last line ({resumed.torn_bytes} bytes); "
-                  "that run will be done again", file=sys.stderr)
-        if resumed.dropped:
-            print(f"agentloop: {output}: {resumed.dropped} record(s) removed to be run again", file=sys.stderr)
+        results, resumed = open_results(output, redo)
+    except BaseException:
+        os.close(lock)
+        raise
+    try:
         pending = [s for s in specs if s.key not in resumed.done]
         before = len(specs) - len(pending)
         if ray_address is None:

@@ -121,7 +121,7 @@ class _Flight:
             ray.cancel(self.ref, force=True)
 
 
-def _import_ray() -> Any:
+def import_ray() -> Any:
     try:
         import ray
     except ImportError:
@@ -157,13 +157,12 @@ def _warn_unsent_token() -> None:
               "authentication, set RAY_AUTH_MODE=token", file=sys.stderr, flush=True)
 
 
-def _connect(ray: Any, address: str, settings: RunSettings) -> bool:
+def connect(ray: Any, address: str, env: dict[str, str]) -> bool:
     """Join the cluster; True when this call connected (and so must disconnect)."""
     if ray.is_initialized():
         return False
     _check_reachable(address)
     _warn_unsent_token()
-    env = _forwarded_env(settings)
     try:
         ray.init(address=address, runtime_env={"env_vars": env} if env else None,
                  logging_level=logging.WARNING, log_to_driver=False)
@@ -173,7 +172,7 @@ def _connect(ray: Any, address: str, settings: RunSettings) -> bool:
     return True
 
 
-def _slots(ray: Any) -> int:
+def agent_slots(ray: Any) -> int:
     return int(ray.cluster_resources().get("agent_slot", 0))
 
 
@@ -206,11 +205,11 @@ def run_on_ray(address: str, pending: list[TaskSpec], settings: RunSettings, *,
                results: ResultsFile, tally: Tally, view: LinesView, parallel: int | None,
                stopper: Stopper) -> None:
     """Run ``pending`` on the cluster at ``address``, writing each record as it comes."""
-    ray = _import_ray()
-    connected = _connect(ray, address, settings)
+    ray = import_ray()
+    connected = connect(ray, address, _forwarded_env(settings))
     handlers: dict[int, Any] = {}
     try:
-        slots = _slots(ray)
+        slots = agent_slots(ray)
         if slots < 1:
             raise AgentloopError("no node of the Ray cluster offers the agent_slot resource; start nodes "
                                  "with --resources='{\"agent_slot\": N}' (N: runs the node may hold)")
@@ -225,7 +224,7 @@ def run_on_ray(address: str, pending: list[TaskSpec], settings: RunSettings, *,
         while True:
             now = time.monotonic()
             if now - slots_seen > SLOTS_EVERY:
-                slots, slots_seen = max(1, _slots(ray)), now
+                slots, slots_seen = max(1, agent_slots(ray)), now
             limit = min(parallel, slots) if parallel else slots
             while not stopper.stopping and len(inflight) < limit:
                 spec = next(queue, None)

@@ -30,11 +30,15 @@ class Meter(AgentDisplay):
 
 
 class Tally:
-    """Counts of the batch so far: what finished (by status), what runs, tokens and cost."""
+    """Counts of the batch so far: what finished (by status), what runs, tokens and cost.
+    ``kind``: ``runs`` (agent runs, ``STATUSES``) or ``samples`` (code samples, ``statuses``)."""
 
-    def __init__(self, total: int, before: int) -> None:
+    def __init__(self, total: int, before: int, *, kind: str = "runs",
+                 statuses: tuple[str, ...] = STATUSES) -> None:
         self.total = total
         self.before = before  # finished by an earlier invocation
+        self.kind = kind
+        self.statuses = statuses
         self.counts: Counter[str] = Counter()
         self.infrastructure = 0
         self.tokens_in = self.tokens_out = 0
@@ -53,9 +57,10 @@ class Tally:
     def finish(self, key: str, record: dict) -> None:
         self.running.pop(key, None)
         self.counts[record["status"]] += 1
-        self.tokens_in += record["tokens"]["in"]
-        self.tokens_out += record["tokens"]["out"]
-        self.cost += record["cost"]
+        tokens = record.get("tokens") or {}
+        self.tokens_in += tokens.get("in", 0)
+        self.tokens_out += tokens.get("out", 0)
+        self.cost += record.get("cost", 0.0)
         if record.get("infrastructure"):
             self.infrastructure += 1
             self.consecutive_infra += 1
@@ -123,8 +128,9 @@ class LinesView:
                 f"{record['duration_s']:.1f}s")
         if record.get("attempts", 1) > 1:
             line += f" after {record['attempts']} attempts"
-        if record["status"] != "answered" and record.get("error"):
-            line += f": {short(record['error'])}"
+        why = record.get("error") or record.get("message")
+        if record["status"] not in ("answered", "ok") and why:
+            line += f": {short(why)}"
         print(line, file=self.stream, flush=True)
 
     def stop(self) -> None:
@@ -155,7 +161,7 @@ class BarView(LinesView):
 
         self.status = ""
         self.console = Console(stderr=True, force_terminal=force_terminal or None)
-        self.progress = _Progress(TextColumn("[bold]batch"), BarColumn(bar_width=None), MofNCompleteColumn(),
+        self.progress = _Progress(TextColumn(f"[bold]{'batch' if tally.kind == 'runs' else 'samples'}"), BarColumn(bar_width=None), MofNCompleteColumn(),
                                   TextColumn("ETA {task.fields[eta]}"), console=self.console,
                                   refresh_per_second=4, expand=True)
         self.task = self.progress.add_task("batch", total=tally.total, completed=tally.before, eta="-:--")
@@ -167,14 +173,22 @@ class BarView(LinesView):
     def tick(self) -> None:
         t = self.tally
         tin, tout, cost = t.usage()
+        if t.kind == "samples":
+            per_s = t.finished / t.elapsed() if t.elapsed() > 0 else 0.0
+            self.status = (f"[green]ok {t.counts['ok']}[/] · error {t.counts['error']} · "
+                           f"timeout {t.counts['timeout']} · [red]killed {t.counts['killed']} · "
+                           f"died {t.counts['died']}[/] · running {len(t.running)} · {per_s:.1f} samples/s")
+            self.progress.update(self.task, completed=t.before + t.finished, eta=_clock(t.eta()))
+            return
         self.status = (f"[green]answered {t.counts['answered']}[/] · [red]failed {t.counts['failed']}[/] · "
                        f"timed out {t.counts['timed_out']} · running {len(t.running)} · "
                        f"{t.rate():.1f} runs/min · {_tokens(tin)}/{_tokens(tout)} tokens in/out · ${cost:.4f}")
         self.progress.update(self.task, completed=t.before + t.finished, eta=_clock(t.eta()))
 
     def finished(self, record: dict) -> None:
-        if record["status"] not in ("answered", "cancelled"):
-            error = f": {short(record['error'], 100)}" if record.get("error") else ""
+        if record["status"] not in ("answered", "cancelled", "ok", "error"):
+            why = record.get("error") or record.get("message")
+            error = f": {short(why, 100)}" if why else ""
             self.progress.console.print(f"id={inert(str(record['id']))} {record['status']}{error}", markup=False,
                                         highlight=False)
         self.tick()
@@ -193,17 +207,17 @@ def make_view(mode: str, tally: Tally) -> LinesView:
     return QuietView(tally) if mode == "none" else LinesView(tally)
 
 
-def print_summary(tally: Tally, results: Path, runs_dir: Path, stopped: str | None) -> None:
-    """The closing table on stderr: runs by status, tokens, cost, wall time, rate."""
+def print_summary(tally: Tally, results: Path, runs_dir: Path | None, stopped: str | None) -> None:
+    """The closing table on stderr: runs (or samples) by status, tokens, cost, wall time, rate."""
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
     tin, tout, cost = tally.usage()
-    table = Table(title="batch summary", show_header=False, title_justify="left")
+    table = Table(title="batch summary" if tally.kind == "runs" else "samples summary", show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column(justify="right")
-    for status in STATUSES:
+    for status in tally.statuses:
         label = status.replace("_", " ")
         value = str(tally.counts[status])
         if status == "failed" and tally.infrastructure:
@@ -213,13 +227,18 @@ def print_summary(tally: Tally, results: Path, runs_dir: Path, stopped: str | No
     left = tally.total - tally.before - tally.finished
     if left:
         table.add_row("not run", str(left))
-    table.add_row("tokens in / out", f"{tin:,} / {tout:,}")
-    table.add_row("cost", f"${cost:.4f}")
+    if tally.kind == "runs":
+        table.add_row("tokens in / out", f"{tin:,} / {tout:,}")
+        table.add_row("cost", f"${cost:.4f}")
     table.add_row("wall time", _clock(tally.elapsed()))
-    table.add_row("runs / minute", f"{tally.rate():.1f}")
+    if tally.kind == "runs":
+        table.add_row("runs / minute", f"{tally.rate():.1f}")
+    else:
+        table.add_row("samples / second", f"{tally.rate() / 60:.1f}")
     # Text, not str: a cell given as str is read as markup
     table.add_row("results", Text(inert(str(results))))
-    table.add_row("runs", Text(inert(str(runs_dir))))
+    if runs_dir is not None:
+        table.add_row("runs", Text(inert(str(runs_dir))))
     if stopped:
         table.add_row("stopped", Text(inert(stopped)))
     Console(stderr=True).print(table)

@@ -6,6 +6,7 @@ import contextlib
 import fcntl
 import json
 import os
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,10 +133,29 @@ def redo_selector(statuses: Iterable[str]) -> Callable[[dict], bool]:
 def lock_runs_dir(runs_dir: Path) -> int:
     """Hold an exclusive lock on ``runs_dir`` for this process's life (one writer per batch)."""
     runs_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(runs_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    return lock_file(runs_dir / ".lock", f"another agentloop batch is using {runs_dir}; wait for it or stop it")
+
+
+def lock_file(path: Path, busy: str) -> int:
+    """An exclusive lock on ``path`` (made if missing), held until its descriptor (returned) is
+    closed; ConfigError saying ``busy`` when another process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise ConfigError(f"another agentloop batch is using {runs_dir}; wait for it or stop it") from None
+        raise ConfigError(busy) from None
     return fd
+
+
+def open_results(output: Path, redo: Iterable[str], what: str = "run") -> tuple[ResultsFile, Resumed]:
+    """Open (create, repair, resume) the results file ``output``, dropping the records ``redo``
+    selects (``redo_selector``); what was repaired or dropped is said on stderr in one line each."""
+    results = ResultsFile(output)
+    resumed = results.open(redo_selector(redo))
+    if resumed.torn_bytes:
+        print(f"agentloop: {output}: cut off a torn last line ({resumed.torn_bytes} bytes); "
+              f"that {what} will be done again", file=sys.stderr)
+    if resumed.dropped:
+        print(f"agentloop: {output}: {resumed.dropped} record(s) removed to be run again", file=sys.stderr)
+    return results, resumed

@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import sys
+from pathlib import Path
 
 import click
 
@@ -20,37 +21,23 @@ from ..engine import Engine
 from ..errors import AgentloopError
 from ..inert import InertStream, inert
 from ..results import BlockResult, OutputChunk
+from ..samples import exit_code as _exit_code
 from ..script import Script
 from .options import (
-    EXIT_ERROR,
     EXIT_INTERRUPTED,
-    EXIT_TIMEOUT,
+    EXIT_OWN,
     Duration,
     fail,
     worker_options,
     worker_settings,
 )
 
-
-def _exit_code(result: BlockResult) -> int:
-    if result.exited:  # SystemExit: its status, as Python exits with it
-        return result.exit_code or 0
-    if result.status == "ok":
-        return 0
-    if result.status == "timeout":
-        return EXIT_TIMEOUT
-    if result.status == "died":
-        if result.signal:
-            return 128 + result.signal
-        return result.exit_code if result.exit_code else EXIT_ERROR
-    if result.status == "cancelled":
-        return EXIT_INTERRUPTED
-    return EXIT_ERROR
-
+#: What ``--redo`` may name with ``--jsonl``.
+SAMPLE_REDO = ("error", "timeout", "killed", "died")
 
 
 @click.command("exec", context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
-@click.argument("file", type=click.File("r", encoding="utf-8"))
+@click.argument("file", type=click.File("r", encoding="utf-8"), required=False)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @click.option("--timeout", type=Duration(), default=f"{DEFAULT_BLOCK_TIMEOUT:g}s", show_default=True,
               help="Deadline of the block: 250ms, 30s, 5m, 1h or plain seconds.")
@@ -61,20 +48,55 @@ def _exit_code(result: BlockResult) -> int:
                    "output bound for a terminal loses every escape sequence and control character but "
                    "newline and tab (a lone carriage return becomes a newline); output to a pipe or a "
                    "file is passed unchanged either way.")
+@click.option("--jsonl", "samples", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+              help="Run every code sample of this JSONL file (id, code; optional stdin, args, timeout, files, "
+                   "env), each in a fresh sandbox of its own, instead of FILE; results go to -o.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="With --jsonl: the results JSONL, one line per sample as it ends; rerun to resume.")
+@click.option("--parallel", type=click.IntRange(1), default=None,
+              help="With --jsonl: samples at once (default: min(2 x CPUs, available GiB of memory)).")
+@click.option("--redo", multiple=True, type=click.Choice(list(SAMPLE_REDO)),
+              help="With --jsonl: also run again the samples recorded with this status (cancelled ones always "
+                   "are).  Repeatable.")
+@click.option("--skip-invalid", is_flag=True, help="With --jsonl: report invalid lines and go on without them.")
+@click.option("--progress", type=click.Choice(["auto", "bar", "lines", "none"]), default="auto",
+              show_default=True, help="With --jsonl: a live bar (auto: when stderr is a terminal) or one line per sample.")
+@click.option("--ray", "ray_address", metavar="ADDRESS", default=None,
+              help="With --jsonl: run the samples on a Ray cluster (pip install 'agentloop[ray]'), in chunks, one "
+                   "agent_slot each; see `agentloop batch --help`.")
 @worker_options
-def exec_cmd(file, args: tuple[str, ...], timeout: float, as_json: bool, allow_sgr: bool) -> None:
+def exec_cmd(file, args: tuple[str, ...], timeout: float, as_json: bool, allow_sgr: bool, samples: Path | None,
+             output: Path | None, parallel: int | None, redo: tuple[str, ...], skip_invalid: bool, progress: str,
+             ray_address: str | None) -> None:
     """Run FILE (or - for stdin) as one block in a fresh worker, streaming its output, as
     `python FILE ARGS` runs it: sys.argv is [FILE, *ARGS], __file__ is set, SystemExit gives
     the exit status, atexit handlers run, a piped stdin reaches the code.  Options go before
     FILE; everything after it (a leading -- dropped) is the script's.
 
-    On a terminal the output is made inert (see --color); piped, it is passed byte for byte."""
+    On a terminal the output is made inert (see --color); piped, it is passed byte for byte.
+
+    With --jsonl SAMPLES -o RESULTS: every sample of SAMPLES runs that way, in a sandbox of its
+    own (process, namespaces, /tmp and workspace), and its result (status, exit code, stdout and
+    stderr, duration, peak memory) is appended to RESULTS as it ends; resume, Ctrl-C and the
+    progress bar are `agentloop batch`'s."""
+    if samples is not None:
+        _run_samples(samples, output, file, as_json, timeout, parallel, redo, skip_invalid, progress, ray_address)
+        return
+    if file is None:
+        fail("exec needs FILE (or - for stdin), or --jsonl SAMPLES -o RESULTS")
+    if output is not None:
+        fail("-o goes with --jsonl")
     code = file.read()
     script = _script(file, args)
     out = _Sink(sys.stderr if as_json else sys.stdout, allow_sgr)
     err = _Sink(sys.stderr, allow_sgr)
     try:
-        result = asyncio.run(_exec(code, timeout, out, err, worker_settings().engine_options(), script))
+        options = worker_settings().engine_options()
+        # A stream bound for a terminal is a terminal for the code too (a pty of its own: colours
+        # and progress bars behave as under python; what reaches the screen is still made
+        # inert); with --json, or piped, it stays a pipe.
+        options["tty"] = [] if as_json else [fd for fd, sink in ((1, out), (2, err)) if sink.filter is not None]
+        result = asyncio.run(_exec(code, timeout, out, err, options, script))
     except AgentloopError as exc:
         fail(str(exc))
     except KeyboardInterrupt:
@@ -139,6 +161,33 @@ class _Sink:
         if self.filter is not None and (tail := self.filter.flush()):
             self.buffer.write(tail)
         self.buffer.flush()
+
+
+def _run_samples(samples: Path, output: Path | None, file, as_json: bool, timeout: float, parallel: int | None,
+                 redo: tuple[str, ...], skip_invalid: bool, progress: str, ray_address: str | None) -> None:
+    """``exec --jsonl``: every sample of the file, to the results file (``engine.batch.samples``)."""
+    from ..batch.progress import print_summary
+    from ..batch.samples import run_samples
+
+    if file is not None or output is None or as_json:
+        fail("--jsonl SAMPLES takes -o RESULTS, and neither FILE nor --json")
+    settings = worker_settings()
+    if settings.workspace is not None:
+        fail("--jsonl gives each sample a workspace of its own; --workspace does not apply")
+    # The current directory may hold the results: shown to samples only when asked for.
+    settings.limits.setdefault("share_cwd", False)
+    output = output.absolute()
+    try:
+        outcome = run_samples(samples, output, settings.engine_options(), parallel=parallel, timeout=timeout,
+                              progress=progress, skip_invalid=skip_invalid, redo=redo, ray_address=ray_address)
+    except AgentloopError as exc:
+        click.echo(inert(f"agentloop: {exc}"), err=True)
+        sys.exit(EXIT_OWN)
+    except KeyboardInterrupt:  # before the run's own handlers were in place
+        click.echo("agentloop: interrupted", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    print_summary(outcome.tally, output, None, outcome.stopped)
+    sys.exit(outcome.exit_code)
 
 
 def _script(file, args: tuple[str, ...]) -> Script:

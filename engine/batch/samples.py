@@ -1,0 +1,255 @@
+"""``agentloop exec --jsonl SAMPLES.jsonl -o RESULTS.jsonl``: a file of code samples, each run
+in a sandbox of its own (``engine.samples``), every result kept.
+
+Input: one JSON object a line, ``{"id": ..., "code": ...}`` plus, optionally, ``stdin`` (text),
+``args`` (``sys.argv[1:]``), ``timeout`` (seconds or ``5s``), ``files`` (paths relative to the
+samples file, copied into the sample's workspace, at most ``FILES_CAP`` bytes in all) and
+``env`` (variables to set, named in ``ENV_ALLOWLIST`` only).  Every line is checked before
+anything starts; problems are reported with their line numbers.
+
+Output: one JSON object a line per finished sample (``SampleResult.record``: ``id``,
+``status``, ``exit_code``, ``stdout``, ``stderr`` and what was cut of them, ``duration_s``,
+``max_rss_mb``), appended and fsynced as the sample ends.  Rerunning the same command skips the
+ids already there; a torn last line is cut and its sample run again; ``cancelled`` samples
+always run again, ``--redo STATUS`` adds others.  Ctrl-C (or SIGTERM) stops starting samples,
+kills the running ones (recorded as ``cancelled``) and exits 130; a second Ctrl-C leaves at
+once.  The progress bar, the lines and the summary are ``agentloop batch``'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..durations import parse_duration
+from ..engine import Engine
+from ..errors import ConfigError
+from ..inert import inert
+from ..launcher import ENV_ALLOWLIST
+from ..samples import FILES_CAP, STATUSES, Sample, SampleResult, cancelled, check_env
+from .capacity import default_parallel
+from .local import BatchOutcome
+from .progress import Tally, make_view
+from .results import ResultsFile, lock_file, open_results
+from .run import pack_files
+from .stopping import Stopper
+
+#: What ``--redo`` may name (``cancelled`` samples always run again).
+REDO = ("error", "timeout", "killed", "died")
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """One valid line: the sample, with its ``files`` as absolute paths, read only when it runs."""
+
+    id: str | int
+    code: str
+    line: int
+    stdin: str | None = None
+    args: tuple[str, ...] = ()
+    timeout: float | None = None
+    files: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def key(self) -> str:
+        return str(self.id)
+
+    def sample(self) -> Sample:
+        """The sample to run (its files read now)."""
+        files = tuple((path, data, mode) for path, data, mode in pack_files(self.files))
+        return Sample(self.id, self.code, stdin=self.stdin, args=self.args, timeout=self.timeout, files=files,
+                      env=dict(self.env))
+
+
+def read_samples(path: str | Path) -> tuple[list[SampleSpec], list[str]]:
+    """The valid samples of ``path`` in file order, and one ``"line N: ..."`` per invalid line
+    (not a JSON object, no id or code, a repeated id, a bad field, a missing file).  Raises
+    ConfigError only if the file cannot be read."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read the samples file {path}: {exc}") from exc
+    base = path.resolve().parent
+    specs: list[SampleSpec] = []
+    problems: list[str] = []
+    first: dict[str, int] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            spec = _sample(json.loads(line), number, base)
+        except json.JSONDecodeError as exc:
+            problems.append(f"line {number}: not JSON ({exc.msg} at column {exc.colno})")
+            continue
+        except ConfigError as exc:
+            problems.append(f"line {number}: {exc}")
+            continue
+        if spec.key in first:
+            problems.append(f"line {number}: duplicate id {spec.id!r} (first on line {first[spec.key]})")
+            continue
+        first[spec.key] = number
+        specs.append(spec)
+    return specs, problems
+
+
+def _sample(data: Any, number: int, base: Path) -> SampleSpec:
+    if not isinstance(data, dict):
+        raise ConfigError(f"not a JSON object but {type(data).__name__}")
+    ident = data.get("id")
+    if isinstance(ident, bool) or not (isinstance(ident, int) or (isinstance(ident, str) and ident.strip())):
+        raise ConfigError("no id" if ident is None else f"id must be a non-empty string or an integer, not {ident!r}")
+    where = f"id {ident!r}"
+    code = data.get("code")
+    if not isinstance(code, str):
+        raise ConfigError(f"{where}: code must be a string")
+    stdin = data.get("stdin")
+    if stdin is not None and not isinstance(stdin, str):
+        raise ConfigError(f"{where}: stdin must be a string")
+    args = data.get("args", [])
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise ConfigError(f"{where}: args must be a list of strings")
+    try:
+        timeout = parse_duration(data.get("timeout"))
+        env = check_env(data.get("env") or {}, ENV_ALLOWLIST) if isinstance(data.get("env") or {}, dict) else None
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {'env' if 'env' in str(exc) else 'timeout'}: {exc}") from None
+    if env is None:
+        raise ConfigError(f"{where}: env must be an object of names and strings")
+    return SampleSpec(ident, code, number, stdin, tuple(args), timeout, _files(data.get("files"), where, base),
+                      tuple(sorted(env.items())))
+
+
+def _files(value: Any, where: str, base: Path) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"{where}: files must be a list of paths")
+    paths, names, size = [], {}, 0
+    for entry in value:
+        resolved = (base / entry).resolve()
+        if not resolved.exists():
+            raise ConfigError(f"{where}: file {entry!r} does not exist ({resolved})")
+        if resolved.name in names:
+            raise ConfigError(f"{where}: files {names[resolved.name]!r} and {entry!r} would both be "
+                              f"{resolved.name!r} in the workspace")
+        names[resolved.name] = entry
+        size += sum(f.stat().st_size for f in resolved.rglob("*") if f.is_file()) if resolved.is_dir() \
+            else resolved.stat().st_size
+        paths.append(str(resolved))
+    if size > FILES_CAP:
+        raise ConfigError(f"{where}: files hold {size} bytes, more than {FILES_CAP} a sample may carry")
+    return tuple(paths)
+
+
+async def _run_local(pending: list[SampleSpec], engine_options: dict, results: ResultsFile, tally: Tally,
+                     view, parallel: int, stopper: Stopper, timeout: float) -> None:
+    loop = asyncio.get_running_loop()
+    started: dict[str, tuple[SampleSpec, float]] = {}
+    me = asyncio.current_task()
+    assert me is not None
+    stopper.on_stop = me.cancel
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stopper.interrupt)
+
+    def feed() -> Iterator[Sample]:
+        for spec in pending:
+            if stopper.stopping:
+                return
+            started[spec.key] = (spec, time.monotonic())
+            tally.start(spec.key)
+            yield spec.sample()
+
+    def record(result: SampleResult) -> None:
+        started.pop(str(result.id), None)
+        line = result.record()
+        results.append(line)
+        tally.finish(str(result.id), line)
+        view.finished(line)
+
+    async def ticker() -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            view.tick()
+
+    ticking = asyncio.ensure_future(ticker())
+    try:
+        async with Engine(**engine_options) as engine:
+            results_of = engine.map(feed(), concurrency=parallel, timeout=timeout)
+            try:
+                async for result in results_of:
+                    record(result)
+            except asyncio.CancelledError:
+                if not stopper.interrupted:
+                    raise
+            finally:
+                await results_of.aclose()  # kills what still runs
+    finally:
+        ticking.cancel()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        for spec, at in list(started.values()):  # killed by the interrupt: run again next time
+            record(cancelled(Sample(spec.id, ""), at))
+
+
+def run_samples(samples_path: str | Path, output: str | Path, engine_options: dict, *,
+                parallel: int | None = None, timeout: float, progress: str = "auto", skip_invalid: bool = False,
+                redo: Iterable[str] = (), ray_address: str | None = None) -> BatchOutcome:
+    """Run every sample of ``samples_path`` not yet in ``output``; see the module docstring.
+
+    ``engine_options``: keyword arguments of the ``Engine`` that runs them (sandbox, limits,
+    interpreter).  Raises ConfigError, before anything starts, for invalid lines (unless
+    ``skip_invalid``), a damaged output, or an output another process is writing."""
+    output = Path(output)
+    specs, problems = read_samples(samples_path)
+    if problems:
+        listing = "\n".join(f"  {p}" for p in problems)
+        if not skip_invalid:
+            raise ConfigError(f"{samples_path}: {len(problems)} invalid line(s), nothing started "
+                              f"(--skip-invalid to go on without them):\n{listing}")
+        print(inert(f"agentloop: {samples_path}: skipping {len(problems)} invalid line(s):\n{listing}"),
+              file=sys.stderr)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    lock = lock_file(output.with_name(f".{output.name}.lock"),
+                     f"another agentloop is writing {output}; wait for it or stop it")
+    try:
+        results, resumed = open_results(output, redo, "sample")
+    except BaseException:
+        os.close(lock)
+        raise
+    try:
+        pending = [s for s in specs if s.key not in resumed.done]
+        before = len(specs) - len(pending)
+        parallel = parallel or default_parallel()
+        where = f"on Ray at {ray_address}" if ray_address else f"{parallel} at once"
+        print(f"agentloop: {len(specs)} samples, {before} done before, {len(pending)} to run, {where}; "
+              f"results in {output}", file=sys.stderr, flush=True)
+        tally = Tally(len(specs), before, kind="samples", statuses=STATUSES)
+        view = make_view(progress, tally)
+        stopper = Stopper()
+        view.start()
+        try:
+            if ray_address is not None and pending:
+                from . import samples_ray
+
+                samples_ray.run_on_ray(ray_address, pending, engine_options, results=results, tally=tally,
+                                       view=view, parallel=parallel, stopper=stopper, timeout=timeout)
+            elif pending:
+                asyncio.run(_run_local(pending, engine_options, results, tally, view, parallel, stopper, timeout))
+        finally:
+            view.stop()
+        return BatchOutcome(tally, stopper.reason)
+    finally:
+        results.close()
+        os.close(lock)

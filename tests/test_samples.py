@@ -1,0 +1,243 @@
+"""Code samples: ``Engine.map`` and ``agentloop exec --jsonl``, with real sandboxed workers."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from engine._process import descendants
+from engine.batch.samples import read_samples
+from engine.engine import Engine
+from engine.samples import Sample
+
+from .conftest import wait_until
+
+AGENTLOOP = [sys.executable, "-m", "engine.cli"]
+
+# HumanEval's shape: prompt + solution + tests + check(entry_point).
+_PROBLEMS = [
+    ("def add(a, b):\n    \"\"\"a + b\"\"\"\n", "    return a + b\n",
+     "def check(f):\n    assert f(2, 3) == 5\n    assert f(-1, 1) == 0\n", "add"),
+    ("from typing import List\n\ndef evens(xs: List[int]) -> List[int]:\n", "    return [x for x in xs if x % 2 == 0]\n",
+     "def check(f):\n    assert f([1, 2, 3, 4]) == [2, 4]\n    assert f([]) == []\n", "evens"),
+    ("import math\n\ndef hyp(a, b):\n", "    return math.hypot(a, b)\n",
+     "def check(f):\n    assert abs(f(3, 4) - 5) < 1e-9\n", "hyp"),
+    ("def is_palindrome(s: str) -> bool:\n", "    return s == s[::-1]\n",
+     "def check(f):\n    assert f('abba')\n    assert not f('abc')\n", "is_palindrome"),
+]
+GOOD = [{"id": f"good/{i}", "code": f"{prompt}{body}\n{test}\ncheck({entry})\n"}
+        for i, (prompt, body, test, entry) in enumerate(_PROBLEMS)]
+
+# Each costs its own result only.  ``plant`` leaves files where a later sample would look.
+HOSTILE = [
+    {"id": "fork-bomb", "code": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
+                                "        pass\n", "timeout": "2s"},
+    {"id": "memory-bomb", "code": "blocks = []\nwhile True:\n    blocks.append(bytearray(64 << 20))\n"},
+    {"id": "endless", "code": "while True:\n    pass\n", "timeout": "1s"},
+    {"id": "kill-group", "code": "import os, signal\nos.killpg(0, signal.SIGKILL)\n"},
+    {"id": "fill-tmp", "code": "with open('/tmp/big', 'wb') as f:\n    while True:\n"
+                               "        f.write(b'x' * (1 << 20))\n"},
+    {"id": "plant", "code": "import os\nfor d in ('/tmp', '/dev/shm', os.getcwd()):\n"
+                            "    open(os.path.join(d, 'planted'), 'w').write('x')\nraise SystemExit(9)\n"},
+]
+LOOK = {"id": "look", "code": "import os\nfound = [d for d in ('/tmp', '/dev/shm', os.getcwd())\n"
+                              "         if os.path.exists(os.path.join(d, 'planted'))]\n"
+                              "print('found', found)\nraise SystemExit(1 if found else 0)\n"}
+
+
+def write_samples(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def env_for(tmp_path: Path) -> dict:
+    return {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}
+
+
+def exec_jsonl(tmp_path: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([*AGENTLOOP, "exec", *args], capture_output=True, text=True, cwd=tmp_path,
+                          env=env_for(tmp_path), timeout=timeout)
+
+
+async def test_humaneval_shaped_samples_are_ok_with_the_exec_fidelity(tmp_path):
+    (tmp_path / "cwd").mkdir()
+    echo = Sample("echo", "import os, sys\nprint(sys.argv, __name__, input(), open('data/in.txt').read(),"
+                          " os.environ['TZ'], os.path.basename(__file__))\nsys.exit(3)\n",
+                  stdin="from stdin\n", args=("a", "b"), files=(("data/in.txt", b"file", 0o644),), env={"TZ": "UTC"})
+    broken = Sample("broken", "def f():\n    return 1 / 0\nf()\n")
+    async with Engine(cwd=tmp_path / "cwd", state_dir=tmp_path / "state") as engine:
+        samples = [Sample(s["id"], s["code"]) for s in GOOD] + [echo, broken]
+        results = {r.id: r async for r in engine.map(samples, concurrency=3)}
+    assert sorted(results) == sorted(s.id for s in samples)
+    for good in GOOD:
+        assert (results[good["id"]].status, results[good["id"]].exit_code) == ("ok", 0), results[good["id"]]
+    got = results["echo"]
+    assert (got.status, got.exit_code) == ("error", 3), got
+    assert got.stdout == "['sample.py', 'a', 'b'] __main__ from stdin file UTC sample.py\n"
+    assert got.max_rss_mb is not None and got.max_rss_mb > 1
+    err = results["broken"]
+    assert (err.status, err.exit_code, err.stdout) == ("error", 1, "")
+    assert "ZeroDivisionError: division by zero" in err.stderr and 'sample.py", line 2, in f' in err.stderr
+    assert not list((tmp_path / "state").rglob("planted"))
+
+
+def test_hostile_samples_cost_only_their_own_results(tmp_path):
+    rows = [HOSTILE[-1], *GOOD[:2], *HOSTILE[:-1], *GOOD[2:], LOOK]
+    write_samples(tmp_path / "samples.jsonl", rows)
+    out = tmp_path / "results.jsonl"
+    started = time.monotonic()
+    proc = exec_jsonl(tmp_path, "--jsonl", "samples.jsonl", "-o", "results.jsonl", "--parallel", "2",
+                      "--progress", "lines")
+    took = time.monotonic() - started
+    assert proc.returncode == 0, proc.stderr
+    got = {r["id"]: r for r in records(out)}
+    assert sorted(got) == sorted(r["id"] for r in rows)
+    for good in GOOD:
+        assert got[good["id"]]["status"] == "ok", got[good["id"]]
+    assert got["look"]["status"] == "ok", got["look"]  # nothing that `plant` left is visible
+    assert got["plant"]["exit_code"] == 9
+    assert got["fork-bomb"]["status"] == "timeout" and got["endless"]["status"] == "timeout"
+    assert got["endless"]["exit_code"] == 124
+    assert got["kill-group"]["status"] == "died" and got["kill-group"]["exit_code"] == 128 + signal.SIGKILL
+    assert got["memory-bomb"]["status"] in ("error", "killed"), got["memory-bomb"]
+    assert "MemoryError" in got["memory-bomb"]["stderr"] or got["memory-bomb"]["status"] == "killed"
+    assert got["fill-tmp"]["status"] == "error" and "No space left on device" in got["fill-tmp"]["stderr"]
+    assert "samples summary" in proc.stderr
+    assert took < 150  # ten good samples and five hostile ones: seconds, bounded loosely
+
+
+def test_sigkill_midway_then_resume_runs_each_id_once(tmp_path):
+    ids = [f"s{i:02d}" for i in range(24)]
+    code = "import os, time\ntime.sleep(0.2)\nprint(os.urandom(8).hex())\n"
+    write_samples(tmp_path / "samples.jsonl", [{"id": k, "code": code} for k in ids])
+    out = tmp_path / "results.jsonl"
+    proc = subprocess.Popen([*AGENTLOOP, "exec", "--jsonl", "samples.jsonl", "-o", "results.jsonl",
+                             "--parallel", "2", "--progress", "none"], cwd=tmp_path, env=env_for(tmp_path),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        assert wait_until(lambda: out.exists() and out.read_bytes().count(b"\n") >= 4, 90)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+    first = out.read_bytes()
+    kept = first[:first.rfind(b"\n") + 1]
+    done = {json.loads(line)["id"]: json.loads(line)["stdout"] for line in kept.splitlines()}
+    assert 4 <= len(done) < len(ids)
+    with out.open("ab") as f:
+        f.write(b'{"id": "s9')  # and a torn line, as a crash mid-write leaves one
+    resumed = exec_jsonl(tmp_path, "--jsonl", "samples.jsonl", "-o", "results.jsonl", "--parallel", "2",
+                         "--progress", "none")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "cut off a torn last line" in resumed.stderr and f"{len(done)} done before" in resumed.stderr
+    final = records(out)
+    assert Counter(r["id"] for r in final) == Counter(ids)
+    assert all(r["status"] == "ok" for r in final)
+    # What finished before the kill was not run again: its output (random each run) is unchanged.
+    assert {r["id"]: r["stdout"] for r in final if r["id"] in done} == done
+
+
+async def test_map_yields_in_completion_order(tmp_path):
+    samples = [Sample("slow", "import time\ntime.sleep(3)\n"), Sample("quick-1", "pass"),
+               Sample("quick-2", "print(2)"), Sample("quick-3", "raise SystemExit(0)")]
+    async with Engine(cwd=tmp_path, state_dir=tmp_path / "state") as engine:
+        order = [r.id async for r in engine.map(samples, concurrency=2)]
+    assert order[-1] == "slow" and sorted(order[:-1]) == ["quick-1", "quick-2", "quick-3"]
+
+
+async def test_leaving_the_iteration_kills_what_runs(tmp_path):
+    samples = [Sample("quick", "pass"), *(Sample(f"hang-{i}", "import time\ntime.sleep(600)\n") for i in range(2))]
+    async with Engine(cwd=tmp_path, state_dir=tmp_path / "state") as engine:
+        async with contextlib.aclosing(engine.map(samples, concurrency=3)) as results:
+            async for result in results:
+                assert result.id == "quick"
+                break
+        # The samples' workers (forked by the fork server, whose parent is bubblewrap) are gone.
+        around = {pid: (_comm(pid), _comm(_parent(pid))) for pid in _working_under(tmp_path / "state")}
+        servers = [pid for pid, (comm, parent) in around.items() if parent == "bwrap" and comm != "bwrap"]
+        assert len(servers) == 1, around
+        assert wait_until(lambda: not descendants(servers[0]), 60), [_comm(p) for p in descendants(servers[0])]
+
+
+def _working_under(path: Path) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{pid}/cwd").startswith(str(path)):
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except OSError:
+        return 0
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "(gone)"
+
+
+def test_read_samples_reports_each_invalid_line(tmp_path):
+    (tmp_path / "in.txt").write_text("x")
+    path = write_samples(tmp_path / "samples.jsonl", [
+        {"id": "a", "code": "pass", "files": ["in.txt"], "timeout": "5s", "args": ["x"], "stdin": "y",
+         "env": {"TZ": "UTC"}},
+        "not json",
+        {"code": "no id"},
+        {"id": "b"},
+        {"id": "c", "code": "pass", "env": {"LLM_API_KEY": "secret"}},
+        {"id": "d", "code": "pass", "files": ["missing.txt"]},
+        {"id": "e", "code": "pass", "args": "not a list"},
+        {"id": "a", "code": "again"},
+    ])
+    specs, problems = read_samples(path)
+    assert [s.id for s in specs] == ["a"] and specs[0].timeout == 5.0
+    assert [p.split(":")[0] for p in problems] == [f"line {n}" for n in range(2, 9)]
+    assert "LLM_API_KEY" in problems[3] and "duplicate id" in problems[6]
+    refused = exec_jsonl(tmp_path, "--jsonl", "samples.jsonl", "-o", "out.jsonl")
+    assert refused.returncode == 125 and "7 invalid line(s), nothing started" in refused.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize("args", [["--jsonl", "samples.jsonl"], ["--jsonl", "samples.jsonl", "-o", "o.jsonl", "--json"]])
+def test_jsonl_usage_errors(tmp_path, args):
+    write_samples(tmp_path / "samples.jsonl", [GOOD[0]])
+    proc = exec_jsonl(tmp_path, *args)
+    assert proc.returncode == 125 and "--jsonl SAMPLES takes -o RESULTS" in proc.stderr
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_samples_on_ray_in_chunks(ray_cluster, tmp_path):
+    address, auth = ray_cluster
+    rows = [{"id": f"r{i}", "code": f"print({i} * {i})"} for i in range(40)] + [GOOD[0], HOSTILE[3]]
+    write_samples(tmp_path / "samples.jsonl", rows)
+    proc = subprocess.run([*AGENTLOOP, "exec", "--jsonl", "samples.jsonl", "-o", "results.jsonl", "--ray", address,
+                           "--parallel", "2", "--progress", "none"], capture_output=True, text=True, cwd=tmp_path,
+                          env={**env_for(tmp_path), **auth}, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    got = {r["id"]: r for r in records(tmp_path / "results.jsonl")}
+    assert sorted(got) == sorted(r["id"] for r in rows)
+    assert all(got[f"r{i}"]["stdout"] == f"{i * i}\n" and got[f"r{i}"]["status"] == "ok" for i in range(40))
+    assert got["kill-group"]["status"] == "died" and all(r["node"] for r in got.values())
