@@ -431,6 +431,19 @@ def inherit_block_in_threads() -> None:
     threading.Thread._bootstrap_inner = bootstrap_inner  # type: ignore[attr-defined]
 
 
+def hide_runtime_threads() -> None:
+    """``threading.enumerate()`` and ``active_count()`` leave out the runtime's own threads
+    (named ``agentloop-...``: the output pump, the listeners, the threads of concurrent
+    blocks), so a script counts the threads it started, as under ``python``."""
+    everything = threading.enumerate
+
+    def enumerate() -> list[threading.Thread]:  # noqa: A001 - threading's own name
+        return [t for t in everything() if not t.name.startswith("agentloop-")]
+
+    threading.enumerate = enumerate
+    threading.active_count = lambda: len(enumerate())
+
+
 def plain_streams_in_children() -> None:
     """In a process forked from the worker (``multiprocessing``'s fork, ``os.fork``),
     ``sys.stdout`` and ``sys.stderr`` write to fd 1 and 2 as in a child of a script: the

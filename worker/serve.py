@@ -31,6 +31,7 @@ from .capture import (
     NoInput,
     Router,
     TextStream,
+    hide_runtime_threads,
     inherit_block_in_threads,
     plain_streams_in_children,
 )
@@ -298,6 +299,7 @@ def serve(endpoint: str, token: str) -> int:
     fdcap = FdCapture(router, os.environ.pop("AGENTLOOP_TTY", ""))
     channel.diag_fd = fdcap.diag_fd
     inherit_block_in_threads()
+    hide_runtime_threads()
     plain_streams_in_children()
     sys.stdout = TextStream(router, wire.STDOUT)
     sys.stderr = TextStream(router, wire.STDERR)

@@ -34,7 +34,7 @@ def _run(argv: list[str], stdin: str, tmp_path: Path) -> tuple[str, str, int]:
 #: socket's I/O thread, which the kill may stop before it writes (see worker/capture.py).
 RACY = {"last_words_kill.py"}
 #: Differences that remain, and why (the README lists them too).
-KNOWN = {"threads_pool.py": "threading.enumerate() lists the runtime's own two threads (output pump, listener)"}
+KNOWN: dict[str, str] = {}
 
 
 def _param(name: str):
