@@ -86,9 +86,10 @@ async def test_process_pool_executor_and_what_its_children_print(worker):
             "with ProcessPoolExecutor(2) as ex:\n    print(sorted(ex.map(cube, range(4))))\n")
     result = await worker.run(code, timeout=60)
     assert result.status == "ok", result
+    # What the children print reaches the block through fd 1, the parent's print directly: the
+    # two may interleave otherwise than under python (a documented difference), but none is lost.
     lines = result.output.splitlines()
-    assert lines[-1] == "[0, 1, 8, 27]"
-    assert sorted(lines[:-1]) == [f"child {i}" for i in range(4)]
+    assert sorted(lines) == ["[0, 1, 8, 27]"] + [f"child {i}" for i in range(4)]
 
 
 async def test_logging_names_module_and_thread_as_a_script_does(worker):
