@@ -11,14 +11,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import EXIT_INTERRUPTED, AgentloopError, ConfigError
-from ..inert import inert
+from ..errors import EXIT_INTERRUPTED, AgentloopError
 from .capacity import default_parallel
 from .progress import LinesView, Meter, Tally, make_view, short
 from .results import ResultsFile, lock_runs_dir, open_results
 from .run import RunSettings, execute
 from .stopping import Stopper, infra_threshold
-from .tasks import TaskSpec, read_tasks
+from .tasks import TaskSpec, read_tasks, refuse_invalid
 
 EXIT_STOPPED = 1
 
@@ -103,13 +102,7 @@ def run_batch(tasks_path: str | Path, output: str | Path, settings: RunSettings,
     directory another batch holds."""
     output = Path(output)
     specs, problems = read_tasks(tasks_path, settings.models)
-    if problems:
-        listing = "\n".join(f"  {p}" for p in problems)
-        if not skip_invalid:
-            raise ConfigError(f"{tasks_path}: {len(problems)} invalid line(s), nothing started "
-                              f"(--skip-invalid to go on without them):\n{listing}")
-        print(inert(f"agentloop: {tasks_path}: skipping {len(problems)} invalid line(s):\n{listing}"),
-              file=sys.stderr)
+    refuse_invalid(tasks_path, problems, skip_invalid)
     lock = lock_runs_dir(settings.runs_dir)
     try:
         results, resumed = open_results(output, redo)

@@ -19,7 +19,6 @@ once.  The progress bar, the lines and the summary are ``agentloop batch``'s.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import sys
@@ -32,7 +31,6 @@ from typing import Any
 from ..durations import parse_duration
 from ..engine import Engine
 from ..errors import ConfigError
-from ..inert import inert
 from ..launcher import ENV_ALLOWLIST
 from ..samples import FILES_CAP, STATUSES, Sample, SampleResult, cancelled, check_env
 from .capacity import default_parallel
@@ -41,6 +39,7 @@ from .progress import Tally, make_view
 from .results import ResultsFile, lock_file, open_results
 from .run import pack_files
 from .stopping import Stopper
+from .tasks import read_lines, refuse_invalid
 
 #: What ``--redo`` may name (``cancelled`` samples always run again).
 REDO = ("error", "timeout", "killed", "died")
@@ -74,32 +73,7 @@ def read_samples(path: str | Path) -> tuple[list[SampleSpec], list[str]]:
     """The valid samples of ``path`` in file order, and one ``"line N: ..."`` per invalid line
     (not a JSON object, no id or code, a repeated id, a bad field, a missing file).  Raises
     ConfigError only if the file cannot be read."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read the samples file {path}: {exc}") from exc
-    base = path.resolve().parent
-    specs: list[SampleSpec] = []
-    problems: list[str] = []
-    first: dict[str, int] = {}
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            spec = _sample(json.loads(line), number, base)
-        except json.JSONDecodeError as exc:
-            problems.append(f"line {number}: not JSON ({exc.msg} at column {exc.colno})")
-            continue
-        except ConfigError as exc:
-            problems.append(f"line {number}: {exc}")
-            continue
-        if spec.key in first:
-            problems.append(f"line {number}: duplicate id {spec.id!r} (first on line {first[spec.key]})")
-            continue
-        first[spec.key] = number
-        specs.append(spec)
-    return specs, problems
+    return read_lines(path, "samples file", _sample)
 
 
 def _sample(data: Any, number: int, base: Path) -> SampleSpec:
@@ -213,13 +187,7 @@ def run_samples(samples_path: str | Path, output: str | Path, engine_options: di
     ``skip_invalid``), a damaged output, or an output another process is writing."""
     output = Path(output)
     specs, problems = read_samples(samples_path)
-    if problems:
-        listing = "\n".join(f"  {p}" for p in problems)
-        if not skip_invalid:
-            raise ConfigError(f"{samples_path}: {len(problems)} invalid line(s), nothing started "
-                              f"(--skip-invalid to go on without them):\n{listing}")
-        print(inert(f"agentloop: {samples_path}: skipping {len(problems)} invalid line(s):\n{listing}"),
-              file=sys.stderr)
+    refuse_invalid(samples_path, problems, skip_invalid)
     output.parent.mkdir(parents=True, exist_ok=True)
     lock = lock_file(output.with_name(f".{output.name}.lock"),
                      f"another agentloop is writing {output}; wait for it or stop it")

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..durations import parse_duration
 from ..errors import ConfigError
+from ..inert import inert
 from ..models import ModelRegistry
 
 
@@ -36,20 +39,28 @@ def read_tasks(path: str | Path, models: ModelRegistry | None = None) -> tuple[l
     A line is invalid when it is not a JSON object, lacks an id or a task, repeats an id (the
     first one stays valid), names a model ``models`` does not know, or names a file that does
     not exist.  Blank lines are ignored.  Raises ConfigError only if the file cannot be read."""
+    return read_lines(path, "task file", lambda data, number, base: _task(data, number, base, models))
+
+
+def read_lines(path: str | Path, what: str, parse: Callable[[Any, int, Path], Any]) -> tuple[list, list[str]]:
+    """Each line of the JSONL file ``path`` made a spec by ``parse(data, line number, the
+    file's directory)``, which raises ConfigError for an invalid one: the valid specs in file
+    order (the first of a repeated ``key`` stays), and one ``"line N: ..."`` per invalid line.
+    Blank lines are ignored; ConfigError only when the file (``what``) cannot be read."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read the task file {path}: {exc}") from exc
+        raise ConfigError(f"cannot read the {what} {path}: {exc}") from exc
     base = path.resolve().parent
-    specs: list[TaskSpec] = []
+    specs: list = []
     problems: list[str] = []
     first_line: dict[str, int] = {}
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            spec = _task(json.loads(line), number, base, models)
+            spec = parse(json.loads(line), number, base)
         except json.JSONDecodeError as exc:
             problems.append(f"line {number}: not JSON ({exc.msg} at column {exc.colno})")
             continue
@@ -62,6 +73,18 @@ def read_tasks(path: str | Path, models: ModelRegistry | None = None) -> tuple[l
         first_line[spec.key] = number
         specs.append(spec)
     return specs, problems
+
+
+def refuse_invalid(path: str | Path, problems: list[str], skip_invalid: bool) -> None:
+    """ConfigError listing ``problems`` (nothing starts), or with ``skip_invalid`` the same list
+    on stderr and the run goes on without those lines."""
+    if not problems:
+        return
+    listing = "\n".join(f"  {p}" for p in problems)
+    if not skip_invalid:
+        raise ConfigError(f"{path}: {len(problems)} invalid line(s), nothing started "
+                          f"(--skip-invalid to go on without them):\n{listing}")
+    print(inert(f"agentloop: {path}: skipping {len(problems)} invalid line(s):\n{listing}"), file=sys.stderr)
 
 
 def _task(data: Any, number: int, base: Path, models: ModelRegistry | None) -> TaskSpec:
