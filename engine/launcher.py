@@ -163,9 +163,6 @@ class Launcher:
         self.check_python()
         if self.sandbox.mode != "none":
             _sandbox.check_workspace(self.workspace, self.python)
-            if os.geteuid() == 0 and self.sandbox.worker_uid is None:
-                self._uid_claimed = True
-                _uids.claim(str(self.workspace))  # the run's uid, its own while it lives
         try:
             self._made_workspace = not self.workspace.exists()
             self.workspace.mkdir(parents=True, exist_ok=True)
@@ -181,6 +178,9 @@ class Launcher:
         except OSError as exc:
             raise ConfigError(f"cannot create the run's directories: {exc}; "
                               "choose another --workspace or check permissions") from exc
+        if self.sandbox.mode != "none" and os.geteuid() == 0 and self.sandbox.worker_uid is None:
+            self._uid_claimed = True
+            _uids.claim(str(self.workspace))  # the run's uid, its own while it lives
         self._ctx = zmq.Context()
         # Each worker costs three ZeroMQ sockets (its channel, a monitor and the monitor's peer);
         # the default cap of 1023 would stop an engine at about 340 workers.
