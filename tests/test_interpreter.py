@@ -127,3 +127,19 @@ def test_a_bad_interpreter_or_preload_is_one_line(tmp_path):
     proc = subprocess.run([*AGENTLOOP, "exec", "--preload", "json,decimal", str(tmp_path / "x.py")],
                           capture_output=True, text=True, cwd=tmp_path, env=_env(tmp_path), timeout=120)
     assert (proc.returncode, proc.stdout) == (0, "1\n"), proc.stderr
+
+
+def test_a_preload_module_that_fails_as_it_is_imported_is_one_line(tmp_path, user_venv):
+    # Importable (found) but raising at import: the fork server says so in one line.
+    site = next(user_venv.glob("lib/python3*/site-packages"))
+    (site / "breaks_on_import.py").write_text("raise RuntimeError('broken at import')\n")
+    (tmp_path / "x.py").write_text("print(1)\n")
+    proc = subprocess.run([*AGENTLOOP, "exec", "--python", str(user_venv / "bin" / "python"), "--preload",
+                           "breaks_on_import", str(tmp_path / "x.py")], capture_output=True, text=True,
+                          cwd=tmp_path, env=_env(tmp_path), timeout=120)
+    if "fork server" not in proc.stderr and proc.returncode == 0:
+        pytest.skip("no fork server here (it needs root and bubblewrap): nothing preloads")
+    assert proc.returncode == 125, proc.stderr
+    assert "--preload breaks_on_import: importing it failed: RuntimeError: broken at import" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+

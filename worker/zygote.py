@@ -229,7 +229,11 @@ class _Wire:
 
 def serve() -> None:
     for name in filter(None, os.environ.pop("AGENTLOOP_PRELOAD", "").split(",")):
-        __import__(name.strip())
+        try:
+            __import__(name.strip())
+        except BaseException as exc:  # noqa: BLE001 - said in one line; the coordinator says the rest
+            sys.stderr.write(f"--preload {name.strip()}: importing it failed: {type(exc).__name__}: {exc}\n")
+            sys.exit(1)
     import worker.__main__  # noqa: F401 - everything a worker imports, imported once, shared by all
     import worker._confine  # noqa: F401
     import worker._memory
