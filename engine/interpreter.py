@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from ._uids import UID_BASE, UID_SPAN
 from .errors import ConfigError, SandboxError
 
 #: Third-party packages the worker runtime imports, by import name (distribution in brackets
@@ -47,14 +48,16 @@ class Interpreter:
     missing: tuple[str, ...]  # runtime packages it cannot import by itself
 
 
-def choose_python(explicit: str | None = None, config: Path | None = None) -> str:
+def choose_python(explicit: str | None = None, config: Path | None = None,
+                  workspace: Path | None = None) -> str:
     """The interpreter workers run (see the module docstring), as an absolute path.  A name is
-    looked up on PATH; one that is not there, or not executable, is a ConfigError."""
+    looked up on PATH; one that is not there, or not executable, or one a worker could have
+    written (``refuse_untrusted``), is a ConfigError."""
     config = config or Path("agentloop.toml")
     for given, where in ((explicit, "--python"), (os.environ.get("AGENTLOOP_PYTHON"), "AGENTLOOP_PYTHON"),
                          *_configured(config)):
         if given:
-            return _resolve(given, where)
+            return _resolve(given, where, workspace)
     venv = os.environ.get("VIRTUAL_ENV")
     if venv and os.access(os.path.join(venv, "bin", "python"), os.X_OK):
         return os.path.join(venv, "bin", "python")
@@ -76,14 +79,38 @@ def _configured(config: Path) -> list[tuple[str | None, str]]:
     return [(value, f"python in {config}")]
 
 
-def _resolve(given: str, where: str) -> str:
+def _resolve(given: str, where: str, workspace: Path | None) -> str:
     found = given if os.sep in given else shutil.which(given)
     if not found or not os.path.isfile(found) or not os.access(found, os.X_OK):
         raise ConfigError(f"{where}: {given} is not an executable Python interpreter; give its path, "
                           "e.g. --python /usr/bin/python3 or --python .venv/bin/python")
+    refuse_untrusted(os.path.abspath(found), workspace)  # before it is run at all
     # What the interpreter calls itself: a launcher script (pyenv's shims) becomes the program it
     # runs; links are kept, as a virtual environment's python finds its packages by its own place.
     return probe(os.path.abspath(found)).path
+
+
+def refuse_untrusted(python: str, workspace: Path | None) -> None:
+    """ConfigError for an interpreter a worker could have written: one beneath ``workspace`` (as
+    named, or once its links are followed: a virtual environment finds its packages by where its
+    link lies), or, for root, whose workers run as uids of their own, one whose file or a
+    directory above it belongs to a workers' uid.  The coordinator runs it to ask what it is and
+    the fork server runs it with privileges: it must never be something model code planted."""
+    named, real = os.path.abspath(python), os.path.realpath(python)
+    if workspace is not None:
+        ws = os.path.realpath(workspace)
+        if any(os.path.commonpath([path, ws]) == ws for path in (named, real)):
+            raise ConfigError(f"the workers' Python {python} lies in the workspace {ws}, which workers "
+                              "write: choose another --workspace or an interpreter elsewhere")
+    if os.geteuid() == 0:
+        for place in {named, real, *map(str, Path(named).parents), *map(str, Path(real).parents)}:
+            try:
+                owner = os.lstat(place).st_uid
+            except OSError:
+                continue
+            if UID_BASE <= owner < UID_BASE + UID_SPAN:
+                raise ConfigError(f"the workers' Python {python}: {place} was written by a worker (it belongs "
+                                  f"to uid {owner}): choose an interpreter no worker wrote")
 
 
 _PROBE = """

@@ -191,7 +191,8 @@ class Launcher:
 
     def check_python(self) -> None:
         """ConfigError, in one line, unless the workers' Python starts, can run agentloop's
-        runtime and imports every ``preload`` module."""
+        runtime and imports every ``preload`` module; nor one a worker could have written."""
+        interpreter.refuse_untrusted(self.python, self.workspace)
         self.runtime_packages = interpreter.runtime_packages(self.python)
         missing = interpreter.not_importable(self.python, self.preload)
         if missing:

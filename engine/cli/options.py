@@ -94,7 +94,7 @@ class WorkerSettings:
         """``Engine`` keyword arguments for these settings (the interpreter chosen as
         ``engine.interpreter.choose_python`` says; a bad choice ends the command in one line)."""
         try:
-            python = choose_python(self.python)
+            python = choose_python(self.python, workspace=self.workspace or Path("files"))
         except AgentloopError as exc:
             fail(str(exc))
         return {"sandbox": self.policy(), "workspace": self.workspace, "preload": self.preload, "python": python,

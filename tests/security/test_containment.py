@@ -401,3 +401,30 @@ def test_a_link_where_a_run_directory_belongs_is_not_followed(tmp_path: Path):
     assert (after.st_mode, after.st_uid, after.st_gid) == (before.st_mode, before.st_uid, before.st_gid)
     assert planted.is_dir() and not planted.is_symlink()
     assert planted.stat().st_gid == 2_000_000_123 and planted.stat().st_mode & 0o7777 == 0o3770
+
+
+def test_a_python_a_worker_could_have_written_is_never_run(tmp_path):
+    # The coordinator asks the workers' interpreter what it is, and the fork server runs it with
+    # privileges: one planted in the workspace, or (root) in a directory a worker's uid owns, is
+    # refused before it runs at all.
+    from engine import _uids
+
+    marker = tmp_path / "ran"
+    planted = f'#!/bin/sh\ntouch {marker}\nexec {sys.executable} "$@"\n'
+    (tmp_path / "x.py").write_text("print(1)\n")
+    places = [tmp_path / "files" / "venv" / "bin"]
+    if os.geteuid() == 0:
+        places.append(tmp_path / "elsewhere" / "bin")
+    for place in places:
+        place.mkdir(parents=True)
+        python = place / "python"
+        python.write_text(planted)
+        python.chmod(0o755)
+        if "elsewhere" in str(place):
+            os.chown(place, _uids.UID_BASE + 7, _uids.UID_BASE + 7)  # as a root worker's files are
+        proc = subprocess.run([sys.executable, "-m", "engine.cli", "exec", "--python", str(python), "x.py"],
+                              capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                              env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")})
+        assert proc.returncode == 125, proc.stderr
+        assert "workspace" in proc.stderr or "written by a worker" in proc.stderr, proc.stderr
+        assert not marker.exists(), f"{python} ran"
