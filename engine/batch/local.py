@@ -104,11 +104,7 @@ def run_batch(tasks_path: str | Path, output: str | Path, settings: RunSettings,
     specs, problems = read_tasks(tasks_path, settings.models)
     refuse_invalid(tasks_path, problems, skip_invalid)
     lock = lock_runs_dir(settings.runs_dir)
-    try:
-        results, resumed = open_results(output, redo)
-    except BaseException:
-        os.close(lock)
-        raise
+    results, resumed = open_results(output, redo, lock=lock)
     try:
         pending = [s for s in specs if s.key not in resumed.done]
         before = len(specs) - len(pending)

@@ -148,11 +148,18 @@ def lock_file(path: Path, busy: str) -> int:
     return fd
 
 
-def open_results(output: Path, redo: Iterable[str], what: str = "run") -> tuple[ResultsFile, Resumed]:
+def open_results(output: Path, redo: Iterable[str], what: str = "run", *,
+                 lock: int | None = None) -> tuple[ResultsFile, Resumed]:
     """Open (create, repair, resume) the results file ``output``, dropping the records ``redo``
-    selects (``redo_selector``); what was repaired or dropped is said on stderr in one line each."""
+    selects (``redo_selector``); what was repaired or dropped is said on stderr in one line each.
+    ``lock``: the descriptor of the lock held for it, closed if the file cannot be opened."""
     results = ResultsFile(output)
-    resumed = results.open(redo_selector(redo))
+    try:
+        resumed = results.open(redo_selector(redo))
+    except BaseException:
+        if lock is not None:
+            os.close(lock)
+        raise
     if resumed.torn_bytes:
         print(f"agentloop: {output}: cut off a torn last line ({resumed.torn_bytes} bytes); "
               f"that {what} will be done again", file=sys.stderr)

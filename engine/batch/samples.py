@@ -39,7 +39,7 @@ from .progress import Tally, make_view
 from .results import ResultsFile, lock_file, open_results
 from .run import pack_files
 from .stopping import Stopper
-from .tasks import read_lines, refuse_invalid
+from .tasks import read_lines, refuse_invalid, task_files
 
 #: What ``--redo`` may name (``cancelled`` samples always run again).
 REDO = ("error", "timeout", "killed", "died")
@@ -104,27 +104,14 @@ def _sample(data: Any, number: int, base: Path) -> SampleSpec:
 
 
 def _files(value: Any, where: str, base: Path) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-        raise ConfigError(f"{where}: files must be a list of paths")
-    paths, names, size = [], {}, 0
-    for entry in value:
-        resolved = (base / entry).resolve()
-        if not resolved.exists():
-            raise ConfigError(f"{where}: file {entry!r} does not exist ({resolved})")
-        if resolved.name in names:
-            raise ConfigError(f"{where}: files {names[resolved.name]!r} and {entry!r} would both be "
-                              f"{resolved.name!r} in the workspace")
-        names[resolved.name] = entry
-        size += sum(f.stat().st_size for f in resolved.rglob("*") if f.is_file()) if resolved.is_dir() \
-            else resolved.stat().st_size
-        paths.append(str(resolved))
+    """As a task's ``files`` (``task_files``), at most ``FILES_CAP`` bytes in all: they travel
+    in one message to the sample's worker."""
+    paths = task_files(value, where, base)
+    size = sum(sum(f.stat().st_size for f in Path(p).rglob("*") if f.is_file()) if os.path.isdir(p)
+               else os.path.getsize(p) for p in paths)
     if size > FILES_CAP:
         raise ConfigError(f"{where}: files hold {size} bytes, more than {FILES_CAP} a sample may carry")
-    return tuple(paths)
+    return paths
 
 
 async def _run_local(pending: list[SampleSpec], engine_options: dict, results: ResultsFile, tally: Tally,
@@ -191,11 +178,7 @@ def run_samples(samples_path: str | Path, output: str | Path, engine_options: di
     output.parent.mkdir(parents=True, exist_ok=True)
     lock = lock_file(output.with_name(f".{output.name}.lock"),
                      f"another agentloop is writing {output}; wait for it or stop it")
-    try:
-        results, resumed = open_results(output, redo, "sample")
-    except BaseException:
-        os.close(lock)
-        raise
+    results, resumed = open_results(output, redo, "sample", lock=lock)
     try:
         pending = [s for s in specs if s.key not in resumed.done]
         before = len(specs) - len(pending)

@@ -117,10 +117,12 @@ def _task(data: Any, number: int, base: Path, models: ModelRegistry | None) -> T
     except ConfigError as exc:
         raise ConfigError(f"{where}: timeout: {exc}") from None
     return TaskSpec(id=ident, task=task, line=number, model=model, max_messages=max_messages,
-                    timeout=timeout, files=_task_files(data.get("files"), where, base))
+                    timeout=timeout, files=task_files(data.get("files"), where, base))
 
 
-def _task_files(value: Any, where: str, base: Path) -> tuple[str, ...]:
+def task_files(value: Any, where: str, base: Path) -> tuple[str, ...]:
+    """A line's ``files`` (a path or a list of them, relative to ``base``) as absolute paths;
+    ConfigError for one that does not exist or two that would land on one name."""
     if value is None:
         return ()
     if isinstance(value, str):

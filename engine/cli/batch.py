@@ -13,7 +13,6 @@ from ..inert import inert
 from ..models import load_models
 from .options import (
     EXIT_INTERRUPTED,
-    EXIT_OWN,
     Duration,
     apply_max_tokens,
     fail,
@@ -96,8 +95,7 @@ def batch(tasks_file: Path, output: Path, parallel: int | None, retries: int, re
         outcome = run_batch(tasks_file, output, settings, parallel=parallel, progress=progress,
                             skip_invalid=skip_invalid, redo=redo, ray_address=ray_address)
     except AgentloopError as exc:
-        click.echo(inert(f"agentloop: {exc}"), err=True)
-        sys.exit(EXIT_OWN)
+        fail(str(exc))
     except KeyboardInterrupt:  # before the batch's own handlers were in place
         click.echo("agentloop: interrupted", err=True)
         sys.exit(EXIT_INTERRUPTED)

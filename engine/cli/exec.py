@@ -25,7 +25,6 @@ from ..samples import exit_code as _exit_code
 from ..script import Script
 from .options import (
     EXIT_INTERRUPTED,
-    EXIT_OWN,
     Duration,
     fail,
     worker_options,
@@ -181,8 +180,7 @@ def _run_samples(samples: Path, output: Path | None, file, as_json: bool, timeou
         outcome = run_samples(samples, output, settings.engine_options(), parallel=parallel, timeout=timeout,
                               progress=progress, skip_invalid=skip_invalid, redo=redo, ray_address=ray_address)
     except AgentloopError as exc:
-        click.echo(inert(f"agentloop: {exc}"), err=True)
-        sys.exit(EXIT_OWN)
+        fail(str(exc))
     except KeyboardInterrupt:  # before the run's own handlers were in place
         click.echo("agentloop: interrupted", err=True)
         sys.exit(EXIT_INTERRUPTED)
