@@ -18,11 +18,20 @@ ROUTER drops rather than blocks at its high-water mark).  This costs about half 
 ``zmq.asyncio``'s future per operation does on the round trip of a short block.  Its file
 descriptor is edge-triggered, so after every send the socket is checked for messages that
 the send may have taken the signal of.
+
+A local worker's output comes through its output pipes instead (``engine._outpipe``), which
+outlive it: a flushed ``print`` or a subprocess's output is in the kernel before the worker
+can die.  Order across the two is kept where it matters: before a message from the socket is
+dispatched, every output frame that waits in ``out`` is (the worker writes a block's output
+before it sends the block's ``done``); if that output must wait for a slow consumer, the
+message waits with it.  After the death, ``settle`` reads ``out`` to its end, and
+``leftovers`` what fd 1 and 2 still held.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hmac
 import itertools
@@ -38,6 +47,7 @@ import zmq
 
 from worker import wire
 
+from ._outpipe import OutputError, OutputPipes
 from ._process import Process, spawn
 from ._tree import remove_tree
 from .errors import WorkerStartError
@@ -53,6 +63,8 @@ _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 _RCVMORE, _DISCONNECTED = int(zmq.RCVMORE), int(zmq.EVENT_DISCONNECTED)
 _READ_BATCH = 64  # messages read per callback before other work gets a turn
 _DRAIN_BATCH = 1024  # frames of a stranger's multi-frame message discarded per turn
+_AFTER_DEATH = 4 * 1024 * 1024  # bytes of ``out`` read once the worker is dead, at most (it holds 512 KiB)
+_LEFTOVER_BYTES = 4 * 1024 * 1024  # bytes of each of fd 1 and 2 read then, at most
 
 
 class Owner(Protocol):
@@ -83,6 +95,9 @@ class Session:
         self.dropped = 0
         self.sock: zmq.Socket | None = None
         self.sock_dir: Path | None = None
+        self.pipes: OutputPipes | None = None  # a local worker's output pipes
+        self._out_watched = False
+        self._held: collections.deque[dict] = collections.deque()  # messages waiting for output before them
         self.cgroups: list[Path] = []  # its memory and process-count cgroups, where the run has them
         self._loop = asyncio.get_running_loop()
         self._hello: asyncio.Future[dict] = self._loop.create_future()
@@ -114,6 +129,12 @@ class Session:
     async def _start(self) -> None:
         launcher = self.launcher
         endpoint, self.sock_dir = launcher.endpoint(self.number)
+        try:
+            self.pipes = launcher.output_pipes(self.sock_dir)
+        except OSError as exc:
+            await self.discard()
+            raise WorkerStartError(f"could not make a worker's output pipes: {exc}") from exc
+        self._watch_out(True)
         sock = self.sock = launcher.socket()
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME)
@@ -130,7 +151,7 @@ class Session:
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._loop.add_reader(self._monitor.getsockopt(zmq.FD), self._monitor_readable)
         self._monitor_readable()  # ZeroMQ signals only a reader that found the queue empty
-        launch = launcher.launch(endpoint, self.sock_dir, self.token)
+        launch = launcher.launch(endpoint, self.sock_dir, self.token, output=self.pipes is not None)
         self.notes = launch.notes
         pid_ns = launch.pid_namespace
         try:
@@ -225,6 +246,11 @@ class Session:
                 self._reading = False
             self.sock.close(linger=0)
             self.sock = None
+        if self.pipes is not None:
+            self._watch_out(False)
+            self.pipes.close()
+            self.pipes = None
+        self._held.clear()
         if self.cgroups:
             groups, self.cgroups = self.cgroups, []
             self.launcher.release_groups(groups)
@@ -275,6 +301,8 @@ class Session:
 
     def _readable(self) -> None:
         """Receive and dispatch what waits, a batch at a time."""
+        if not self._catch_up():
+            return
         for _ in range(_READ_BATCH):
             sock = self.sock
             if sock is None or self._paused is not None or self.broken is not None:
@@ -303,9 +331,84 @@ class Session:
                 continue
             pending = self._receive(ident, frame)
             if pending is not None:
-                self._paused = self._loop.create_task(self._resume_after(pending))
+                self._pause(pending)
                 return
         self._loop.call_soon(self._readable)  # more may wait; let other callbacks run first
+
+    def _pause(self, pending: Awaitable[None]) -> None:
+        """The owner's consumer is behind: read nothing (socket or pipe) until ``pending`` is done."""
+        self._paused = self._loop.create_task(self._resume_after(pending))
+        self._watch_out(False)
+
+    # -- the output pipe ----------------------------------------------------------------------
+    def _watch_out(self, on: bool) -> None:
+        pipes = self.pipes
+        if pipes is None or on == self._out_watched or (on and pipes.ended):
+            return
+        if on:
+            self._loop.add_reader(pipes.out, self._out_readable)
+        else:
+            self._loop.remove_reader(pipes.out)
+        self._out_watched = on
+
+    def _out_readable(self) -> None:
+        pipes = self.pipes
+        if pipes is None or self._paused is not None or self.broken is not None:
+            self._watch_out(False)  # a pause or a broken worker: reading resumes, or never
+            return
+        pipes.read(pipes.capacity, probe=True)
+        self._dispatch_out()
+        if pipes.ended:
+            self._watch_out(False)  # no writer left: the end of the file is readable for ever
+
+    def _drain_out(self) -> bool:
+        """Dispatch every output frame that waits in ``out`` now (reading as much as the pipe
+        holds: what was written before anything else arrived); False when that paused the
+        reading or the worker broke the protocol."""
+        if self.pipes is not None:
+            self.pipes.read(self.pipes.capacity)
+        return self._dispatch_out()
+
+    def _dispatch_out(self) -> bool:
+        """Dispatch the whole messages read from ``out``; False when one paused the reading
+        or the worker broke the protocol."""
+        while self._paused is None and self.broken is None:
+            if self.pipes is None:
+                return True
+            try:
+                msg = self.pipes.next()
+            except OutputError as exc:
+                self.violation(str(exc))
+                return False
+            if msg is None:
+                return True
+            pending = self._deliver(msg)
+            if pending is not None:
+                self._pause(pending)
+        return False
+
+    def _catch_up(self) -> bool:
+        """What a pause held back, in order: output frames already read, then the held
+        messages, each after the output written before it.  False while paused or broken."""
+        if not self._dispatch_out():
+            return False
+        while self._held:
+            if not self._drain_out():
+                return False
+            pending = self._deliver(self._held.popleft())
+            if pending is not None:
+                self._pause(pending)
+                return False
+        self._watch_out(True)
+        return True
+
+    def leftovers(self) -> list[tuple[int, bytes]]:
+        """After the process died (and ``settle``): what its fd 1 and 2 held that its pump had
+        not sent, as (stream, bytes), for the owner to give to the block the worker would have
+        given it to (the first started of those running)."""
+        if self.pipes is None or self.broken is not None:
+            return []
+        return self.pipes.leftovers(_LEFTOVER_BYTES)
 
     async def settle(self, timeout: float) -> None:
         """After the process died: wait (at most ``timeout`` s) until its connection is seen
@@ -314,6 +417,7 @@ class Session:
         if self._peer_fd is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._gone.wait(), timeout)
+        budget = _AFTER_DEATH
         for _ in range(100_000):  # bounded: what a dead peer can have left is finite anyway
             if self._paused is not None:
                 with contextlib.suppress(Exception):
@@ -322,12 +426,24 @@ class Session:
             sock = self.sock
             if sock is None or self.broken is not None:
                 return
+            if not self._catch_up():
+                continue
             try:
-                if not sock.getsockopt(_EVENTS) & _POLLIN:
-                    return
+                waiting = sock.getsockopt(_EVENTS) & _POLLIN
             except zmq.ZMQError:
                 return
-            self._readable()
+            if waiting:
+                self._readable()
+                continue
+            # The socket is empty: what the worker wrote to ``out`` after its last message.
+            pipes = self.pipes
+            if pipes is None or pipes.ended or budget <= 0:
+                return
+            got = pipes.read(min(pipes.capacity, budget), probe=True)
+            budget -= got
+            self._dispatch_out()
+            if not got and not pipes.ended:
+                return  # nothing more now (a process it forked may hold the pipe open)
 
     def _drain(self, sock: zmq.Socket) -> None:
         """Discard the next frames of a multi-frame message (they are already in memory)."""
@@ -370,11 +486,20 @@ class Session:
             self.drop("sender is not this worker")
         elif self.owner is None:
             self.drop(f"{msg['t']!r} from an idle worker")
+        elif self.pipes is not None and not self._drain_out():
+            self._held.append(msg)  # after the output before it, once the reading resumes
         else:
-            try:
-                return self.owner._dispatch(self, msg)
-            except Exception as exc:  # noqa: BLE001 - a hostile message must not stop the reading
-                self.violation(f"it sent a malformed {msg.get('t')!r} message ({type(exc).__name__})")
+            return self._deliver(msg)
+        return None
+
+    def _deliver(self, msg: dict) -> Awaitable[None] | None:
+        if self.owner is None:
+            self.drop(f"{msg['t']!r} from an idle worker")
+            return None
+        try:
+            return self.owner._dispatch(self, msg)
+        except Exception as exc:  # noqa: BLE001 - a hostile message must not stop the reading
+            self.violation(f"it sent a malformed {msg.get('t')!r} message ({type(exc).__name__})")
         return None
 
     def violation(self, why: str) -> None:
@@ -383,6 +508,7 @@ class Session:
         if self.broken is not None or self.killing:
             return
         self.broken = why
+        self._watch_out(False)
         log.warning("worker %s broke the protocol (%s); stopping it", self.name, why)
         self._spawn(self._end_broken(why))
 
@@ -433,6 +559,8 @@ class Session:
         if endpoint.startswith("ipc://"):
             with contextlib.suppress(OSError):
                 os.unlink(endpoint[len("ipc://"):])
+        if self.pipes is not None:
+            self.pipes.unlink()  # opened by the worker before its hello: no one opens them again
 
     def _handshake(self, ident: bytes, msg: dict, fd: int | None) -> None:
         token = msg.get("token")

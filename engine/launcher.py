@@ -5,10 +5,11 @@ run's directories, the ZeroMQ context and the endpoints, the sandbox plan, the w
 environment, the cgroups, the cold start and the fork server.  Sessions, workers and the fork
 server are handed a launcher and call only its public methods; nothing here calls back up.
 
-A run owns a private socket directory (mode 0700, one sub-directory per worker process so a
-sandbox can expose exactly one socket) and an output directory for block outputs too large
-to keep in memory.  Workers get an environment built from an allowlist, never a copy of
-the coordinator's: API keys set for the coordinator do not reach model code.
+A run owns a private socket directory (mode 0700, one sub-directory per worker process, with
+its socket and its output pipes, so a sandbox can expose exactly one worker's) and an output
+directory for block outputs too large to keep in memory.  Workers get an environment built
+from an allowlist, never a copy of the coordinator's: API keys set for the coordinator do not
+reach model code.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import zmq
 from . import _uids, interpreter
 from . import sandbox as _sandbox
 from ._cgroup import WorkerCgroups
+from ._outpipe import OutputPipes
 from ._process import Launch
 from ._tree import remove_tree
 from ._zygote import Zygote
@@ -243,6 +245,12 @@ class Launcher:
             return f"tcp://{self.tcp_bind}:*", sock_dir
         return f"ipc://{sock_dir}/sock", sock_dir
 
+    def output_pipes(self, sock_dir: Path) -> OutputPipes | None:
+        """The output pipes of the worker whose socket directory is ``sock_dir``, made (with
+        the coordinator's read ends open) before it starts; None for a worker that may run on
+        another machine (``tcp``), whose output comes over its socket."""
+        return OutputPipes(sock_dir) if self.transport == "ipc" else None
+
     def output_path(self, index: int, block_id: str) -> Path:
         """A file name of its own for one block's output: a sequence number makes it unique
         (a block id may be reused, and ids differing only in characters a file name cannot
@@ -291,15 +299,19 @@ class Launcher:
             env["AGENTLOOP_TTY"] = f"{','.join(map(str, self.tty))}:{size.lines}x{size.columns}"
         return env
 
-    def launch(self, endpoint: str, sock_dir: Path, token: str) -> Launch:
-        """How to start one worker process whose socket lives in ``sock_dir``."""
+    def launch(self, endpoint: str, sock_dir: Path, token: str, *, output: bool = False) -> Launch:
+        """How to start one worker process whose socket lives in ``sock_dir``; ``output``: its
+        output pipes are there too (``output_pipes``).  The worker opens them before it
+        confines itself (while it has the coordinator's uid, or root's), so they stay 0600."""
         plan = self.plan(sock_dir)
         if endpoint.startswith("ipc://"):
             plan.grant(Path(endpoint[len("ipc://"):]))
         argv = [*plan.argv_prefix, *_sandbox.runtime_argv(self.python, "worker.__main__:main", endpoint,
                                                           packages=self.runtime_packages)]
-        return Launch(argv, self.env(token, plan), Path(plan.cwd) if plan.cwd else self.cwd,
-                      plan.pid_namespace, plan.notes)
+        env = self.env(token, plan)
+        if output:
+            env["AGENTLOOP_OUTPUT"] = str(sock_dir)
+        return Launch(argv, env, Path(plan.cwd) if plan.cwd else self.cwd, plan.pid_namespace, plan.notes)
 
     def fork_server(self, launch: Launch) -> Zygote | None:
         """The fork server to start ``launch`` with, or None to start it cold.

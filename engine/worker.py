@@ -237,8 +237,18 @@ class Worker:
             if self._session is not session or session.killing:
                 return
             assert session.proc is not None
-            # What it sent before it died is read before its blocks end (its last words).
+            # What it sent before it died is read before its blocks end (its last words), and
+            # then what its fd 1 and 2 still held goes where the worker would have sent it.
             await session.settle(min(0.5, self.launcher.grace))
+            for stream, data in session.leftovers():
+                block = next(iter(self._blocks.values()), None)  # the first started
+                if block is None:
+                    break
+                n = wire.MAX_CHUNK
+                for start in range(0, len(data), n):
+                    pending = self._dispatch(session, wire.out(block.id, [[stream, data[start:start + n]]]))
+                    if pending is not None:
+                        await pending
             words, sig = describe_exit(rc, via_namespace=session.proc.pid_namespace)
             if session.over_memory_limit():
                 words = (f"worker killed: over its memory limit ({self.launcher.sandbox.memory_bytes / 2**20:.0f} MiB, "

@@ -106,6 +106,27 @@ async def test_a_slow_stream_consumer_loses_nothing(worker):
     assert len(chunks) == 400
 
 
+async def test_flushed_output_held_back_by_a_slow_consumer_still_comes_before_the_end(worker):
+    # Every line is flushed (through the output pipe, where that exists), more than the pipe
+    # holds, and the block's done follows at once (over the socket): the done must wait until
+    # the consumer has taken every line written before it.
+    code = ("import os, sys\nfor i in range(300):\n    print(f'{i:04d}' * 1000, flush=True)\n"
+            "    os.write(2, b'%d\\n' % -i)\n")
+    chunks = []
+    async for item in worker.stream(code, timeout=60):
+        if hasattr(item, "data"):
+            chunks.append((item.stream, item.data))
+            await asyncio.sleep(0.001)
+        else:
+            result = item
+    assert result.status == "ok"
+    out = "".join(f"{i:04d}" * 1000 + "\n" for i in range(300))
+    err = "".join(f"{-i}\n" for i in range(300))
+    assert b"".join(d for s, d in chunks if s == "stdout") == out.encode()
+    assert b"".join(d for s, d in chunks if s == "stderr") == err.encode()
+    assert result.output_bytes == len(out) + len(err)
+
+
 async def test_fd_level_output_is_captured(worker):
     code = ("import os, subprocess, sys\n"
             "os.write(1, b'fd-one\\n')\n"
@@ -186,6 +207,23 @@ async def test_crash_ends_blocks_with_a_clear_status(worker, code, words, sig):
     assert worker.state is WorkerState.DEAD
     again = await worker.run("print('alive')")
     assert again.output == "alive\n" and worker.state is WorkerState.READY
+
+
+@pytest.mark.parametrize("words, death", [
+    ("print('last words', flush=True)", "os.kill(os.getpid(), signal.SIGKILL)"),
+    ("sys.stderr.write('last words\\n'); sys.stderr.flush()", "os.kill(os.getpid(), signal.SIGKILL)"),
+    ("os.write(1, b'last words\\n')", "os.kill(os.getpid(), signal.SIGKILL)"),
+    ("subprocess.run(['echo', 'last words'])", "os.kill(os.getpid(), signal.SIGKILL)"),
+    ("print('last words', flush=True)", "ctypes.string_at(0)"),
+    ("os.write(2, b'last words\\n')", "os._exit(3)"),
+], ids=["print-kill", "stderr-kill", "fd-kill", "subprocess-kill", "print-segfault", "fd-exit"])
+async def test_what_was_written_before_a_death_reaches_the_result(worker, words, death):
+    # Each time in a fresh worker (the death takes the last one): a race would show.
+    for _ in range(3):
+        code = f"import ctypes, os, signal, subprocess, sys\n{words}\n{death}\n"
+        result = await worker.run(code, timeout=20)
+        assert result.status == "died", result
+        assert result.output == "last words\n", result
 
 
 async def test_code_the_compiler_cannot_take_is_an_error_not_a_hang(worker):

@@ -280,3 +280,27 @@ async def test_an_interrupt_while_printing_loses_no_output(worker):
     printed = int(tail)
     before = result.output_bytes - len("printed " + tail)
     assert before in (101 * printed, 101 * printed + 100, 101 * (printed + 1)), (before, printed)
+
+
+@pytest.mark.parametrize("where", ["main thread", "its own thread"])
+async def test_an_interrupt_while_flushing_output_keeps_the_worker(worker, where):
+    # Every line is flushed, faster than the coordinator reads: the deadline lands while output
+    # is being written (through the output pipe, where that exists), and must neither be lost
+    # in the writing nor tear a frame (which would end the worker as a broken one).
+    pid = worker.pid
+    code = ("_line = 'y' * 5000\ntry:\n    while True:\n        print(_line, flush=True)\n"
+            "finally:\n    print('done')\n")
+    for _ in range(3):
+        holder = None
+        if where == "its own thread":
+            started = asyncio.Event()
+            holder = asyncio.ensure_future(worker.run("import time\nprint('hold', flush=True)\ntime.sleep(1)",
+                                                      timeout=30, on_output=lambda c, s=started: s.set()))
+            await asyncio.wait_for(started.wait(), 30)
+        result = await worker.run(code, timeout=0.3)
+        assert result.status == "timeout", result
+        # (As in CPython, the interrupt may land inside print(), between the text and its newline.)
+        assert result.output_bytes % 5001 in (4, 5) and result.output.endswith("done\n"), result
+        _kept(result, pid, worker)
+        if holder is not None:
+            assert (await holder).status == "ok"

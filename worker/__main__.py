@@ -2,10 +2,11 @@
 as ``python -I -B -c "...; from worker.__main__ import main; main()" ENDPOINT`` (isolated: see
 ``engine.sandbox.runtime_argv``); ``python -m worker ENDPOINT`` works too, by hand.
 
-The coordinator passes the handshake token, the confinement spec and its own pid through
-the environment (removed from ``os.environ`` before any user code runs).  Order matters:
-confinement is applied first, while the process still has a single thread, so every thread
-started later (ZeroMQ's, the capture pump, user code) inherits it.
+The coordinator passes the handshake token, the confinement spec, its own pid and (a local
+coordinator) the directory of the output pipes through the environment (removed from
+``os.environ`` before any user code runs).  Order matters: the output pipes are opened
+first, then confinement is applied, while the process still has a single thread, so every
+thread started later (ZeroMQ's, the capture pump, user code) inherits it.
 """
 
 from __future__ import annotations
@@ -46,10 +47,23 @@ def run_worker(endpoint: str) -> None:
     token = os.environ.pop("AGENTLOOP_TOKEN", "")
     confine = os.environ.pop("AGENTLOOP_CONFINE", "")
     parent = int(os.environ.pop("AGENTLOOP_PARENT", "0") or 0)
+    output = os.environ.pop("AGENTLOOP_OUTPUT", "")
     _guard_parent(parent)
     from . import _memory
 
     _memory.tune()
+    fifos = None
+    if output:
+        from ._outpipe import open_fifos
+
+        # Before the confinement: the FIFOs stay the coordinator's, opened while this process
+        # still has its uid (a root coordinator's workers switch to another), and Landlock
+        # need not let the code open anything in the socket directory for writing.
+        try:
+            fifos = open_fifos(output)
+        except OSError as exc:  # the socket carries the output then, as for a remote worker
+            print(f"agentloop worker: output pipes unusable ({exc}); output goes over the socket",
+                  file=sys.stderr)
     if confine:
         from . import _confine
 
@@ -65,7 +79,7 @@ def run_worker(endpoint: str) -> None:
     # planted, and it must neither run unconfined nor break the worker's own start.
     sys.path.insert(0, "")
 
-    code = serve(endpoint, token)
+    code = serve(endpoint, token, fifos)
     sys.stdout.flush() if hasattr(sys.stdout, "flush") else None
     os._exit(code)  # never wait for threads user code left running
 

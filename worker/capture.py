@@ -12,7 +12,17 @@ when it is sent.  A block's output leaves when ``MAX_BATCH`` of it waits (sent b
 that wrote it, which therefore waits while the coordinator is behind: output exerts
 backpressure instead of growing without bound), at the listener's tick every
 ``FLUSH_INTERVAL`` seconds, before the block's ``done``, and at once when the code calls
-``flush()`` (``print(..., flush=True)``), so that what it flushed survives its death.
+``flush()`` (``print(..., flush=True)``).  The pump sends fd-level output as it comes.
+
+What survives the worker's death (``os._exit``, SIGKILL, a segfault, the OOM killer), with a
+local coordinator (its output pipes, see ``_outpipe``): everything written to fd 1/2, by the
+worker, its subprocesses or C code, and every Python-level write that was flushed (or sent
+because a batch filled, or at a tick) before the death.  What was printed and not flushed may
+be lost, as CPython loses a block-buffered stdout that was not flushed.  ``os._exit`` called
+from Python sends that too (see ``serve``).  A remote worker (``tcp://``) sends its output over
+the socket, whose I/O thread a SIGKILL can stop before it has written what it was handed.
+Under a terminal (``AGENTLOOP_TTY``: fd 1/2 are a pty), bytes in the pty that the pump had not
+read yet die with the worker.
 """
 
 from __future__ import annotations
@@ -67,10 +77,21 @@ class _Out:
 
 
 class Router:
-    """Collects output per running block and sends it, batched, with ``send`` (thread-safe)."""
+    """Collects output per running block and sends it, batched, with ``send`` (thread-safe).
 
-    def __init__(self, send: Callable[[dict], None]) -> None:
+    With the coordinator's output pipes, ``send`` writes to them, ``move`` moves fd-level output
+    into them, and ``last`` (the socket) carries what a block wrote and had not sent when it
+    ended, together with its ``done``: one wake-up of the coordinator for both, where the pipe
+    and the socket would cost two on the round trip of a short block.  That output was never
+    flushed, so nothing that must outlive a death takes that way; the coordinator reads the
+    pipe before it acts on a message from the socket, so the order holds."""
+
+    def __init__(self, send: Callable[[dict], None], *,
+                 move: Callable[[str, int, int, int], None] | None = None,
+                 last: Callable[[dict], None] | None = None) -> None:
         self._send = send
+        self._move = move
+        self._last = last or send
         self.outs: dict[str | None, _Out] = {}  # running blocks, in start order
         self._lock = threading.Lock()  # changes to ``outs`` and the stray output
         self._sending = threading.Lock()  # one sender of output at a time keeps the order
@@ -94,7 +115,7 @@ class Router:
             out = self.outs.pop(block_id, None)
         if out is not None:
             out.ended = True
-            self.send_out(out)
+            self.send_out(out, self._last)
             if out.parts:  # a thread of the block wrote while it was being sent
                 self.late(out)
         else:
@@ -102,11 +123,12 @@ class Router:
                 pass
 
     # -- writing (any thread) -----------------------------------------------------------
-    def write(self, stream: int, data: bytes | str, block_id: str | None = None) -> None:
+    def write(self, stream: int, data: bytes | str, block_id: str | None = None) -> _Out | None:
         """Route one write: to ``block_id`` (or the current block) if it runs, else to the
-        block that started first, else to the stray output."""
+        block that started first, else to the stray output.  Returns the block's queue it
+        went to (None: stray)."""
         if not data:
-            return
+            return None
         out = self.outs.get(block_id or current_block.get())
         if out is None:
             with self._lock:
@@ -115,13 +137,36 @@ class Router:
                     if self._stray.size < MAX_STRAY:
                         self._stray.parts.append((stream, data))
                         self._stray.size += len(data)
-                    return
+                    return None
         out.parts.append((stream, data))
         size = out.size = out.size + len(data)
         if size >= MAX_BATCH:
             self.send_out(out)
         if out.ended:
             self.late(out)
+        return out
+
+    def move(self, stream: int, fd: int) -> bool:
+        """Send what waits in capture pipe ``fd`` (at most ``MAX_BATCH``) to the block that
+        started first, after what that block wrote before, moved by the kernel from the pipe
+        into the output (``_move``): no byte is ever only in this process's memory.  False when
+        nothing can be moved (no block runs, no output pipes, or nothing waits): the caller
+        reads it instead."""
+        if self._move is None or not self.outs:
+            return False
+        size = min(queued(fd), MAX_BATCH)
+        if size <= 0:
+            return False
+        with self._sending:
+            # Under the send lock: a block that ends now sends its last output, then its
+            # ``done``, only after this.
+            with self._lock:
+                out = next(iter(self.outs.values()), None)
+            if out is None:
+                return False
+            self._send_locked(out)
+            self._move(out.block, stream, fd, size)  # type: ignore[arg-type]
+        return True
 
     def late(self, out: _Out) -> None:
         """Output appended to a block that has ended: give it to a running block (or keep it)."""
@@ -135,9 +180,9 @@ class Router:
             self.write(stream, data, out.block)
 
     # -- sending --------------------------------------------------------------------------
-    def send_out(self, out: _Out) -> None:
+    def send_out(self, out: _Out, send: Callable[[dict], None] | None = None) -> None:
         with self._sending:
-            self._send_locked(out)
+            self._send_locked(out, send)
         after_send()
 
     def tick(self) -> float | None:
@@ -169,7 +214,8 @@ class Router:
             for out in list(self.outs.values()):
                 self._send_locked(out)
 
-    def _send_locked(self, out: _Out) -> None:
+    def _send_locked(self, out: _Out, send: Callable[[dict], None] | None = None) -> None:
+        send = send or self._send
         parts = out.parts
         count = len(parts)
         if not count:
@@ -198,10 +244,10 @@ class Router:
                 batch.append([st, piece])
                 size += len(piece)
                 if size >= MAX_BATCH:
-                    self._send(wire.out(out.block, batch))
+                    send(wire.out(out.block, batch))
                     batch, size = [], 0
         if batch:
-            self._send(wire.out(out.block, batch))
+            send(wire.out(out.block, batch))
 
 
 def _join(pieces: list) -> bytes:
@@ -352,21 +398,44 @@ def _raw_output(fd: int, size: str) -> None:
         fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", int(rows), int(cols), 0, 0))
 
 
+def queued(fd: int) -> int:
+    """Bytes waiting to be read in pipe (or pty) ``fd``."""
+    buf = bytearray(4)
+    fcntl.ioctl(fd, termios.FIONREAD, buf)
+    return int.from_bytes(buf, sys.byteorder, signed=True)
+
+
 class FdCapture:
     """Replaces fd 1 and 2 with pipes drained by a thread into the router.
+
+    ``fifos``: the coordinator's capture FIFOs (``_outpipe.open_fifos``), a (read, write) pair
+    per fd, used instead of a pipe of this process's own (but not for a fd that gets a pty):
+    what the pump has not moved out when the worker dies is still there for the coordinator.
+    The pump sends what it takes at once, so little waits in this process at any moment.
 
     The worker's original stderr is kept as ``diag_fd`` for its own last words (a fatal
     error before the socket is up); user code never writes there.
     """
 
-    def __init__(self, router: Router, tty: str = "") -> None:
+    def __init__(self, router: Router, tty: str = "",
+                 fifos: dict[int, tuple[int, int]] | None = None) -> None:
         self._router = router
         self.diag_fd = os.dup(2)
         os.set_inheritable(self.diag_fd, False)
         self._reads: dict[int, int] = {}
+        self._movable: set[int] = set()  # read ends the router can move from (the FIFOs)
         terminals, _, size = tty.partition(":")  # "1,2:ROWSxCOLS": which fds get a pty, and its size
         for fd, stream in ((1, STDOUT), (2, STDERR)):
-            r, w = _terminal() if str(fd) in terminals.split(",") else os.pipe()
+            pair = (fifos or {}).get(fd)
+            if str(fd) in terminals.split(","):
+                for end in pair or ():
+                    os.close(end)
+                r, w = _terminal()
+            elif pair is not None:
+                r, w = pair
+                self._movable.add(r)
+            else:
+                r, w = os.pipe()
             if os.isatty(w):
                 _raw_output(w, size)
             os.dup2(w, fd)
@@ -379,16 +448,22 @@ class FdCapture:
 
     def _pump(self) -> None:
         fds = list(self._reads)
+        router = self._router
         while fds:
             ready, _, _ = select.select(fds, [], [])
             with self._busy:
                 for fd in ready:
+                    stream = self._reads[fd]
+                    if fd in self._movable and router.move(stream, fd):
+                        continue
                     try:
                         data = os.read(fd, 65536)
                     except OSError:  # EIO: a pty whose every writer is gone, as a pipe's EOF
                         data = b""
                     if data:
-                        self._router.write(self._reads[fd], data)
+                        out = router.write(stream, data)
+                        if out is not None and out.parts:
+                            router.send_out(out)
                     else:
                         fds.remove(fd)
 
@@ -397,11 +472,11 @@ class FdCapture:
         deadline = time.monotonic() + timeout
         buf = bytearray(4)
         while True:
-            queued = 0
+            waiting = 0
             for fd in self._reads:
                 fcntl.ioctl(fd, termios.FIONREAD, buf)
-                queued += struct.unpack("i", bytes(buf))[0]
-            if queued == 0 or time.monotonic() > deadline:
+                waiting += int.from_bytes(buf, sys.byteorder)
+            if not waiting or time.monotonic() > deadline:
                 break
             time.sleep(0.001)
         with self._busy:  # the pump finished routing whatever it had read

@@ -77,7 +77,7 @@ _MAIN = threading.main_thread().ident  # kept by a child the main thread forks (
 #: Where the runtime sends (output taken off its queue, a ``done``, a host call): an exception
 #: raised there, or in pyzmq below, would lose what is on its way out, so an interrupt waits
 #: until it is left (``Runtime._after_send``, or the next signal ``assess`` sends).
-_SENDING_FILES = frozenset(os.path.join(_WORKER_DIR, name) for name in ("channel.py", "wire.py"))
+_SENDING_FILES = frozenset(os.path.join(_WORKER_DIR, n) for n in ("channel.py", "wire.py", "_outpipe.py"))
 _SENDING_CODES = frozenset(f.__code__ for f in (Router.send_out, Router._send_locked, Router.flush_all))
 
 

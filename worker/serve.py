@@ -26,6 +26,7 @@ from concurrent.futures import Future
 
 from . import _memory, wire
 from ._baton import Baton
+from ._outpipe import Fifos, PipeWriter
 from .capture import (
     FdCapture,
     NoInput,
@@ -36,7 +37,7 @@ from .capture import (
     plain_streams_in_children,
 )
 from .channel import Channel
-from .runtime import Runtime
+from .runtime import INTERRUPT_SIGNAL, Runtime
 
 HANDSHAKE_TIMEOUT = 15.0
 IDLE_TRIM = 1.0  # seconds idle before freed memory goes back to the kernel
@@ -267,11 +268,11 @@ def _decode(frame: bytes) -> dict | None:
 
 def _keep_last_words(fdcap: FdCapture, router: Router, channel: Channel) -> Callable[[], None]:
     """Make ``os._exit`` in this process deliver what was written before it: fd 1/2's pipe
-    drained, every block's pending output sent, and the socket closed with its linger (which
-    waits until the frames have left).  A process that dies on a signal cannot do this; for
-    it, ``flush()`` (``print(..., flush=True)``) sends at once.  ``os._exit`` is replaced as a
-    Python attribute: code that calls it from C, or a child forked from this process, exits
-    at once as before.  Returns the function that puts the original back."""
+    drained, every block's pending output sent (what was not flushed too, which a process
+    that dies on a signal loses: see ``capture``), and the socket closed with its linger
+    (which waits until the frames have left).  ``os._exit`` is replaced as a Python attribute:
+    code that calls it from C, or a child forked from this process, exits at once as before.
+    Returns the function that puts the original back."""
     real_exit, pid = os._exit, os.getpid()
 
     def _exit(status: int) -> None:
@@ -290,14 +291,20 @@ def _keep_last_words(fdcap: FdCapture, router: Router, channel: Channel) -> Call
     return restore
 
 
-def serve(endpoint: str, token: str) -> int:
+def serve(endpoint: str, token: str, fifos: Fifos | None = None) -> int:
     """Handshake with the coordinator at ``endpoint``, then serve until ``shutdown``.  Must run
-    on the process's main thread, which runs blocks (see ``runtime``).  Returns the exit code;
-    user code left running in threads is the caller's to abandon."""
+    on the process's main thread, which runs blocks (see ``runtime``).  ``fifos``: the
+    coordinator's output pipes (``_outpipe.open_fifos``), where output goes instead of the
+    socket.  Returns the exit code; user code left running in threads is the caller's to
+    abandon."""
     channel = Channel(endpoint)
-    router = Router(channel.send)
-    fdcap = FdCapture(router, os.environ.pop("AGENTLOOP_TTY", ""))
+    writer = PipeWriter(fifos.out, keep=INTERRUPT_SIGNAL) if fifos is not None else None
+    router = Router(channel.send) if writer is None else \
+        Router(writer.send, move=writer.move, last=channel.send)
+    fdcap = FdCapture(router, os.environ.pop("AGENTLOOP_TTY", ""), fifos.pipes if fifos is not None else None)
     channel.diag_fd = fdcap.diag_fd
+    if writer is not None:
+        writer.diag_fd = fdcap.diag_fd
     inherit_block_in_threads()
     hide_runtime_threads()
     plain_streams_in_children()

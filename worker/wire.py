@@ -21,7 +21,10 @@ Coordinator -> worker
 
 Worker -> coordinator
     hello    {v, token, pid}
-    out      {id, o: [[stream, bytes], ...]}   batched output; stream 1 = stdout, 2 = stderr
+    out      {id, o: [[stream, bytes], ...], raw}   batched output; stream 1 = stdout, 2 = stderr;
+                                          ``raw`` ([stream, n]) only in a local worker's output
+                                          pipe, where n bytes of fd-level output follow the
+                                          frame (see ``_outpipe``)
     done     {id, status, error, vars, code, note}  status: ok | error | cancelled | exit
                                           (SystemExit; ``code`` is the exit status, as the
                                           interpreter's); ``note``: what an interrupt did, in words
@@ -112,8 +115,10 @@ def hello(token: str, pid: int) -> dict[str, Any]:
     return {"t": "hello", "v": PROTOCOL_VERSION, "token": token, "pid": pid}
 
 
-def out(block_id: str, chunks: list) -> dict[str, Any]:
-    return {"t": "out", "id": block_id, "o": chunks}
+def out(block_id: str, chunks: list, raw: list | None = None) -> dict[str, Any]:
+    if raw is None:
+        return {"t": "out", "id": block_id, "o": chunks}
+    return {"t": "out", "id": block_id, "o": chunks, "raw": raw}
 
 
 def done(block_id: str, status: str, error: str, variables: list, code: int | None = None,

@@ -30,17 +30,11 @@ def _run(argv: list[str], stdin: str, tmp_path: Path) -> tuple[str, str, int]:
     return proc.stdout, proc.stderr, code
 
 
-#: Known to differ at times: what was flushed just before a SIGKILL has been handed to the
-#: socket's I/O thread, which the kill may stop before it writes (see worker/capture.py).
-RACY = {"last_words_kill.py"}
 #: Differences that remain, and why (the README lists them too).
 KNOWN: dict[str, str] = {}
 
 
 def _param(name: str):
-    if name in RACY:
-        return pytest.param(name, marks=pytest.mark.xfail(reason="flushed output can be lost to an immediate "
-                                                                 "SIGKILL", strict=False))
     if name in KNOWN:
         return pytest.param(name, marks=pytest.mark.xfail(reason=KNOWN[name], strict=True))
     return name

@@ -366,6 +366,47 @@ async def test_garbage_on_the_own_channel_stops_the_worker_at_once(worker, kind:
     await assert_still_works(worker)
 
 
+# -- 18b: garbage in the worker's own output pipe -----------------------------------------------
+
+# The worker's code finds the write end of its output pipe (engine._outpipe) and writes on it.
+FIND_PIPE = '''
+import gc, os, time
+import msgpack
+pipe = next(o for o in gc.get_objects() if type(o).__name__ == "PipeWriter")
+def write(data):
+    os.write(pipe.fd, data)
+def frame(msg):
+    data = msgpack.packb(msg)
+    write(len(data).to_bytes(4, "big") + data)
+'''
+
+PIPE_GARBAGE = {
+    "a length over the limit": 'write(b"\\xff\\xff\\xff\\xff")',
+    "a length of zero": 'write(b"\\x00\\x00\\x00\\x00")',
+    "not msgpack": 'write(b"\\x00\\x00\\x00\\x02\\xc1\\xc1")',
+    "not output": 'frame({"t": "done", "id": "x", "status": "ok"})',
+    "malformed output": 'frame({"t": "out", "id": "x", "o": [[1, "str, not bytes"]]})',
+    "a malformed moved chunk": 'frame({"t": "out", "id": "x", "o": [], "raw": [3, 10]})',
+    "a moved chunk over the limit": 'frame({"t": "out", "id": "x", "o": [], "raw": [1, 1 << 30]})',
+}
+
+
+@pytest.mark.parametrize("kind", list(PIPE_GARBAGE))
+async def test_garbage_in_the_own_output_pipe_stops_the_worker_at_once(worker, kind: str):
+    if worker._session.pipes is None:
+        pytest.skip(reason="this worker sends its output over its socket")
+    await worker.run("canary = 1", timeout=WAIT)
+    code = FIND_PIPE + PIPE_GARBAGE[kind] + '\ntime.sleep(120)\n'
+    started = time.monotonic()
+    got = await attack(worker, code, timeout=60)
+    took = time.monotonic() - started
+    assert took < 10, f"the block waited {took:.1f} s for its deadline"
+    assert got.result.status == "killed" and got.result.worker_killed, got.result
+    assert got.result.message.startswith("the worker broke the protocol ("), got.result.message
+    assert worker.state is not WorkerState.CLOSED
+    await assert_still_works(worker)
+
+
 async def test_agent_loop_goes_on_after_a_worker_broke_the_protocol(engine: Engine):
     code = FIND_CHANNEL + 'send(b"\\xc1garbage")\ntime.sleep(120)\n'
     started = time.monotonic()

@@ -1,0 +1,4 @@
+import ctypes
+
+print("bye", flush=True)
+ctypes.string_at(0)
