@@ -143,13 +143,17 @@ class WorkerCgroups:
 
     def oom_killed(self, group: Path) -> bool:
         """Whether the kernel killed a process of ``group`` for going over its limit."""
+        return self.oom_kills(group) > 0
+
+    def oom_kills(self, group: Path) -> int:
+        """How many processes of ``group`` the kernel killed for going over its limit."""
         name = "memory.oom_control" if self.v1 else "memory.events"
         with contextlib.suppress(OSError, ValueError):
             for line in (group / name).read_text().splitlines():
                 key, _, value = line.partition(" ")
-                if key == "oom_kill" and int(value) > 0:
-                    return True
-        return False
+                if key == "oom_kill":
+                    return int(value)
+        return 0
 
     @staticmethod
     def remove(group: Path) -> None:

@@ -129,7 +129,9 @@ class Zygote:
         plan = self.plan
         argv = list(plan.argv_prefix)
         at = argv.index("--cap-drop") + 2
-        argv[at:at] = ["--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_NET_ADMIN"]
+        # CAP_KILL: a sample slot kills what its samples (another uid) leave running.  A worker
+        # drops every capability before it runs code.
+        argv[at:at] = ["--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_NET_ADMIN", "--cap-add", "CAP_KILL"]
         env = dict(self.env)
         for key in ("AGENTLOOP_TOKEN", "AGENTLOOP_CONFINE", "AGENTLOOP_PARENT"):
             env.pop(key, None)
@@ -187,9 +189,10 @@ class Zygote:
         if future is not None and not future.done():
             future.set_result(msg)
 
-    async def spawn(self, launch: Launch) -> ZygoteProcess:
+    async def spawn(self, launch: Launch, exec_argv: list[str] | None = None) -> ZygoteProcess:
         """Fork a worker for ``launch`` (its env, cwd and confinement); start the server first
-        if needed."""
+        if needed.  ``exec_argv``: what the forked process runs instead of the worker runtime
+        (a fresh interpreter: a sample slot, ``worker.slot``)."""
         async with self._lock:
             if self._proc is None or self._proc.returncode is not None:
                 await self.start()
@@ -202,6 +205,8 @@ class Zygote:
                    "tmp_bytes": self.sandbox.tmp_bytes}
         if self.own_workspace is not None:
             request["own_workspace"] = self.own_workspace
+        if exec_argv is not None:
+            request["exec"] = list(exec_argv)
         data = msgpack.packb(request, use_bin_type=True)
         self._proc.stdin.write(struct.pack(">I", len(data)) + data)
         try:

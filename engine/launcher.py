@@ -355,3 +355,8 @@ class Launcher:
         """Whether the kernel killed a process in one of ``groups`` for its memory limit."""
         cgroups = self.memory_cgroups
         return cgroups is not None and any(g.parent == cgroups.base and cgroups.oom_killed(g) for g in groups)
+
+    def oom_kills(self, groups: list[Path]) -> int:
+        """How many processes of ``groups`` the kernel killed for their memory limit so far."""
+        cgroups = self.memory_cgroups
+        return 0 if cgroups is None else sum(cgroups.oom_kills(g) for g in groups if g.parent == cgroups.base)

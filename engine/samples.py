@@ -41,6 +41,7 @@ from .errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OWN, EXIT_TIMEOUT, Config
 from .results import BlockResult, OutputChunk
 from .sandbox import host_support
 from .script import Script
+from .slots import SlotPool
 
 #: An ``engine.Engine`` (not imported: the engine imports this module).
 Engine = Any
@@ -104,7 +105,7 @@ class SampleResult:
                 "message": self.message}
 
 
-class _Stream:
+class Stream:
     """Head and tail of one output stream, with the exact count of what lies between."""
 
     def __init__(self, keep: int) -> None:
@@ -112,6 +113,13 @@ class _Stream:
         self.head = bytearray()
         self.tail = bytearray()
         self.total = 0
+
+    @classmethod
+    def of(cls, parts: tuple[bytes, bytes, int], keep: int) -> Stream:
+        """The stream a sample slot kept: (head, tail, total bytes)."""
+        stream = cls(keep)
+        stream.head, stream.tail, stream.total = bytearray(parts[0]), bytearray(parts[1]), parts[2]
+        return stream
 
     def add(self, data: bytes) -> None:
         self.total += len(data)
@@ -215,7 +223,7 @@ async def run_sample(engine: Engine, sample: Sample, *, timeout: float = DEFAULT
     that do not fit its workspace are its ``error``, exit code 125); a worker that cannot start
     raises ``WorkerStartError``, which ends ``map_samples`` too (the machine cannot run samples)."""
     started = time.monotonic()
-    streams = {"stdout": _Stream(output_bytes), "stderr": _Stream(output_bytes)}
+    streams = {"stdout": Stream(output_bytes), "stderr": Stream(output_bytes)}
 
     def collect(chunk: OutputChunk) -> None:
         streams[chunk.stream].add(chunk.data)
@@ -310,6 +318,7 @@ class SampleRunner:
         self.base = base
         self.make_engine = make_engine
         self.shared: Engine | None = None
+        self.slots: SlotPool | None = None
         self._dirs: list[Path] = []
 
     def _options(self, workspace: Path, state: Path) -> dict[str, Any]:
@@ -335,7 +344,11 @@ class SampleRunner:
                 self._dirs.append(where)
                 self.shared = self.make_engine(**self._options(where / "workspace", where / "state"),
                                                own_workspaces=True)
-            return await run_sample(self.shared, sample, timeout=timeout, output_bytes=output_bytes)
+                self.shared.open()
+                self.slots = SlotPool(self.shared.launcher)
+            assert self.slots is not None
+            return await self.slots.run(sample, timeout=sample.timeout or timeout, output_bytes=output_bytes,
+                                        script_name=SCRIPT_NAME)
         self.base.open()
         where = Path(tempfile.mkdtemp(prefix="sample-", dir=self.base.run_dir))
         try:
@@ -347,6 +360,9 @@ class SampleRunner:
 
     async def close(self) -> None:
         """Shut the runner's engine down and remove its directories."""
+        if self.slots is not None:
+            await self.slots.close()
+            self.slots = None
         if self.shared is not None:
             await self.shared.shutdown()
             self.shared = None

@@ -21,7 +21,8 @@ sandbox) ends them all.  C reaps nothing: the worker is a child subreaper, so or
 code go to D, and D's own exit leaves a zombie whose status the coordinator reads before it
 kills C.  As a tiny program instead of a copy of this interpreter, C costs a worker about
 0.1 MB instead of 1.5 MB (and no share of the zygote's pages).
-Requests:  spawn {id, endpoint, env, cwd, private_net, tmp_bytes, own_workspace?}  ->  spawned {id, pid}  |  failed {id, error}
+Requests:  spawn {id, endpoint, env, cwd, private_net, tmp_bytes, own_workspace?, exec?}
+           (exec: an argv D runs instead of serving as a worker: a sample slot)  ->  spawned {id, pid}  |  failed {id, error}
            (pid: C's, in the zygote's namespace; D is C's only child)
 Reports:   exited {id, pid, status}  when a worker's C is reaped (status as a shell's $?).
 """
@@ -179,6 +180,9 @@ def _child(request: dict, control: tuple[int, ...], report: int, sleep: str | No
         os.environ.update({str(k): str(v) for k, v in request["env"].items()})
         os.chdir(request["cwd"])
         os.setsid()
+        if request.get("exec"):  # a sample slot: a fresh interpreter, cheaper to fork from
+            argv = [str(a) for a in request["exec"]]
+            os.execve(argv[0], argv, dict(os.environ))
         from worker.__main__ import run_worker
 
         run_worker(request["endpoint"])
