@@ -217,7 +217,8 @@ class SlotPool:
 
     async def run(self, sample: Sample, *, timeout: float, output_bytes: int, script_name: str) -> SampleResult:
         """Run ``sample`` in a free slot; exactly one result, whatever the sample or the slot did."""
-        from .samples import SampleResult as result, Stream
+        from .samples import SampleResult as result
+        from .samples import Stream
 
         started = time.monotonic()
         slot = await self._take()
