@@ -4,15 +4,17 @@ a sandbox of its own (``Engine.map``; ``agentloop exec --jsonl`` on top of it).
 A sample is ``code`` plus, optionally, ``stdin``, ``args``, ``timeout``, ``files`` and ``env``.
 Guarantees, for every sample:
 
-- It runs in a fresh worker process forked by the fork server: a process, PID, mount, IPC,
-  UTS and network namespaces of its own, its own ``/tmp``, ``/dev/shm`` and an empty
-  workspace (its current directory, where ``files`` are written), all tmpfs that the kernel
-  frees when the sample's namespaces end.  The worker and everything it started are killed
-  once its result is in.  Nothing a sample writes, starts or leaves behind is visible to
-  another; a fork bomb, a memory bomb, an endless loop, a sample that kills its process group
-  or fills ``/tmp`` costs its own result only.  Where the fork server cannot run (it needs
-  root and bubblewrap) each sample gets an engine of its own instead: the same isolation,
-  started cold (~100 ms a sample).
+- It runs in a process of its own, in a session and in mount, IPC and network namespaces of
+  its own, with its own empty ``/tmp``, ``/dev/shm`` and workspace (its current directory,
+  where ``files`` are written): tmpfs that the kernel frees with the namespaces.  The process
+  is forked by a sample slot (``engine.slots``, ``worker.slot``): a sandbox that the fork
+  server started with PID and UTS namespaces and cgroups of its own, which runs one sample
+  after another, confines each as a worker is confined (uid, Landlock, seccomp, rlimits) and
+  kills and reaps everything a sample started before the next begins.  Nothing a sample
+  writes, starts or leaves behind is visible to another; a fork bomb, a memory bomb, an
+  endless loop, a sample that kills its process group or fills ``/tmp`` costs its own result
+  only.  Where the fork server cannot run (it needs root and bubblewrap) each sample gets an
+  engine of its own instead: the same isolation, started cold (~100 ms a sample).
 - It runs as ``python sample.py ARGS`` would (``engine.script``): ``sys.argv``, ``__file__``,
   ``__name__ == "__main__"``, ``stdin`` on ``sys.stdin``, ``SystemExit`` as the exit status,
   tracebacks on stderr, threads waited for and ``atexit`` handlers run.
@@ -162,7 +164,11 @@ def _status(result: BlockResult, code: int) -> str:
     if result.status in ("ok", "error"):
         return "ok" if code == 0 else "error"
     if result.status == "died":  # by its own hand (a signal it sent, os._exit), or by a limit
-        return "killed" if _MEMORY_WORDS in result.message else "died"
+        if _MEMORY_WORDS in result.message:
+            return "killed"
+        if not result.signal:  # os._exit(N): an exit status, as a slot (and the shell) sees it
+            return "ok" if code == 0 else "error"
+        return "died"
     return result.status  # timeout, cancelled, killed
 
 
@@ -174,8 +180,7 @@ def _words(status: str, result: BlockResult, timeout: float) -> str:
     if status == "killed":
         return result.message.split(";")[0]  # the memory limit, as the engine words it
     if status == "died":
-        return (f"it died of signal {result.signal}" if result.signal else
-                f"its process exited with {result.exit_code} (os._exit) before the end")
+        return f"it died of signal {result.signal}"
     return "cancelled" if status == "cancelled" else ""
 
 
@@ -307,12 +312,12 @@ async def map_samples(runner: SampleRunner, samples: Iterable[Sample], *, concur
 
 
 class SampleRunner:
-    """Starts each sample's worker and runs it (``Engine.map``).
+    """Runs samples for ``Engine.map``.
 
-    Workers come from one engine of the runner's own, with the base engine's sandbox and
-    interpreter, whose fork server gives each of them an empty workspace of its own.  Where no
-    fork server can run (it needs root and bubblewrap), each sample gets an engine of its own
-    with a workspace of its own instead: the same isolation, started cold."""
+    Slots come from one engine of the runner's own, with the base engine's sandbox and
+    interpreter, and are kept from one ``map`` to the next.  Where no fork server can run (it
+    needs root and bubblewrap), each sample gets an engine of its own with a workspace of its
+    own instead: the same isolation, started cold."""
 
     def __init__(self, base: Engine, make_engine: Callable[..., Engine]) -> None:
         self.base = base
@@ -347,8 +352,13 @@ class SampleRunner:
                 self.shared.open()
                 self.slots = SlotPool(self.shared.launcher)
             assert self.slots is not None
-            return await self.slots.run(sample, timeout=sample.timeout or timeout, output_bytes=output_bytes,
-                                        script_name=SCRIPT_NAME)
+            started = time.monotonic()
+            got = await self.slots.run(sample, timeout=sample.timeout or timeout, output_bytes=output_bytes,
+                                       script_name=SCRIPT_NAME)
+            (out, out_cut), (err, err_cut) = (Stream.of(got["out"], output_bytes).text(),
+                                              Stream.of(got["err"], output_bytes).text())
+            return SampleResult(sample.id, got["status"], got["code"], out, err, out_cut, err_cut,
+                                time.monotonic() - started, got["rss_mb"], got["words"])
         self.base.open()
         where = Path(tempfile.mkdtemp(prefix="sample-", dir=self.base.run_dir))
         try:

@@ -23,9 +23,8 @@ import os
 import secrets
 import socket
 import struct
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from worker import wire
 from worker.slot import MAX_REQUEST
@@ -37,8 +36,9 @@ from .sandbox import runtime_argv
 if TYPE_CHECKING:
     from ._process import Process
     from .launcher import Launcher
-    from .samples import Sample, SampleResult
 
+#: An ``engine.samples.Sample`` (not imported: samples import this module).
+Sample = Any
 _ids = itertools.count(1)
 _MAX_REPLY = 1024 * 1024  # a result: two heads and two tails of at most OUTPUT_BYTES each, and words
 #: Seconds a slot may take past a sample's deadline and grace to answer (reaping what it left).
@@ -215,12 +215,9 @@ class SlotPool:
         self._all.discard(slot)
         await slot.close()
 
-    async def run(self, sample: Sample, *, timeout: float, output_bytes: int, script_name: str) -> SampleResult:
-        """Run ``sample`` in a free slot; exactly one result, whatever the sample or the slot did."""
-        from .samples import SampleResult as result
-        from .samples import Stream
-
-        started = time.monotonic()
+    async def run(self, sample: Sample, *, timeout: float, output_bytes: int, script_name: str) -> dict:
+        """Run ``sample`` in a free slot: exactly one outcome, whatever the sample or the slot
+        did — {status, code, words, out, err (head, tail, total), rss_mb}."""
         slot = await self._take()
         try:
             reply = await slot.run(sample, timeout=timeout, output_bytes=output_bytes, script_name=script_name)
@@ -229,8 +226,8 @@ class SlotPool:
             await self._drop(slot)
             words = ("it went over its memory limit and its sandbox was killed" if memory
                      else f"its sandbox stopped: {exc}")
-            return result(sample.id, "killed" if memory else "died", 137, "", "", 0, 0,
-                          time.monotonic() - started, None, words)
+            return {"status": "killed" if memory else "died", "code": 137, "words": words,
+                    "out": (b"", b"", 0), "err": (b"", b"", 0), "rss_mb": None}
         except BaseException:
             await asyncio.shield(self._drop(slot))
             raise
@@ -238,11 +235,9 @@ class SlotPool:
             await self._drop(slot)
         else:
             self._idle.append(slot)
-        (out, out_cut), (err, err_cut) = (Stream.of(reply["out"], output_bytes).text(),
-                                          Stream.of(reply["err"], output_bytes).text())
         status, code, words = _outcome(reply, timeout, slot.memory_killed(), self.launcher.sandbox.memory_bytes)
-        rss = round(reply["rss_kb"] / 1024, 1) if reply["rss_kb"] else None
-        return result(sample.id, status, code, out, err, out_cut, err_cut, time.monotonic() - started, rss, words)
+        return {"status": status, "code": code, "words": words, "out": reply["out"], "err": reply["err"],
+                "rss_mb": round(reply["rss_kb"] / 1024, 1) if reply["rss_kb"] else None}
 
     async def close(self) -> None:
         self._closed = True

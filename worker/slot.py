@@ -2,12 +2,17 @@
 
 ``python -I -B -c "...; from worker.slot import main; main()" SOCKET`` is what the fork server
 starts in place of a worker (a fresh, small interpreter: forking it costs a third of forking
-the worker runtime).  It keeps its namespaces (PID, network, UTS), its capabilities and its
-cgroups from sample to sample, and gives every sample what no later sample can see:
+the worker runtime).  It keeps its PID and UTS namespaces (and its network one while unused),
+its capabilities and its cgroups from sample to sample, and gives every sample what no later
+sample can see:
 
 - a process of its own (forked from the slot), in a session of its own, with a mount and an
   IPC namespace of its own: a fresh ``/tmp``, ``/dev/shm`` and an empty workspace (its
   current directory), tmpfs that the kernel frees with the namespace;
+- a network namespace nobody else used: the slot's, unless the sample before it moved any
+  of its counters (a packet, a connection tried), in which case the slot moves to a new one
+  first (a new namespace costs more than the rest of a sample together, and most samples never
+  touch the network);
 - the worker's confinement (uid, Landlock, seccomp, rlimits), applied in that process before
   the code runs; the slot itself runs no code of the sample's;
 - at its end, every process it started is killed (``kill(-1)`` from the slot, which is
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import builtins
 import ctypes
+import fcntl
 import gc
 import json
 import os
@@ -107,6 +113,7 @@ class Slot:
         self.tmp_bytes = int(settings["tmp_bytes"])
         self.grace = float(settings.get("grace", 1.0))
         self.private_net = bool(settings.get("private_net", True))
+        self.net_state = _net_state()
         self.confine = confine
         uid = confine.get("uid")
         self.owner = tuple(uid) if uid else None
@@ -229,7 +236,17 @@ class Slot:
             while data := os.read(fd, _READ):
                 reads[fd].add(data)
         self._reap()
+        if self.private_net and _net_state() != self.net_state:
+            self._fresh_network()
         return status, rusage, timed_out, killed
+
+    def _fresh_network(self) -> None:
+        """The sample used the network: the next one gets a namespace nobody has used.  (One
+        that left the counters of every interface and protocol as they were, and no socket,
+        since its processes are all dead, left nothing there to see: the namespace is kept.)"""
+        _check(_libc.unshare(_NEWNET), "unshare")
+        _loopback_up()
+        self.net_state = _net_state()
 
     def _reap(self) -> None:
         """Wait until no process of the sample is left (the slot is the subreaper of them all)."""
@@ -259,9 +276,9 @@ class Slot:
                 os.dup2(fd, target)
             os.closerange(3, 1 << 16)
             os.chdir(self.workspace)
-            os.environ.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
-            time.tzset()
             _confine.apply(self.confine)
+            os.environ.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
+            time.tzset()  # (confined first: TZ may name a file)
             sys.stdin = sys.__stdin__ = _text(0, "r", "strict", False)
             sys.stdout = sys.__stdout__ = _text(1, "w", "strict", False)
             sys.stderr = sys.__stderr__ = _text(2, "w", "backslashreplace", True)
@@ -274,11 +291,8 @@ class Slot:
             os._exit(status)
 
     def _own_mounts(self) -> None:
-        """Mount, IPC and network namespaces of the sample's own (the last unless the run has
-        the host's network), with empty /tmp, /dev/shm and workspace."""
-        _check(_libc.unshare(_NEWNS | _NEWIPC | (_NEWNET if self.private_net else 0)), "unshare")
-        if self.private_net:
-            _loopback_up()
+        """Mount and IPC namespaces of the sample's own, with empty /tmp, /dev/shm and workspace."""
+        _check(_libc.unshare(_NEWNS | _NEWIPC), "unshare")
         # Opened in the new namespace (a bind's source must be a mount of the caller's own),
         # before the fresh /tmp hides them.
         keep = [(point, read_only, os.open(point, os.O_PATH)) for point, read_only in self.keep]
@@ -298,10 +312,24 @@ class Slot:
             _check(_libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", _MS_NOSUID | _MS_NODEV, size), "/dev/shm")
 
 
+#: Per network namespace: every interface's counters and every protocol's (a packet sent, a
+#: connection tried, refused or left in TIME_WAIT moves one of them).
+_NET_STATE = ("/proc/net/dev", "/proc/net/snmp", "/proc/net/netstat", "/proc/net/snmp6")
+
+
+def _net_state() -> bytes:
+    state = []
+    for path in _NET_STATE:
+        try:
+            with open(path, "rb") as f:
+                state.append(f.read())
+        except OSError:
+            state.append(b"")
+    return b"\0".join(state)
+
+
 def _loopback_up() -> None:
     """A new network namespace starts with its loopback down; servers on 127.0.0.1 should work."""
-    import fcntl
-
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         fcntl.ioctl(s, 0x8914, struct.pack("16sH14x", b"lo", 0x1 | 0x8 | 0x40))  # SIOCSIFFLAGS: UP LOOPBACK RUNNING
 
