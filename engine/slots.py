@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 #: An ``engine.samples.Sample`` (not imported: samples import this module).
 Sample = Any
 _ids = itertools.count(1)
-_MAX_REPLY = 1024 * 1024  # a result: two heads and two tails of at most OUTPUT_BYTES each, and words
+_MAX_REPLY = 1024 * 1024  # a hello; a result: this, or more where it keeps more output
 #: Seconds a slot may take past a sample's deadline and grace to answer (reaping what it left).
 _SLACK = 10.0
 
@@ -99,7 +99,7 @@ class Slot:
             listener.close()
             with contextlib.suppress(OSError):
                 os.unlink(path)  # nobody else connects
-        self._reader, self._writer = await asyncio.open_unix_connection(sock=conn, limit=_MAX_REPLY + 8)
+        self._reader, self._writer = await asyncio.open_unix_connection(sock=conn)
         hello = await self._read()
         if hello.get("t") == "failed":
             raise WorkerStartError(f"a sample slot could not start: {str(hello.get('error'))[:500]}")
@@ -110,13 +110,13 @@ class Slot:
         await asyncio.to_thread(launcher.adopt, self.cgroups, self.proc.pid, {})
         self.oom_kills = launcher.oom_kills(self.cgroups)
 
-    async def _read(self) -> dict:
+    async def _read(self, limit: int = _MAX_REPLY) -> dict:
         assert self._reader is not None
         try:
             size = struct.unpack(">I", await self._reader.readexactly(4))[0]
-            if size > _MAX_REPLY:
+            if size > limit:
                 raise SlotError(f"it sent a {size}-byte message")
-            return wire.decode(await self._reader.readexactly(size), _MAX_REPLY)
+            return wire.decode(await self._reader.readexactly(size), limit)
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             raise SlotError("it died") from exc
         except wire.WireError as exc:
@@ -135,7 +135,8 @@ class Slot:
         self._writer.write(struct.pack(">I", len(data)) + data)
         limit = timeout + self.launcher.grace + _SLACK
         try:
-            reply = await asyncio.wait_for(self._read(), limit)
+            # Two heads and two tails of ``output_bytes`` at most, and a few words.
+            reply = await asyncio.wait_for(self._read(max(_MAX_REPLY, 4 * output_bytes + 65536)), limit)
         except TimeoutError as exc:
             raise SlotError(f"it did not answer within {limit:g} s") from exc
         return _checked(reply, output_bytes)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -346,3 +347,29 @@ def test_humaneval_with_twenty_hostile_samples(tmp_path):
     assert got["os-exit"]["exit_code"] == 3 and got["os-exit"]["stdout"] == "bye\n"
     assert got["flood"]["stdout_cut"] > 100 << 20
     assert got["kill-slot"]["status"] == "error" and "PermissionError" in got["kill-slot"]["stderr"]
+
+
+async def test_the_fidelity_corpus_runs_as_samples_as_under_python(tmp_path):
+    """Each script of tests/fidelity, as a sample, gives what ``python sample.py ARGS`` gives:
+    stdout, stderr (paths aside) and the exit status."""
+    from .fidelity.test_fidelity import CASES, SCRIPTS
+
+    def plain(text: str) -> str:
+        return re.sub(r"/\S*/sample\.py", "sample.py", text)
+
+    expected, samples = {}, []
+    for script in sorted(SCRIPTS.glob("*.py")):
+        args, stdin = CASES.get(script.name, ([], ""))
+        where = tmp_path / "python" / script.stem
+        where.mkdir(parents=True)
+        (where / "sample.py").write_text(script.read_text())
+        proc = subprocess.run([sys.executable, "sample.py", *args], input=stdin.encode(), capture_output=True,
+                              cwd=where, timeout=60)
+        code = 128 - proc.returncode if proc.returncode < 0 else proc.returncode
+        expected[script.name] = (proc.stdout.decode(), plain(proc.stderr.decode()), code)
+        samples.append(Sample(script.name, script.read_text(), stdin=stdin, args=tuple(args), timeout=30))
+    (tmp_path / "cwd").mkdir()
+    async with Engine(cwd=tmp_path / "cwd", state_dir=tmp_path / "state") as engine:
+        got = {r.id: (r.stdout, plain(r.stderr), r.exit_code)
+               async for r in engine.map(samples, concurrency=2, output_bytes=16 << 20)}
+    assert {k: v for k, v in got.items() if v != expected[k]} == {}

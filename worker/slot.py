@@ -352,6 +352,9 @@ def _run_script(req: dict, workspace: str) -> int:
             f.write(content)
         os.chmod(full, mode)
     path = os.path.join(workspace, str(req.get("path") or "sample.py"))
+    code = str(req.get("code", ""))
+    with open(path, "w", encoding="utf-8") as f:  # a script is a file: tracebacks quote it, spawn re-reads it
+        f.write(code)
     main = types.ModuleType("__main__")
     main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins)
     sys.modules["__main__"] = main
@@ -365,7 +368,7 @@ def _run_script(req: dict, workspace: str) -> int:
     signal.signal(INTERRUPT_SIGNAL, interrupt)
     status = 0
     try:
-        exec(compile(str(req.get("code", "")), path, "exec"), main.__dict__)
+        exec(compile(code, path, "exec"), main.__dict__)
     except SystemExit as exc:
         status, text = script.exit_status(exc)
         if text is not None:
@@ -373,8 +376,12 @@ def _run_script(req: dict, workspace: str) -> int:
             print(text, file=sys.stderr)
     except BaseException as exc:  # noqa: BLE001 - what CPython does with an uncaught exception
         _flush(sys.stdout)
-        traceback.print_exception(type(exc), exc, _user_frames(exc.__traceback__, interrupt.__code__))
-        status = 1
+        exc.__traceback__ = tb = _user_frames(exc.__traceback__, interrupt.__code__)
+        try:
+            sys.excepthook(type(exc), exc, tb)  # a hook the code set is called, as CPython calls it
+        except BaseException:  # noqa: BLE001 - a hook that fails: CPython prints both
+            traceback.print_exception(type(exc), exc, tb)
+        status = -signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
     try:
         script.finish()
     except SystemExit as exc:
@@ -384,6 +391,10 @@ def _run_script(req: dict, workspace: str) -> int:
     for stream in (sys.stdout, sys.stderr):
         if not _flush(stream) and status == 0:
             status = 120  # as CPython, when flushing stdout at exit fails
+    if status == -signal.SIGINT:  # as CPython ends after an uncaught KeyboardInterrupt: by SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        status = 130
     return status
 
 
