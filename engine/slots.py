@@ -88,7 +88,7 @@ class Slot:
             launch.env["AGENTLOOP_SLOT"] = json.dumps({
                 "workspace": str(launcher.workspace), "tmp_bytes": launcher.sandbox.tmp_bytes,
                 "grace": launcher.grace, "socket_dir": str(self.sock_dir),
-                "private_net": not launcher.sandbox.network})
+                "private_net": not launcher.sandbox.network, "preload": list(launcher.preload)})
             zygote = launcher.fork_server(launch)
             if zygote is None:
                 raise WorkerStartError("sample slots need the fork server (root and bubblewrap)")

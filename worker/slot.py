@@ -454,6 +454,8 @@ def main() -> None:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
     try:
+        for name in settings.get("preload") or ():  # --preload: imported once, shared by every sample
+            __import__(str(name))
         slot = Slot(conn, settings, confine)
         _confine.seccomp_program(**_seccomp_args(confine))  # built once here, reused by each sample
     except BaseException as exc:  # noqa: BLE001 - said to the coordinator; the slot is not used
