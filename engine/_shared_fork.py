@@ -15,8 +15,11 @@ directory and the socket root with an empty read-only tmpfs and binds back its r
 the run started cold is shown, and nothing of another run — not its directory, its sockets,
 its outputs nor its transcript.  Its stderr is a fifo of its own (``Zygote.private_stderr``),
 so no run reads another's last words.  Everything else stays the run's: the environment, the
-uid, the Landlock rules and rlimits (all in ``AGENTLOOP_CONFINE``), the cgroups (made and
-entered by the run's launcher).
+uid, the Landlock rules and rlimits (all in ``AGENTLOOP_CONFINE``), and a memory and a pids
+cgroup per worker with the run's limits.  Those lie under one pair of parents for the batch
+(``cgroups``): the server makes each worker's namespace init ahead of its request, and
+``_cgroup.SpareGroups`` puts it in cgroups of its own ahead too, which the run that gets it
+takes as its worker's (every run of the batch has the same limits).
 
 Offered where a fork server gives the isolation of a cold start (root with bubblewrap) and to
 runs that are alike: the same sandbox policy, Python and preloaded modules, ipc:// endpoints,
@@ -191,8 +194,9 @@ class SharedForkServer:
         return LaunchPlan(argv, True, cwd="/")
 
     async def close(self) -> None:
-        """Kill the server (every worker it forked goes with it) and remove the socket root.
-        A run that asks for a worker afterwards starts it cold."""
+        """Kill the server (every worker it forked goes with it), remove the cgroups made
+        ahead and the socket root.  A run opened afterwards starts its workers cold; one opened
+        before gets WorkerStartError."""
         self._closed = True
         if self._zygote is not None:
             await self._zygote.close()

@@ -635,6 +635,19 @@ async def test_a_shared_fork_server_serves_runs_alike_and_restarts(tmp_path):
         assert first is not None and _below(a._session.proc.pid, first) and _below(b._session.proc.pid, first)
         result = await b.run("import os; print(os.getcwd(), sorted(os.listdir('..')))", timeout=10)
         assert result.output.strip() == f"{runs / 'b' / 'workspace'} ['state', 'workspace']", result
+        # What a worker writes to its own stderr (its runtime's last words) reaches its own
+        # record only, never the server's stderr that another run's start failure would quote.
+        said = await b.run("import os\nfor fd in map(int, os.listdir('/proc/self/fd')):\n"
+                           "    try:\n        where = os.readlink(f'/proc/self/fd/{fd}')\n"
+                           "    except OSError:\n        continue\n"
+                           "    if where.endswith('/stderr'):\n        os.write(fd, b'b-was-here')\n", timeout=10)
+        assert said.status == "ok", said
+        for _ in range(100):
+            if b"b-was-here" in b._session.proc.stderr_tail:
+                break
+            await asyncio.sleep(0.02)
+        assert b"b-was-here" in b._session.proc.stderr_tail
+        assert b"b-was-here" not in a._session.proc.stderr_tail + a._session.proc._zygote.stderr_tail
 
         os.kill(first, signal.SIGKILL)  # the server dies, and every worker it forked with it
         for _ in range(200):
