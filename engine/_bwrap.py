@@ -45,8 +45,9 @@ def _parents(path: str, made: set[str]) -> list[str]:
     """bwrap options creating the missing ancestors of a bind target as mode 0755: bwrap would
     make them 0700, which the worker's uid could not traverse (/root/.pyenv/... for one)."""
     out: list[str] = []
-    for anc in reversed(Path(path).parents):
-        a = str(anc)
+    parts = path.rstrip("/").split("/")
+    for depth in range(1, len(parts)):  # every ancestor, shallowest first (strings: plans are made often)
+        a = "/".join(parts[:depth]) or "/"
         if a not in made:
             made.add(a)
             out += ["--perms", "0755", "--dir", a]
@@ -58,14 +59,16 @@ def _parents(path: str, made: set[str]) -> list[str]:
 class View:
     """What a worker is shown, every path resolved: the system (read-only, with the symlinks
     of a merged /usr), its Python, the current directory when shown, the run's output and
-    socket directories (read-only) and the workspace (read-write)."""
+    socket directories (read-only) and the workspace (read-write).  A fork server shared by
+    the runs of a batch is shown the batch's runs directory as its workspace and no output
+    directory (``engine._shared_fork``)."""
 
     system: tuple[str, ...]
     links: tuple[tuple[str, str], ...]
     python: tuple[str, ...]
     workspace: Path
     socket_dir: Path
-    output_dir: Path
+    output_dir: Path | None
     cwd: Path | None
 
 
@@ -88,7 +91,9 @@ def bwrap_argv(bwrap: str, *, root: bool, network: bool, tmp_bytes: int, view: V
     # Host directories last, shallowest first, so a deeper (more specific) bind wins and none
     # is hidden by the /tmp tmpfs.  The socket directory is read-only: connecting to a socket
     # needs no write access to its directory, and nothing else belongs there.
-    binds = [("--bind", view.workspace), ("--ro-bind", view.socket_dir), ("--ro-bind", view.output_dir)]
+    binds = [("--bind", view.workspace), ("--ro-bind", view.socket_dir)]
+    if view.output_dir is not None:
+        binds.append(("--ro-bind", view.output_dir))
     if view.cwd is not None and not _beneath(str(view.cwd), str(view.workspace)):
         binds.append(("--ro-bind", view.cwd))  # (beneath the workspace it is visible, writable)
     for kind, path in sorted(binds, key=lambda b: (len(b[1].parts), b[0] == "--bind")):

@@ -10,7 +10,9 @@ of a uid, which all the workers of a run share: a pids cgroup is each worker's o
 The coordinator makes ``agentloop-<pid>-<run>/w<N>`` beneath its own cgroup in each hierarchy
 (cgroup v2, or the v1 hierarchy of the controller, where it may write there: root, or a
 delegated subtree) and moves a worker's processes in while it starts, checking again after its
-handshake, before it has run any code.  Where no memory cgroup can be made the sandbox refuses
+handshake, before it has run any code.  A fork server makes each worker's namespace init ahead
+of its request; ``SpareGroups`` puts that init in cgroups of its own ahead too, so the worker
+is born in them and its start waits for no move.  Where no memory cgroup can be made the sandbox refuses
 the shared-memory calls instead (see ``engine.sandbox``), and says so; where no pids cgroup can
 be made, RLIMIT_NPROC bounds the processes.
 """
@@ -18,8 +20,11 @@ be made, RLIMIT_NPROC bounds the processes.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ._process import descendants
@@ -127,6 +132,11 @@ class WorkerCgroups:
         the worker starts, off the event loop."""
         for _ in range(rounds):
             todo = [pid for pid in (root, *descendants(root)) if pid not in moved]
+            if todo:  # born inside (a child of a process moved before), or put there ahead: no move
+                with contextlib.suppress(OSError, ValueError):
+                    inside = set(map(int, (group / "cgroup.procs").read_text().split()))
+                    moved.update(pid for pid in todo if pid in inside)
+                    todo = [pid for pid in todo if pid not in inside]
             if not todo:
                 return True
             for pid in todo:
@@ -143,13 +153,17 @@ class WorkerCgroups:
 
     def oom_killed(self, group: Path) -> bool:
         """Whether the kernel killed a process of ``group`` for going over its limit."""
+        return self.oom_kills(group) > 0
+
+    def oom_kills(self, group: Path) -> int:
+        """How many processes of ``group`` the kernel killed for going over its limit."""
         name = "memory.oom_control" if self.v1 else "memory.events"
         with contextlib.suppress(OSError, ValueError):
             for line in (group / name).read_text().splitlines():
                 key, _, value = line.partition(" ")
-                if key == "oom_kill" and int(value) > 0:
-                    return True
-        return False
+                if key == "oom_kill":
+                    return int(value)
+        return 0
 
     @staticmethod
     def remove(group: Path) -> None:
@@ -193,3 +207,60 @@ def _remove_stale(own: Path) -> None:
 def _rmdir(path: Path) -> None:
     with contextlib.suppress(OSError):
         path.rmdir()
+
+
+class SpareGroups:
+    """Cgroups made and entered ahead, for a fork server's spare namespace inits (made before
+    the request they serve: ``worker.zygote._Init``).  The worker forked from one is born in
+    its cgroups, so its start waits for no move (each waits out an RCU grace period: from 1 to
+    over 10 ms on a busy machine).  ``cgroups``: the parents to make them in, each with the
+    limit a worker gets there."""
+
+    def __init__(self, cgroups: list[tuple[WorkerCgroups, int]]) -> None:
+        self.cgroups = cgroups
+        self._made: dict[int, Future] = {}  # a spare init's host pid -> its groups, once entered
+        self._names = itertools.count(1)
+        self._threads = ThreadPoolExecutor(1, thread_name_prefix="agentloop-cgroups")
+
+    def prepare(self, pid: int) -> None:
+        """Make and enter cgroups for spare init ``pid``, in a thread; returns at once."""
+        if self.cgroups:
+            with contextlib.suppress(RuntimeError):  # (closed: none are made any more)
+                self._made[pid] = self._threads.submit(self._enter, pid, next(self._names))
+
+    def _enter(self, pid: int, number: int) -> list[Path] | None:
+        groups: list[Path] = []
+        for cgroups, limit in self.cgroups:
+            group = cgroups.make(f"spare{number}", limit)
+            if group is not None:
+                groups.append(group)
+            if group is None or not WorkerCgroups.adopt_tree(group, pid, set()):
+                for made in groups:
+                    _rmdir(made)
+                return None
+        return groups
+
+    def take(self, pid: int, timeout: float = 30.0) -> list[Path] | None:
+        """(In a thread.) The cgroups made for spare init ``pid`` — it is inside them — or None
+        when there are none (not a spare, or they could not be made)."""
+        made = self._made.pop(pid, None)
+        if made is None:
+            return None
+        with contextlib.suppress(Exception):
+            return made.result(timeout)
+        return None
+
+    def close(self) -> None:
+        """Remove the cgroups no worker took (once their inits are gone: a little patience)."""
+        self._threads.shutdown(wait=True)
+        left = [g for made in self._made.values() if made.done() and not made.exception()
+                for g in (made.result() or [])]
+        self._made.clear()
+        for _ in range(100):  # (an init killed a moment ago may still be leaving its group)
+            for group in list(left):
+                with contextlib.suppress(OSError):
+                    group.rmdir()
+                    left.remove(group)
+            if not left:
+                return
+            time.sleep(0.02)

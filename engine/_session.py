@@ -48,7 +48,7 @@ import zmq
 from worker import wire
 
 from ._outpipe import OutputError, OutputPipes
-from ._process import Process, spawn
+from ._process import Process, descendants, spawn
 from ._tree import remove_tree
 from .errors import WorkerStartError
 from .results import describe_exit
@@ -154,20 +154,36 @@ class Session:
         launch = launcher.launch(endpoint, self.sock_dir, self.token, output=self.pipes is not None)
         self.notes = launch.notes
         pid_ns = launch.pid_namespace
+        # Its memory and process cgroups are made and entered while the worker starts (a move
+        # costs milliseconds), from the moment its tree has a root: for a forked worker, as
+        # soon as the fork server made the namespace's init, whose children are then born
+        # inside.  They are checked again once it has said hello: before it runs any code.
+        moved: dict[Path, set[int]] = {}
+        adopting: asyncio.Future | None = None
+
+        def adopt(root: int) -> None:
+            nonlocal adopting
+            if adopting is None:
+                adopting = asyncio.ensure_future(asyncio.to_thread(self._enter_cgroups, root, moved))
+
         try:
             zygote = launcher.fork_server(launch)
             if zygote is not None:
-                self.proc = await zygote.spawn(launch)
+                self.proc = await zygote.spawn(launch, on_forked=adopt)
             else:
                 self.proc = await spawn(launch.argv, env=launch.env, cwd=launch.cwd, pid_namespace=pid_ns)
-        except OSError as exc:
-            await self.discard()
-            raise WorkerStartError(f"could not start a worker ({launch.argv[0]}): {exc}") from exc
+        except BaseException as exc:
+            if adopting is not None:  # its thread is done with the cgroups before they go
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(asyncio.gather(adopting, return_exceptions=True))
+            if not isinstance(exc, asyncio.CancelledError):  # (a cancelled start is killed by its caller)
+                await self.discard()
+            if isinstance(exc, OSError):
+                raise WorkerStartError(f"could not start a worker ({launch.argv[0]}): {exc}") from exc
+            raise
         exited = asyncio.ensure_future(self.proc.wait())
-        # Its memory cgroup is made and entered while the worker starts (a move costs
-        # milliseconds), and checked again once it has said hello: before it runs any code.
-        moved: dict[Path, set[int]] = {}
-        adopting = asyncio.ensure_future(asyncio.to_thread(self._enter_cgroups, moved))
+        adopt(self.proc.pid)
+        assert adopting is not None
         try:
             done, _ = await asyncio.wait({self._hello, exited}, timeout=launcher.start_timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
@@ -176,7 +192,9 @@ class Session:
         try:
             await adopting
             if self._hello in done and not self._hello.exception() and self.cgroups:
-                await asyncio.to_thread(launcher.adopt, self.cgroups, self.proc.pid, moved)
+                tree = {self.proc.pid, *descendants(self.proc.pid)}
+                if any(not tree <= moved.get(group, set()) for group in self.cgroups):  # (a move waits)
+                    await asyncio.to_thread(launcher.adopt, self.cgroups, self.proc.pid, moved)
         except WorkerStartError:
             await self.proc.kill()
             await self.discard()
@@ -260,11 +278,10 @@ class Session:
             sock_dir, self.sock_dir = self.sock_dir, None
             await asyncio.to_thread(remove_tree, sock_dir)
 
-    def _enter_cgroups(self, moved: dict[Path, set[int]]) -> None:
-        """(In a thread.) Make this worker's cgroups and move its tree in."""
-        assert self.proc is not None
-        self.cgroups = self.launcher.worker_groups(self.number)
-        self.launcher.adopt(self.cgroups, self.proc.pid, moved)
+    def _enter_cgroups(self, root: int, moved: dict[Path, set[int]]) -> None:
+        """(In a thread.) Make this worker's cgroups and move the tree of ``root`` in."""
+        self.cgroups = self.launcher.worker_groups(self.number, root)
+        self.launcher.adopt(self.cgroups, root, moved)
 
     def over_memory_limit(self) -> bool:
         """Whether the kernel killed a process of this worker for its memory cgroup's limit."""

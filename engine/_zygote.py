@@ -1,9 +1,10 @@
 """The coordinator's side of the fork server (see ``worker/zygote.py``).
 
-One zygote per run (its launcher), started on first use inside the run's sandbox with two extra
-capabilities (CAP_SYS_ADMIN and CAP_NET_ADMIN, inside bubblewrap's namespaces) so that each
-forked worker can get namespaces, a /proc, a /tmp and a loopback of its own; the worker drops
-them with every other privilege before user code runs.  It is started by
+One zygote per run (its launcher), or one for all the runs of a batch (``engine._shared_fork``),
+started on first use inside the run's sandbox with two extra capabilities (CAP_SYS_ADMIN and
+CAP_NET_ADMIN, inside bubblewrap's namespaces) so that each forked worker can get namespaces, a
+/proc, a /tmp and a loopback of its own; the worker drops them with every other privilege
+before user code runs.  It is started by
 ``engine.sandbox.runtime_argv`` (isolated mode, runtime by absolute path): it holds those
 capabilities, so nothing a worker wrote may be on its import path.  Offered where the
 coordinator is root and bubblewrap is in use; elsewhere workers start cold (the warm pool
@@ -19,11 +20,12 @@ import logging
 import os
 import struct
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
 
-from ._process import Launch, Process, _signal, descendants, watch_exit
+from ._process import STDERR_TAIL, Launch, Process, _signal, descendants, watch_exit
 from .errors import WorkerStartError
 from .sandbox import LaunchPlan, SandboxPolicy, runtime_argv
 
@@ -35,9 +37,12 @@ _MAX_REPLY = 1024 * 1024
 class ZygoteProcess(Process):
     """A worker forked by the zygote: ``pid`` is its namespace's init (what a kill targets, the
     root of its tree); the worker below it is what is watched.  The init reaps nothing, so the
-    worker's exit status is read from its zombie."""
+    worker's exit status is read from its zombie.
 
-    def __init__(self, zygote: Zygote, init_pid: int, worker_pid: int) -> None:
+    ``stderr``: the read end of a fifo that is this worker's stderr alone (a server shared by
+    several runs); without it the worker shares the server's."""
+
+    def __init__(self, zygote: Zygote, init_pid: int, worker_pid: int, stderr: int | None = None) -> None:
         self._zygote = zygote
         self.worker_pid = worker_pid
         self._status: int | None = None
@@ -45,6 +50,31 @@ class ZygoteProcess(Process):
         self._exited.add_done_callback(self._read_status)
         self._init_exited = watch_exit(init_pid)
         self.pid = init_pid
+        self._stderr_fd = stderr
+        self._own_tail = b""
+        if stderr is not None:
+            asyncio.get_running_loop().add_reader(stderr, self._read_own_stderr)
+
+    def _read_own_stderr(self) -> None:
+        fd = self._stderr_fd
+        if fd is None:
+            return
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if chunk:
+            self._own_tail = (self._own_tail + chunk)[-STDERR_TAIL:]
+        else:  # every writer is gone
+            self._close_own_stderr()
+
+    def _close_own_stderr(self) -> None:
+        fd, self._stderr_fd = self._stderr_fd, None
+        if fd is not None:
+            asyncio.get_running_loop().remove_reader(fd)
+            os.close(fd)
 
     def _read_status(self, _: asyncio.Future) -> None:
         if self._status is None:
@@ -67,15 +97,26 @@ class ZygoteProcess(Process):
         return self._status
 
     @property
-    def stderr_tail(self) -> bytes:  # forked workers share the server's stderr
-        return self._zygote.stderr_tail
+    def stderr_tail(self) -> bytes:  # the worker's own, else the server's, which it shares
+        return self._own_tail if self._zygote.private_stderr else self._zygote.stderr_tail
 
     @stderr_tail.setter
     def stderr_tail(self, value: bytes) -> None:
         pass
 
     async def _close_pipes(self) -> None:
-        pass
+        if self._stderr_fd is not None:
+            self._read_own_stderr()  # what it said last, already in the fifo
+            self._close_own_stderr()
+
+
+def _drain(fd: int) -> bytes:
+    """What a non-blocking pipe holds now (its last ``STDERR_TAIL`` bytes)."""
+    data = b""
+    with contextlib.suppress(OSError):
+        while chunk := os.read(fd, 65536):
+            data = (data + chunk)[-STDERR_TAIL:]
+    return data
 
 
 def _zombie_status(pid: int) -> int:
@@ -112,13 +153,26 @@ class Zygote:
         #: Where set, each worker gets an empty workspace of its own there, a tmpfs gone with it
         #: (code samples: ``engine.samples``).
         self.own_workspace: str | None = None
+        #: Each worker's stderr is a fifo of its own (in its socket directory), not the server's:
+        #: set for a server that several runs share (``engine._shared_fork``).
+        self.private_stderr = False
+        #: Told the host pid of each namespace init the server makes ahead of its request
+        #: (``_cgroup.SpareGroups.prepare``: its cgroups are made and entered meanwhile).
+        self.on_spare: Callable[[int], None] | None = None
         self._proc: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task | None = None
         self._waiting: dict[int, asyncio.Future] = {}
         self._host_pids: dict[int, int] = {}  # zygote-namespace pid -> host pid
+        self._forked: dict[int, Callable[[int], None]] = {}  # request id -> told C's host pid
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
         self.stderr_tail = b""
+
+    @property
+    def pid(self) -> int | None:
+        """The host pid of the server's sandbox (bubblewrap), while it runs."""
+        proc = self._proc
+        return proc.pid if proc is not None and proc.returncode is None else None
 
     @staticmethod
     def usable(argv_prefix: list[str]) -> bool:
@@ -129,7 +183,9 @@ class Zygote:
         plan = self.plan
         argv = list(plan.argv_prefix)
         at = argv.index("--cap-drop") + 2
-        argv[at:at] = ["--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_NET_ADMIN"]
+        # CAP_KILL: a sample slot kills what its samples (another uid) leave running.  A worker
+        # drops every capability before it runs code.
+        argv[at:at] = ["--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_NET_ADMIN", "--cap-add", "CAP_KILL"]
         env = dict(self.env)
         for key in ("AGENTLOOP_TOKEN", "AGENTLOOP_CONFINE", "AGENTLOOP_PARENT"):
             env.pop(key, None)
@@ -182,14 +238,30 @@ class Zygote:
         elif kind == "exited":  # a worker's init, reaped: the worker's status was read before
             self._host_pids.pop(msg.get("pid"), None)
             return
+        elif kind == "spare":  # the next worker's init, made ahead: its cgroups may be made ahead too
+            if self.on_spare is not None:
+                with contextlib.suppress(WorkerStartError, ValueError, TypeError):
+                    self.on_spare(self._host_pid(int(msg["pid"])))
+            return
+        elif kind == "forked":  # a worker's init exists (its setup goes on): whoever asked is told
+            told = self._forked.pop(msg.get("id"), None)
+            if told is not None:
+                with contextlib.suppress(WorkerStartError, ValueError, TypeError):
+                    told(self._host_pid(int(msg["pid"])))
+            return
         else:
             return
         if future is not None and not future.done():
             future.set_result(msg)
 
-    async def spawn(self, launch: Launch) -> ZygoteProcess:
+    async def spawn(self, launch: Launch, exec_argv: list[str] | None = None, *, view: dict | None = None,
+                    on_forked: Callable[[int], None] | None = None) -> ZygoteProcess:
         """Fork a worker for ``launch`` (its env, cwd and confinement); start the server first
-        if needed."""
+        if needed.  ``exec_argv``: what the forked process runs instead of the worker runtime
+        (a fresh interpreter: a sample slot, ``worker.slot``).  ``view``: ``hide`` and ``show``
+        for the forked process (see ``worker.zygote._private_tmp``).  ``on_forked``: called
+        with the host pid of the worker's namespace init as soon as it exists, before it forks
+        the worker (so its cgroups can be entered while it sets the namespace up)."""
         async with self._lock:
             if self._proc is None or self._proc.returncode is not None:
                 await self.start()
@@ -199,9 +271,34 @@ class Zygote:
         self._waiting[rid] = future
         request = {"t": "spawn", "id": rid, "endpoint": launch.argv[-1], "env": launch.env,
                    "cwd": str(launch.cwd), "private_net": not self.sandbox.network,
-                   "tmp_bytes": self.sandbox.tmp_bytes}
+                   "tmp_bytes": self.sandbox.tmp_bytes, **(view or {})}
         if self.own_workspace is not None:
             request["own_workspace"] = self.own_workspace
+        if exec_argv is not None:
+            request["exec"] = list(exec_argv)
+        stderr = self._stderr_fifo(launch, request) if self.private_stderr else None
+        if on_forked is not None:
+            self._forked[rid] = on_forked
+        try:
+            reply = await self._ask(request, future)
+            host = self._host_pid(int(reply["pid"]))
+            self._host_pids[int(reply["pid"])] = host
+            below = descendants(host)
+            if not below:  # the worker died at once; its init is all there is to kill
+                _signal(host, 9)
+                said = self.stderr_tail if stderr is None else _drain(stderr)
+                raise WorkerStartError(f"the forked worker exited at once: {said.decode('utf-8', 'replace').strip()}")
+        except BaseException:
+            if stderr is not None:
+                os.close(stderr)
+            raise
+        finally:
+            self._forked.pop(rid, None)
+        return ZygoteProcess(self, host, below[0], stderr)
+
+    async def _ask(self, request: dict, future: asyncio.Future) -> dict:
+        """Send one spawn request; the server's ``spawned`` reply."""
+        assert self._proc is not None and self._proc.stdin is not None
         data = msgpack.packb(request, use_bin_type=True)
         self._proc.stdin.write(struct.pack(">I", len(data)) + data)
         try:
@@ -214,14 +311,24 @@ class Zygote:
             raise WorkerStartError(f"the fork server did not fork: {exc}") from exc
         if reply["t"] == "failed":
             raise WorkerStartError(f"the fork server could not fork: {reply.get('error')}")
-        host = self._host_pid(int(reply["pid"]))
-        self._host_pids[int(reply["pid"])] = host
-        below = descendants(host)
-        if not below:  # the worker died at once; its init is all there is to kill
-            _signal(host, 9)
-            said = self.stderr_tail.decode("utf-8", "replace").strip()
-            raise WorkerStartError(f"the forked worker exited at once: {said}")
-        return ZygoteProcess(self, host, below[0])
+        return reply
+
+    @staticmethod
+    def _stderr_fifo(launch: Launch, request: dict) -> int:
+        """A fifo in the worker's socket directory (which only it is shown, read-only; the fifo
+        is root's, 0600) to be its stderr; its read end, non-blocking.  Opened before the
+        worker opens the other end, so the worker never waits for a reader."""
+        endpoint = launch.argv[-1]
+        if not endpoint.startswith("ipc://"):
+            raise WorkerStartError("a shared fork server needs ipc:// endpoints")
+        path = os.path.join(os.path.dirname(endpoint[len("ipc://"):]), "stderr")
+        try:
+            os.mkfifo(path, 0o600)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise WorkerStartError(f"could not make the worker's stderr fifo {path}: {exc}") from exc
+        request["stderr"] = path
+        return fd
 
     def _unowned(self, future: asyncio.Future) -> None:
         """Kill what the server forked for a request nobody waits for any more (its namespace's

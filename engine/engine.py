@@ -24,6 +24,7 @@ from pathlib import Path
 
 from . import sandbox as _sandbox
 from ._session import Session
+from ._shared_fork import SharedForkServer
 from .durations import DEFAULT_BLOCK_TIMEOUT
 from .errors import AgentloopError, ConfigError
 from .launcher import ENV_ALLOWLIST, Launch, Launcher
@@ -40,7 +41,9 @@ class Engine:
     A block's output beyond what is kept in memory goes to a file under ``run_dir`` (in
     ``state_dir``, default ``~/.local/state/agentloop/runs/``); the run's directory is removed at
     shutdown unless ``keep_output``.  The workspace (default ``./files``) is made when missing
-    and removed again at shutdown if nothing was written to it."""
+    and removed again at shutdown if nothing was written to it.  ``fork_server``: a fork server
+    shared with other runs (a batch's, ``engine._shared_fork``) that forks this run's workers,
+    each shown this run's directories only; where it cannot serve the run, they start cold."""
 
     def __init__(
         self,
@@ -64,6 +67,7 @@ class Engine:
         keep_output: bool = False,
         own_workspaces: bool = False,
         tty: Iterable[int] = (),
+        fork_server: SharedForkServer | None = None,
     ) -> None:
         if not 0 < grace <= 1.0:
             raise ConfigError("grace must be in (0, 1] seconds")
@@ -74,7 +78,7 @@ class Engine:
             transport=transport, tcp_bind=tcp_bind, connect_host=connect_host, state_dir=state_dir,
             start_timeout=start_timeout, grace=grace, env_allow=env_allow,
             output_file_cap=output_file_cap, zygote=zygote, preload=preload,
-            keep_output=keep_output, own_workspaces=own_workspaces, tty=tty)
+            keep_output=keep_output, own_workspaces=own_workspaces, tty=tty, fork_server=fork_server)
         self.pool_size = max(0, pool)
         self.pool_idle = pool_idle
         self._pool: list[Session] = []

@@ -7,9 +7,11 @@ server are handed a launcher and call only its public methods; nothing here call
 
 A run owns a private socket directory (mode 0700, one sub-directory per worker process, with
 its socket and its output pipes, so a sandbox can expose exactly one worker's) and an output
-directory for block outputs too large to keep in memory.  Workers get an environment built
-from an allowlist, never a copy of the coordinator's: API keys set for the coordinator do not
-reach model code.
+directory for block outputs too large to keep in memory.  A run of a batch may be handed the
+batch's fork server (``engine._shared_fork``): its socket directory then lies beneath that
+server's socket root, and its workers are forked there, each shown its own run's directories
+only.  Workers get an environment built from an allowlist, never a copy of the coordinator's:
+API keys set for the coordinator do not reach model code.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ import zmq
 
 from . import _uids, interpreter
 from . import sandbox as _sandbox
-from ._cgroup import WorkerCgroups
+from ._cgroup import SpareGroups, WorkerCgroups
 from ._outpipe import OutputPipes
 from ._process import Launch
+from ._shared_fork import RunForkServer, SharedForkServer
 from ._tree import remove_tree
 from ._zygote import Zygote
 from .errors import ConfigError, WorkerStartError
@@ -113,6 +116,7 @@ class Launcher:
         keep_output: bool = False,
         own_workspaces: bool = False,
         tty: Iterable[int] = (),
+        fork_server: SharedForkServer | None = None,
     ) -> None:
         if transport not in ("ipc", "tcp"):
             raise ConfigError(f"transport must be 'ipc' or 'tcp', not {transport!r}")
@@ -138,6 +142,11 @@ class Launcher:
         #: The workers' fds (1, 2) that are a terminal (a pty of their own, with the size of the
         #: coordinator's terminal) instead of a pipe: what ``exec`` gives a script on a terminal.
         self.tty = tuple(fd for fd in tty if fd in (1, 2))
+        #: A fork server shared with other runs (a batch's).  Where it serves this run, the
+        #: run's workers are forked there; where it refuses, they start cold: a run handed one
+        #: never starts a server of its own.
+        self.shared = fork_server
+        self._shared_view: RunForkServer | None = None
         self._made_workspace = False  # made by this run: removed again when nothing was written
         self._uid_claimed = False
         #: Runtime packages the workers' Python lacks, loaded from agentloop's own copies.
@@ -151,6 +160,7 @@ class Launcher:
         self.pids_cgroups: WorkerCgroups | None = None  # each worker's process limit
         self._ctx: zmq.Context | None = None
         self._zygote: Zygote | None = None
+        self._spares: SpareGroups | None = None  # cgroups made ahead for its fork server's spare inits
         self._outputs = 0
         self._first_plan: tuple[Path, _sandbox.LaunchPlan] | None = None
 
@@ -175,19 +185,26 @@ class Launcher:
             _remove_stale_runs(self.run_dir.parent)
             runtime = _private_dir(_runtime_home())
             _remove_stale_runs(runtime)
-            self.sock_root = runtime / self.run_id
-            self.sock_root.mkdir(mode=0o700)
+            if self.shared is not None and self.shared.refuses(self) is None:
+                self.sock_root = self.shared.run_sockets(runtime)
+            else:
+                self.sock_root = runtime / self.run_id
+                self.sock_root.mkdir(mode=0o700)
         except OSError as exc:
             raise ConfigError(f"cannot create the run's directories: {exc}; "
                               "choose another --workspace or check permissions") from exc
         if self.sandbox.mode != "none" and os.geteuid() == 0 and self.sandbox.worker_uid is None:
             self._uid_claimed = True
             _uids.claim(str(self.workspace))  # the run's uid, its own while it lives
+        if self.shared is not None and self.sock_root.parent == self.shared.socket_root:
+            self._shared_view = self.shared.for_run(self)
         self._ctx = zmq.Context()
         # Each worker costs three ZeroMQ sockets (its channel, a monitor and the monitor's peer);
         # the default cap of 1023 would stop an engine at about 340 workers.
         self._ctx.set(zmq.MAX_SOCKETS, 16384)
-        if self.sandbox.mode != "none":
+        if self._shared_view is not None:  # its workers' cgroups lie beside the other runs' (see close)
+            self.memory_cgroups, self.pids_cgroups = self.shared.cgroups()
+        elif self.sandbox.mode != "none":
             self.memory_cgroups = WorkerCgroups.find(self.run_id.rsplit("-", 1)[-1])
             self.pids_cgroups = WorkerCgroups.find(self.run_id.rsplit("-", 1)[-1], "pids")
 
@@ -209,12 +226,14 @@ class Launcher:
         before this."""
         if self._zygote is not None:
             await self._zygote.close()
+        if self._spares is not None:
+            await asyncio.to_thread(self._spares.close)
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
         if self.sock_root is not None:
             remove_tree(self.sock_root)
-        for cgroups in (self.memory_cgroups, self.pids_cgroups):
-            if cgroups is not None:
+        for cgroups in (self.memory_cgroups, self.pids_cgroups) if self._shared_view is None else ():
+            if cgroups is not None:  # (a shared server's parents are its own, closed with it)
                 cgroups.close()
         if self._uid_claimed:
             self._uid_claimed = False
@@ -313,15 +332,19 @@ class Launcher:
             env["AGENTLOOP_OUTPUT"] = str(sock_dir)
         return Launch(argv, env, Path(plan.cwd) if plan.cwd else self.cwd, plan.pid_namespace, plan.notes)
 
-    def fork_server(self, launch: Launch) -> Zygote | None:
+    def fork_server(self, launch: Launch) -> Zygote | RunForkServer | None:
         """The fork server to start ``launch`` with, or None to start it cold.
 
         ``zygote=None`` (the default) uses one where it can give the same isolation: a root
-        coordinator with bubblewrap."""
-        if self.zygote is False or not launch.pid_namespace or not Zygote.usable(launch.argv):
+        coordinator with bubblewrap.  A run handed a shared server uses that one or none."""
+        usable = self.zygote is not False and launch.pid_namespace and Zygote.usable(launch.argv)
+        if not usable or (self.shared is not None and self._shared_view is None):
             if self.zygote or self.own_workspaces:
-                raise ConfigError("the fork server needs bubblewrap and a coordinator running as root")
+                why = self.shared.refuses(self) if self.shared is not None and usable else None
+                raise ConfigError(why or "the fork server needs bubblewrap and a coordinator running as root")
             return None
+        if self._shared_view is not None:
+            return self._shared_view
         if self._zygote is None:
             assert self.sock_root is not None
             plan = self.plan(self.sock_root)
@@ -330,18 +353,28 @@ class Launcher:
                                   preload=self.preload)
             if self.own_workspaces:
                 self._zygote.own_workspace = str(self.workspace)
+            self._spares = SpareGroups(self.group_limits())
+            self._zygote.on_spare = self._spares.prepare
         return self._zygote
 
     # -- cgroups ----------------------------------------------------------------------------------
-    def worker_groups(self, number: int) -> list[Path]:
+    def group_limits(self) -> list[tuple[WorkerCgroups, int]]:
+        """The run's cgroup parents, each with the limit a worker gets there."""
+        return [(cgroups, limit) for cgroups, limit in ((self.memory_cgroups, self.sandbox.memory_bytes),
+                                                        (self.pids_cgroups, self.sandbox.max_processes))
+                if cgroups is not None]
+
+    def worker_groups(self, number: int, root: int | None = None) -> list[Path]:
         """The cgroups of worker ``number``: one limiting its memory and one its processes,
-        where the run has them.  Raises WorkerStartError when one cannot be made: the
-        sandbox was planned on it."""
+        where the run has them; those made ahead for ``root`` (its fork server's spare init:
+        already inside them) where there are.  Raises WorkerStartError when one cannot be
+        made: the sandbox was planned on it."""
+        spares = self._spares if self._shared_view is None else self.shared.spares
+        made = spares.take(root) if spares is not None and root is not None else None
+        if made is not None:
+            return made
         groups: list[Path] = []
-        for cgroups, limit in ((self.memory_cgroups, self.sandbox.memory_bytes),
-                               (self.pids_cgroups, self.sandbox.max_processes)):
-            if cgroups is None:
-                continue
+        for cgroups, limit in self.group_limits():
             group = cgroups.make(f"w{number}", limit)
             if group is None:
                 self.release_groups(groups)
@@ -367,3 +400,8 @@ class Launcher:
         """Whether the kernel killed a process in one of ``groups`` for its memory limit."""
         cgroups = self.memory_cgroups
         return cgroups is not None and any(g.parent == cgroups.base and cgroups.oom_killed(g) for g in groups)
+
+    def oom_kills(self, groups: list[Path]) -> int:
+        """How many processes of ``groups`` the kernel killed for their memory limit so far."""
+        cgroups = self.memory_cgroups
+        return 0 if cgroups is None else sum(cgroups.oom_kills(g) for g in groups if g.parent == cgroups.base)

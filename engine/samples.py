@@ -4,15 +4,17 @@ a sandbox of its own (``Engine.map``; ``agentloop exec --jsonl`` on top of it).
 A sample is ``code`` plus, optionally, ``stdin``, ``args``, ``timeout``, ``files`` and ``env``.
 Guarantees, for every sample:
 
-- It runs in a fresh worker process forked by the fork server: a process, PID, mount, IPC,
-  UTS and network namespaces of its own, its own ``/tmp``, ``/dev/shm`` and an empty
-  workspace (its current directory, where ``files`` are written), all tmpfs that the kernel
-  frees when the sample's namespaces end.  The worker and everything it started are killed
-  once its result is in.  Nothing a sample writes, starts or leaves behind is visible to
-  another; a fork bomb, a memory bomb, an endless loop, a sample that kills its process group
-  or fills ``/tmp`` costs its own result only.  Where the fork server cannot run (it needs
-  root and bubblewrap) each sample gets an engine of its own instead: the same isolation,
-  started cold (~100 ms a sample).
+- It runs in a process of its own, in a session and in mount, IPC and network namespaces of
+  its own, with its own empty ``/tmp``, ``/dev/shm`` and workspace (its current directory,
+  where ``files`` are written): tmpfs that the kernel frees with the namespaces.  The process
+  is forked by a sample slot (``engine.slots``, ``worker.slot``): a sandbox that the fork
+  server started with PID and UTS namespaces and cgroups of its own, which runs one sample
+  after another, confines each as a worker is confined (uid, Landlock, seccomp, rlimits) and
+  kills and reaps everything a sample started before the next begins.  Nothing a sample
+  writes, starts or leaves behind is visible to another; a fork bomb, a memory bomb, an
+  endless loop, a sample that kills its process group or fills ``/tmp`` costs its own result
+  only.  Where the fork server cannot run (it needs root and bubblewrap) each sample gets an
+  engine of its own instead: the same isolation, started cold (~100 ms a sample).
 - It runs as ``python sample.py ARGS`` would (``engine.script``): ``sys.argv``, ``__file__``,
   ``__name__ == "__main__"``, ``stdin`` on ``sys.stdin``, ``SystemExit`` as the exit status,
   tracebacks on stderr, threads waited for and ``atexit`` handlers run.
@@ -41,6 +43,7 @@ from .errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OWN, EXIT_TIMEOUT, Config
 from .results import BlockResult, OutputChunk
 from .sandbox import host_support
 from .script import Script
+from .slots import SlotPool
 
 #: An ``engine.Engine`` (not imported: the engine imports this module).
 Engine = Any
@@ -104,7 +107,7 @@ class SampleResult:
                 "message": self.message}
 
 
-class _Stream:
+class Stream:
     """Head and tail of one output stream, with the exact count of what lies between."""
 
     def __init__(self, keep: int) -> None:
@@ -112,6 +115,13 @@ class _Stream:
         self.head = bytearray()
         self.tail = bytearray()
         self.total = 0
+
+    @classmethod
+    def of(cls, parts: tuple[bytes, bytes, int], keep: int) -> Stream:
+        """The stream a sample slot kept: (head, tail, total bytes)."""
+        stream = cls(keep)
+        stream.head, stream.tail, stream.total = bytearray(parts[0]), bytearray(parts[1]), parts[2]
+        return stream
 
     def add(self, data: bytes) -> None:
         self.total += len(data)
@@ -154,7 +164,11 @@ def _status(result: BlockResult, code: int) -> str:
     if result.status in ("ok", "error"):
         return "ok" if code == 0 else "error"
     if result.status == "died":  # by its own hand (a signal it sent, os._exit), or by a limit
-        return "killed" if _MEMORY_WORDS in result.message else "died"
+        if _MEMORY_WORDS in result.message:
+            return "killed"
+        if not result.signal:  # os._exit(N): an exit status, as a slot (and the shell) sees it
+            return "ok" if code == 0 else "error"
+        return "died"
     return result.status  # timeout, cancelled, killed
 
 
@@ -166,8 +180,7 @@ def _words(status: str, result: BlockResult, timeout: float) -> str:
     if status == "killed":
         return result.message.split(";")[0]  # the memory limit, as the engine words it
     if status == "died":
-        return (f"it died of signal {result.signal}" if result.signal else
-                f"its process exited with {result.exit_code} (os._exit) before the end")
+        return f"it died of signal {result.signal}"
     return "cancelled" if status == "cancelled" else ""
 
 
@@ -215,7 +228,7 @@ async def run_sample(engine: Engine, sample: Sample, *, timeout: float = DEFAULT
     that do not fit its workspace are its ``error``, exit code 125); a worker that cannot start
     raises ``WorkerStartError``, which ends ``map_samples`` too (the machine cannot run samples)."""
     started = time.monotonic()
-    streams = {"stdout": _Stream(output_bytes), "stderr": _Stream(output_bytes)}
+    streams = {"stdout": Stream(output_bytes), "stderr": Stream(output_bytes)}
 
     def collect(chunk: OutputChunk) -> None:
         streams[chunk.stream].add(chunk.data)
@@ -299,17 +312,18 @@ async def map_samples(runner: SampleRunner, samples: Iterable[Sample], *, concur
 
 
 class SampleRunner:
-    """Starts each sample's worker and runs it (``Engine.map``).
+    """Runs samples for ``Engine.map``.
 
-    Workers come from one engine of the runner's own, with the base engine's sandbox and
-    interpreter, whose fork server gives each of them an empty workspace of its own.  Where no
-    fork server can run (it needs root and bubblewrap), each sample gets an engine of its own
-    with a workspace of its own instead: the same isolation, started cold."""
+    Slots come from one engine of the runner's own, with the base engine's sandbox and
+    interpreter, and are kept from one ``map`` to the next.  Where no fork server can run (it
+    needs root and bubblewrap), each sample gets an engine of its own with a workspace of its
+    own instead: the same isolation, started cold."""
 
     def __init__(self, base: Engine, make_engine: Callable[..., Engine]) -> None:
         self.base = base
         self.make_engine = make_engine
         self.shared: Engine | None = None
+        self.slots: SlotPool | None = None
         self._dirs: list[Path] = []
 
     def _options(self, workspace: Path, state: Path) -> dict[str, Any]:
@@ -335,7 +349,16 @@ class SampleRunner:
                 self._dirs.append(where)
                 self.shared = self.make_engine(**self._options(where / "workspace", where / "state"),
                                                own_workspaces=True)
-            return await run_sample(self.shared, sample, timeout=timeout, output_bytes=output_bytes)
+                self.shared.open()
+                self.slots = SlotPool(self.shared.launcher)
+            assert self.slots is not None
+            started = time.monotonic()
+            got = await self.slots.run(sample, timeout=sample.timeout or timeout, output_bytes=output_bytes,
+                                       script_name=SCRIPT_NAME)
+            (out, out_cut), (err, err_cut) = (Stream.of(got["out"], output_bytes).text(),
+                                              Stream.of(got["err"], output_bytes).text())
+            return SampleResult(sample.id, got["status"], got["code"], out, err, out_cut, err_cut,
+                                time.monotonic() - started, got["rss_mb"], got["words"])
         self.base.open()
         where = Path(tempfile.mkdtemp(prefix="sample-", dir=self.base.run_dir))
         try:
@@ -347,6 +370,9 @@ class SampleRunner:
 
     async def close(self) -> None:
         """Shut the runner's engine down and remove its directories."""
+        if self.slots is not None:
+            await self.slots.close()
+            self.slots = None
         if self.shared is not None:
             await self.shared.shutdown()
             self.shared = None

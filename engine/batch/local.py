@@ -48,11 +48,14 @@ async def _run_local(pending: list[TaskSpec], settings: RunSettings, results: Re
     stopper.on_stop = cancel_all
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stopper.interrupt)
+    # One fork server for every run (closed below, once they are over; a second Ctrl-C leaves
+    # at once and takes it down with this process: bubblewrap's --die-with-parent).
+    fork_server = settings.shared_fork_server()
 
     async def one(spec: TaskSpec) -> None:
         meter = Meter()
         tally.start(spec.key, meter)
-        record = await execute(spec, settings, display=meter)
+        record = await execute(spec, settings, display=meter, fork_server=fork_server)
         try:
             results.append(record)
         except OSError as exc:
@@ -90,6 +93,8 @@ async def _run_local(pending: list[TaskSpec], settings: RunSettings, results: Re
         if running:  # the output failed: stop the rest before leaving
             cancel_all()
             await asyncio.gather(*running, return_exceptions=True)
+        if fork_server is not None:
+            await fork_server.close()
 
 
 def run_batch(tasks_path: str | Path, output: str | Path, settings: RunSettings, *,

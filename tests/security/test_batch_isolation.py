@@ -1,17 +1,26 @@
-"""Runs of one batch see nothing of each other: not through their workers' files, not through
-the repository tools (which run in the coordinator's name), whatever path the model spells."""
+"""Runs of one batch see nothing of each other: not through their workers' files (forked by the
+batch's one fork server or started cold), not through the repository tools (which run in the
+coordinator's name), whatever path the model spells."""
 
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from engine._shared_fork import SharedForkServer
+from engine.batch.run import RunEngine
+from engine.sandbox import SandboxPolicy
 from engine.scripted import ScriptedServer
 
 from ..test_batch import CODE, echo_last, records, run_batch, write_tasks
+from .harness import ABSENT, WAIT, assert_still_works, attack, needs_namespaces
 
 pytestmark = pytest.mark.attack
 
@@ -61,3 +70,80 @@ probe("tool_link", lambda: read_file("out.runs/b/workspace/runs_link/a/workspace
     assert secret not in answer and secret not in sent
     assert "transcript.jsonl" not in answer.split("open_transcript")[0]  # nothing listed
     assert "'a'" not in answer  # run a's directory is listed nowhere
+
+
+@pytest.fixture(params=["beneath /tmp", "elsewhere"])
+def batch_dirs(request, tmp_path: Path, monkeypatch):
+    """Where a batch's runs directory and sockets lie: beneath /tmp (which each worker gets
+    afresh), or elsewhere (where an empty tmpfs covers them)."""
+    if request.param == "beneath /tmp":
+        yield tmp_path / "out.runs"
+        return
+    base = Path(tempfile.mkdtemp(prefix="al-", dir="/var/tmp"))
+    try:
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(base))
+        yield base / "out.runs"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+async def test_runs_sharing_the_batchs_fork_server_reach_nothing_of_each_other(batch_dirs: Path):
+    """The workers of two runs, forked at once by the batch's one fork server: run b's code,
+    given the real paths of run a (its workspace, its outputs, its socket directory), finds
+    none of them, cannot uncover the runs directory nor write to its cover, nor reach run a
+    through the namespace's init; run a's worker goes on untouched."""
+    needs_namespaces()
+    if os.geteuid() != 0:
+        pytest.skip(reason="the fork server needs root")
+    runs = batch_dirs
+    shared = SharedForkServer(runs, sandbox=SandboxPolicy(), python=sys.executable)
+    engines = []
+    for name in ("a", "b"):
+        ws = runs / name / "workspace"
+        engines.append(RunEngine(max_workers=4, cwd=ws, workspace=ws, state_dir=runs / name / "state", pool=0,
+                                 fork_server=shared, keep_output=True))
+    secret = "run-a-secret-" + secrets.token_hex(8)
+    try:
+        a, b = [await e.start_worker("main") for e in engines]
+        await a.run(f"open('secret.txt', 'w').write({secret!r})", timeout=WAIT)
+        a_ws, a_out = engines[0].workspace, engines[0].output_dir
+        a_sock = a._session.sock_dir
+        assert (a_ws / "secret.txt").exists() and a_out.is_dir() and (a_sock / "stderr").exists()
+        got = await attack(b, f'''
+A_WS, A_OUT, A_SOCK, RUNS = {str(a_ws)!r}, {str(a_out)!r}, {str(a_sock)!r}, {str(runs)!r}
+probe("read_secret", lambda: open(A_WS + "/secret.txt").read())
+probe("list_workspace", lambda: _os.listdir(A_WS))
+probe("list_outputs", lambda: _os.listdir(A_OUT))
+probe("list_socket_dir", lambda: _os.listdir(A_SOCK))
+probe("open_stderr", lambda: open(A_SOCK + "/stderr", "wb"))
+probe("list_runs", lambda: sorted(_os.listdir(RUNS)))
+probe("write_cover", lambda: open(RUNS + "/planted", "w"))
+probe("mkdir_cover", lambda: _os.mkdir(RUNS + "/a"))
+probe("umount_cover", lambda: libc("umount2", RUNS.encode(), 2))
+probe("init_root", lambda: _os.listdir("/proc/1/root" + A_WS))
+probe("init_cwd", lambda: _os.readlink("/proc/1/cwd"))
+probe("init_fds", lambda: _os.listdir("/proc/1/fd"))
+probe("open_by_handle", lambda: libc("open_by_handle_at", -100, None, 0))
+probe("cover", lambda: [(f[f.index("-") + 1], f[5].split(",")[0]) for f in map(str.split, open("/proc/self/mountinfo"))
+                         if f[4] == RUNS][-1])  # the topmost mount there
+''')
+        assert got.result.status == "ok", got.result
+        for name in ("read_secret", "list_workspace", "list_outputs", "list_socket_dir", "open_stderr"):
+            assert got[name] == ABSENT, (name, got.probes)
+        assert got["list_runs"] == "ok ['b']", got.probes
+        for name in ("write_cover", "mkdir_cover"):
+            assert got[name].split()[-1] in ("EROFS", "EACCES"), (name, got.probes)
+        if not str(runs).startswith("/tmp/"):  # an empty tmpfs covers the runs directory, read-only
+            assert got["cover"].startswith("ok ('tmpfs', ") and "'ro'" in got["cover"], got.probes
+        assert got["umount_cover"].split()[-1] in ("EPERM", "EACCES"), got.probes
+        assert got["init_root"].split()[-1] in ("EACCES", "EPERM", "ENOENT"), got.probes
+        for name in ("init_cwd", "init_fds", "open_by_handle"):
+            assert got[name].split()[-1] in ("EACCES", "EPERM"), (name, got.probes)
+        assert secret not in got.result.output
+        await assert_still_works(a)
+        assert (await a.run("print(open('secret.txt').read())", timeout=WAIT)).output == secret + "\n"
+        await assert_still_works(b)
+    finally:
+        for e in engines:
+            await e.shutdown()
+        await shared.close()

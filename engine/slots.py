@@ -1,0 +1,268 @@
+"""Sample slots: sandboxes that run code samples one after another (``worker.slot``).
+
+A slot is started by the run's fork server like a worker (its own PID, network and UTS
+namespaces, cgroups, a socket directory only it sees) and then runs each sample it is given
+in a process with a mount and an IPC namespace of its own, confined as a worker is, with an
+empty ``/tmp``, ``/dev/shm`` and workspace; everything a sample started is killed and reaped
+before the next one begins.  What a sample costs is then a fork of a small interpreter and a
+few mounts, not the start of a worker: the reason slots exist (``agentloop exec --jsonl``).
+
+Nothing a slot says is trusted: replies are size-bounded, decoded without unpickling and
+checked field by field; a slot that says anything else, stops answering past the sample's
+deadline, or dies, is killed, and its sample gets a result that says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import itertools
+import json
+import os
+import secrets
+import socket
+import struct
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from worker import wire
+from worker.slot import MAX_REQUEST
+
+from ._tree import remove_tree
+from .errors import EXIT_OWN, EXIT_TIMEOUT, WorkerStartError
+from .sandbox import runtime_argv
+
+if TYPE_CHECKING:
+    from ._process import Process
+    from .launcher import Launcher
+
+#: An ``engine.samples.Sample`` (not imported: samples import this module).
+Sample = Any
+_ids = itertools.count(1)
+_MAX_REPLY = 1024 * 1024  # a hello; a result: this, or more where it keeps more output
+#: Seconds a slot may take past a sample's deadline and grace to answer (reaping what it left).
+_SLACK = 10.0
+
+
+class SlotError(Exception):
+    """A slot broke, stopped answering or said something it may not: it is not used again."""
+
+
+class Slot:
+    """One started slot and its channel."""
+
+    def __init__(self, launcher: Launcher) -> None:
+        self.launcher = launcher
+        self.number = next(_ids)
+        self.proc: Process | None = None
+        self.sock_dir: Path | None = None
+        self.cgroups: list[Path] = []
+        self.oom_kills = 0
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def start(self) -> None:
+        """Fork the slot and wait for its hello; WorkerStartError (after cleaning up) if it fails."""
+        try:
+            await asyncio.wait_for(self._start(), self.launcher.start_timeout)
+        except BaseException as exc:
+            await asyncio.shield(self.close())
+            if isinstance(exc, TimeoutError):
+                raise WorkerStartError(f"a sample slot did not start within {self.launcher.start_timeout:g} s") from exc
+            raise
+
+    async def _start(self) -> None:
+        launcher = self.launcher
+        endpoint, self.sock_dir = launcher.endpoint(self.number)
+        path = endpoint[len("ipc://"):]
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            listener.bind(path)
+            listener.listen(1)
+            listener.setblocking(False)
+            token = secrets.token_hex(16)
+            launch = launcher.launch(endpoint, self.sock_dir, token)
+            os.chown(path, os.getuid(), os.getgid())  # the slot connects as the sandbox's root, not a worker uid
+            os.chmod(path, 0o600)
+            launch.env["AGENTLOOP_SLOT"] = json.dumps({
+                "workspace": str(launcher.workspace), "tmp_bytes": launcher.sandbox.tmp_bytes,
+                "grace": launcher.grace, "socket_dir": str(self.sock_dir),
+                "private_net": not launcher.sandbox.network, "preload": list(launcher.preload)})
+            zygote = launcher.fork_server(launch)
+            if zygote is None:
+                raise WorkerStartError("sample slots need the fork server (root and bubblewrap)")
+            argv = runtime_argv(launcher.python, "worker.slot:main", endpoint, packages=launcher.runtime_packages)
+            self.proc = await zygote.spawn(launch, exec_argv=argv)
+            conn, _ = await asyncio.get_running_loop().sock_accept(listener)
+        finally:
+            listener.close()
+            with contextlib.suppress(OSError):
+                os.unlink(path)  # nobody else connects
+        self._reader, self._writer = await asyncio.open_unix_connection(sock=conn)
+        hello = await self._read()
+        if hello.get("t") == "failed":
+            raise WorkerStartError(f"a sample slot could not start: {str(hello.get('error'))[:500]}")
+        if hello.get("t") != "hello" or not isinstance(hello.get("token"), str) or \
+                not hmac.compare_digest(hello["token"].encode(), token.encode()):
+            raise WorkerStartError("a sample slot did not say a valid hello")
+        self.cgroups = await asyncio.to_thread(launcher.worker_groups, self.number)
+        await asyncio.to_thread(launcher.adopt, self.cgroups, self.proc.pid, {})
+        self.oom_kills = launcher.oom_kills(self.cgroups)
+
+    async def _read(self, limit: int = _MAX_REPLY) -> dict:
+        assert self._reader is not None
+        try:
+            size = struct.unpack(">I", await self._reader.readexactly(4))[0]
+            if size > limit:
+                raise SlotError(f"it sent a {size}-byte message")
+            return wire.decode(await self._reader.readexactly(size), limit)
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            raise SlotError("it died") from exc
+        except wire.WireError as exc:
+            raise SlotError(f"it sent an undecodable message ({exc})") from exc
+
+    async def run(self, sample: Sample, *, timeout: float, output_bytes: int, script_name: str) -> dict:
+        """Run one sample; the slot's checked reply.  SlotError if the slot is not usable after."""
+        assert self._writer is not None
+        request = {"t": "run", "id": 1, "code": sample.code, "path": script_name,
+                   "argv": [script_name, *sample.args], "stdin": sample.stdin,
+                   "files": [list(f) for f in sample.files], "env": dict(sample.env),
+                   "timeout": timeout, "keep": output_bytes}
+        data = wire.encode(request)
+        if len(data) > MAX_REQUEST:
+            raise ValueError(f"the sample is {len(data)} bytes with its stdin and files; at most {MAX_REQUEST}")
+        self._writer.write(struct.pack(">I", len(data)) + data)
+        limit = timeout + self.launcher.grace + _SLACK
+        try:
+            # Two heads and two tails of ``output_bytes`` at most, and a few words.
+            reply = await asyncio.wait_for(self._read(max(_MAX_REPLY, 4 * output_bytes + 65536)), limit)
+        except TimeoutError as exc:
+            raise SlotError(f"it did not answer within {limit:g} s") from exc
+        return _checked(reply, output_bytes)
+
+    def memory_killed(self) -> bool:
+        """Whether the kernel killed a process of this slot for its memory limit since last asked."""
+        if not self.cgroups:
+            return False
+        count = self.launcher.oom_kills(self.cgroups)
+        killed, self.oom_kills = count > self.oom_kills, count
+        return killed
+
+    async def close(self) -> None:
+        """Kill the slot (its namespace and every process in it) and release what it held."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self.proc is not None:
+            await self.proc.kill()
+        if self.cgroups:
+            groups, self.cgroups = self.cgroups, []
+            self.launcher.release_groups(groups)
+        if self.sock_dir is not None:
+            sock_dir, self.sock_dir = self.sock_dir, None
+            await asyncio.to_thread(remove_tree, sock_dir)
+
+
+def _checked(reply: dict, keep: int) -> dict:
+    """The reply if it is a well-formed result (SlotError if not)."""
+    def parts(value) -> tuple[bytes, bytes, int]:
+        if not (isinstance(value, list) and len(value) == 3 and isinstance(value[0], bytes)
+                and isinstance(value[1], bytes) and isinstance(value[2], int)
+                and len(value[0]) <= keep and len(value[1]) <= keep
+                and value[2] >= len(value[0]) + len(value[1])):
+            raise SlotError("it sent a malformed result")
+        return value[0], value[1], value[2]
+
+    if reply.get("t") != "result":
+        raise SlotError(f"it sent {str(reply.get('t'))[:40]!r} instead of a result")
+    status = reply.get("status")
+    if status is not None and not isinstance(status, int):
+        raise SlotError("it sent a malformed result")
+    rss = reply.get("rss_kb")
+    return {"status": status, "timed_out": reply.get("timed_out") is True, "killed": reply.get("killed") is True,
+            "out": parts(reply.get("out")) if status is not None else (b"", b"", 0),
+            "err": parts(reply.get("err")) if status is not None else (b"", b"", 0),
+            "rss_kb": rss if isinstance(rss, int) and rss >= 0 else None,
+            "note": reply.get("note") if isinstance(reply.get("note"), str) else ""}
+
+
+class SlotPool:
+    """The slots of one launcher: started when every one is busy, reused sample after sample,
+    replaced when one breaks."""
+
+    def __init__(self, launcher: Launcher) -> None:
+        self.launcher = launcher
+        self._idle: list[Slot] = []
+        self._all: set[Slot] = set()
+        self._closed = False
+
+    async def _take(self) -> Slot:
+        while self._idle:
+            slot = self._idle.pop()
+            if slot.proc is not None and slot.proc.returncode is None:
+                return slot
+            await self._drop(slot)
+        slot = Slot(self.launcher)
+        self._all.add(slot)
+        try:
+            await slot.start()
+        except BaseException:
+            self._all.discard(slot)
+            raise
+        return slot
+
+    async def _drop(self, slot: Slot) -> None:
+        self._all.discard(slot)
+        await slot.close()
+
+    async def run(self, sample: Sample, *, timeout: float, output_bytes: int, script_name: str) -> dict:
+        """Run ``sample`` in a free slot: exactly one outcome, whatever the sample or the slot
+        did — {status, code, words, out, err (head, tail, total), rss_mb}."""
+        slot = await self._take()
+        try:
+            reply = await slot.run(sample, timeout=timeout, output_bytes=output_bytes, script_name=script_name)
+        except SlotError as exc:
+            memory = slot.memory_killed()
+            await self._drop(slot)
+            words = ("it went over its memory limit and its sandbox was killed" if memory
+                     else f"its sandbox stopped: {exc}")
+            return {"status": "killed" if memory else "died", "code": 137, "words": words,
+                    "out": (b"", b"", 0), "err": (b"", b"", 0), "rss_mb": None}
+        except BaseException:
+            await asyncio.shield(self._drop(slot))
+            raise
+        if self._closed:
+            await self._drop(slot)
+        else:
+            self._idle.append(slot)
+        status, code, words = _outcome(reply, timeout, slot.memory_killed(), self.launcher.sandbox.memory_bytes)
+        return {"status": status, "code": code, "words": words, "out": reply["out"], "err": reply["err"],
+                "rss_mb": round(reply["rss_kb"] / 1024, 1) if reply["rss_kb"] else None}
+
+    async def close(self) -> None:
+        self._closed = True
+        slots, self._idle = list(self._all), []
+        self._all.clear()
+        await asyncio.gather(*(s.close() for s in slots), return_exceptions=True)
+
+
+def _outcome(reply: dict, timeout: float, memory: bool, memory_bytes: int | None) -> tuple[str, int, str]:
+    """(status, exit code, words) of a slot's result, as ``agentloop exec`` would give them."""
+    status = reply["status"]
+    if status is None:
+        return "error", EXIT_OWN, f"it could not be started: {reply['note'][:500]}"
+    if reply["timed_out"]:
+        return "timeout", EXIT_TIMEOUT, f"its deadline ({timeout:g} s) passed" + (
+            ", and it was killed: the interrupt did not stop it" if reply["killed"] else "")
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if memory:
+            limit = f" ({memory_bytes / 2**20:.0f} MiB)" if memory_bytes else ""
+            return "killed", 128 + sig, f"it went over its memory limit{limit} and was killed"
+        return "died", 128 + sig, f"it died of signal {sig}"
+    code = os.WEXITSTATUS(status)
+    return ("ok" if code == 0 else "error"), code, ""
+
+
+__all__ = ["Slot", "SlotError", "SlotPool"]
