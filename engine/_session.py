@@ -49,7 +49,6 @@ from worker import wire
 
 from ._outpipe import OutputError, OutputPipes
 from ._process import Process, descendants, spawn
-from ._tree import remove_tree
 from .errors import WorkerStartError
 from .results import describe_exit
 
@@ -269,14 +268,8 @@ class Session:
             self.pipes.close()
             self.pipes = None
         self._held.clear()
-        if self.cgroups:
-            groups, self.cgroups = self.cgroups, []
-            self.launcher.release_groups(groups)
-        if self.sock_dir is not None:
-            # Removed off the event loop, and by a walk that takes any shape or size: the
-            # directory is read-only to the worker, but nothing it could reach is trusted.
-            sock_dir, self.sock_dir = self.sock_dir, None
-            await asyncio.to_thread(remove_tree, sock_dir)
+        groups, self.cgroups, sock_dir, self.sock_dir = self.cgroups, [], self.sock_dir, None
+        await self.launcher.release(groups, sock_dir)
 
     def _enter_cgroups(self, root: int, moved: dict[Path, set[int]]) -> None:
         """(In a thread.) Make this worker's cgroups and move the tree of ``root`` in."""

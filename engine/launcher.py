@@ -396,6 +396,14 @@ class Launcher:
         for group in groups:
             WorkerCgroups.remove(group)
 
+    async def release(self, groups: list[Path], sock_dir: Path | None) -> None:
+        """What a worker process held once it is dead: its cgroups and its socket directory,
+        removed off the event loop by a walk that takes any shape or size (the directory is
+        read-only to the worker, but nothing it could reach is trusted)."""
+        self.release_groups(groups)
+        if sock_dir is not None:
+            await asyncio.to_thread(remove_tree, sock_dir)
+
     def memory_exceeded(self, groups: list[Path]) -> bool:
         """Whether the kernel killed a process in one of ``groups`` for its memory limit."""
         cgroups = self.memory_cgroups

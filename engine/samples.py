@@ -36,6 +36,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from worker.slot import HeadTail
+
 from ._process import descendants
 from ._tree import remove_tree
 from .durations import DEFAULT_BLOCK_TIMEOUT
@@ -107,14 +109,8 @@ class SampleResult:
                 "message": self.message}
 
 
-class Stream:
+class Stream(HeadTail):
     """Head and tail of one output stream, with the exact count of what lies between."""
-
-    def __init__(self, keep: int) -> None:
-        self.keep = keep
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.total = 0
 
     @classmethod
     def of(cls, parts: tuple[bytes, bytes, int], keep: int) -> Stream:
@@ -122,17 +118,6 @@ class Stream:
         stream = cls(keep)
         stream.head, stream.tail, stream.total = bytearray(parts[0]), bytearray(parts[1]), parts[2]
         return stream
-
-    def add(self, data: bytes) -> None:
-        self.total += len(data)
-        room = self.keep - len(self.head)
-        if room > 0:
-            self.head += data[:room]
-            data = data[room:]
-        if data:
-            self.tail += data
-            if len(self.tail) > 2 * self.keep:
-                del self.tail[:len(self.tail) - self.keep]
 
     def text(self) -> tuple[str, int]:
         tail = bytes(self.tail[-self.keep:]) if self.tail else b""

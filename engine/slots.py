@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 from worker import wire
 from worker.slot import MAX_REQUEST
 
-from ._tree import remove_tree
 from .errors import EXIT_OWN, EXIT_TIMEOUT, WorkerStartError
 from .sandbox import runtime_argv
 
@@ -156,12 +155,8 @@ class Slot:
             self._writer = None
         if self.proc is not None:
             await self.proc.kill()
-        if self.cgroups:
-            groups, self.cgroups = self.cgroups, []
-            self.launcher.release_groups(groups)
-        if self.sock_dir is not None:
-            sock_dir, self.sock_dir = self.sock_dir, None
-            await asyncio.to_thread(remove_tree, sock_dir)
+        groups, self.cgroups, sock_dir, self.sock_dir = self.cgroups, [], self.sock_dir, None
+        await self.launcher.release(groups, sock_dir)
 
 
 def _checked(reply: dict, keep: int) -> dict:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import builtins
 import ctypes
-import fcntl
 import gc
 import json
 import os
@@ -51,36 +50,20 @@ import traceback
 import types
 
 from . import _confine, script, wire
+from .zygote import _bind, _check, _loopback_up, _mount_points_under
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _PR_SET_CHILD_SUBREAPER = 36
 _NEWNS, _NEWIPC, _NEWNET = 0x00020000, 0x08000000, 0x40000000
-_MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND, _MS_RDONLY = 2, 4, 32, 4096, 1
+_MS_NOSUID, _MS_NODEV = 2, 4
 INTERRUPT_SIGNAL = signal.SIGRTMIN + 5  # as ``worker.runtime``'s
 MAX_REQUEST = 64 * 1024 * 1024  # code, stdin and files of one sample, checked by the coordinator too
 _READ = 65536
 
 
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
-def _mount_points_under(top: str) -> list[tuple[str, bool]]:
-    """(mount point, read-only) of every mount strictly below ``top``, shallowest first."""
-    found = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            point = fields[4].encode().decode("unicode_escape")
-            if point.startswith(top.rstrip("/") + "/"):
-                found.append((point, "ro" in fields[5].split(",")))
-    return sorted(found, key=lambda item: item[0].count("/"))
-
-
-class _Stream:
-    """Head and tail of one output stream, and the count of every byte."""
+class HeadTail:
+    """Head and tail of one output stream, and the count of every byte: what a slot keeps of
+    a sample's output (``engine.samples.Stream`` reads it back), in memory bounded by ``keep``."""
 
     __slots__ = ("keep", "head", "tail", "total")
 
@@ -170,7 +153,7 @@ class Slot:
             for fd in (1, 2):
                 r, w = os.pipe2(os.O_CLOEXEC)
                 fds.append(w)
-                reads[r] = streams[fd] = _Stream(keep)
+                reads[r] = streams[fd] = HeadTail(keep)
             stdin = self._stdin(req.get("stdin"))
             fds.append(stdin)
             pid = os.fork()
@@ -299,11 +282,8 @@ class Slot:
         size = f"size={self.tmp_bytes},mode=1777".encode()
         _check(_libc.mount(b"tmpfs", b"/tmp", b"tmpfs", _MS_NOSUID | _MS_NODEV, size), "/tmp")
         for point, read_only, fd in keep:
-            os.makedirs(point, exist_ok=True)
-            _check(_libc.mount(f"/proc/self/fd/{fd}".encode(), point.encode(), None, _MS_BIND, None), point)
-            if read_only:
-                flags = _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV
-                _check(_libc.mount(None, point.encode(), None, flags, None), point)
+            _bind(fd, point, read_only)
+            os.close(fd)
         for where in self.hide:
             _check(_libc.mount(b"tmpfs", where.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"size=1m,mode=0755"), where)
         os.makedirs(self.workspace, exist_ok=True)
@@ -326,12 +306,6 @@ def _net_state() -> bytes:
         except OSError:
             state.append(b"")
     return b"\0".join(state)
-
-
-def _loopback_up() -> None:
-    """A new network namespace starts with its loopback down; servers on 127.0.0.1 should work."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        fcntl.ioctl(s, 0x8914, struct.pack("16sH14x", b"lo", 0x1 | 0x8 | 0x40))  # SIOCSIFFLAGS: UP LOOPBACK RUNNING
 
 
 def _text(fd: int, mode: str, errors: str, line_buffering: bool):

@@ -89,7 +89,7 @@ def _mount_points_under(top: str) -> list[tuple[str, bool]]:
             point = fields[4].encode().decode("unicode_escape")  # octal escapes such as \040
             if point.startswith(top.rstrip("/") + "/"):
                 found.append((point, "ro" in fields[5].split(",")))
-    return sorted(found, key=lambda item: item.count("/"))
+    return sorted(found, key=lambda item: item[0].count("/"))
 
 
 def _bind(fd: int, where: str, read_only: bool) -> None:
