@@ -314,8 +314,9 @@ class SampleRunner:
     def _options(self, workspace: Path, state: Path) -> dict[str, Any]:
         base = self.base
         # A sample starts in its workspace; the engine's directory (which may hold the results
-        # of other samples) is not shown.
-        return {"cwd": base.cwd, "workspace": workspace, "sandbox": replace(base.sandbox, share_cwd=False),
+        # of other samples) is shown only when asked for (``share_cwd=True``, ``--share-cwd``).
+        return {"cwd": base.cwd, "workspace": workspace,
+                "sandbox": replace(base.sandbox, share_cwd=base.sandbox.share_cwd is True),
                 "python": base.python,
                 "state_dir": state, "pool": 0, "preload": base.preload, "env_allow": base.launcher.env_allow}
 

@@ -373,3 +373,16 @@ async def test_the_fidelity_corpus_runs_as_samples_as_under_python(tmp_path):
         got = {r.id: (r.stdout, plain(r.stderr), r.exit_code)
                async for r in engine.map(samples, concurrency=2, output_bytes=16 << 20)}
     assert {k: v for k, v in got.items() if v != expected[k]} == {}
+
+
+@pytest.mark.parametrize("share", [False, True])
+async def test_the_current_directory_is_shown_to_samples_only_when_asked(tmp_path, share):
+    from engine.sandbox import SandboxPolicy
+
+    (tmp_path / "cwd").mkdir()
+    (tmp_path / "cwd" / "data.txt").write_text("shared")
+    code = f"import os\nprint(os.path.exists({str(tmp_path / 'cwd' / 'data.txt')!r}))\n"
+    async with Engine(cwd=tmp_path / "cwd", state_dir=tmp_path / "state",
+                      sandbox=SandboxPolicy(share_cwd=share)) as engine:
+        got = [r async for r in engine.map([Sample("look", code)])]
+    assert (got[0].status, got[0].stdout) == ("ok", f"{share}\n"), got[0]
