@@ -69,6 +69,8 @@ class Slot:
             await asyncio.shield(self.close())
             if isinstance(exc, TimeoutError):
                 raise WorkerStartError(f"a sample slot did not start within {self.launcher.start_timeout:g} s") from exc
+            if isinstance(exc, SlotError):  # it died, or said something else, before its hello
+                raise WorkerStartError(f"a sample slot did not start: {exc}") from exc
             raise
 
     async def _start(self) -> None:
