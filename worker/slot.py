@@ -25,7 +25,7 @@ main thread (signal ``SIGRTMIN+5``, as a worker's block does); ``grace`` seconds
 process of it is killed.
 
 Protocol, over one stream socket (4-byte big-endian length, then one msgpack map):
-    slot  -> coordinator  hello  {token, pid}
+    slot  -> coordinator  hello  {token, pid}    (or failed {error}: it cannot serve)
     coordinator -> slot   run    {id, code, path, argv, stdin, files, env, timeout, keep}
     slot  -> coordinator  result {id, status, timed_out, killed, out, err, rss_kb, seconds, note}
 ``status``: the sample process's wait status (None if it could not be started); ``out`` and
