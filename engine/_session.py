@@ -31,7 +31,6 @@ message waits with it.  After the death, ``settle`` reads ``out`` to its end, an
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import hmac
 import itertools
@@ -96,7 +95,9 @@ class Session:
         self.sock_dir: Path | None = None
         self.pipes: OutputPipes | None = None  # a local worker's output pipes
         self._out_watched = False
-        self._held: collections.deque[dict] = collections.deque()  # messages waiting for output before them
+        # The message that waits for the output written before it (at most one: the reading
+        # stops while it waits).
+        self._held: dict | None = None
         self.cgroups: list[Path] = []  # its memory and process-count cgroups, where the run has them
         self._loop = asyncio.get_running_loop()
         self._hello: asyncio.Future[dict] = self._loop.create_future()
@@ -267,7 +268,7 @@ class Session:
             self._watch_out(False)
             self.pipes.close()
             self.pipes = None
-        self._held.clear()
+        self._held = None
         groups, self.cgroups, sock_dir, self.sock_dir = self.cgroups, [], self.sock_dir, None
         await self.launcher.release(groups, sock_dir)
 
@@ -402,10 +403,11 @@ class Session:
         messages, each after the output written before it.  False while paused or broken."""
         if not self._dispatch_out():
             return False
-        while self._held:
+        if self._held is not None:
             if not self._drain_out():
                 return False
-            pending = self._deliver(self._held.popleft())
+            held, self._held = self._held, None
+            pending = self._deliver(held)
             if pending is not None:
                 self._pause(pending)
                 return False
@@ -497,7 +499,7 @@ class Session:
         elif self.owner is None:
             self.drop(f"{msg['t']!r} from an idle worker")
         elif self.pipes is not None and not self._drain_out():
-            self._held.append(msg)  # after the output before it, once the reading resumes
+            self._held = msg  # after the output before it, once the reading resumes
         else:
             return self._deliver(msg)
         return None

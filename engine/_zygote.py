@@ -183,9 +183,11 @@ class Zygote:
         plan = self.plan
         argv = list(plan.argv_prefix)
         at = argv.index("--cap-drop") + 2
-        # CAP_KILL: a sample slot kills what its samples (another uid) leave running.  A worker
-        # drops every capability before it runs code.
-        argv[at:at] = ["--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_NET_ADMIN", "--cap-add", "CAP_KILL"]
+        argv[at:at] = ["--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_NET_ADMIN"]
+        if self.own_workspace is not None:  # the server of code samples
+            # CAP_KILL: a sample slot kills what its samples (another uid) leave running.  A
+            # worker drops every capability before it runs code.
+            argv[at:at] = ["--cap-add", "CAP_KILL"]
         env = dict(self.env)
         for key in ("AGENTLOOP_TOKEN", "AGENTLOOP_CONFINE", "AGENTLOOP_PARENT"):
             env.pop(key, None)
@@ -267,8 +269,6 @@ class Zygote:
                 await self.start()
         assert self._proc is not None and self._proc.stdin is not None
         rid = next(self._ids)
-        future = asyncio.get_running_loop().create_future()
-        self._waiting[rid] = future
         request = {"t": "spawn", "id": rid, "endpoint": launch.argv[-1], "env": launch.env,
                    "cwd": str(launch.cwd), "private_net": not self.sandbox.network,
                    "tmp_bytes": self.sandbox.tmp_bytes, **(view or {})}
@@ -277,6 +277,8 @@ class Zygote:
         if exec_argv is not None:
             request["exec"] = list(exec_argv)
         stderr = self._stderr_fifo(launch, request) if self.private_stderr else None
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = future  # (after the fifo: a failure to make it leaves nothing waiting)
         if on_forked is not None:
             self._forked[rid] = on_forked
         try:

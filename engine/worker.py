@@ -240,10 +240,8 @@ class Worker:
             # What it sent before it died is read before its blocks end (its last words), and
             # then what its fd 1 and 2 still held goes where the worker would have sent it.
             await session.settle(min(0.5, self.launcher.grace))
-            for stream, data in session.leftovers():
-                block = next(iter(self._blocks.values()), None)  # the first started
-                if block is None:
-                    break
+            block = next(iter(self._blocks.values()), None)  # the first started
+            for stream, data in session.leftovers() if block is not None else ():
                 n = wire.MAX_CHUNK
                 for start in range(0, len(data), n):
                     pending = self._dispatch(session, wire.out(block.id, [[stream, data[start:start + n]]]))

@@ -27,7 +27,6 @@ and bubblewrap (the fork server's); elsewhere both modes start cold and the sect
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -39,6 +38,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import _section  # noqa: E402 - scripts/_section.py, beside this file
 
 from engine.batch import RunSettings, execute, run_batch  # noqa: E402
 from engine.batch.run import RunEngine  # noqa: E402
@@ -168,14 +169,7 @@ def table(section: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="scripts/bench_batch.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="5 runs of each mode, 8 in parallel")
-    args = ap.parse_args(argv)
-    section = measure(args.quick)
-    if sys.stdout.isatty():
-        print(table(section) + "\n")
-    print(json.dumps(section, indent=2))
-    return 0
+    return _section.main('scripts/bench_batch.py', __doc__, '5 runs of each mode, 8 in parallel', measure, table, argv)
 
 
 if __name__ == "__main__":

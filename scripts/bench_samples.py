@@ -16,10 +16,8 @@ HumanEval itself; without it the section is null, with a note.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -29,6 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import _section  # noqa: E402 - scripts/_section.py, beside this file
 
 from engine.engine import Engine  # noqa: E402
 from engine.samples import Sample  # noqa: E402
@@ -181,14 +181,7 @@ def table(section: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="scripts/bench_samples.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="16 problems, one round")
-    args = ap.parse_args(argv)
-    section = measure(args.quick)
-    if sys.stdout.isatty():
-        print(table(section) + "\n")
-    print(json.dumps(section, indent=2))
-    return 0
+    return _section.main('scripts/bench_samples.py', __doc__, '16 problems, one round', measure, table, argv)
 
 
 if __name__ == "__main__":

@@ -89,17 +89,24 @@ async def test_output_arrives_before_the_block_ends(worker, run_dir: Path):
     assert b"".join(seen) == b"first\nsecond\n"
 
 
-async def test_a_slow_stream_consumer_loses_nothing(worker):
-    # stdout and stderr alternate: 400 chunks, far more than the stream's queue holds, so the
-    # coordinator stops reading the worker until the consumer catches up.
-    code = "import sys\nfor i in range(200):\n    print(i)\n    print(-i, file=sys.stderr)\n"
-    chunks = []
-    async for item in worker.stream(code, timeout=30):
+async def _consume_slowly(worker, code: str) -> tuple[list, object]:
+    """Stream ``code``'s output, taking each chunk a millisecond late: (stream, data) chunks
+    and the result."""
+    chunks, result = [], None
+    async for item in worker.stream(code, timeout=60):
         if hasattr(item, "data"):
             chunks.append((item.stream, item.data))
             await asyncio.sleep(0.001)
         else:
             result = item
+    return chunks, result
+
+
+async def test_a_slow_stream_consumer_loses_nothing(worker):
+    # stdout and stderr alternate: 400 chunks, far more than the stream's queue holds, so the
+    # coordinator stops reading the worker until the consumer catches up.
+    code = "import sys\nfor i in range(200):\n    print(i)\n    print(-i, file=sys.stderr)\n"
+    chunks, result = await _consume_slowly(worker, code)
     assert result.status == "ok"
     assert [c for c in chunks if c[0] == "stdout"] == [("stdout", f"{i}\n".encode()) for i in range(200)]
     assert b"".join(d for s, d in chunks if s == "stderr") == "".join(f"{-i}\n" for i in range(200)).encode()
@@ -112,13 +119,7 @@ async def test_flushed_output_held_back_by_a_slow_consumer_still_comes_before_th
     # the consumer has taken every line written before it.
     code = ("import os, sys\nfor i in range(300):\n    print(f'{i:04d}' * 1000, flush=True)\n"
             "    os.write(2, b'%d\\n' % -i)\n")
-    chunks = []
-    async for item in worker.stream(code, timeout=60):
-        if hasattr(item, "data"):
-            chunks.append((item.stream, item.data))
-            await asyncio.sleep(0.001)
-        else:
-            result = item
+    chunks, result = await _consume_slowly(worker, code)
     assert result.status == "ok"
     out = "".join(f"{i:04d}" * 1000 + "\n" for i in range(300))
     err = "".join(f"{-i}\n" for i in range(300))

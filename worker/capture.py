@@ -411,7 +411,7 @@ class FdCapture:
     ``fifos``: the coordinator's capture FIFOs (``_outpipe.open_fifos``), a (read, write) pair
     per fd, used instead of a pipe of this process's own (but not for a fd that gets a pty):
     what the pump has not moved out when the worker dies is still there for the coordinator.
-    The pump sends what it takes at once, so little waits in this process at any moment.
+    With the FIFOs, the pump sends what it takes at once, so little waits in this process.
 
     The worker's original stderr is kept as ``diag_fd`` for its own last words (a fatal
     error before the socket is up); user code never writes there.
@@ -442,6 +442,9 @@ class FdCapture:
             os.close(w)
             os.set_blocking(r, True)
             self._reads[r] = stream
+        # Sent at once only where output goes to the coordinator's pipe: over the socket a
+        # send is a message per read, and what is sent there dies with us anyway.
+        self._now = fifos is not None
         self._busy = threading.Lock()
         self._thread = threading.Thread(target=self._pump, name="agentloop-fd", daemon=True)
         self._thread.start()
@@ -462,20 +465,16 @@ class FdCapture:
                         data = b""
                     if data:
                         out = router.write(stream, data)
-                        if out is not None and out.parts:
-                            router.send_out(out)
+                        if self._now and out is not None and out.parts:
+                            router.send_out(out)  # into the output pipe, where it outlives us
                     else:
                         fds.remove(fd)
 
     def drain(self, timeout: float = 0.05) -> None:
         """Wait (briefly) until what was written to fd 1/2 so far has been routed."""
         deadline = time.monotonic() + timeout
-        buf = bytearray(4)
         while True:
-            waiting = 0
-            for fd in self._reads:
-                fcntl.ioctl(fd, termios.FIONREAD, buf)
-                waiting += int.from_bytes(buf, sys.byteorder)
+            waiting = sum(queued(fd) for fd in self._reads)
             if not waiting or time.monotonic() > deadline:
                 break
             time.sleep(0.001)

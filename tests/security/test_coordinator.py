@@ -355,15 +355,22 @@ GARBAGE = {
 async def test_garbage_on_the_own_channel_stops_the_worker_at_once(worker, kind: str):
     await worker.run("canary = 1", timeout=WAIT)
     code = FIND_CHANNEL + GARBAGE[kind] + '\nprint("sent", flush=True)\ntime.sleep(120)\n'
+    result = await _stopped_for_the_protocol(worker, code)
+    assert "and was stopped; the namespace was reset (lost variables: canary)" in result.message
+
+
+async def _stopped_for_the_protocol(worker, code: str):
+    """Run ``code``: the worker must be stopped at once for breaking the protocol, and its
+    replacement must work.  The block's result."""
     started = time.monotonic()
     got = await attack(worker, code, timeout=60)
     took = time.monotonic() - started
     assert took < 10, f"the block waited {took:.1f} s for its deadline"
     assert got.result.status == "killed" and got.result.worker_killed, got.result
     assert got.result.message.startswith("the worker broke the protocol ("), got.result.message
-    assert "and was stopped; the namespace was reset (lost variables: canary)" in got.result.message
     assert worker.state is not WorkerState.CLOSED
     await assert_still_works(worker)
+    return got.result
 
 
 # -- 18b: garbage in the worker's own output pipe -----------------------------------------------
@@ -396,15 +403,7 @@ async def test_garbage_in_the_own_output_pipe_stops_the_worker_at_once(worker, k
     if worker._session.pipes is None:
         pytest.skip(reason="this worker sends its output over its socket")
     await worker.run("canary = 1", timeout=WAIT)
-    code = FIND_PIPE + PIPE_GARBAGE[kind] + '\ntime.sleep(120)\n'
-    started = time.monotonic()
-    got = await attack(worker, code, timeout=60)
-    took = time.monotonic() - started
-    assert took < 10, f"the block waited {took:.1f} s for its deadline"
-    assert got.result.status == "killed" and got.result.worker_killed, got.result
-    assert got.result.message.startswith("the worker broke the protocol ("), got.result.message
-    assert worker.state is not WorkerState.CLOSED
-    await assert_still_works(worker)
+    await _stopped_for_the_protocol(worker, FIND_PIPE + PIPE_GARBAGE[kind] + '\ntime.sleep(120)\n')
 
 
 async def test_agent_loop_goes_on_after_a_worker_broke_the_protocol(engine: Engine):
