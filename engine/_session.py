@@ -44,7 +44,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import zmq
 
-from worker import wire
+from worker.contract import wire
+from worker.contract.framing import FrameError, encode
+from worker.contract.limits import MAX_FRAME
+from worker.contract.schema import ContractError
 
 from ._outpipe import OutputError, OutputPipes
 from ._process import Process, descendants, spawn
@@ -63,6 +66,7 @@ _READ_BATCH = 64  # messages read per callback before other work gets a turn
 _DRAIN_BATCH = 1024  # frames of a stranger's multi-frame message discarded per turn
 _AFTER_DEATH = 4 * 1024 * 1024  # bytes of ``out`` read once the worker is dead, at most (it holds 512 KiB)
 _LEFTOVER_BYTES = 4 * 1024 * 1024  # bytes of each of fd 1 and 2 read then, at most
+MAX_HELLO = 4096  # a stranger's frame is decoded only this far before it is dropped
 
 
 class Owner(Protocol):
@@ -97,10 +101,10 @@ class Session:
         self._out_watched = False
         # The message that waits for the output written before it (at most one: the reading
         # stops while it waits).
-        self._held: dict | None = None
+        self._held: wire.Message | None = None
         self.cgroups: list[Path] = []  # its memory and process-count cgroups, where the run has them
         self._loop = asyncio.get_running_loop()
-        self._hello: asyncio.Future[dict] = self._loop.create_future()
+        self._hello: asyncio.Future[wire.Hello] = self._loop.create_future()
         self._reading = False
         self._paused: asyncio.Task | None = None  # the owner's backpressure: reading waits for it
         self._watcher: asyncio.Task | None = None
@@ -137,7 +141,7 @@ class Session:
         self._watch_out(True)
         sock = self.sock = launcher.socket()
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
         sock.setsockopt(zmq.RCVHWM, 4)  # with MAX_FRAME: what a worker can make us hold unread
         sock.bind(endpoint)
         endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -212,8 +216,8 @@ class Session:
             raise WorkerStartError(f"worker failed to start: {reason}" + (f"\n{said}" if said else ""))
         self._watcher = self._loop.create_task(self._watch())
 
-    def send(self, msg: dict) -> None:
-        self.send_frame(wire.encode(msg))
+    def send(self, msg: wire.Message) -> None:
+        self.send_frame(encode(msg))
 
     def send_frame(self, frame: bytes) -> None:
         """Send now (never waits); a frame the worker's queue has no room for is dropped."""
@@ -241,7 +245,7 @@ class Session:
         """Ask the worker to exit, then kill whatever did not."""
         if self.proc is not None and self.proc.returncode is None and self.peer is not None:
             with contextlib.suppress(Exception):
-                self.send(wire.shutdown())
+                self.send(wire.Shutdown())
                 await asyncio.wait_for(asyncio.shield(self.proc.wait()), timeout)
         await self.kill()
 
@@ -487,31 +491,36 @@ class Session:
             with contextlib.suppress(zmq.ZMQError):
                 fd = frame.get(zmq.SRCFD)
             frame = frame.bytes
-        try:
-            msg = wire.decode(frame)
-        except wire.WireError as exc:
-            self._reject(ident, str(exc))
-            return None
         if self.peer is None:
-            self._handshake(ident, msg, fd)
-        elif ident != self.peer:
+            self._handshake(ident, frame, fd)
+            return None
+        if ident != self.peer:
             self.drop("sender is not this worker")
-        elif self.owner is None:
-            self.drop(f"{msg['t']!r} from an idle worker")
+            return None
+        try:
+            msg = wire.decode_message(frame, wire.TO_COORDINATOR)
+        except FrameError as exc:
+            self.violation(str(exc))
+            return None
+        except ContractError as exc:
+            self.violation(f"it sent a malformed message: {exc}")
+            return None
+        if self.owner is None:
+            self.drop(f"{msg.kind!r} from an idle worker")
         elif self.pipes is not None and not self._drain_out():
             self._held = msg  # after the output before it, once the reading resumes
         else:
             return self._deliver(msg)
         return None
 
-    def _deliver(self, msg: dict) -> Awaitable[None] | None:
+    def _deliver(self, msg: wire.Message) -> Awaitable[None] | None:
         if self.owner is None:
-            self.drop(f"{msg['t']!r} from an idle worker")
+            self.drop(f"{msg.kind!r} from an idle worker")
             return None
         try:
             return self.owner._dispatch(self, msg)
-        except Exception as exc:  # noqa: BLE001 - a hostile message must not stop the reading
-            self.violation(f"it sent a malformed {msg.get('t')!r} message ({type(exc).__name__})")
+        except Exception as exc:  # noqa: BLE001 - a bug must not stop the reading
+            self.violation(f"its {msg.kind!r} message could not be handled ({type(exc).__name__}: {exc})")
         return None
 
     def violation(self, why: str) -> None:
@@ -574,21 +583,24 @@ class Session:
         if self.pipes is not None:
             self.pipes.unlink()  # opened by the worker before its hello: no one opens them again
 
-    def _handshake(self, ident: bytes, msg: dict, fd: int | None) -> None:
-        token = msg.get("token")
-        if msg.get("t") != "hello" or not isinstance(token, str) or \
-                not hmac.compare_digest(token.encode(), self.token.encode()):
+    def _handshake(self, ident: bytes, frame: bytes, fd: int | None) -> None:
+        try:
+            msg = wire.decode_message(frame, wire.TO_COORDINATOR, MAX_HELLO)
+        except (ContractError, FrameError):
             self.drop("not a valid hello")
             return
-        if msg.get("v") != wire.PROTOCOL_VERSION:
+        if not isinstance(msg, wire.Hello) or not hmac.compare_digest(msg.token.encode(), self.token.encode()):
+            self.drop("not a valid hello")
+            return
+        if msg.v != wire.PROTOCOL_VERSION:
             if not self._hello.done():
                 self._hello.set_exception(WorkerStartError(
-                    f"worker speaks protocol {msg.get('v')!r}, coordinator {wire.PROTOCOL_VERSION}: "
+                    f"worker speaks protocol {msg.v!r}, coordinator {wire.PROTOCOL_VERSION}: "
                     "reinstall agentloop so both sides match"))
             return
         self.peer = ident
         self._peer_fd = fd
         self._close_door()
-        self.send(wire.welcome())
+        self.send(wire.Welcome())
         if not self._hello.done():
             self._hello.set_result(msg)

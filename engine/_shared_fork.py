@@ -39,6 +39,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from worker.contract.start import StartSpec
+
 from ._bwrap import View, _beneath, bwrap_argv
 from ._cgroup import SpareGroups, WorkerCgroups
 from ._process import Launch
@@ -64,7 +66,7 @@ class Launcher(Protocol):
     sock_root: Path | None
     runtime_packages: dict[str, str]
 
-    def env(self, token: str, plan: LaunchPlan) -> dict[str, str]: ...
+    def env(self, start: StartSpec, plan: LaunchPlan) -> dict[str, str]: ...
 
 
 class RunForkServer:
@@ -169,7 +171,7 @@ class SharedForkServer:
         assert self.socket_root is not None and launcher.sock_root is not None
         if self._zygote is None:
             plan = self._plan()
-            env = launcher.env("", plan)
+            env = launcher.env(StartSpec(), plan)
             env["HOME"] = "/"  # (the server's; every worker gets its run's environment)
             self._zygote = Zygote(plan, env, python=self.python, cwd=Path("/"), sandbox=self.sandbox,
                                   start_timeout=self.start_timeout, preload=self.preload,

@@ -18,12 +18,15 @@ import contextlib
 import itertools
 import logging
 import os
-import struct
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import msgpack
+from worker.contract import fork
+from worker.contract.framing import HEADER, FrameError, decode, encode, frame
+from worker.contract.schema import ContractError
+from worker.contract.start import NAMES as START_NAMES
+from worker.contract.start import StartSpec
 
 from ._process import STDERR_TAIL, Launch, Process, _signal, descendants, watch_exit
 from .errors import WorkerStartError
@@ -31,7 +34,6 @@ from .sandbox import LaunchPlan, SandboxPolicy, runtime_argv
 
 log = logging.getLogger("agentloop")
 _READY_TIMEOUT = 30.0
-_MAX_REPLY = 1024 * 1024
 
 
 class ZygoteProcess(Process):
@@ -161,7 +163,7 @@ class Zygote:
         self.on_spare: Callable[[int], None] | None = None
         self._proc: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task | None = None
-        self._waiting: dict[int, asyncio.Future] = {}
+        self._waiting: dict[int, asyncio.Future[fork.Message]] = {}
         self._host_pids: dict[int, int] = {}  # zygote-namespace pid -> host pid
         self._forked: dict[int, Callable[[int], None]] = {}  # request id -> told C's host pid
         self._ids = itertools.count(1)
@@ -188,10 +190,8 @@ class Zygote:
             # CAP_KILL: a sample slot kills what its samples (another uid) leave running.  A
             # worker drops every capability before it runs code.
             argv[at:at] = ["--cap-add", "CAP_KILL"]
-        env = dict(self.env)
-        for key in ("AGENTLOOP_TOKEN", "AGENTLOOP_CONFINE", "AGENTLOOP_PARENT"):
-            env.pop(key, None)
-        env["AGENTLOOP_PRELOAD"] = ",".join(self.preload)
+        env = {k: v for k, v in self.env.items() if k not in START_NAMES}  # it confines nothing itself
+        env.update(StartSpec(preload=self.preload).to_env())
         self._proc = await asyncio.create_subprocess_exec(
             *argv, *runtime_argv(self.python, "worker.zygote:serve", packages=self.packages), stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
@@ -218,12 +218,11 @@ class Zygote:
         stdout = self._proc.stdout
         try:
             while True:
-                size = struct.unpack(">I", await stdout.readexactly(4))[0]
-                if size > _MAX_REPLY:
-                    raise ValueError(f"fork server sent a {size}-byte message")
-                msg = msgpack.unpackb(await stdout.readexactly(size), raw=False)
-                self._dispatch(msg)
-        except (asyncio.IncompleteReadError, ValueError, msgpack.UnpackException) as exc:
+                size = HEADER.unpack(await stdout.readexactly(HEADER.size))[0]
+                if size > fork.MAX_REPORT:
+                    raise FrameError(f"fork server sent a {size}-byte message")
+                self._dispatch(fork.TO_COORDINATOR.parse(decode(await stdout.readexactly(size), fork.MAX_REPORT)))
+        except (asyncio.IncompleteReadError, ContractError) as exc:
             log.info("fork server gone: %s", exc)
         finally:
             for future in self._waiting.values():
@@ -231,27 +230,24 @@ class Zygote:
                     future.set_exception(EOFError("the fork server exited"))
             self._waiting.clear()
 
-    def _dispatch(self, msg: dict) -> None:
-        kind = msg.get("t")
-        if kind == "ready":
+    def _dispatch(self, msg: fork.Message) -> None:
+        if isinstance(msg, fork.Ready):
             future = self._waiting.pop(0, None)
-        elif kind in ("spawned", "failed"):
-            future = self._waiting.pop(msg.get("id"), None)
-        elif kind == "exited":  # a worker's init, reaped: the worker's status was read before
-            self._host_pids.pop(msg.get("pid"), None)
+        elif isinstance(msg, (fork.Spawned, fork.Failed)):
+            future = self._waiting.pop(msg.id, None)
+        elif isinstance(msg, fork.Exited):  # a worker's init, reaped: the worker's status was read before
+            self._host_pids.pop(msg.pid, None)
             return
-        elif kind == "spare":  # the next worker's init, made ahead: its cgroups may be made ahead too
+        elif isinstance(msg, fork.Spare):  # the next worker's init, made ahead: its cgroups may be made ahead too
             if self.on_spare is not None:
-                with contextlib.suppress(WorkerStartError, ValueError, TypeError):
-                    self.on_spare(self._host_pid(int(msg["pid"])))
+                with contextlib.suppress(WorkerStartError):
+                    self.on_spare(self._host_pid(msg.pid))
             return
-        elif kind == "forked":  # a worker's init exists (its setup goes on): whoever asked is told
-            told = self._forked.pop(msg.get("id"), None)
+        else:  # forked: a worker's init exists (its setup goes on): whoever asked is told
+            told = self._forked.pop(msg.id, None)
             if told is not None:
-                with contextlib.suppress(WorkerStartError, ValueError, TypeError):
-                    told(self._host_pid(int(msg["pid"])))
-            return
-        else:
+                with contextlib.suppress(WorkerStartError):
+                    told(self._host_pid(msg.pid))
             return
         if future is not None and not future.done():
             future.set_result(msg)
@@ -269,22 +265,21 @@ class Zygote:
                 await self.start()
         assert self._proc is not None and self._proc.stdin is not None
         rid = next(self._ids)
-        request = {"t": "spawn", "id": rid, "endpoint": launch.argv[-1], "env": launch.env,
-                   "cwd": str(launch.cwd), "private_net": not self.sandbox.network,
-                   "tmp_bytes": self.sandbox.tmp_bytes, **(view or {})}
-        if self.own_workspace is not None:
-            request["own_workspace"] = self.own_workspace
-        if exec_argv is not None:
-            request["exec"] = list(exec_argv)
-        stderr = self._stderr_fifo(launch, request) if self.private_stderr else None
+        stderr, stderr_path = self._stderr_fifo(launch) if self.private_stderr else (None, None)
+        view = view or {}
+        request = fork.Spawn(rid, launch.argv[-1], launch.env, str(launch.cwd), not self.sandbox.network,
+                             self.sandbox.tmp_bytes, self.own_workspace,
+                             tuple(exec_argv) if exec_argv is not None else None,
+                             tuple(view.get("hide", ())), tuple((p, ro) for p, ro in view.get("show", ())),
+                             stderr_path)
         future = asyncio.get_running_loop().create_future()
         self._waiting[rid] = future  # (after the fifo: a failure to make it leaves nothing waiting)
         if on_forked is not None:
             self._forked[rid] = on_forked
         try:
             reply = await self._ask(request, future)
-            host = self._host_pid(int(reply["pid"]))
-            self._host_pids[int(reply["pid"])] = host
+            host = self._host_pid(reply.pid)
+            self._host_pids[reply.pid] = host
             below = descendants(host)
             if not below:  # the worker died at once; its init is all there is to kill
                 _signal(host, 9)
@@ -298,11 +293,10 @@ class Zygote:
             self._forked.pop(rid, None)
         return ZygoteProcess(self, host, below[0], stderr)
 
-    async def _ask(self, request: dict, future: asyncio.Future) -> dict:
+    async def _ask(self, request: fork.Spawn, future: asyncio.Future) -> fork.Spawned:
         """Send one spawn request; the server's ``spawned`` reply."""
         assert self._proc is not None and self._proc.stdin is not None
-        data = msgpack.packb(request, use_bin_type=True)
-        self._proc.stdin.write(struct.pack(">I", len(data)) + data)
+        self._proc.stdin.write(frame(encode(request)))
         try:
             reply = await asyncio.wait_for(asyncio.shield(future), self.start_timeout)
         except (TimeoutError, EOFError, asyncio.CancelledError) as exc:
@@ -311,15 +305,15 @@ class Zygote:
             if isinstance(exc, asyncio.CancelledError):
                 raise
             raise WorkerStartError(f"the fork server did not fork: {exc}") from exc
-        if reply["t"] == "failed":
-            raise WorkerStartError(f"the fork server could not fork: {reply.get('error')}")
+        if isinstance(reply, fork.Failed):
+            raise WorkerStartError(f"the fork server could not fork: {reply.error}")
         return reply
 
     @staticmethod
-    def _stderr_fifo(launch: Launch, request: dict) -> int:
+    def _stderr_fifo(launch: Launch) -> tuple[int, str]:
         """A fifo in the worker's socket directory (which only it is shown, read-only; the fifo
-        is root's, 0600) to be its stderr; its read end, non-blocking.  Opened before the
-        worker opens the other end, so the worker never waits for a reader."""
+        is root's, 0600) to be its stderr: its read end, non-blocking, and its path.  Opened
+        before the worker opens the other end, so the worker never waits for a reader."""
         endpoint = launch.argv[-1]
         if not endpoint.startswith("ipc://"):
             raise WorkerStartError("a shared fork server needs ipc:// endpoints")
@@ -329,16 +323,15 @@ class Zygote:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError as exc:
             raise WorkerStartError(f"could not make the worker's stderr fifo {path}: {exc}") from exc
-        request["stderr"] = path
-        return fd
+        return fd, path
 
     def _unowned(self, future: asyncio.Future) -> None:
         """Kill what the server forked for a request nobody waits for any more (its namespace's
         init: the worker goes with it)."""
-        if future.cancelled() or future.exception() is not None or future.result().get("t") != "spawned":
+        if future.cancelled() or future.exception() is not None or not isinstance(future.result(), fork.Spawned):
             return
-        with contextlib.suppress(WorkerStartError, ValueError, TypeError):
-            _signal(self._host_pid(int(future.result()["pid"])), 9)
+        with contextlib.suppress(WorkerStartError):
+            _signal(self._host_pid(future.result().pid), 9)
 
     def _host_pid(self, zpid: int) -> int:
         """The host pid of the server's child ``zpid`` (numbered in the sandbox's namespace)."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import os
 import secrets
 import shutil
@@ -28,6 +27,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import zmq
+
+from worker.contract.sample import SlotSettings
+from worker.contract.start import StartSpec
 
 from . import _uids, interpreter
 from . import sandbox as _sandbox
@@ -297,28 +299,30 @@ class Launcher:
             os.chmod(sock_dir, 0o711)  # as ``sandbox._share_with_run`` leaves a worker's directory
         return dataclasses.replace(plan, argv_prefix=[str(sock_dir) if a == str(old) else a
                                                       for a in plan.argv_prefix],
-                                   confine=json.loads(json.dumps(plan.confine)), notes=list(plan.notes),
+                                   notes=list(plan.notes),
                                    env=dict(plan.env))
 
-    def env(self, token: str, plan: _sandbox.LaunchPlan) -> dict[str, str]:
-        """A worker's whole environment: the allowlist, the sandbox's needs, the handshake token."""
+    def env(self, start: StartSpec, plan: _sandbox.LaunchPlan) -> dict[str, str]:
+        """A process's whole environment: the allowlist, the sandbox's needs, and ``start``
+        (its token, confinement, ...: ``contract.start``) with what the plan decides of it."""
         env = {k: os.environ[k] for k in (*ENV_ALLOWLIST, *self.env_allow) if k in os.environ}
         env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
         env["HOME"] = str(self.workspace)
         env["TMPDIR"] = "/tmp"
         env.update(plan.env)  # what the sandbox needs (a private TMPDIR without bubblewrap)
         env["PYTHONDONTWRITEBYTECODE"] = "1"  # for the Pythons user code starts (``-B`` is ours)
-        env["AGENTLOOP_TOKEN"] = token
-        if not plan.pid_namespace:  # inside a PID namespace our parent is the namespace's init
-            env["AGENTLOOP_PARENT"] = str(os.getpid())
-        if plan.confine:
-            env["AGENTLOOP_CONFINE"] = json.dumps(plan.confine)
-        if self.tty and token:
+        tty = ""
+        if self.tty and start.token:
             size = shutil.get_terminal_size()
-            env["AGENTLOOP_TTY"] = f"{','.join(map(str, self.tty))}:{size.lines}x{size.columns}"
+            tty = f"{','.join(map(str, self.tty))}:{size.lines}x{size.columns}"
+        # Inside a PID namespace the process's parent is the namespace's init, not us.
+        start = dataclasses.replace(start, confine=plan.confine, tty=start.tty or tty,
+                                    parent=0 if plan.pid_namespace else os.getpid())
+        env.update(start.to_env())
         return env
 
-    def launch(self, endpoint: str, sock_dir: Path, token: str, *, output: bool = False) -> Launch:
+    def launch(self, endpoint: str, sock_dir: Path, token: str, *, output: bool = False,
+               slot: SlotSettings | None = None) -> Launch:
         """How to start one worker process whose socket lives in ``sock_dir``; ``output``: its
         output pipes are there too (``output_pipes``).  The worker opens them before it
         confines itself (while it has the coordinator's uid, or root's), so they stay 0600."""
@@ -327,9 +331,7 @@ class Launcher:
             plan.grant(Path(endpoint[len("ipc://"):]))
         argv = [*plan.argv_prefix, *_sandbox.runtime_argv(self.python, "worker.__main__:main", endpoint,
                                                           packages=self.runtime_packages)]
-        env = self.env(token, plan)
-        if output:
-            env["AGENTLOOP_OUTPUT"] = str(sock_dir)
+        env = self.env(StartSpec(token=token, output=str(sock_dir) if output else "", slot=slot), plan)
         return Launch(argv, env, Path(plan.cwd) if plan.cwd else self.cwd, plan.pid_namespace, plan.notes)
 
     def fork_server(self, launch: Launch) -> Zygote | RunForkServer | None:
@@ -348,7 +350,7 @@ class Launcher:
         if self._zygote is None:
             assert self.sock_root is not None
             plan = self.plan(self.sock_root)
-            self._zygote = Zygote(plan, self.env("", plan), python=self.python, packages=self.runtime_packages,
+            self._zygote = Zygote(plan, self.env(StartSpec(), plan), python=self.python, packages=self.runtime_packages,
                                   cwd=self.cwd, sandbox=self.sandbox, start_timeout=self.start_timeout,
                                   preload=self.preload)
             if self.own_workspaces:

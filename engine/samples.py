@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from worker.slot import HeadTail
+from worker.contract.limits import HeadTail
 
 from ._process import descendants
 from ._tree import remove_tree
@@ -107,25 +107,6 @@ class SampleResult:
                 "stderr": self.stderr, "stdout_cut": self.stdout_cut, "stderr_cut": self.stderr_cut,
                 "duration_s": round(self.duration_s, 4), "max_rss_mb": self.max_rss_mb,
                 "message": self.message}
-
-
-class Stream(HeadTail):
-    """Head and tail of one output stream, with the exact count of what lies between."""
-
-    @classmethod
-    def of(cls, parts: tuple[bytes, bytes, int], keep: int) -> Stream:
-        """The stream a sample slot kept: (head, tail, total bytes)."""
-        stream = cls(keep)
-        stream.head, stream.tail, stream.total = bytearray(parts[0]), bytearray(parts[1]), parts[2]
-        return stream
-
-    def text(self) -> tuple[str, int]:
-        tail = bytes(self.tail[-self.keep:]) if self.tail else b""
-        cut = self.total - len(self.head) - len(tail)
-        if not cut:
-            return (bytes(self.head) + tail).decode("utf-8", "replace"), 0
-        return (bytes(self.head).decode("utf-8", "replace") + f"\n[... {cut} bytes cut ...]\n"
-                + tail.decode("utf-8", "replace")), cut
 
 
 def exit_code(result: BlockResult) -> int:
@@ -213,7 +194,7 @@ async def run_sample(engine: Engine, sample: Sample, *, timeout: float = DEFAULT
     that do not fit its workspace are its ``error``, exit code 125); a worker that cannot start
     raises ``WorkerStartError``, which ends ``map_samples`` too (the machine cannot run samples)."""
     started = time.monotonic()
-    streams = {"stdout": Stream(output_bytes), "stderr": Stream(output_bytes)}
+    streams = {"stdout": HeadTail(output_bytes), "stderr": HeadTail(output_bytes)}
 
     def collect(chunk: OutputChunk) -> None:
         streams[chunk.stream].add(chunk.data)
@@ -341,8 +322,8 @@ class SampleRunner:
             started = time.monotonic()
             got = await self.slots.run(sample, timeout=sample.timeout or timeout, output_bytes=output_bytes,
                                        script_name=SCRIPT_NAME)
-            (out, out_cut), (err, err_cut) = (Stream.of(got["out"], output_bytes).text(),
-                                              Stream.of(got["err"], output_bytes).text())
+            (out, out_cut), (err, err_cut) = (HeadTail.of(got["out"], output_bytes).text(),
+                                              HeadTail.of(got["err"], output_bytes).text())
             return SampleResult(sample.id, got["status"], got["code"], out, err, out_cut, err_cut,
                                 time.monotonic() - started, got["rss_mb"], got["words"])
         self.base.open()

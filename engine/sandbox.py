@@ -6,7 +6,7 @@ A worker is confined by two cooperating halves:
   read-only system, the worker's Python, the current directory (a project directory only) and
   the run's output and socket directories read-only, the workspace read-write, a private
   size-capped /tmp; new PID, IPC, UTS, cgroup and (unless allowed) network namespaces;
-* inside, `worker._confine.apply(plan.confine)` sets resource limits, drops root to the run's
+* inside, the worker applies `plan.confine` (a `worker.contract.confinement.Confinement`): resource limits, drops root to the run's
   unprivileged uid, clears every capability, sets no_new_privs, installs a Landlock ruleset and
   a seccomp filter before any user code runs.
 
@@ -35,11 +35,12 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+import worker.contract
 from engine import _uids, interpreter
 from engine._bwrap import View, _beneath, _bwrap_flags, _outermost, _parents, bwrap_argv
 from engine._tree import TreeError, disk_usage
 from engine.errors import ConfigError, SandboxError
-from worker import _confine
+from worker.contract.confinement import Confinement, Landlock, Seccomp, landlock_abi, seccomp_supported
 
 GiB = 1024**3
 MiB = 1024**2
@@ -93,7 +94,7 @@ class LaunchPlan:
 
     argv_prefix: list[str]
     pid_namespace: bool
-    confine: dict = field(default_factory=dict)
+    confine: Confinement = field(default_factory=Confinement)
     notes: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
@@ -142,7 +143,7 @@ def host_support() -> HostSupport:
                 exe = None
         except (OSError, subprocess.TimeoutExpired) as exc:
             problem, exe = f"bubblewrap failed to run ({exc})", None
-    return HostSupport(root, exe, problem, _confine.landlock_abi(), _confine.seccomp_supported())
+    return HostSupport(root, exe, problem, landlock_abi(), seccomp_supported())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,7 +152,7 @@ def host_support() -> HostSupport:
 
 #: The directory holding the ``worker`` package (and ``engine``): put on a runtime's path by
 #: its absolute name, never found through the directory a process starts in.
-RUNTIME_ROOT = str(Path(_confine.__file__).resolve().parent.parent)
+RUNTIME_ROOT = str(Path(worker.contract.__file__).resolve().parent.parent.parent)
 
 
 def runtime_argv(python: str, entry: str, *args: str, packages: dict[str, str] | None = None) -> list[str]:
@@ -195,7 +196,7 @@ def python_paths(python: str) -> tuple[str, ...]:
     info = [*interpreter.probe(python).paths, *interpreter.runtime_dirs(python)]
     # The worker imports `worker` (and may import `engine`) from wherever this project lives;
     # an editable install maps them to the source tree without a sys.path entry.
-    info += [str(Path(_confine.__file__).resolve().parent), str(Path(__file__).resolve().parent)]
+    info += [str(Path(RUNTIME_ROOT) / "worker"), str(Path(__file__).resolve().parent)]
     # (``-I`` above: the paths of the interpreter itself, not of whatever the directory adds.)
     paths = [os.path.normpath(p) for p in info
              if p and os.path.isabs(p) and os.path.exists(p) and os.path.normpath(p) != "/"]
@@ -353,7 +354,7 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
     if policy.mode not in MODES:
         raise ConfigError(f"sandbox mode {policy.mode!r} is not one of {', '.join(MODES)}")
     if policy.mode == "none":
-        return LaunchPlan([], False, {}, ["sandbox: none — worker code runs with your privileges"])
+        return LaunchPlan([], False, Confinement(), ["sandbox: none — worker code runs with your privileges"])
 
     workspace, socket_dir, output_dir, cwd = (Path(os.path.realpath(p))
                                               for p in (workspace, socket_dir, output_dir, cwd))
@@ -411,26 +412,21 @@ def _layers(policy: SandboxPolicy, host: HostSupport) -> tuple[bool, list[str]]:
 
 
 def _confinement(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid: int | None,
-                 view: View, memory_cgroup: bool, pids_cgroup: bool = False) -> tuple[dict, list[str]]:
-    """The JSON-able spec `worker._confine.apply` installs, and a note for each layer missing."""
+                 view: View, memory_cgroup: bool, pids_cgroup: bool = False) -> tuple[Confinement, list[str]]:
+    """The spec the worker installs on itself, and a note for each layer missing."""
     notes: list[str] = []
-    confine: dict = {"rlimits": _rlimits(policy, host, use_bwrap, uid, pids_cgroup), "drop_caps": True,
-                     "no_new_privs": True}
-    if uid is not None:
-        confine["uid"] = [uid, uid]
-        confine["umask"] = 0o002
-
-    rw = [str(view.workspace)] + (["/tmp", "/dev/shm"] if use_bwrap else [])
+    rw = (str(view.workspace), *(("/tmp", "/dev/shm") if use_bwrap else ()))
+    landlock = None
     if host.landlock_abi >= 1:
         if use_bwrap:
             # The mount namespace already shows only what may be seen: read all of it.
-            ro, dev = ["/"], [*_DEV_FILES, "/dev/pts"]
+            ro, dev = ("/",), (*_DEV_FILES, "/dev/pts")
         else:
-            ro = [*view.system, *view.python, *([str(view.cwd)] if view.cwd else []),
-                  str(view.output_dir), str(view.socket_dir)]
-            dev = list(_DEV_FILES)
-        confine["landlock"] = {"ro": ro, "rw": rw, "dev": dev, "scope": True,
-                               "deny_tcp": not use_bwrap and not policy.network}
+            ro = (*view.system, *view.python, *((str(view.cwd),) if view.cwd else ()),
+                  str(view.output_dir), str(view.socket_dir))
+            dev = _DEV_FILES
+        landlock = Landlock(ro=tuple(ro), rw=rw, dev=tuple(dev), scope=True,
+                            deny_tcp=not use_bwrap and not policy.network)
     elif not use_bwrap:
         notes.append("sandbox: Landlock is unavailable on this kernel and bubblewrap is not used "
                      "— the worker can read and write whatever its user can")
@@ -438,13 +434,13 @@ def _confinement(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid:
         notes.append("sandbox: Landlock is unavailable on this kernel — files are confined by "
                      "the mount namespace alone")
 
+    seccomp = None
     if host.seccomp:
         families = [_AF_UNIX, _AF_NETLINK]
         if use_bwrap or policy.network:
             families += [_AF_INET, _AF_INET6]  # in a network namespace: its own loopback only
         # Without a PID namespace the coordinator kills the process group: keep everyone in it.
-        confine["seccomp"] = {"socket_families": families, "lock_session": not use_bwrap,
-                              "shared_memory": memory_cgroup}
+        seccomp = Seccomp(socket_families=tuple(families), lock_session=not use_bwrap, shared_memory=memory_cgroup)
         if not memory_cgroup:
             notes.append("sandbox: no memory cgroup here (it needs root or a delegated cgroup) — "
                          "the memory limit is per process, and memfd_create, SysV shared memory "
@@ -454,7 +450,10 @@ def _confinement(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid:
                      "dangerous system calls are not filtered")
         if not use_bwrap and not policy.network:
             notes.append("sandbox: without seccomp or a network namespace the worker has network access")
-    return confine, notes
+    rlimits = tuple((name, soft, hard) for name, (soft, hard) in _rlimits(policy, host, use_bwrap, uid, pids_cgroup).items())
+    return Confinement(rlimits=rlimits, drop_caps=True, no_new_privs=True,
+                       uid=(uid, uid) if uid is not None else None, umask=0o002 if uid is not None else None,
+                       landlock=landlock, seccomp=seccomp), notes
 
 
 def tools_argv(root: str, python: str) -> list[str]:

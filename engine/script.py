@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from worker import wire
+from worker.contract import wire
 
 log = logging.getLogger("agentloop")
 
@@ -38,11 +38,11 @@ class Script:
     argv: list[str] = field(default_factory=list)
     stdin: int | None = None
 
-    def wire(self) -> dict:
-        return {"path": self.path, "argv": list(self.argv), "stdin": self.stdin is not None}
+    def spec(self) -> wire.ScriptSpec:
+        return wire.ScriptSpec(self.path, tuple(self.argv), self.stdin is not None)
 
 
-def forward_stdin(fd: int, send: Callable[[dict], None], block_id: str, done: Callable[[], bool]) -> None:
+def forward_stdin(fd: int, send: Callable[[wire.Message], None], block_id: str, done: Callable[[], bool]) -> None:
     """Read ``fd`` in a daemon thread and send its bytes to the block as ``stdin`` messages, in
     chunks of up to 64 KiB, until its end, ``STDIN_CAP``, or the block's end (``done``).
 
@@ -52,7 +52,7 @@ def forward_stdin(fd: int, send: Callable[[dict], None], block_id: str, done: Ca
     loop = asyncio.get_running_loop()
 
     def post(data: bytes, eof: bool) -> None:
-        loop.call_soon_threadsafe(send, wire.stdin(block_id, data, eof))
+        loop.call_soon_threadsafe(send, wire.Stdin(block_id, data, eof))
 
     def pump() -> None:
         total = 0

@@ -18,16 +18,16 @@ import asyncio
 import contextlib
 import hmac
 import itertools
-import json
 import os
 import secrets
 import socket
-import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from worker import wire
-from worker.slot import MAX_REQUEST
+from worker.contract import sample
+from worker.contract.framing import HEADER, FrameError, decode, encode, frame
+from worker.contract.sample import SlotSettings
+from worker.contract.schema import ContractError
 
 from .errors import EXIT_OWN, EXIT_TIMEOUT, WorkerStartError
 from .sandbox import runtime_argv
@@ -83,13 +83,11 @@ class Slot:
             listener.listen(1)
             listener.setblocking(False)
             token = secrets.token_hex(16)
-            launch = launcher.launch(endpoint, self.sock_dir, token)
+            settings = SlotSettings(str(launcher.workspace), launcher.sandbox.tmp_bytes, launcher.grace,
+                                    str(self.sock_dir), not launcher.sandbox.network, launcher.preload)
+            launch = launcher.launch(endpoint, self.sock_dir, token, slot=settings)
             os.chown(path, os.getuid(), os.getgid())  # the slot connects as the sandbox's root, not a worker uid
             os.chmod(path, 0o600)
-            launch.env["AGENTLOOP_SLOT"] = json.dumps({
-                "workspace": str(launcher.workspace), "tmp_bytes": launcher.sandbox.tmp_bytes,
-                "grace": launcher.grace, "socket_dir": str(self.sock_dir),
-                "private_net": not launcher.sandbox.network, "preload": list(launcher.preload)})
             zygote = launcher.fork_server(launch)
             if zygote is None:
                 raise WorkerStartError("sample slots need the fork server (root and bubblewrap)")
@@ -102,45 +100,47 @@ class Slot:
                 os.unlink(path)  # nobody else connects
         self._reader, self._writer = await asyncio.open_unix_connection(sock=conn)
         hello = await self._read()
-        if hello.get("t") == "failed":
-            raise WorkerStartError(f"a sample slot could not start: {str(hello.get('error'))[:500]}")
-        if hello.get("t") != "hello" or not isinstance(hello.get("token"), str) or \
-                not hmac.compare_digest(hello["token"].encode(), token.encode()):
+        if isinstance(hello, sample.Failed):
+            raise WorkerStartError(f"a sample slot could not start: {hello.error[:500]}")
+        if not isinstance(hello, sample.Hello) or not hmac.compare_digest(hello.token.encode(), token.encode()):
             raise WorkerStartError("a sample slot did not say a valid hello")
         self.cgroups = await asyncio.to_thread(launcher.worker_groups, self.number)
         await asyncio.to_thread(launcher.adopt, self.cgroups, self.proc.pid, {})
         self.oom_kills = launcher.oom_kills(self.cgroups)
 
-    async def _read(self, limit: int = _MAX_REPLY) -> dict:
+    async def _read(self, limit: int = _MAX_REPLY) -> sample.Message:
         assert self._reader is not None
         try:
-            size = struct.unpack(">I", await self._reader.readexactly(4))[0]
+            size = HEADER.unpack(await self._reader.readexactly(HEADER.size))[0]
             if size > limit:
                 raise SlotError(f"it sent a {size}-byte message")
-            return wire.decode(await self._reader.readexactly(size), limit)
+            return sample.TO_COORDINATOR.parse(decode(await self._reader.readexactly(size), limit))
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             raise SlotError("it died") from exc
-        except wire.WireError as exc:
-            raise SlotError(f"it sent an undecodable message ({exc})") from exc
+        except (ContractError, FrameError) as exc:
+            raise SlotError(f"it sent a malformed message ({exc})") from exc
 
-    async def run(self, sample: Sample, *, timeout: float, output_bytes: int, script_name: str) -> dict:
-        """Run one sample; the slot's checked reply.  SlotError if the slot is not usable after."""
+    async def run(self, job: Sample, *, timeout: float, output_bytes: int, script_name: str) -> sample.Result:
+        """Run one sample; the slot's result.  SlotError if the slot is not usable after."""
         assert self._writer is not None
-        request = {"t": "run", "id": 1, "code": sample.code, "path": script_name,
-                   "argv": [script_name, *sample.args], "stdin": sample.stdin,
-                   "files": [list(f) for f in sample.files], "env": dict(sample.env),
-                   "timeout": timeout, "keep": output_bytes}
-        data = wire.encode(request)
-        if len(data) > MAX_REQUEST:
-            raise ValueError(f"the sample is {len(data)} bytes with its stdin and files; at most {MAX_REQUEST}")
-        self._writer.write(struct.pack(">I", len(data)) + data)
+        request = sample.RunSample(1, job.code, script_name, (script_name, *job.args), job.stdin,
+                                   tuple(tuple(f) for f in job.files), dict(job.env), timeout, output_bytes)
+        data = encode(request)
+        if len(data) > sample.MAX_REQUEST:
+            raise ValueError(f"the sample is {len(data)} bytes with its stdin and files; at most {sample.MAX_REQUEST}")
+        self._writer.write(frame(data))
         limit = timeout + self.launcher.grace + _SLACK
         try:
             # Two heads and two tails of ``output_bytes`` at most, and a few words.
             reply = await asyncio.wait_for(self._read(max(_MAX_REPLY, 4 * output_bytes + 65536)), limit)
         except TimeoutError as exc:
             raise SlotError(f"it did not answer within {limit:g} s") from exc
-        return _checked(reply, output_bytes)
+        if not isinstance(reply, sample.Result):
+            raise SlotError(f"it sent {reply.kind!r} instead of a result")
+        try:
+            return reply.within(output_bytes)
+        except ContractError as exc:
+            raise SlotError(f"it sent a malformed result ({exc})") from exc
 
     def memory_killed(self) -> bool:
         """Whether the kernel killed a process of this slot for its memory limit since last asked."""
@@ -159,29 +159,6 @@ class Slot:
             await self.proc.kill()
         groups, self.cgroups, sock_dir, self.sock_dir = self.cgroups, [], self.sock_dir, None
         await self.launcher.release(groups, sock_dir)
-
-
-def _checked(reply: dict, keep: int) -> dict:
-    """The reply if it is a well-formed result (SlotError if not)."""
-    def parts(value) -> tuple[bytes, bytes, int]:
-        if not (isinstance(value, list) and len(value) == 3 and isinstance(value[0], bytes)
-                and isinstance(value[1], bytes) and isinstance(value[2], int)
-                and len(value[0]) <= keep and len(value[1]) <= keep
-                and value[2] >= len(value[0]) + len(value[1])):
-            raise SlotError("it sent a malformed result")
-        return value[0], value[1], value[2]
-
-    if reply.get("t") != "result":
-        raise SlotError(f"it sent {str(reply.get('t'))[:40]!r} instead of a result")
-    status = reply.get("status")
-    if status is not None and not isinstance(status, int):
-        raise SlotError("it sent a malformed result")
-    rss = reply.get("rss_kb")
-    return {"status": status, "timed_out": reply.get("timed_out") is True, "killed": reply.get("killed") is True,
-            "out": parts(reply.get("out")) if status is not None else (b"", b"", 0),
-            "err": parts(reply.get("err")) if status is not None else (b"", b"", 0),
-            "rss_kb": rss if isinstance(rss, int) and rss >= 0 else None,
-            "note": reply.get("note") if isinstance(reply.get("note"), str) else ""}
 
 
 class SlotPool:
@@ -213,12 +190,12 @@ class SlotPool:
         self._all.discard(slot)
         await slot.close()
 
-    async def run(self, sample: Sample, *, timeout: float, output_bytes: int, script_name: str) -> dict:
+    async def run(self, job: Sample, *, timeout: float, output_bytes: int, script_name: str) -> dict:
         """Run ``sample`` in a free slot: exactly one outcome, whatever the sample or the slot
         did — {status, code, words, out, err (head, tail, total), rss_mb}."""
         slot = await self._take()
         try:
-            reply = await slot.run(sample, timeout=timeout, output_bytes=output_bytes, script_name=script_name)
+            reply = await slot.run(job, timeout=timeout, output_bytes=output_bytes, script_name=script_name)
         except SlotError as exc:
             memory = slot.memory_killed()
             await self._drop(slot)
@@ -234,8 +211,8 @@ class SlotPool:
         else:
             self._idle.append(slot)
         status, code, words = _outcome(reply, timeout, slot.memory_killed(), self.launcher.sandbox.memory_bytes)
-        return {"status": status, "code": code, "words": words, "out": reply["out"], "err": reply["err"],
-                "rss_mb": round(reply["rss_kb"] / 1024, 1) if reply["rss_kb"] else None}
+        return {"status": status, "code": code, "words": words, "out": reply.out, "err": reply.err,
+                "rss_mb": round(reply.rss_kb / 1024, 1) if reply.rss_kb else None}
 
     async def close(self) -> None:
         self._closed = True
@@ -244,14 +221,14 @@ class SlotPool:
         await asyncio.gather(*(s.close() for s in slots), return_exceptions=True)
 
 
-def _outcome(reply: dict, timeout: float, memory: bool, memory_bytes: int | None) -> tuple[str, int, str]:
+def _outcome(reply: sample.Result, timeout: float, memory: bool, memory_bytes: int | None) -> tuple[str, int, str]:
     """(status, exit code, words) of a slot's result, as ``agentloop exec`` would give them."""
-    status = reply["status"]
+    status = reply.status
     if status is None:
-        return "error", EXIT_OWN, f"it could not be started: {reply['note'][:500]}"
-    if reply["timed_out"]:
+        return "error", EXIT_OWN, f"it could not be started: {reply.note[:500]}"
+    if reply.timed_out:
         return "timeout", EXIT_TIMEOUT, f"its deadline ({timeout:g} s) passed" + (
-            ", and it was killed: the interrupt did not stop it" if reply["killed"] else "")
+            ", and it was killed: the interrupt did not stop it" if reply.killed else "")
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         if memory:

@@ -24,7 +24,7 @@ from datetime import datetime
 
 from engine.durations import DEFAULT_BLOCK_TIMEOUT, parse_duration
 from engine.errors import ConfigError
-from worker.describe import describe_object  # noqa: F401 - re-exported: one implementation
+from worker.contract.describe import describe_object  # noqa: F401 - re-exported: one implementation
 
 ATTR_RE = re.compile(r'(\w+)\s*=\s*(?:"([^"]*)"|([^\s>]+))')
 

@@ -7,9 +7,10 @@ worker: at the deadline the block is interrupted (an exception raised inside wha
 on; the namespace is kept); if it has not stopped within ``grace`` seconds, the whole
 process tree is killed with SIGKILL (see ``Worker._supervise``).
 
-Everything a worker sends is checked: frames are size-bounded and decoded without
-unpickling, and messages from a peer that did not complete the handshake are dropped.  A
-worker that breaks the protocol (see ``worker.wire``) is killed at once: its blocks end
+Everything a worker sends is checked: frames are size-bounded, decoded without unpickling
+and parsed into typed messages (``worker.contract.wire``), and messages from a peer that did
+not complete the handshake are dropped.  A worker that breaks the protocol is killed at once:
+its blocks end
 saying so, the next block gets a fresh process, and nothing of it reaches the caller as an
 exception.  Stale messages an honest worker can send (a response to a request that timed
 out) are ignored.
@@ -26,7 +27,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from worker import wire
+from worker.contract import wire
+from worker.contract.framing import encode
+from worker.contract.limits import MAX_CHUNK, STDERR, STDOUT
 
 from ._session import Session
 from .durations import DEFAULT_BLOCK_TIMEOUT
@@ -40,14 +43,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("agentloop")
 
-_STREAMS = {wire.STDOUT: "stdout", wire.STDERR: "stderr"}
-_MAX_ERROR = 64 * 1024
-_MAX_VAR_NAME = 100
-_MAX_VARS = 200
+_STREAMS = {STDOUT: "stdout", STDERR: "stderr"}
 #: Host calls one worker may have running at once; more are refused in words, not queued.
 _MAX_CALLS = 64
-#: Longest words of the worker's on an interrupt (``note``, ``why``) that reach a result.
-_MAX_NOTE = 600
 
 
 class WorkerState(enum.Enum):
@@ -242,9 +240,9 @@ class Worker:
             await session.settle(min(0.5, self.launcher.grace))
             block = next(iter(self._blocks.values()), None)  # the first started
             for stream, data in session.leftovers() if block is not None else ():
-                n = wire.MAX_CHUNK
+                n = MAX_CHUNK
                 for start in range(0, len(data), n):
-                    pending = self._dispatch(session, wire.out(block.id, [[stream, data[start:start + n]]]))
+                    pending = self._dispatch(session, wire.Out(block.id, ((stream, data[start:start + n]),)))
                     if pending is not None:
                         await pending
             words, sig = describe_exit(rc, via_namespace=session.proc.pid_namespace)
@@ -254,25 +252,19 @@ class Worker:
             await self._kill_locked(words, status="died", signal=sig, exit_code=rc)
             log.info("worker %s: %s", self.name, words)
 
-    def _dispatch(self, session: Session, msg: dict) -> Awaitable[None] | None:
-        """Act on one message from the worker.  Returns an awaitable only when a consumer of
-        ``stream()`` is behind: the session reads nothing more until it is done."""
-        kind = msg["t"]
-        if kind == "out":
-            chunks = msg.get("o")
-            if not isinstance(chunks, list) or not all(
-                    isinstance(item, list) and len(item) == 2 and item[0] in _STREAMS
-                    and isinstance(item[1], bytes) and len(item[1]) <= wire.MAX_CHUNK for item in chunks):
-                session.violation("it sent malformed output")
-                return None
-            block = self._blocks.get(msg.get("id"))  # type: ignore[arg-type]
+    def _dispatch(self, session: Session, msg: wire.Message) -> Awaitable[None] | None:
+        """Act on one message from the worker (parsed: every field is within its bounds).
+        Returns an awaitable only when a consumer of ``stream()`` is behind: the session reads
+        nothing more until it is done."""
+        if isinstance(msg, wire.Out):
+            block = self._blocks.get(msg.id)
             if block is None:
                 session.drop("output for no running block")
                 return None
             waiting = []
-            for item in chunks:
-                block.sink.add(item[1])
-                chunk = OutputChunk(block.id, _STREAMS[item[0]], item[1])
+            for stream, data in msg.o:
+                block.sink.add(data)
+                chunk = OutputChunk(block.id, _STREAMS[stream], data)
                 if block.on_output is not None:
                     block.on_output(chunk)
                 if block.queue is not None:
@@ -282,85 +274,67 @@ class Worker:
                         block.queue.put_nowait(chunk)
             if waiting and block.queue is not None:
                 return _put_all(block.queue, waiting)
-        elif kind == "done":
-            block = self._blocks.pop(msg.get("id"), None)  # type: ignore[arg-type]
+        elif isinstance(msg, wire.Done):
+            block = self._blocks.pop(msg.id, None)
             if block is None:
                 session.drop("done for no running block")
-                return
-            names = msg.get("vars")
-            if isinstance(names, list):
-                self.var_notes = [n for n in names if isinstance(n, str) and len(n) <= _MAX_VAR_NAME][:_MAX_VARS]
-                self.vars = [n.split(":", 1)[0] for n in self.var_notes]
-            status = msg.get("status")
-            error = msg.get("error") if isinstance(msg.get("error"), str) else ""
-            error = error[:_MAX_ERROR]
-            note = msg.get("note") if isinstance(msg.get("note"), str) else ""
-            note = note[:_MAX_NOTE]
+                return None
+            self.var_notes = list(msg.vars)
+            self.vars = [n.split(":", 1)[0] for n in self.var_notes]
             why = f"timed out after {_secs(block.timeout)}" if block.timed_out else "cancelled"
-            if status == "cancelled":
+            if msg.status == "cancelled":
                 # Interrupted, and the process lives on: say what was raised and that nothing was lost.
-                block.finish("timeout" if block.timed_out else "cancelled", error=error,
-                             message=f"{why}: {note}; the worker and its namespace are kept" if note else why)
-            elif status in ("ok", "error"):
-                block.finish(status, error=error, message=f"{why}: {note}" if note else "")
-            elif status == "exit":
-                code = msg.get("code")
-                code = code if type(code) is int and 0 <= code <= 255 else 1
+                block.finish("timeout" if block.timed_out else "cancelled", error=msg.error,
+                             message=f"{why}: {msg.note}; the worker and its namespace are kept" if msg.note else why)
+            elif msg.status in ("ok", "error"):
+                block.finish(msg.status, error=msg.error, message=f"{why}: {msg.note}" if msg.note else "")
+            else:  # exit: SystemExit
+                code = 1 if msg.code is None else msg.code
                 block.finish("ok" if code == 0 else "error", exit_code=code,
                              message=f"the code exited with {code} (SystemExit); the worker and its namespace "
                                      "are kept")
-            else:
-                block.finish("error", error=error, message=f"worker reported status {status!r}")
-        elif kind in ("stuck", "stopping"):
-            block = self._blocks.get(msg.get("id"))  # type: ignore[arg-type]
-            why = msg.get("why") if isinstance(msg.get("why"), str) else ""
+        elif isinstance(msg, (wire.Stuck, wire.Stopping)):
+            block = self._blocks.get(msg.id)
             if block is not None:  # else stale: the block's done came first, an honest race
                 block.interrupted = True
-                if kind == "stuck":
-                    block.stuck_why = why[:_MAX_NOTE]
+                if isinstance(msg, wire.Stuck):
+                    block.stuck_why = msg.why
                     block.stuck.set()
                 else:
-                    block.stopping_why = why[:_MAX_NOTE]
-        elif kind == "resp":
-            future = self._requests.pop(msg.get("rid"), None)  # type: ignore[arg-type]
+                    block.stopping_why = msg.why
+        elif isinstance(msg, wire.Resp):
+            future = self._requests.pop(msg.rid, None)
             if future is None or future.done():
                 session.drop("response to no request")
-            elif msg.get("ok"):
-                future.set_result(msg.get("value"))
+            elif msg.ok:
+                future.set_result(msg.value)
             else:
-                future.set_exception(WorkerError(str(msg.get("error"))[:_MAX_ERROR]))
-        elif kind == "call":
-            if not isinstance(msg.get("name"), str):
-                session.violation("it sent a host call without a name")
-            elif self.on_call is None:
-                session.send(wire.reply(msg.get("cid"), error="this worker has no host functions"))
+                future.set_exception(WorkerError(msg.error or "the request failed"))
+        elif isinstance(msg, wire.Call):
+            if self.on_call is None:
+                session.send(wire.Reply(msg.cid, False, error="this worker has no host functions"))
             elif len(self._call_tasks) >= _MAX_CALLS:
-                session.send(wire.reply(msg.get("cid"),
+                session.send(wire.Reply(msg.cid, False,
                                         error=f"{_MAX_CALLS} host calls are already running; await some first"))
             else:
                 task = asyncio.get_running_loop().create_task(self._host_call(msg))
                 self._call_tasks.add(task)
                 task.add_done_callback(self._call_tasks.discard)
-        elif kind == "bye":
-            pass
-        else:
-            session.violation(f"it sent a message of unknown type {kind[:40]!r}")
-        return None
+        elif isinstance(msg, wire.Hello):
+            session.violation("it said hello twice")
+        return None  # (bye: the worker is on its way out)
 
-    async def _host_call(self, msg: dict) -> None:
+    async def _host_call(self, msg: wire.Call) -> None:
         """Run one host call for code in the worker and send back its value or error, in words."""
-        cid = msg.get("cid")
-        args = msg.get("args") if isinstance(msg.get("args"), list) else []
-        kwargs = msg.get("kwargs") if isinstance(msg.get("kwargs"), dict) else {}
-        block = msg.get("block") if isinstance(msg.get("block"), str) else None
+        cid = msg.cid
         try:
-            value = await self.on_call(msg["name"], args, kwargs, block)  # type: ignore[misc]
+            value = await self.on_call(msg.name, list(msg.args), msg.kwargs, msg.block)  # type: ignore[misc]
             try:
-                frame = wire.encode(wire.reply(cid, value=value))
+                frame = encode(wire.Reply(cid, True, value))
             except (TypeError, ValueError):
-                frame = wire.encode(wire.reply(cid, value=repr(value)))
+                frame = encode(wire.Reply(cid, True, repr(value)))
         except Exception as exc:  # noqa: BLE001 - the tool's failure goes back to the code as words
-            frame = wire.encode(wire.reply(cid, error=str(exc) or type(exc).__name__))
+            frame = encode(wire.Reply(cid, False, error=str(exc) or type(exc).__name__))
         if self._session is not None:
             self._session.send_frame(frame)
 
@@ -384,14 +358,14 @@ class Worker:
         future = asyncio.get_running_loop().create_future()
         self._requests[rid] = future
         try:
-            session.send(wire.req(rid, op, args))
+            session.send(wire.Req(rid, op, args))
             return await asyncio.wait_for(future, timeout)
         except TimeoutError as exc:
             raise WorkerError(f"worker {self.name!r} did not answer {op!r} within {timeout:g} s") from exc
         finally:
             self._requests.pop(rid, None)
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg: wire.Message) -> None:
         """Send a protocol message to the current process (never waits)."""
         if self._session is not None:
             self._session.send(msg)
@@ -411,7 +385,7 @@ class Worker:
                           file_cap=self.launcher.output_file_cap)
         block = _Block(block_id, sink, timeout, on_output, budget)
         self._blocks[block_id] = block
-        session.send(wire.run(block_id, code, script.wire() if script is not None else None))
+        session.send(wire.Run(block_id, code, script.spec() if script is not None else None))
         if script is not None and script.stdin is not None:
             forward_stdin(script.stdin, self.send, block_id, block.future.done)
         return block
@@ -518,7 +492,7 @@ class Worker:
     async def _stop(self, block: _Block, why: str) -> BlockResult:
         """The interrupt, then — after ``grace``, or at once when the worker says it cannot
         reach the block — the hard kill of the whole tree, with words saying which it was."""
-        self.send(wire.cancel(block.id, "timeout" if block.timed_out else "cancel", block.timeout,
+        self.send(wire.Cancel(block.id, "timeout" if block.timed_out else "cancel", block.timeout,
                               self.launcher.grace))
         grace = self.launcher.grace
         stuck = asyncio.ensure_future(block.stuck.wait())

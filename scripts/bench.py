@@ -869,7 +869,7 @@ async def profile_start(cfg: Config, base: Path, cold_auto: dict) -> dict:
 
     plan = make_plan()
     env_plain = {**_worker_env("profile"), **plan.env}
-    env = {**env_plain, "AGENTLOOP_CONFINE": json.dumps(plan.confine)}
+    env = {**env_plain, "AGENTLOOP_CONFINE": plan.confine.to_json()}
     prefix = plan.argv_prefix
     imports = "import worker.__main__, worker.serve, worker._confine"
     phases = {
@@ -881,8 +881,9 @@ async def profile_start(cfg: Config, base: Path, cold_auto: dict) -> dict:
     }
     out["phase_p50_ms"] = {name: _p50(stats(_run_ms(argv, env_plain, str(cwd), n), 1)) if argv else None
                            for name, argv in phases.items()}
-    confine_code = ("import json, os, time\nt0 = time.perf_counter()\nfrom worker import _confine\n"
-                    "_confine.apply(json.loads(os.environ['AGENTLOOP_CONFINE']))\n"
+    confine_code = ("import os, time\nt0 = time.perf_counter()\nfrom worker import _confine\n"
+                    "from worker.contract.confinement import Confinement\n"
+                    "_confine.apply(Confinement.from_json(os.environ['AGENTLOOP_CONFINE']))\n"
                     "print((time.perf_counter() - t0) * 1000)")
     applies = []
     for _ in range(n):
@@ -957,7 +958,7 @@ async def profile_rtt(cfg: Config, base: Path, rtt_auto: dict, tmp: Path) -> dic
 # measures the coordinator's side of a round trip (plus the transport).
 _NULL_WORKER = """
 import os, sys, zmq, msgpack
-from worker import wire
+from worker.contract import wire
 s = zmq.Context().socket(zmq.DEALER)
 s.connect(sys.argv[-1])
 s.send(msgpack.packb({"t": "hello", "v": wire.PROTOCOL_VERSION,
@@ -988,9 +989,10 @@ class _SyncPeer:
     """A blocking ROUTER speaking the coordinator's side of the protocol to one process."""
 
     def __init__(self, endpoint: str) -> None:
-        from worker import wire
+        from worker.contract import framing, wire
 
         self.wire = wire
+        self.framing = framing
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.RCVTIMEO, 30_000)
@@ -999,13 +1001,13 @@ class _SyncPeer:
 
     def handshake(self) -> None:
         self.peer, frame = self.sock.recv_multipart()
-        assert self.wire.decode(frame)["t"] == "hello"
-        self.sock.send_multipart([self.peer, self.wire.encode({"t": "welcome", "v": self.wire.PROTOCOL_VERSION})])
+        assert self.framing.decode(frame)["t"] == "hello"
+        self.sock.send_multipart([self.peer, self.framing.encode(self.wire.Welcome())])
 
     def run(self, block_id: str, code: str = "pass") -> None:
-        self.sock.send_multipart([self.peer, self.wire.encode({"t": "run", "id": block_id, "code": code})])
+        self.sock.send_multipart([self.peer, self.framing.encode(self.wire.Run(block_id, code))])
         while True:
-            msg = self.wire.decode(self.sock.recv_multipart()[1])
+            msg = self.framing.decode(self.sock.recv_multipart()[1])
             if msg["t"] == "done" and msg["id"] == block_id:
                 return
 
@@ -1013,8 +1015,8 @@ class _SyncPeer:
         """Ask for a polite exit and wait (briefly) for the ``bye``."""
         self.sock.setsockopt(zmq.RCVTIMEO, 2000)
         with contextlib.suppress(zmq.ZMQError):
-            self.sock.send_multipart([self.peer, self.wire.encode({"t": "shutdown"})])
-            while self.wire.decode(self.sock.recv_multipart()[1])["t"] != "bye":
+            self.sock.send_multipart([self.peer, self.framing.encode(self.wire.Shutdown())])
+            while self.framing.decode(self.sock.recv_multipart()[1])["t"] != "bye":
                 pass
 
     def close(self) -> None:
@@ -1120,7 +1122,8 @@ def _micro() -> dict:
     """In-process costs of the steps a ``pass`` block takes, each alone."""
     import ast as _ast
 
-    from worker import wire
+    from worker.contract import wire
+    from worker.contract.framing import encode
 
     def per_call(fn: Callable[[], object], n: int = 2000) -> float:
         t0 = time.perf_counter()
@@ -1128,9 +1131,9 @@ def _micro() -> dict:
             fn()
         return round((time.perf_counter() - t0) / n * 1e6, 2)
 
-    run_msg = {"t": "run", "id": "b123", "code": "pass"}
-    done_msg = {"t": "done", "id": "b123", "status": "ok", "error": "", "vars": []}
-    run_frame, done_frame = wire.encode(run_msg), wire.encode(done_msg)
+    run_msg = wire.Run("b123", "pass")
+    done_msg = wire.done("b123", "ok")
+    run_frame, done_frame = encode(run_msg), encode(done_msg)
 
     def thread_start_join() -> None:
         t = threading.Thread(target=lambda: None)
@@ -1179,8 +1182,9 @@ def _micro() -> dict:
         asyncio.run_coroutine_threadsafe(nothing(), loop).result(10)
 
     out = {
-        "wire_encode_decode_run_and_done": per_call(lambda: (wire.decode(wire.encode(run_msg)),
-                                                             wire.decode(wire.encode(done_msg)))),
+        "wire_encode_decode_run_and_done": per_call(lambda: (
+            wire.decode_message(encode(run_msg), wire.TO_WORKER),
+            wire.decode_message(encode(done_msg), wire.TO_COORDINATOR))),
         "frame_bytes_run_done": [len(run_frame), len(done_frame)],
         "compile_pass_top_level_await": per_call(lambda: compile(
             "pass", "<block b1>", "exec", flags=_ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)),

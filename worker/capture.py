@@ -40,8 +40,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from . import wire
-from .wire import STDERR, STDOUT
+from .contract.limits import STDERR, STDOUT
+from .contract.wire import Out
 
 FLUSH_INTERVAL = 0.05
 MAX_BATCH = 256 * 1024
@@ -244,10 +244,10 @@ class Router:
                 batch.append([st, piece])
                 size += len(piece)
                 if size >= MAX_BATCH:
-                    send(wire.out(out.block, batch))
+                    send(Out(out.block, batch))
                     batch, size = [], 0
         if batch:
-            send(wire.out(out.block, batch))
+            send(Out(out.block, batch))
 
 
 def _join(pieces: list) -> bytes:

@@ -30,12 +30,16 @@ from collections import deque
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-MAX_RESULT = 8_000  # chars of tool output fed back per call
-MAX_TEXT = 1_000_000  # chars one reply may carry whatever max_result asks (bounds the frame)
-SKIP_DIRS = frozenset({".git", "target", "node_modules", "build", "__pycache__", ".cache"})
-MAX_MATCHES = 100
-MAX_SEARCH_FILE = 2_000_000  # bytes; bigger files are skipped by search
-MAX_READ_LIMIT = 1000  # lines one read_file call may show
+from .contract.tools import (  # noqa: F401 - the channel's bounds, and the note of a cut result
+    MAX_MATCHES,
+    MAX_READ_LIMIT,
+    MAX_RESULT,
+    MAX_SEARCH_FILE,
+    MAX_TEXT,
+    SKIP_DIRS,
+    truncate,
+)
+
 MATCH_LINE_CHARS = 200  # chars of a matching line shown by search
 MAX_LINE_BYTES = 4_000  # bytes of one line read_file shows; the rest is counted, not kept
 MAX_DEPTH = 128  # directory levels search descends (each holds a descriptor)
@@ -63,20 +67,6 @@ class _Hidden(Exception):
 
 class _Changed(Exception):
     """A directory on the path stopped being one while it was walked (a swap for a link)."""
-
-
-def truncate(text: str, max_result: int = MAX_RESULT) -> str:
-    """``text`` cut so that it, with the note saying so, fits in ``max_result`` chars.
-
-    The note is counted inside the limit, so truncating twice changes nothing: a result capped by a
-    tool and then by ``execute_tool_call`` reads the same. (A limit shorter than the note itself
-    leaves just the note.)
-    """
-    if len(text) <= max_result:
-        return text
-    note = (f"\n[agent] truncated — {len(text)} chars total; "
-            "narrow the request (offset/limit, tighter pattern)")
-    return text[:max(0, max_result - len(note))] + note
 
 
 @dataclass

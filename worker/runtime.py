@@ -58,17 +58,17 @@ import traceback
 import types
 from collections.abc import Callable
 
-from . import capture, proxy, script, wire
+from . import capture, proxy, script
 from .capture import FdCapture, Router, current_block
+from .contract import wire
+from .contract.limits import INTERRUPT_SIGNAL, MAX_VARS
 
 _WORKER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_MAX_VARS = 100
 _KEPT_SOURCES = 1000  # block sources kept for tracebacks; a long session must not grow forever
 
 
-#: The signal that interrupts a block on the main thread: one no library uses, so a handler
-#: the code installs for SIGINT or SIGALRM is never replaced or confused with it.
-INTERRUPT_SIGNAL = signal.SIGRTMIN + 5
+# ``INTERRUPT_SIGNAL`` interrupts a block on the main thread: one no library uses, so a
+# handler the code installs for SIGINT or SIGALRM is never replaced or confused with it.
 _SIGNAL_BIT = 1 << (INTERRUPT_SIGNAL - 1)
 _WINDOW = 0.02  # seconds an interrupt is given before the runtime looks at what it did
 _MAIN = threading.main_thread().ident  # kept by a child the main thread forks (the zygote's)
@@ -77,7 +77,9 @@ _MAIN = threading.main_thread().ident  # kept by a child the main thread forks (
 #: Where the runtime sends (output taken off its queue, a ``done``, a host call): an exception
 #: raised there, or in pyzmq below, would lose what is on its way out, so an interrupt waits
 #: until it is left (``Runtime._after_send``, or the next signal ``assess`` sends).
-_SENDING_FILES = frozenset(os.path.join(_WORKER_DIR, n) for n in ("channel.py", "wire.py", "_outpipe.py"))
+_SENDING_FILES = frozenset(os.path.join(_WORKER_DIR, n) for n in (
+    "channel.py", "_outpipe.py", "contract/wire.py", "contract/framing.py", "contract/schema.py",
+    "contract/output.py"))
 _SENDING_CODES = frozenset(f.__code__ for f in (Router.send_out, Router._send_locked, Router.flush_all))
 
 
@@ -333,18 +335,18 @@ class Runtime:
             if isinstance(value, (str, bytes, list, dict, tuple, set)):
                 descr += f"({len(value)})"
             out.append(f"{name}:{descr}")
-            if len(out) >= _MAX_VARS:
+            if len(out) >= MAX_VARS:
                 break
         return out
 
-    def submit(self, block_id: str, code: str, run_as: dict | None = None) -> Callable[[], None] | None:
+    def submit(self, block_id: str, code: str, run_as: wire.ScriptSpec | None = None) -> Callable[[], None] | None:
         """Register a block so that a cancel finds it from now on.  Awaiting code starts on the
         user loop (None is returned); sync code is returned as a function for the caller to run
         in the thread of its choice.  ``run_as``: the ``script`` of a ``run`` message, to run
         the code as ``python FILE ARGS`` would (see ``script``)."""
         filename = block_filename(block_id)
         if run_as is not None:
-            self._stdin = script.ScriptInput(bool(run_as.get("stdin")))
+            self._stdin = script.ScriptInput(run_as.stdin)
             filename = script.enter(self.namespace, run_as, self._stdin)
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         self._sources[filename] = None
@@ -393,7 +395,7 @@ class Runtime:
         status = "cancelled" if running is not None and running.took(exc) else "error"
         return status, format_user_error(exc, filename), None
 
-    def _ending(self, block_id: str, run_as: dict | None, outcome: tuple[str, str, int | None],
+    def _ending(self, block_id: str, run_as: wire.ScriptSpec | None, outcome: tuple[str, str, int | None],
                 running: _Running | None = None, raised: BaseException | None = None
                 ) -> tuple[str, str, int | None]:
         """For a script run, what the interpreter does at the end: the traceback to stderr,
@@ -423,13 +425,13 @@ class Runtime:
                 self._user_loop = _start_loop()
             return self._user_loop
 
-    async def _spawn(self, block_id: str, coro, ctx: contextvars.Context, run_as: dict | None,
+    async def _spawn(self, block_id: str, coro, ctx: contextvars.Context, run_as: wire.ScriptSpec | None,
                      filename: str) -> None:
         # A task of its own on the user loop, in the block's context.
         await asyncio.get_running_loop().create_task(self._run_async(block_id, coro, run_as, filename),
                                                      context=ctx)
 
-    async def _run_async(self, block_id: str, coro, run_as: dict | None, filename: str) -> None:
+    async def _run_async(self, block_id: str, coro, run_as: wire.ScriptSpec | None, filename: str) -> None:
         outcome: tuple[str, str, int | None]
         note = ""
         if run_as is not None:
@@ -450,7 +452,7 @@ class Runtime:
         self._tasks.pop(block_id, None)
         self._finish(block_id, *outcome, note=note)
 
-    def _run_sync(self, block_id: str, compiled, running: _Running, run_as: dict | None = None,
+    def _run_sync(self, block_id: str, compiled, running: _Running, run_as: wire.ScriptSpec | None = None,
                   filename: str = "") -> None:
         outcome: tuple[str, str, int | None] = ("cancelled", "", None)
         if run_as is not None:
@@ -637,7 +639,7 @@ class Runtime:
             self.base_names(set(names))
             return names
         if op == "describe":
-            from .describe import describe_object
+            from .contract.describe import describe_object
 
             return [describe_object(n, self.namespace[n]) for n in args.get("names", []) if n in self.namespace]
         if op == "env":

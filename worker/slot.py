@@ -24,12 +24,7 @@ handlers run (``worker.script``).  At its deadline it gets a ``TimeoutError`` ra
 main thread (signal ``SIGRTMIN+5``, as a worker's block does); ``grace`` seconds later every
 process of it is killed.
 
-Protocol, over one stream socket (4-byte big-endian length, then one msgpack map):
-    slot  -> coordinator  hello  {token, pid}    (or failed {error}: it cannot serve)
-    coordinator -> slot   run    {id, code, path, argv, stdin, files, env, timeout, keep}
-    slot  -> coordinator  result {id, status, timed_out, killed, out, err, rss_kb, seconds, note}
-``status``: the sample process's wait status (None if it could not be started); ``out`` and
-``err``: [head, tail, total bytes], head and tail at most ``keep`` bytes each.  The slot exits
+The channel, one stream socket to the coordinator, is ``contract.sample``.  The slot exits
 when the coordinator closes the socket, and dies with its namespace's init.
 """
 
@@ -38,69 +33,44 @@ from __future__ import annotations
 import builtins
 import ctypes
 import gc
-import json
 import os
 import select
 import signal
 import socket
-import struct
 import sys
 import time
 import traceback
 import types
 
-from . import _confine, script, wire
+from . import _confine, script
+from .contract import sample
+from .contract.confinement import Confinement
+from .contract.framing import FrameBuffer, FrameError, decode, encode, frame
+from .contract.limits import INTERRUPT_SIGNAL, HeadTail
+from .contract.sample import SlotSettings
+from .contract.schema import ContractError
+from .contract.start import StartSpec
 from .zygote import _bind, _check, _loopback_up, _mount_points_under
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _PR_SET_CHILD_SUBREAPER = 36
 _NEWNS, _NEWIPC, _NEWNET = 0x00020000, 0x08000000, 0x40000000
 _MS_NOSUID, _MS_NODEV = 2, 4
-INTERRUPT_SIGNAL = signal.SIGRTMIN + 5  # as ``worker.runtime``'s
-MAX_REQUEST = 64 * 1024 * 1024  # code, stdin and files of one sample, checked by the coordinator too
 _READ = 65536
 
 
-class HeadTail:
-    """Head and tail of one output stream, and the count of every byte: what a slot keeps of
-    a sample's output (``engine.samples.Stream`` reads it back), in memory bounded by ``keep``."""
-
-    __slots__ = ("keep", "head", "tail", "total")
-
-    def __init__(self, keep: int) -> None:
-        self.keep = keep
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.total = 0
-
-    def add(self, data: bytes) -> None:
-        self.total += len(data)
-        room = self.keep - len(self.head)
-        if room > 0:
-            self.head += data[:room]
-            data = data[room:]
-        if data:
-            self.tail += data
-            if len(self.tail) > 2 * self.keep:
-                del self.tail[:len(self.tail) - self.keep]
-
-    def parts(self) -> list:
-        return [bytes(self.head), bytes(self.tail[-self.keep:]) if self.keep else b"", self.total]
-
-
 class Slot:
-    def __init__(self, conn: socket.socket, settings: dict, confine: dict) -> None:
+    def __init__(self, conn: socket.socket, settings: SlotSettings, confine: Confinement) -> None:
         self.conn = conn
-        self.buf = b""
-        self.workspace = str(settings["workspace"])
-        self.tmp_bytes = int(settings["tmp_bytes"])
-        self.grace = float(settings.get("grace", 1.0))
-        self.private_net = bool(settings.get("private_net", True))
+        self.frames = FrameBuffer(sample.MAX_REQUEST)
+        self.workspace = settings.workspace
+        self.tmp_bytes = settings.tmp_bytes
+        self.grace = settings.grace
+        self.private_net = settings.private_net
         self.net_state = _net_state()
         self.confine = confine
-        uid = confine.get("uid")
-        self.owner = tuple(uid) if uid else None
-        own = str(settings.get("socket_dir") or "")
+        self.owner = confine.uid
+        own = settings.socket_dir
         # What the sandbox mounted beneath /tmp, to be shown again on each sample's fresh /tmp
         # (the project, outputs): never the workspace (each sample gets an empty one) nor the
         # run's sockets.
@@ -114,37 +84,34 @@ class Slot:
         signal.signal(signal.SIGCHLD, lambda *_: None)
 
     # -- the channel --------------------------------------------------------------------------
-    def send(self, msg: dict) -> None:
-        data = wire.encode(msg)
-        self.conn.sendall(struct.pack(">I", len(data)) + data)
+    def send(self, msg: sample.Message) -> None:
+        self.conn.sendall(frame(encode(msg)))
 
-    def receive(self) -> dict | None:
+    def receive(self) -> sample.RunSample | None:
+        """The next request; None when the coordinator closed the socket (or broke the contract,
+        which only a bug of its own can: the slot then ends, and the coordinator starts another)."""
         while True:
-            if len(self.buf) >= 4:
-                size = struct.unpack(">I", self.buf[:4])[0]
-                if size > MAX_REQUEST:
-                    return None
-                if len(self.buf) >= 4 + size:
-                    frame, self.buf = self.buf[4:4 + size], self.buf[4 + size:]
-                    return wire.decode(frame, MAX_REQUEST)
+            try:
+                body = self.frames.next()
+                if body is not None:
+                    return sample.TO_SLOT.parse(decode(body, sample.MAX_REQUEST))  # type: ignore[return-value]
+            except (ContractError, FrameError):
+                return None
             try:
                 chunk = self.conn.recv(1 << 20)
             except InterruptedError:
                 continue
             if not chunk:
                 return None
-            self.buf += chunk
+            self.frames.feed(chunk)
 
     def serve(self) -> None:
-        while True:
-            request = self.receive()
-            if request is None or request.get("t") != "run":
-                return
+        while (request := self.receive()) is not None:
             self.send(self.run(request))
 
     # -- one sample ---------------------------------------------------------------------------
-    def run(self, req: dict) -> dict:
-        keep = int(req.get("keep", 8192))
+    def run(self, req: sample.RunSample) -> sample.Result:
+        keep = req.keep
         streams = {}
         reads = {}
         started = time.monotonic()
@@ -154,13 +121,13 @@ class Slot:
                 r, w = os.pipe2(os.O_CLOEXEC)
                 fds.append(w)
                 reads[r] = streams[fd] = HeadTail(keep)
-            stdin = self._stdin(req.get("stdin"))
+            stdin = self._stdin(req.stdin)
             fds.append(stdin)
             pid = os.fork()
         except OSError as exc:
             for fd in [*fds, *reads]:
                 os.close(fd)
-            return {"t": "result", "id": req.get("id"), "status": None, "note": f"could not start it: {exc}"}
+            return sample.Result(req.id, None, note=f"could not start it: {exc}"[:2000])
         if pid == 0:
             self._sample(req, stdin, fds[0], fds[1])  # never returns
         for fd in fds:
@@ -168,10 +135,8 @@ class Slot:
         status, rusage, timed_out, killed = self._watch(pid, req, reads, started)
         for r in reads:
             os.close(r)
-        return {"t": "result", "id": req.get("id"), "status": status, "timed_out": timed_out,
-                "killed": killed, "out": streams[1].parts(), "err": streams[2].parts(),
-                "rss_kb": rusage.ru_maxrss if rusage is not None else None,
-                "seconds": time.monotonic() - started, "note": ""}
+        return sample.Result(req.id, status, timed_out, killed, streams[1].parts(), streams[2].parts(),
+                             rusage.ru_maxrss if rusage is not None else None, time.monotonic() - started)
 
     @staticmethod
     def _stdin(data) -> int:
@@ -184,11 +149,10 @@ class Slot:
         os.lseek(fd, 0, os.SEEK_SET)
         return fd
 
-    def _watch(self, pid: int, req: dict, reads: dict, started: float):
+    def _watch(self, pid: int, req: sample.RunSample, reads: dict, started: float):
         """Collect the sample's output until it exits (interrupting it at its deadline, killing
         it ``grace`` s later), then kill and reap every process it left."""
-        timeout = float(req.get("timeout") or 60.0)
-        deadline, kill_at = started + timeout, None
+        deadline, kill_at = started + req.timeout, None
         status = rusage = None
         timed_out = killed = False
         open_reads = list(reads)
@@ -245,7 +209,7 @@ class Slot:
             _drain(self.wake_r)
         os._exit(75)  # something would not die: the coordinator starts a fresh slot
 
-    def _sample(self, req: dict, stdin: int, out: int, err: int) -> None:
+    def _sample(self, req: sample.RunSample, stdin: int, out: int, err: int) -> None:
         """The sample's process: its own namespaces and confinement, then the code.  Never returns."""
         status = 1
         try:
@@ -260,7 +224,7 @@ class Slot:
             os.closerange(3, 1 << 16)
             os.chdir(self.workspace)
             _confine.apply(self.confine)
-            os.environ.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
+            os.environ.update(req.env)
             time.tzset()  # (confined first: TZ may name a file)
             sys.stdin = sys.__stdin__ = _text(0, "r", "strict", False)
             sys.stdout = sys.__stdout__ = _text(1, "w", "strict", False)
@@ -317,24 +281,24 @@ def _text(fd: int, mode: str, errors: str, line_buffering: bool):
     return io.TextIOWrapper(buffered, encoding="utf-8", errors=errors, line_buffering=line_buffering)
 
 
-def _run_script(req: dict, workspace: str) -> int:
+def _run_script(req: sample.RunSample, workspace: str) -> int:
     """Write the sample's files, then run its code as ``python FILE ARGS`` would; the exit status."""
-    for path, content, mode in req.get("files") or ():
+    for path, content, mode in req.files:
         full = os.path.join(workspace, path)
         os.makedirs(os.path.dirname(full), exist_ok=True)
         with open(full, "wb") as f:
             f.write(content)
         os.chmod(full, mode)
-    path = os.path.join(workspace, str(req.get("path") or "sample.py"))
-    code = str(req.get("code", ""))
+    path = os.path.join(workspace, req.path)
+    code = req.code
     with open(path, "w", encoding="utf-8") as f:  # a script is a file: tracebacks quote it, spawn re-reads it
         f.write(code)
     main = types.ModuleType("__main__")
     main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins)
     sys.modules["__main__"] = main
-    sys.argv = [str(a) for a in req.get("argv") or [path]]
+    sys.argv = list(req.argv) or [path]
     sys.path[0:0] = [workspace]
-    timeout = float(req.get("timeout") or 60.0)
+    timeout = req.timeout
 
     def interrupt(signum, frame):
         raise TimeoutError(f"the deadline ({timeout:g} s) passed")
@@ -417,41 +381,28 @@ def _drain(fd: int) -> None:
 
 
 def main() -> None:
-    token = os.environ.pop("AGENTLOOP_TOKEN", "")
-    confine = json.loads(os.environ.pop("AGENTLOOP_CONFINE", "") or "{}")
-    settings = json.loads(os.environ.pop("AGENTLOOP_SLOT", "") or "{}")
-    os.environ.pop("AGENTLOOP_PARENT", None)
+    start = StartSpec.take()
     _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     endpoint = sys.argv[1]
     path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else endpoint
-    settings.setdefault("socket_dir", os.path.dirname(path))
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
     try:
-        for name in settings.get("preload") or ():  # --preload: imported once, shared by every sample
-            __import__(str(name))
-        slot = Slot(conn, settings, confine)
-        _confine.seccomp_program(**_seccomp_args(confine))  # built once here, reused by each sample
+        if start.slot is None:
+            raise ContractError("no slot settings")
+        for name in start.slot.preload:  # --preload: imported once, shared by every sample
+            __import__(name)
+        slot = Slot(conn, start.slot, start.confine)
+        if start.confine.seccomp is not None:
+            _confine.seccomp_program(start.confine.seccomp)  # built once here, reused by each sample
     except BaseException as exc:  # noqa: BLE001 - said to the coordinator; the slot is not used
-        conn.sendall(_framed({"t": "failed", "error": f"{type(exc).__name__}: {exc}"}))
+        conn.sendall(frame(encode(sample.Failed(f"{type(exc).__name__}: {exc}"[:2000]))))
         os._exit(72)
     gc.collect()
     gc.freeze()  # the pages shared with each sample's process stay shared
-    conn.sendall(_framed({"t": "hello", "token": token, "pid": os.getpid()}))
+    conn.sendall(frame(encode(sample.Hello(start.token, os.getpid()))))
     slot.serve()
     os._exit(0)
-
-
-def _seccomp_args(confine: dict) -> dict:
-    opts = confine.get("seccomp")
-    opts = opts if isinstance(opts, dict) else {}
-    return {"socket_families": opts.get("socket_families"), "lock_session": bool(opts.get("lock_session")),
-            "shared_memory": bool(opts.get("shared_memory", True))}
-
-
-def _framed(msg: dict) -> bytes:
-    data = wire.encode(msg)
-    return struct.pack(">I", len(data)) + data
 
 
 if __name__ == "__main__":
