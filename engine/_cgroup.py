@@ -211,7 +211,7 @@ def _rmdir(path: Path) -> None:
 
 class SpareGroups:
     """Cgroups made and entered ahead, for a fork server's spare namespace inits (made before
-    the request they serve: ``worker.zygote._Init``).  The worker forked from one is born in
+    the request they serve: ``worker.fork_server._Init``).  The worker forked from one is born in
     its cgroups, so its start waits for no move (each waits out an RCU grace period: from 1 to
     over 10 ms on a busy machine).  ``cgroups``: the parents to make them in, each with the
     limit a worker gets there."""

@@ -27,13 +27,24 @@ STDERR_TAIL = 4096
 
 @dataclass
 class Launch:
-    """Everything needed to start one worker process."""
+    """Everything needed to start one sandboxed process: ``prefix``, the sandbox's command line
+    (bubblewrap's; empty without it), then ``command``, what runs inside it (agentloop's
+    runtime, started by ``sandbox.runtime_argv``).  ``endpoint``: where the process connects;
+    ``serves_blocks``: it is a worker (a fork server's child can serve in place), else its
+    ``command`` is executed (a sample slot)."""
 
-    argv: list[str]
+    prefix: list[str]
+    command: list[str]
+    endpoint: str
     env: dict[str, str]
     cwd: Path
     pid_namespace: bool
     notes: list[str]
+    serves_blocks: bool = True
+
+    @property
+    def argv(self) -> list[str]:
+        return [*self.prefix, *self.command]
 
 
 class Process:

@@ -41,6 +41,7 @@ from typing import Any
 from . import tags
 from .code_task import (
     HEARTBEAT_FLOOR,
+    BlockHost,
     CodeTask,
     heartbeat_interval,
     host_spec,
@@ -172,7 +173,7 @@ class Agent:
     def writable_places(self) -> str:
         """Where this agent's code may write, in one line (the system prompt's ``Files:``)."""
         engine = self.engine
-        return tags.writable_places(str(engine.cwd), str(engine.workspace), engine.sandbox.mode != "none")
+        return tags.writable_places(str(engine.cwd), str(engine.workspace), engine.settings.sandbox.mode != "none")
 
     def adapt(self, server: ServerInfo) -> None:
         """Take in what the endpoint reported: its context window where the configuration sets
@@ -242,7 +243,9 @@ class Agent:
             self._event("failed", message=f"id={block_id} already running, not restarted")
             self.inbox.append(tags.format_already_running(block_id))
             return
-        block = CodeTask(self, request, block_id)
+        host = BlockHost(self.worker, self._event, lambda report, key: self.on_heartbeat(report, key=key),
+                         self.writable_places, self.engine.settings.sandbox, self.engine.workspace)
+        block = CodeTask(host, request, block_id)
         self._event("launched", id=block_id, timeout=request.timeout, heartbeat=block.interval,
                     code=request.code)
         self.blocks.append(block)

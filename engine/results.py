@@ -31,7 +31,8 @@ class BlockResult:
     stop is killed, and ``message`` says which it was.  A ``SystemExit`` is ok (status
     0) or error, with ``exit_code`` set (``exited``).  ``message`` says in words what
     happened whenever the status is not ok; ``lost_vars`` names the variables a worker
-    kill took with it.
+    kill took with it; ``over_memory``: the worker died because the kernel killed it for its
+    memory limit (status died).
     """
 
     id: str
@@ -47,6 +48,7 @@ class BlockResult:
     exit_code: int | None = None
     worker_killed: bool = False
     lost_vars: list[str] = field(default_factory=list)
+    over_memory: bool = False
 
     @property
     def ok(self) -> bool:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import worker.contract
 from engine import _uids, interpreter
-from engine._bwrap import View, _beneath, _bwrap_flags, _outermost, _parents, bwrap_argv
+from engine._bwrap import View, beneath, bwrap_argv, make_parents, namespace_flags, outermost
 from engine._tree import TreeError, disk_usage
 from engine.errors import ConfigError, SandboxError
 from worker.contract.confinement import Confinement, Landlock, Seccomp, landlock_abi, seccomp_supported
@@ -133,7 +133,7 @@ def host_support() -> HostSupport:
         problem = "bubblewrap not found"
     else:
         true = shutil.which("true") or "/bin/true"
-        argv = [exe, *_bwrap_flags(root, network=False), "--ro-bind", "/", "/", "--proc", "/proc",
+        argv = [exe, *namespace_flags(root, network=False), "--ro-bind", "/", "/", "--proc", "/proc",
                 "--dev", "/dev", "--", true]
         try:
             done = subprocess.run(argv, capture_output=True, timeout=30, stdin=subprocess.DEVNULL)
@@ -200,7 +200,7 @@ def python_paths(python: str) -> tuple[str, ...]:
     # (``-I`` above: the paths of the interpreter itself, not of whatever the directory adds.)
     paths = [os.path.normpath(p) for p in info
              if p and os.path.isabs(p) and os.path.exists(p) and os.path.normpath(p) != "/"]
-    return _outermost(paths)
+    return outermost(paths)
 
 
 def check_workspace(workspace: Path, python: str) -> None:
@@ -210,7 +210,7 @@ def check_workspace(workspace: Path, python: str) -> None:
     ws = os.path.realpath(workspace)
     ours = (os.path.realpath(p) for p in sys.path if p and os.path.isabs(p) and os.path.isdir(p))
     for path in sorted({*python_paths(python), *ours}):
-        if _beneath(path, ws):
+        if beneath(path, ws):
             raise ConfigError(f"the workspace {ws} holds {path}, from which Python imports "
                               "agentloop's code: choose another --workspace")
 
@@ -219,7 +219,7 @@ def check_workspace(workspace: Path, python: str) -> None:
 # Plan
 # ---------------------------------------------------------------------------------------------
 
-def _system_paths() -> tuple[list[str], list[tuple[str, str]]]:
+def system_paths() -> tuple[list[str], list[tuple[str, str]]]:
     """(read-only directories/files, symlinks to recreate) that make up the system view."""
     ro = ["/usr"]
     links = []
@@ -271,7 +271,7 @@ def _shareable_cwd(cwd: Path, force: bool | None) -> tuple[bool, str]:
         for home in sorted(_home_directories()):
             if home == c:
                 why = "it is a home directory"
-            elif _beneath(home, c):
+            elif beneath(home, c):
                 why = f"it holds the home directory {home}"
             if why:
                 break
@@ -307,7 +307,7 @@ def _readable_by_others(path: str, top: str = "/") -> bool:
     searchable if a directory)."""
     p = Path(path)
     for anc in reversed(p.parents):
-        if _beneath(str(anc), top) and not os.stat(anc).st_mode & 0o001:
+        if beneath(str(anc), top) and not os.stat(anc).st_mode & 0o001:
             return False
     mode = os.stat(p).st_mode
     return bool(mode & 0o004) and (not p.is_dir() or bool(mode & 0o001))
@@ -315,7 +315,7 @@ def _readable_by_others(path: str, top: str = "/") -> bool:
 
 def _readable_in_view(path: str, binds: list[str]) -> bool:
     """`_readable_by_others` inside bubblewrap's view, where `path` lies beneath one of `binds`."""
-    top = next((b for b in binds if _beneath(path, b)), "/")
+    top = next((b for b in binds if beneath(path, b)), "/")
     return _readable_by_others(path, top)
 
 
@@ -380,7 +380,7 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
                                          "(other users may not read it, and workers run as one); "
                                          "chmod o+rx it to share it")
     notes += [why] if why else []
-    system, links = _system_paths()
+    system, links = system_paths()
     view = View(tuple(system), tuple(links), python_paths(python), workspace, socket_dir, output_dir,
                 cwd if share_cwd else None)
     start_dir = str(view.cwd or workspace)
@@ -392,6 +392,20 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
     argv = bwrap_argv(host.bwrap, root=host.root, network=policy.network, tmp_bytes=policy.tmp_bytes,
                       view=view, start_dir=start_dir)
     return LaunchPlan(argv, True, confine, notes, env, start_dir, uid)
+
+
+def server_plan(policy: SandboxPolicy, python: str, root: Path, socket_root: Path) -> LaunchPlan:
+    """The plan of a fork server shared by the runs beneath ``root`` (a batch's runs directory:
+    ``engine.shared_fork_server``): a worker's view, with ``root`` as its workspace and
+    ``socket_root`` as its socket directory, started in ``/``; bubblewrap only (the server
+    exists only where it is).  Each process it forks narrows this view to its run's own."""
+    host = host_support()
+    assert host.bwrap is not None
+    system, links = system_paths()
+    view = View(tuple(system), tuple(links), python_paths(python), root, socket_root, None, None)
+    argv = bwrap_argv(host.bwrap, root=host.root, network=policy.network, tmp_bytes=policy.tmp_bytes,
+                      view=view, start_dir="/")
+    return LaunchPlan(argv, True, cwd="/")
 
 
 def _layers(policy: SandboxPolicy, host: HostSupport) -> tuple[bool, list[str]]:
@@ -464,12 +478,12 @@ def tools_argv(root: str, python: str) -> list[str]:
     host = host_support()
     if host.bwrap is None:
         return []
-    system, links = _system_paths()
-    argv = [host.bwrap, *_bwrap_flags(host.root, network=False), "--hostname", "agentloop",
+    system, links = system_paths()
+    argv = [host.bwrap, *namespace_flags(host.root, network=False), "--hostname", "agentloop",
             "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(16 * MiB), "--tmpfs", "/tmp"]
     made = {"/", "/tmp", "/dev", "/proc"}
-    for path in _outermost([*system, *python_paths(python), os.path.realpath(root)]):
-        argv += [*_parents(path, made), "--ro-bind", path, path]
+    for path in outermost([*system, *python_paths(python), os.path.realpath(root)]):
+        argv += [*make_parents(path, made), "--ro-bind", path, path]
     for target, link in links:
         argv += ["--symlink", target, link]
     return argv + ["--remount-ro", "/", "--chdir", "/", "--"]

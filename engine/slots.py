@@ -21,6 +21,7 @@ import itertools
 import os
 import secrets
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,8 +30,10 @@ from worker.contract.framing import HEADER, FrameError, decode, encode, frame
 from worker.contract.sample import SlotSettings
 from worker.contract.schema import ContractError
 
-from .errors import EXIT_OWN, EXIT_TIMEOUT, WorkerStartError
-from .sandbox import runtime_argv
+from .errors import WorkerStartError
+from .launcher import SLOT
+from .provision import start_process
+from .sample_status import Ending
 
 if TYPE_CHECKING:
     from ._process import Process
@@ -62,18 +65,8 @@ class Slot:
         self._writer: asyncio.StreamWriter | None = None
 
     async def start(self) -> None:
-        """Fork the slot and wait for its hello; WorkerStartError (after cleaning up) if it fails."""
-        try:
-            await asyncio.wait_for(self._start(), self.launcher.start_timeout)
-        except BaseException as exc:
-            await asyncio.shield(self.close())
-            if isinstance(exc, TimeoutError):
-                raise WorkerStartError(f"a sample slot did not start within {self.launcher.start_timeout:g} s") from exc
-            if isinstance(exc, SlotError):  # it died, or said something else, before its hello
-                raise WorkerStartError(f"a sample slot did not start: {exc}") from exc
-            raise
-
-    async def _start(self) -> None:
+        """Start the slot and wait for its hello (``provision.start_process``, as for a
+        worker); WorkerStartError, after cleaning up, if it fails."""
         launcher = self.launcher
         endpoint, self.sock_dir = launcher.endpoint(self.number)
         path = endpoint[len("ipc://"):]
@@ -83,30 +76,40 @@ class Slot:
             listener.listen(1)
             listener.setblocking(False)
             token = secrets.token_hex(16)
-            settings = SlotSettings(str(launcher.workspace), launcher.sandbox.tmp_bytes, launcher.grace,
-                                    str(self.sock_dir), not launcher.sandbox.network, launcher.preload)
-            launch = launcher.launch(endpoint, self.sock_dir, token, slot=settings)
-            os.chown(path, os.getuid(), os.getgid())  # the slot connects as the sandbox's root, not a worker uid
+            settings = launcher.settings
+            slot = SlotSettings(str(launcher.workspace), settings.sandbox.tmp_bytes, settings.grace,
+                                str(self.sock_dir), not settings.sandbox.network, settings.preload)
+            launch = launcher.launch(endpoint, self.sock_dir, token, entry=SLOT, slot=slot)
+            # After the launch (which hands a worker's socket to the run's uid): the slot connects
+            # as the sandbox's root, not a worker uid.
+            os.chown(path, os.getuid(), os.getgid())
             os.chmod(path, 0o600)
-            zygote = launcher.fork_server(launch)
-            if zygote is None:
-                raise WorkerStartError("sample slots need the fork server (root and bubblewrap)")
-            argv = runtime_argv(launcher.python, "worker.slot:main", endpoint, packages=launcher.runtime_packages)
-            self.proc = await zygote.spawn(launch, exec_argv=argv)
-            conn, _ = await asyncio.get_running_loop().sock_accept(listener)
+            self.proc, self.cgroups, _ = await start_process(launcher, launch, self.number,
+                                                             self._greet(listener, path, token), "a sample slot")
+        except BaseException:
+            await asyncio.shield(self.close())
+            raise
         finally:
             listener.close()
             with contextlib.suppress(OSError):
                 os.unlink(path)  # nobody else connects
-        self._reader, self._writer = await asyncio.open_unix_connection(sock=conn)
-        hello = await self._read()
-        if isinstance(hello, sample.Failed):
-            raise WorkerStartError(f"a sample slot could not start: {hello.error[:500]}")
-        if not isinstance(hello, sample.Hello) or not hmac.compare_digest(hello.token.encode(), token.encode()):
-            raise WorkerStartError("a sample slot did not say a valid hello")
-        self.cgroups = await asyncio.to_thread(launcher.worker_groups, self.number)
-        await asyncio.to_thread(launcher.adopt, self.cgroups, self.proc.pid, {})
         self.oom_kills = launcher.oom_kills(self.cgroups)
+
+    async def _greet(self, listener: socket.socket, path: str, token: str) -> sample.Hello:
+        """The slot's hello: its connection, then its first message."""
+        conn, _ = await asyncio.get_running_loop().sock_accept(listener)
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # nobody else connects
+        self._reader, self._writer = await asyncio.open_unix_connection(sock=conn)
+        try:
+            hello = await self._read()
+        except SlotError as exc:  # it died, or said something else, before its hello
+            raise WorkerStartError(f"it said no hello ({exc})") from exc
+        if isinstance(hello, sample.Failed):
+            raise WorkerStartError(f"it cannot serve: {hello.error[:500]}")
+        if not isinstance(hello, sample.Hello) or not hmac.compare_digest(hello.token.encode(), token.encode()):
+            raise WorkerStartError("it did not say a valid hello")
+        return hello
 
     async def _read(self, limit: int = _MAX_REPLY) -> sample.Message:
         assert self._reader is not None
@@ -129,7 +132,7 @@ class Slot:
         if len(data) > sample.MAX_REQUEST:
             raise ValueError(f"the sample is {len(data)} bytes with its stdin and files; at most {sample.MAX_REQUEST}")
         self._writer.write(frame(data))
-        limit = timeout + self.launcher.grace + _SLACK
+        limit = timeout + self.launcher.settings.grace + _SLACK
         try:
             # Two heads and two tails of ``output_bytes`` at most, and a few words.
             reply = await asyncio.wait_for(self._read(max(_MAX_REPLY, 4 * output_bytes + 65536)), limit)
@@ -190,19 +193,15 @@ class SlotPool:
         self._all.discard(slot)
         await slot.close()
 
-    async def run(self, job: Sample, *, timeout: float, output_bytes: int, script_name: str) -> dict:
-        """Run ``sample`` in a free slot: exactly one outcome, whatever the sample or the slot
-        did — {status, code, words, out, err (head, tail, total), rss_mb}."""
+    async def run(self, job: Sample, *, timeout: float, output_bytes: int, script_name: str) -> Ran:
+        """Run ``job`` in a free slot: exactly one outcome, whatever the sample or the slot did."""
         slot = await self._take()
         try:
             reply = await slot.run(job, timeout=timeout, output_bytes=output_bytes, script_name=script_name)
         except SlotError as exc:
             memory = slot.memory_killed()
             await self._drop(slot)
-            words = ("it went over its memory limit and its sandbox was killed" if memory
-                     else f"its sandbox stopped: {exc}")
-            return {"status": "killed" if memory else "died", "code": 137, "words": words,
-                    "out": (b"", b"", 0), "err": (b"", b"", 0), "rss_mb": None}
+            return Ran(Ending(over_memory=memory, lost="" if memory else str(exc)))
         except BaseException:
             await asyncio.shield(self._drop(slot))
             raise
@@ -210,9 +209,8 @@ class SlotPool:
             await self._drop(slot)
         else:
             self._idle.append(slot)
-        status, code, words = _outcome(reply, timeout, slot.memory_killed(), self.launcher.sandbox.memory_bytes)
-        return {"status": status, "code": code, "words": words, "out": reply.out, "err": reply.err,
-                "rss_mb": round(reply.rss_kb / 1024, 1) if reply.rss_kb else None}
+        return Ran(_ending(reply, slot.memory_killed()), reply.out, reply.err,
+                   round(reply.rss_kb / 1024, 1) if reply.rss_kb else None)
 
     async def close(self) -> None:
         self._closed = True
@@ -221,22 +219,25 @@ class SlotPool:
         await asyncio.gather(*(s.close() for s in slots), return_exceptions=True)
 
 
-def _outcome(reply: sample.Result, timeout: float, memory: bool, memory_bytes: int | None) -> tuple[str, int, str]:
-    """(status, exit code, words) of a slot's result, as ``agentloop exec`` would give them."""
+@dataclass(frozen=True)
+class Ran:
+    """What a slot says of one sample: how it ended, its stdout and stderr as (head, tail,
+    total bytes), and its peak resident memory in MiB."""
+
+    ending: Ending
+    out: tuple[bytes, bytes, int] = (b"", b"", 0)
+    err: tuple[bytes, bytes, int] = (b"", b"", 0)
+    rss_mb: float | None = None
+
+
+def _ending(reply: sample.Result, memory: bool) -> Ending:
+    """How the sample's process ended, from the slot's result (its wait status)."""
     status = reply.status
     if status is None:
-        return "error", EXIT_OWN, f"it could not be started: {reply.note[:500]}"
-    if reply.timed_out:
-        return "timeout", EXIT_TIMEOUT, f"its deadline ({timeout:g} s) passed" + (
-            ", and it was killed: the interrupt did not stop it" if reply.killed else "")
+        return Ending(not_started=reply.note)
     if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        if memory:
-            limit = f" ({memory_bytes / 2**20:.0f} MiB)" if memory_bytes else ""
-            return "killed", 128 + sig, f"it went over its memory limit{limit} and was killed"
-        return "died", 128 + sig, f"it died of signal {sig}"
-    code = os.WEXITSTATUS(status)
-    return ("ok" if code == 0 else "error"), code, ""
+        return Ending(signal=os.WTERMSIG(status), timed_out=reply.timed_out, killed=reply.killed, over_memory=memory)
+    return Ending(code=os.WEXITSTATUS(status), timed_out=reply.timed_out, killed=reply.killed)
 
 
-__all__ = ["Slot", "SlotError", "SlotPool"]
+__all__ = ["Ran", "Slot", "SlotError", "SlotPool"]

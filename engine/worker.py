@@ -31,7 +31,7 @@ from worker.contract import wire
 from worker.contract.framing import encode
 from worker.contract.limits import MAX_CHUNK, STDERR, STDOUT
 
-from ._session import Session
+from ._session import Owner, Session
 from .durations import DEFAULT_BLOCK_TIMEOUT
 from .errors import WorkerClosed, WorkerError, WorkerStartError
 from .output import OutputSink
@@ -126,6 +126,12 @@ class Worker:
         return s.proc.pid if s and s.proc else None
 
     @property
+    def session(self) -> Session | None:
+        """The process the worker runs in now (its socket, output pipes, process and cgroups),
+        for inspection; None while none runs.  A kill replaces it."""
+        return self._session
+
+    @property
     def running(self) -> list[str]:
         return list(self._blocks)
 
@@ -147,7 +153,7 @@ class Worker:
             except WorkerStartError as exc:
                 self.state = WorkerState.DEAD
                 raise WorkerStartError(f"worker {self.name!r}: {exc}") from exc
-        session.owner = self
+        session.owner = Owner(self.name, self._dispatch, self._on_exit, self._on_broken)
         self._session = session
         self.notes = session.notes
         try:
@@ -237,7 +243,7 @@ class Worker:
             assert session.proc is not None
             # What it sent before it died is read before its blocks end (its last words), and
             # then what its fd 1 and 2 still held goes where the worker would have sent it.
-            await session.settle(min(0.5, self.launcher.grace))
+            await session.settle(min(0.5, self.launcher.settings.grace))
             block = next(iter(self._blocks.values()), None)  # the first started
             for stream, data in session.leftovers() if block is not None else ():
                 n = MAX_CHUNK
@@ -246,10 +252,11 @@ class Worker:
                     if pending is not None:
                         await pending
             words, sig = describe_exit(rc, via_namespace=session.proc.pid_namespace)
-            if session.over_memory_limit():
-                words = (f"worker killed: over its memory limit ({self.launcher.sandbox.memory_bytes / 2**20:.0f} MiB, "
-                         "shared memory and /tmp files included)")
-            await self._kill_locked(words, status="died", signal=sig, exit_code=rc)
+            memory = session.over_memory_limit()
+            if memory:
+                words = (f"worker killed: over its memory limit ({self.launcher.settings.sandbox.memory_bytes / 2**20:.0f} "
+                         "MiB, shared memory and /tmp files included)")
+            await self._kill_locked(words, status="died", signal=sig, exit_code=rc, over_memory=memory)
             log.info("worker %s: %s", self.name, words)
 
     def _dispatch(self, session: Session, msg: wire.Message) -> Awaitable[None] | None:
@@ -382,7 +389,7 @@ class Worker:
         elif block_id in self._blocks:
             raise ValueError(f"block {block_id!r} is already running")
         sink = OutputSink(lambda: self.launcher.output_path(self.index, block_id),
-                          file_cap=self.launcher.output_file_cap)
+                          file_cap=self.launcher.settings.output_file_cap)
         block = _Block(block_id, sink, timeout, on_output, budget)
         self._blocks[block_id] = block
         session.send(wire.Run(block_id, code, script.spec() if script is not None else None))
@@ -493,8 +500,8 @@ class Worker:
         """The interrupt, then — after ``grace``, or at once when the worker says it cannot
         reach the block — the hard kill of the whole tree, with words saying which it was."""
         self.send(wire.Cancel(block.id, "timeout" if block.timed_out else "cancel", block.timeout,
-                              self.launcher.grace))
-        grace = self.launcher.grace
+                              self.launcher.settings.grace))
+        grace = self.launcher.settings.grace
         stuck = asyncio.ensure_future(block.stuck.wait())
         try:
             await asyncio.wait([block.future, stuck], timeout=grace, return_when=asyncio.FIRST_COMPLETED)

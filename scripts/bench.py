@@ -585,7 +585,7 @@ async def bench_agentloop(cfg: Config, base: Path) -> dict:
     out: dict = {}
     with _section("agentloop: cold starts"):
         # Cold: a fresh interpreter per worker, no fork server, no pool.
-        async with _engine(base, "cold", zygote=False, **pool_kwargs(0)) as engine:
+        async with _engine(base, "cold", fork_server=False, **pool_kwargs(0)) as engine:
             first: list[float] = []
             out["cold_start"] = stats(await start_times(engine, cfg.starts, first_block=first), 1)
             out["cold_start"]["to_first_block_done_p50"] = _p50(stats(first, 2))
@@ -598,7 +598,7 @@ async def bench_agentloop(cfg: Config, base: Path) -> dict:
             out["forked_start"]["to_first_block_done_p50"] = _p50(stats(first, 2))
     if pool_param() is None:
         out["warm_start"] = None
-        out["warm_note"] = "Engine has no pre-started pool or zygote yet; see pool_param()"
+        out["warm_note"] = "Engine has no pre-started pool or fork server yet; see pool_param()"
     else:
         with _section("agentloop: warm starts"):
             async with _engine(base, "warm", **pool_kwargs(1)) as engine:

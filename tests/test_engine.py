@@ -397,7 +397,7 @@ async def test_garbage_frames_are_dropped(run_dir, tmp_path):
     policy = SandboxPolicy(network=True)  # the worker connects over the host's loopback
     async with Engine(cwd=run_dir, state_dir=tmp_path / "state", transport="tcp", sandbox=policy) as engine:
         worker = await engine.start_worker()
-        session = worker._session
+        session = worker.session
         endpoint = session.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         ctx = zmq.asyncio.Context()
         intruder = ctx.socket(zmq.DEALER)
@@ -422,7 +422,7 @@ async def test_garbage_frames_are_dropped(run_dir, tmp_path):
             ctx.term()
         assert result.status == "ok" and result.output == "real\n"
         assert (await worker.run("print(1)")).output == "1\n"
-        assert worker._session is session  # the stranger did not cost the worker anything
+        assert worker.session is session  # the stranger did not cost the worker anything
 
 
 async def test_a_worker_that_breaks_the_protocol_is_stopped(worker):
@@ -468,7 +468,7 @@ async def test_tcp_transport(run_dir, tmp_path):
     policy = SandboxPolicy(network=True)
     async with Engine(cwd=run_dir, state_dir=tmp_path / "state", transport="tcp", sandbox=policy) as engine:
         worker = await engine.start_worker()
-        assert worker._session.sock.getsockopt_string(zmq.LAST_ENDPOINT).startswith("tcp://127.0.0.1:")
+        assert worker.session.sock.getsockopt_string(zmq.LAST_ENDPOINT).startswith("tcp://127.0.0.1:")
         assert (await worker.run("print('over tcp')")).output == "over tcp\n"
 
 
@@ -507,7 +507,7 @@ async def test_fork_server_preloads_and_isolates(run_dir, tmp_path):
 
     if os.geteuid() != 0 or not host_support().bwrap:
         pytest.skip(reason="the fork server needs a root coordinator with bubblewrap")
-    async with Engine(cwd=run_dir, state_dir=tmp_path / "state", pool=0, zygote=True,
+    async with Engine(cwd=run_dir, state_dir=tmp_path / "state", pool=0, fork_server=True,
                       preload=("decimal",)) as engine:
         a = await engine.start_worker("a")
         b = await engine.start_worker("b")

@@ -42,7 +42,7 @@ def main() -> None:
 
 def run_worker(endpoint: str) -> None:
     """Confine this process as the environment says, then serve the coordinator until told to
-    stop.  Never returns.  Used by ``python -m worker`` and by the zygote's forked children."""
+    stop.  Never returns.  Used by ``python -m worker`` and by the fork server's forked children."""
     from .contract.start import StartSpec
 
     try:

@@ -71,7 +71,7 @@ _KEPT_SOURCES = 1000  # block sources kept for tracebacks; a long session must n
 # handler the code installs for SIGINT or SIGALRM is never replaced or confused with it.
 _SIGNAL_BIT = 1 << (INTERRUPT_SIGNAL - 1)
 _WINDOW = 0.02  # seconds an interrupt is given before the runtime looks at what it did
-_MAIN = threading.main_thread().ident  # kept by a child the main thread forks (the zygote's)
+_MAIN = threading.main_thread().ident  # kept by a child the main thread forks (the fork server's)
 
 
 #: Where the runtime sends (output taken off its queue, a ``done``, a host call): an exception

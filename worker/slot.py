@@ -50,7 +50,7 @@ from .contract.limits import INTERRUPT_SIGNAL, HeadTail
 from .contract.sample import SlotSettings
 from .contract.schema import ContractError
 from .contract.start import StartSpec
-from .zygote import _bind, _check, _loopback_up, _mount_points_under
+from .fork_server import _bind, _check, _loopback_up, _mount_points_under
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _PR_SET_CHILD_SUBREAPER = 36

@@ -33,6 +33,7 @@ from ..engine import Engine
 from ..errors import ConfigError
 from ..launcher import ENV_ALLOWLIST
 from ..samples import FILES_CAP, STATUSES, Sample, SampleResult, cancelled, check_env
+from ..settings import WorkerSettings
 from .capacity import default_parallel
 from .local import BatchOutcome
 from .progress import Tally, make_view
@@ -42,7 +43,7 @@ from .stopping import Stopper
 from .tasks import read_lines, refuse_invalid, task_files
 
 #: What ``--redo`` may name (``cancelled`` samples always run again).
-REDO = ("error", "timeout", "killed", "died")
+REDO = ("error", "timeout", "oom", "died")
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ def _files(value: Any, where: str, base: Path) -> tuple[str, ...]:
     return paths
 
 
-async def _run_local(pending: list[SampleSpec], engine_options: dict, results: ResultsFile, tally: Tally,
+async def _run_local(pending: list[SampleSpec], settings: WorkerSettings, results: ResultsFile, tally: Tally,
                      view, parallel: int, stopper: Stopper, timeout: float) -> None:
     loop = asyncio.get_running_loop()
     started: dict[str, tuple[SampleSpec, float]] = {}
@@ -146,8 +147,8 @@ async def _run_local(pending: list[SampleSpec], engine_options: dict, results: R
 
     ticking = asyncio.ensure_future(ticker())
     try:
-        async with Engine(**engine_options) as engine:
-            results_of = engine.map(feed(), concurrency=parallel, timeout=timeout)
+        async with Engine(settings) as engine:
+            results_of = engine.as_completed(feed(), concurrency=parallel, timeout=timeout)
             try:
                 async for result in results_of:
                     record(result)
@@ -164,13 +165,12 @@ async def _run_local(pending: list[SampleSpec], engine_options: dict, results: R
             record(cancelled(Sample(spec.id, ""), at))
 
 
-def run_samples(samples_path: str | Path, output: str | Path, engine_options: dict, *,
+def run_samples(samples_path: str | Path, output: str | Path, settings: WorkerSettings, *,
                 parallel: int | None = None, timeout: float, progress: str = "auto", skip_invalid: bool = False,
                 redo: Iterable[str] = (), ray_address: str | None = None) -> BatchOutcome:
     """Run every sample of ``samples_path`` not yet in ``output``; see the module docstring.
 
-    ``engine_options``: keyword arguments of the ``Engine`` that runs them (sandbox, limits,
-    interpreter).  Raises ConfigError, before anything starts, for invalid lines (unless
+    ``settings``: how the workers that run them are started and contained.  Raises ConfigError, before anything starts, for invalid lines (unless
     ``skip_invalid``), a damaged output, or an output another process is writing."""
     output = Path(output)
     specs, problems = read_samples(samples_path)
@@ -194,10 +194,10 @@ def run_samples(samples_path: str | Path, output: str | Path, engine_options: di
             if ray_address is not None and pending:
                 from . import samples_ray
 
-                samples_ray.run_on_ray(ray_address, pending, engine_options, results=results, tally=tally,
+                samples_ray.run_on_ray(ray_address, pending, settings, results=results, tally=tally,
                                        view=view, parallel=parallel, stopper=stopper, timeout=timeout)
             elif pending:
-                asyncio.run(_run_local(pending, engine_options, results, tally, view, parallel, stopper, timeout))
+                asyncio.run(_run_local(pending, settings, results, tally, view, parallel, stopper, timeout))
         finally:
             view.stop()
         return BatchOutcome(tally, stopper.reason)

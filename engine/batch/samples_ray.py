@@ -18,6 +18,7 @@ import signal
 from typing import Any
 
 from ..engine import Engine
+from ..settings import WorkerSettings
 from .on_ray import NODE_RETRIES, agent_slots, connect, import_ray
 from .progress import LinesView, Tally
 from .results import ResultsFile
@@ -29,20 +30,20 @@ from .stopping import Stopper
 CHUNK = 32
 
 
-def run_chunk(specs: list[Any], engine_options: dict, parallel: int, timeout: float) -> list[dict]:
+def run_chunk(specs: list[Any], settings: WorkerSettings, parallel: int, timeout: float) -> list[dict]:
     """The Ray task: run ``specs`` on this node; their records, in completion order."""
     import ray
 
     async def main() -> list[dict]:
-        async with Engine(**engine_options) as engine:
-            return [r.record() async for r in engine.map((s.sample() for s in specs), concurrency=parallel,
+        async with Engine(settings) as engine:
+            return [r.record() async for r in engine.as_completed((s.sample() for s in specs), concurrency=parallel,
                                                            timeout=timeout)]
 
     node = ray.util.get_node_ip_address()
     return [{**record, "node": node} for record in asyncio.run(main())]
 
 
-def run_on_ray(address: str, pending: list[Any], engine_options: dict, *, results: ResultsFile,
+def run_on_ray(address: str, pending: list[Any], settings: WorkerSettings, *, results: ResultsFile,
                tally: Tally, view: LinesView, parallel: int, stopper: Stopper, timeout: float) -> None:
     """Run ``pending`` on the cluster at ``address``, writing each chunk's records as it comes."""
     ray = import_ray()
@@ -60,7 +61,7 @@ def run_on_ray(address: str, pending: list[Any], engine_options: dict, *, result
         while chunks or inflight:
             while not stopper.stopping and chunks and len(inflight) < slots:
                 chunk = chunks.pop(0)
-                inflight[remote.remote(chunk, engine_options, parallel, timeout)] = chunk
+                inflight[remote.remote(chunk, settings, parallel, timeout)] = chunk
                 for spec in chunk:
                     tally.start(spec.key)
             if stopper.stopping and not cancelled:

@@ -243,13 +243,13 @@ def demo(record: Path | None, quiet: bool) -> None:
     server.  Exits 0 when every step happened as scripted.
     """
     display = make_display(record, quiet)
-    options = worker_settings().engine_options()
+    options = worker_settings()
 
     async def go():
         with ScriptedServer(DEMO_SCRIPT) as server:
             display.event("note", name="demo", message=NOTICE)
             display.event("note", name="demo", message=f"task: {DEMO_TASK}")
-            async with Engine(**options) as engine:
+            async with Engine(options.settings(), workspace=options.workspace) as engine:
                 return await run_task(DEMO_TASK, models=demo_registry(server.url), engine=engine,
                                       display=display, timeout=120)
 

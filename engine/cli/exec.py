@@ -23,6 +23,7 @@ from ..inert import InertStream, inert
 from ..results import BlockResult, OutputChunk
 from ..samples import exit_code as _exit_code
 from ..script import Script
+from ..settings import WorkerSettings
 from .options import (
     EXIT_INTERRUPTED,
     Duration,
@@ -32,7 +33,7 @@ from .options import (
 )
 
 #: What ``--redo`` may name with ``--jsonl``.
-SAMPLE_REDO = ("error", "timeout", "killed", "died")
+SAMPLE_REDO = ("error", "timeout", "oom", "died")
 
 
 @click.command("exec", context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
@@ -90,12 +91,13 @@ def exec_cmd(file, args: tuple[str, ...], timeout: float, as_json: bool, allow_s
     out = _Sink(sys.stderr if as_json else sys.stdout, allow_sgr)
     err = _Sink(sys.stderr, allow_sgr)
     try:
-        options = worker_settings().engine_options()
+        options = worker_settings()
         # A stream bound for a terminal is a terminal for the code too (a pty of its own: colours
         # and progress bars behave as under python; what reaches the screen is still made
         # inert); with --json, or piped, it stays a pipe.
-        options["tty"] = [] if as_json else [fd for fd, sink in ((1, out), (2, err)) if sink.filter is not None]
-        result = asyncio.run(_exec(code, timeout, out, err, options, script))
+        tty = () if as_json else tuple(fd for fd, sink in ((1, out), (2, err)) if sink.filter is not None)
+        result = asyncio.run(_exec(code, timeout, out, err, options.settings().replace(tty=tty),
+                                   options.workspace, script))
     except AgentloopError as exc:
         fail(str(exc))
     except KeyboardInterrupt:
@@ -177,7 +179,7 @@ def _run_samples(samples: Path, output: Path | None, file, as_json: bool, timeou
     settings.limits.setdefault("share_cwd", False)
     output = output.absolute()
     try:
-        outcome = run_samples(samples, output, settings.engine_options(), parallel=parallel, timeout=timeout,
+        outcome = run_samples(samples, output, settings.settings(), parallel=parallel, timeout=timeout,
                               progress=progress, skip_invalid=skip_invalid, redo=redo, ray_address=ray_address)
     except AgentloopError as exc:
         fail(str(exc))
@@ -206,12 +208,12 @@ def _script(file, args: tuple[str, ...]) -> Script:
     return Script(path, ["-" if from_stdin else file.name, *args], stdin)
 
 
-async def _exec(code: str, timeout: float, out: _Sink, err: _Sink, options: dict,
-                script: Script | None = None) -> BlockResult:
+async def _exec(code: str, timeout: float, out: _Sink, err: _Sink, settings: WorkerSettings,
+                workspace: Path | None, script: Script | None = None) -> BlockResult:
     def show(chunk: OutputChunk) -> None:
         (err if chunk.stream == "stderr" else out).write(chunk.data)
 
-    async with Engine(**options, pool=0) as engine:  # one worker: no pool
+    async with Engine(settings, workspace=workspace, pool=0) as engine:  # one worker: no pool
         worker = await engine.start_worker("exec")
         for note in worker.notes:
             err.text(f"agentloop: {note}\n")

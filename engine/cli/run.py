@@ -51,10 +51,10 @@ def run_cmd(task: str, model, models_file, max_messages, record, tools, root, qu
         fail(str(exc))
     display = make_display(record, quiet)
     functions = host_functions(tools, root)
-    options = worker_settings().engine_options()
+    options = worker_settings()
 
     async def go():
-        async with Engine(**options) as engine:
+        async with Engine(options.settings(), workspace=options.workspace) as engine:
             return await run_task(task, models=registry, model=model, engine=engine, functions=functions,
                                   display=display, max_messages=max_messages, timeout=timeout,
                                   protocol=protocol)

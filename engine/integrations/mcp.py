@@ -59,7 +59,7 @@ from ..durations import format_duration, parse_duration
 from ..engine import Engine
 from ..errors import AgentloopError
 from ..results import BlockResult, OutputChunk
-from ..sandbox import SandboxPolicy
+from ..settings import WorkerSettings
 from ..worker import Worker
 from .workspace_files import MAX_LISTED_FILES, list_files, mime_type, parse_uri, read_file, resource_uri
 
@@ -88,13 +88,10 @@ class ServerConfig:
     """What the command line decided for every session of one server."""
 
     workspace: Path  # a session's files are workspace/SESSION
-    policy: SandboxPolicy = field(default_factory=SandboxPolicy)
+    settings: WorkerSettings = field(default_factory=WorkerSettings)  # every session's workers'
     cwd: Path = field(default_factory=Path.cwd)
     idle_timeout: float = 30 * 60.0
     max_sessions: int = 8
-    python: str | None = None  # the interpreter workers run; None: the engine's default
-    preload: tuple[str, ...] = ()  # modules each session's fork server imports once
-    state_dir: Path | None = None  # the engines' run directories; None: the engine's default
 
 
 class Session:
@@ -193,8 +190,7 @@ class Sessions:
 
     async def _start(self, name: str) -> Session:
         config = self.config
-        engine = Engine(cwd=config.cwd, workspace=config.workspace / name, sandbox=config.policy, pool=0,
-                        python=config.python, preload=config.preload, state_dir=config.state_dir)
+        engine = Engine(config.settings, cwd=config.cwd, workspace=config.workspace / name, pool=0)
         try:
             worker = await engine.start_worker(name)
         except AgentloopError as exc:
@@ -377,7 +373,7 @@ def _text(text: str, *, error: bool = False, data: dict | None = None) -> types.
 def tool_definitions(config: ServerConfig) -> list[types.Tool]:
     """The three tools, described for the client's model."""
     where = f"{config.workspace}/SESSION"
-    network = "with the host's network" if config.policy.network else "without network"
+    network = "with the host's network" if config.settings.sandbox.network else "without network"
     return [
         types.Tool(
             name="run_python",
@@ -404,7 +400,7 @@ def tool_definitions(config: ServerConfig) -> list[types.Tool]:
                 "required": ["code"],
             },
             annotations=types.ToolAnnotations(title="Run Python", read_only_hint=False, destructive_hint=False,
-                                              open_world_hint=config.policy.network),
+                                              open_world_hint=config.settings.sandbox.network),
         ),
         types.Tool(
             name="reset_session",

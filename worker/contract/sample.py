@@ -67,7 +67,7 @@ class RunSample(Message):
     files: tuple[tuple[str, bytes, int], ...] = field(is_list(_file, 65536), ())
     env: dict = field(is_map(is_text(MAX_NAME), is_text(1 << 16), 1024), {})
     timeout: float = field(is_number(0), 10.0)
-    keep: int = field(is_int(0, MAX_FRAME // 4), 8192)
+    keep: int = field(is_int(0, 1 << 28), 8192)  # bytes of head and of tail kept of each stream
 
 
 TO_SLOT = Catalogue("coordinator to slot", (RunSample,))

@@ -1,4 +1,4 @@
-"""The fork server: ``python -m worker.zygote``, started once per run inside the run's sandbox.
+"""The fork server: ``python -m worker.fork_server``, started once per run inside the run's sandbox.
 
 It imports the worker runtime (and modules named with ``AGENTLOOP_PRELOAD``) once, then forks
 a worker per request in a few milliseconds instead of starting an interpreter.  It runs no
@@ -7,9 +7,9 @@ coordinator over its stdin/stdout (``contract.fork``).
 
 Each worker gets the isolation of a freshly started one:
 
-    zygote ── B (new PID, network, IPC, UTS and mount namespaces for its children; forks C,
+    server ── B (new PID, network, IPC, UTS and mount namespaces for its children; forks C,
                says C's pid, exits)
-          ── C (re-parented to the zygote; pid 1 of its namespace: mounts its own /proc,
+          ── C (re-parented to the server; pid 1 of its namespace: mounts its own /proc,
                brings its loopback up, waits for its request; then mounts its own /tmp and
                /dev/shm, shows only its worker's directories and socket, forks D, then
                becomes ``sleep infinity``)
@@ -21,11 +21,11 @@ moment after a fork, the next worker's namespaces, /proc and loopback are made, 
 waits only for what depends on it.
 
 Killing C ends every process of that namespace.  C and D are also members of the sandbox's
-PID namespace, so the zygote's death (and the coordinator's, which kills the zygote's
+PID namespace, so the server's death (and the coordinator's, which kills the server's
 sandbox) ends them all.  C reaps nothing: the worker is a child subreaper, so orphans of user
 code go to D, and D's own exit leaves a zombie whose status the coordinator reads before it
 kills C.  As a tiny program instead of a copy of this interpreter, C costs a worker about
-0.1 MB instead of 1.5 MB (and no share of the zygote's pages).
+0.1 MB instead of 1.5 MB (and no share of the server's pages).
 The channel (requests on stdin, reports on stdout) is ``contract.fork``: ``spawned`` and
 ``forked`` name C's pid; D is C's only child.  ``forked`` comes as C is handed its request, so
 the coordinator moves C into the worker's cgroups while C sets up, and D is born inside them.
@@ -202,12 +202,12 @@ def _receive(fd: int) -> fork.Spawn | None:
 
 def _child(private_net: bool, control: tuple[int, ...], report: int, requests: int, sleep: str | None) -> None:
     """B: runs in the forked child; never returns.  B only makes the namespaces, forks C into
-    them, tells the zygote C's pid and leaves: C is re-parented to the zygote (a subreaper),
+    them, tells the server C's pid and leaves: C is re-parented to the server (a subreaper),
     which reaps it when the coordinator kills it.  C sets up what needs no request (its
     /proc, its loopback), then waits for its request on ``requests`` (made ahead of it: see
     ``_Init``), sets the worker's view up and says when D exists."""
     try:
-        signal.set_wakeup_fd(-1)  # the zygote's wake-up pipe is not ours
+        signal.set_wakeup_fd(-1)  # the server's wake-up pipe is not ours
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in control:
             os.close(fd)
@@ -218,7 +218,7 @@ def _child(private_net: bool, control: tuple[int, ...], report: int, requests: i
             os.write(report, _REPORT.pack(b"C", init))
             os._exit(0)
         # No parent-death signal for C: it would fire as B leaves.  C lives in the sandbox's
-        # PID namespace too, which ends with the zygote and with the coordinator.
+        # PID namespace too, which ends with the server and with the coordinator.
         _check(_libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "private mounts")
         _check(_libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None), "/proc")
         if private_net:
@@ -249,7 +249,7 @@ def _child(private_net: bool, control: tuple[int, ...], report: int, requests: i
 
         run_worker(request.endpoint)
     except BaseException as exc:  # noqa: BLE001 - the last words of a child that failed to start
-        os.write(2, f"agentloop zygote: worker start failed: {exc}\n".encode())
+        os.write(2, f"agentloop fork server: worker start failed: {exc}\n".encode())
     os._exit(72)
 
 
