@@ -53,7 +53,6 @@ from worker.contract.schema import ContractError
 from ._outpipe import OutputError, OutputPipes
 from ._process import Process
 from .errors import WorkerStartError
-from .provision import start_process
 from .results import describe_exit
 
 if TYPE_CHECKING:
@@ -165,7 +164,7 @@ class Session:
         launch = launcher.launch(endpoint, self.sock_dir, self.token, output=self.pipes is not None)
         self.notes = launch.notes
         try:
-            self.proc, self.cgroups, _ = await start_process(launcher, launch, self.number, self._hello, "worker")
+            self.proc, self.cgroups, _ = await launcher.start_process(launch, self.number, self._hello, "worker")
         except BaseException:
             await asyncio.shield(self.discard())
             raise

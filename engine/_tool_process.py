@@ -24,7 +24,8 @@ import threading
 import time
 import weakref
 
-from engine.sandbox import RUNTIME_ROOT, tools_argv
+from engine.interpreter import RUNTIME_ROOT
+from engine.sandbox import tools_argv
 from worker.contract import tools
 from worker.contract.confinement import Confinement, Landlock, Seccomp, landlock_abi, seccomp_supported
 from worker.contract.framing import HEADER, FrameError, decode_json, encode_json, frame

@@ -58,6 +58,11 @@ from .models import ModelConfig, ModelRegistry
 from .subagents import SubagentSlots, subagent_limit
 from .worker import Worker
 
+__all__ = [
+    "Agent", "DEFAULT_REMIND_AT", "EMPTY_REPLY_NOTE", "MAX_CUT_REPLIES", "MAX_EMPTY_REPLIES",
+    "STOP_SEQUENCES"
+]
+
 #: Stop sequences: a model starting a result tag on a new line is inventing output.
 #: Only at a line start, so code that merely mentions a tag is not cut by the server.
 STOP_SEQUENCES = [f"\n{tag}" for tag in tags.HALLUCINATION_STOPS]

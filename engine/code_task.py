@@ -16,6 +16,11 @@ from .results import BlockResult, OutputChunk
 from .sandbox import SandboxPolicy, workspace_excess
 from .worker import Worker
 
+__all__ = [
+    "BlockHost", "CodeTask", "DISPLAY_LINE_BYTES", "HEARTBEAT_FLOOR", "OUTPUT_BUDGET",
+    "heartbeat_interval", "host_spec", "task_text", "words"
+]
+
 #: Bytes of a block's output the model sees in one result (head and tail, the rest counted).
 OUTPUT_BUDGET = 16_000
 #: Shortest heartbeat interval; also the shortest time between two messages that heartbeat

@@ -38,6 +38,8 @@ from engine.durations import format_duration
 from engine.inert import InertText, inert
 from engine.tags import HALLUCINATION_STOPS, cut_hallucinated, find_tags
 
+__all__ = ["ConsoleDisplay"]
+
 _SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 _NOTE_CHARS = 200  # characters of an <error> note shown on its one line
 

@@ -27,10 +27,13 @@ from worker.contract.schema import ContractError
 from worker.contract.start import NAMES as START_NAMES
 from worker.contract.start import StartSpec
 
-from ._process import STDERR_TAIL, Launch, Process, _signal, descendants, watch_exit
+from ._process import STDERR_TAIL, Launch, Process, descendants, signal_quietly, watch_exit
 from .errors import WorkerStartError
-from .sandbox import LaunchPlan, runtime_argv
+from .interpreter import runtime_argv
+from .sandbox import LaunchPlan
 from .settings import WorkerSettings
+
+__all__ = ["ForkServer", "ForkedProcess"]
 
 log = logging.getLogger("agentloop")
 _READY_TIMEOUT = 30.0
@@ -278,7 +281,7 @@ class ForkServer:
             self._host_pids[reply.pid] = host
             below = descendants(host)
             if not below:  # the worker died at once; its init is all there is to kill
-                _signal(host, 9)
+                signal_quietly(host, 9)
                 said = self.stderr_tail if stderr is None else _drain(stderr)
                 raise WorkerStartError(f"the forked worker exited at once: {said.decode('utf-8', 'replace').strip()}")
         except BaseException:
@@ -327,7 +330,7 @@ class ForkServer:
         if future.cancelled() or future.exception() is not None or not isinstance(future.result(), fork.Spawned):
             return
         with contextlib.suppress(WorkerStartError):
-            _signal(self._host_pid(future.result().pid), 9)
+            signal_quietly(self._host_pid(future.result().pid), 9)
 
     def _host_pid(self, zpid: int) -> int:
         """The host pid of the server's child ``zpid`` (numbered in the sandbox's namespace)."""
@@ -350,7 +353,7 @@ class ForkServer:
         if self._proc is None:
             return
         for pid in [*descendants(self._proc.pid), self._proc.pid]:
-            _signal(pid, 9)
+            signal_quietly(pid, 9)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._proc.wait(), 5)
         if self._reader is not None:

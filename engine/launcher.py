@@ -25,7 +25,9 @@ import os
 import secrets
 import shutil
 import time
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import TypeVar
 
 import zmq
 
@@ -36,13 +38,18 @@ from . import _uids, interpreter
 from . import sandbox as _sandbox
 from ._cgroup import SpareGroups, WorkerCgroups
 from ._outpipe import OutputPipes
-from ._process import Launch
+from ._process import Launch, Process, descendants
 from ._tree import remove_tree
 from .errors import ConfigError, WorkerStartError
 from .fork_server import ForkServer
 from .provision import ColdStart, Provisioner, fork_server_refusal, insisted
+from .results import describe_exit
 from .settings import WorkerSettings
 from .shared_fork_server import RunView, SharedForkServer
+
+__all__ = ["ENV_ALLOWLIST", "Launcher", "SLOT", "WORKER"]
+
+T = TypeVar("T")
 
 #: The runtime entry points a launch starts: a worker, or a sample slot.
 WORKER = "worker.__main__:main"
@@ -145,7 +152,7 @@ class Launcher:
         settings = self.settings
         self.check_python()
         if settings.sandbox.mode != "none":
-            _sandbox.check_workspace(self.workspace, settings.python)
+            interpreter.check_workspace(self.workspace, settings.python)
         try:
             self._made_workspace = not self.workspace.exists()
             self.workspace.mkdir(parents=True, exist_ok=True)
@@ -313,7 +320,7 @@ class Launcher:
         plan = self.plan(sock_dir)
         if endpoint.startswith("ipc://"):
             plan.grant(Path(endpoint[len("ipc://"):]))
-        command = _sandbox.runtime_argv(self.settings.python, entry, endpoint, packages=self.runtime_packages)
+        command = interpreter.runtime_argv(self.settings.python, entry, endpoint, packages=self.runtime_packages)
         env = self.env(StartSpec(token=token, output=str(sock_dir) if output else "", slot=slot), plan)
         return Launch(plan.argv_prefix, command, endpoint, env, Path(plan.cwd) if plan.cwd else self.cwd,
                       plan.pid_namespace, plan.notes, serves_blocks=entry == WORKER)
@@ -352,6 +359,73 @@ class Launcher:
         server.on_spare = self._spares.prepare
         self._provisioner = server
         return server
+
+    async def start_process(self, launch: Launch, number: int, greeting: Awaitable[T],
+                            what: str = "worker") -> tuple[Process, list[Path], T]:
+        """Start ``launch`` (process ``number`` of the launcher's run, a ``what``) and wait for
+        ``greeting``: the process, the cgroups it is in, and what the greeting gave.
+
+        Its memory and process cgroups are made and entered while it starts, from the moment its
+        tree has a root (for a forked process, the namespace's init, whose children are then born
+        inside), and checked again once it has said hello: before it runs any code.  On failure —
+        the greeting raising, the process exiting, ``start_timeout`` passing, a cgroup refused —
+        the process is killed, its cgroups released and WorkerStartError says why, with the end of
+        what it wrote on stderr.  Cancelled half-way, it leaves nothing running."""
+        provisioner = self.provisioner()
+        moved: dict[Path, set[int]] = {}
+        groups: list[Path] = []
+        adopting: asyncio.Future | None = None
+
+        def enter(root: int) -> None:
+            groups.extend(self.worker_groups(number, root))
+            self.adopt(groups, root, moved)
+
+        def on_root(root: int) -> None:
+            nonlocal adopting
+            if adopting is None:
+                adopting = asyncio.ensure_future(asyncio.to_thread(enter, root))
+
+        greeted = asyncio.ensure_future(greeting)
+        proc: Process | None = None
+        try:
+            try:
+                proc = await provisioner.spawn(launch, on_root)
+            except OSError as exc:
+                raise WorkerStartError(f"could not start a process ({launch.argv[0]}): {exc}") from exc
+            on_root(proc.pid)
+            exited = asyncio.ensure_future(proc.wait())
+            try:
+                done, _ = await asyncio.wait({greeted, exited}, timeout=self.settings.start_timeout,
+                                             return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                exited.cancel()
+            assert adopting is not None
+            await adopting
+            if greeted in done and not greeted.exception() and groups:
+                tree = {proc.pid, *descendants(proc.pid)}
+                if any(not tree <= moved.get(group, set()) for group in groups):  # (a move waits)
+                    await asyncio.to_thread(self.adopt, groups, proc.pid, moved)
+            if greeted not in done or greeted.exception():
+                died = exited in done
+                await proc.kill()  # waits for the exit status too, wherever it comes from
+                if greeted.done() and greeted.exception():
+                    reason = str(greeted.exception())
+                elif died:
+                    reason = describe_exit(proc.returncode or 0, via_namespace=launch.pid_namespace)[0]
+                else:
+                    reason = f"no handshake within {self.settings.start_timeout:g} s"
+                said = proc.stderr_tail.decode("utf-8", "replace").strip()
+                raise WorkerStartError(f"{what} failed to start: {reason}" + (f"\n{said}" if said else ""))
+            return proc, groups, greeted.result()
+        except BaseException:
+            greeted.cancel()
+            if adopting is not None:  # its thread is done with the cgroups before they go
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(asyncio.gather(adopting, return_exceptions=True))
+            if proc is not None:
+                await asyncio.shield(proc.kill())
+            self.release_groups(groups)
+            raise
 
     # -- cgroups ----------------------------------------------------------------------------------
     def group_limits(self) -> list[tuple[WorkerCgroups, int]]:

@@ -41,6 +41,11 @@ from worker.contract.tools import (  # noqa: F401 - the tools' bounds, re-export
     truncate,
 )
 
+__all__ = [
+    "MAX_ARG_CHARS", "RepoTools", "TOOL_SCHEMAS", "TOOL_TIMEOUT", "ToolError", "execute_tool_call",
+    "execute_tool_call_async", "parse_arguments", "schema_for"
+]
+
 #: Seconds one tool call may take before its process is killed.
 TOOL_TIMEOUT = 10.0
 #: Longest path and pattern a call may pass (a request frame stays small).

@@ -6,6 +6,8 @@ import signal as _signal
 from dataclasses import dataclass, field
 from typing import Literal
 
+__all__ = ["BlockResult", "OutputChunk", "Status", "describe_exit"]
+
 Status = Literal["ok", "error", "timeout", "cancelled", "died", "killed"]
 
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 from worker.contract import wire
 
+__all__ = ["STDIN_CAP", "Script", "forward_stdin"]
+
 log = logging.getLogger("agentloop")
 
 #: Bytes of stdin forwarded at most; the code sees an end of file there (and a warning says

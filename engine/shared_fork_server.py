@@ -44,7 +44,8 @@ from ._process import Launch
 from ._tree import remove_tree
 from .errors import WorkerStartError
 from .fork_server import ForkedProcess, ForkServer
-from .sandbox import python_paths, server_plan, system_paths
+from .interpreter import python_paths
+from .sandbox import server_plan, system_paths
 from .settings import WorkerSettings
 
 __all__ = ["RunView", "SharedForkServer"]

@@ -32,7 +32,6 @@ from worker.contract.schema import ContractError
 
 from .errors import WorkerStartError
 from .launcher import SLOT
-from .provision import start_process
 from .sample_status import Ending
 
 if TYPE_CHECKING:
@@ -65,7 +64,7 @@ class Slot:
         self._writer: asyncio.StreamWriter | None = None
 
     async def start(self) -> None:
-        """Start the slot and wait for its hello (``provision.start_process``, as for a
+        """Start the slot and wait for its hello (``Launcher.start_process``, as for a
         worker); WorkerStartError, after cleaning up, if it fails."""
         launcher = self.launcher
         endpoint, self.sock_dir = launcher.endpoint(self.number)
@@ -84,7 +83,7 @@ class Slot:
             # as the sandbox's root, not a worker uid.
             os.chown(path, os.getuid(), os.getgid())
             os.chmod(path, 0o600)
-            self.proc, self.cgroups, _ = await start_process(launcher, launch, self.number,
+            self.proc, self.cgroups, _ = await launcher.start_process(launch, self.number,
                                                              self._greet(listener, path, token), "a sample slot")
         except BaseException:
             await asyncio.shield(self.close())

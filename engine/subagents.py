@@ -8,6 +8,8 @@ from typing import Any
 
 from .errors import AgentError
 
+__all__ = ["MAX_SUBAGENTS", "SubagentSlots", "subagent_limit"]
+
 #: Sub-agents one run may have working at once, unless ``max_subagents`` says otherwise.
 MAX_SUBAGENTS = 8
 

@@ -41,6 +41,8 @@ from .script import Script, forward_stdin
 if TYPE_CHECKING:
     from .launcher import Launcher
 
+__all__ = ["Worker", "WorkerState"]
+
 log = logging.getLogger("agentloop")
 
 _STREAMS = {STDOUT: "stdout", STDERR: "stderr"}

@@ -24,6 +24,8 @@ import zmq
 from .contract.framing import encode
 from .contract.limits import MAX_FRAME
 
+__all__ = ["Channel", "SEND_TIMEOUT_MS"]
+
 # Plain ints: the enum members cost an enum construction per use on the hot path.
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 

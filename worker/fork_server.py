@@ -34,7 +34,6 @@ the coordinator moves C into the worker's cgroups while C sets up, and D is born
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import os
 import select
@@ -44,29 +43,41 @@ import sys
 import time
 from collections.abc import Callable
 
+from ._mounts import (
+    MS_BIND,
+    MS_NODEV,
+    MS_NOEXEC,
+    MS_NOSUID,
+    MS_PRIVATE,
+    MS_RDONLY,
+    MS_REC,
+    MS_REMOUNT,
+    NEWIPC,
+    NEWNET,
+    NEWNS,
+    NEWPID,
+    NEWUTS,
+    bind,
+    check,
+    libc,
+    loopback_up,
+    mount_points_under,
+)
 from .contract import fork
 from .contract.framing import FrameBuffer, FrameError, decode, encode, frame, read_frame, write_all
 from .contract.schema import ContractError
 
-_libc = ctypes.CDLL(None, use_errno=True)
+__all__ = ["serve"]
+
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
-_NEW = 0x20000000 | 0x08000000 | 0x04000000 | 0x00020000  # PID IPC UTS NS
-_NEWNET = 0x40000000
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
-_MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
+_NEW = NEWPID | NEWIPC | NEWUTS | NEWNS
 #: What B and C say on the report pipe, inside the server: who (b"C" or b"D") and its pid.
 _REPORT = struct.Struct(">cI")
 
 
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
 def _die_with_parent(parent: int | None) -> None:
-    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if parent is not None and os.getppid() != parent:
         os._exit(70)  # the parent died before the signal was armed
 
@@ -75,26 +86,6 @@ def _exit_status(status: int) -> int:
     if os.WIFSIGNALED(status):
         return 128 + os.WTERMSIG(status)
     return os.WEXITSTATUS(status)
-
-
-def _mount_points_under(top: str) -> list[tuple[str, bool]]:
-    """(mount point, read-only) of every mount strictly below ``top``, shallowest first."""
-    found = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            point = fields[4].encode().decode("unicode_escape")  # octal escapes such as \040
-            if point.startswith(top.rstrip("/") + "/"):
-                found.append((point, "ro" in fields[5].split(",")))
-    return sorted(found, key=lambda item: item[0].count("/"))
-
-
-def _bind(fd: int, where: str, read_only: bool) -> None:
-    os.makedirs(where, exist_ok=True)
-    _check(_libc.mount(f"/proc/self/fd/{fd}".encode(), where.encode(), None, _MS_BIND, None), where)
-    if read_only:
-        flags = _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV
-        _check(_libc.mount(None, where.encode(), None, flags, None), where)
 
 
 def _beneath(path: str, top: str) -> bool:
@@ -126,26 +117,26 @@ def _private_tmp(request: fork.Spawn) -> None:
     hide = list(request.hide or ([os.path.dirname(own)] if own else []))
     show = list(request.show) + ([(own, True)] if own else [])
     shown = [(path, ro, _open_dir(path)) for path, ro in show if any(_beneath(path, h) for h in hide)]
-    keep = [(point, ro, os.open(point, os.O_PATH)) for point, ro in _mount_points_under("/tmp")
+    keep = [(point, ro, os.open(point, os.O_PATH)) for point, ro in mount_points_under("/tmp")
             if not any(_beneath(point, h) for h in hide)]
     size = f"size={request.tmp_bytes},mode=1777".encode()
-    _check(_libc.mount(b"tmpfs", b"/tmp", b"tmpfs", _MS_NOSUID | _MS_NODEV, size), "/tmp")
+    check(libc.mount(b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, size), "/tmp")
     for point, ro, fd in keep:
-        _bind(fd, point, ro)
+        bind(fd, point, ro)
         os.close(fd)
     covered = [h for h in hide if os.path.isdir(h)]  # (one beneath /tmp is gone with the old /tmp)
     for hidden in covered:
-        _check(_libc.mount(b"tmpfs", hidden.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV,
+        check(libc.mount(b"tmpfs", hidden.encode(), b"tmpfs", MS_NOSUID | MS_NODEV,
                            b"size=1m,mode=0755"), hidden)
     for path, ro, fd in sorted(shown, key=lambda item: item[0].count("/")):
-        _bind(fd, path, ro)
+        bind(fd, path, ro)
         os.close(fd)
     for hidden in covered:  # nothing may be written to the cover (the binds keep their own mode)
         if all(path != hidden for path, _, _ in shown):
-            flags = _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV
-            _check(_libc.mount(None, hidden.encode(), None, flags, None), hidden)
+            flags = MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV
+            check(libc.mount(None, hidden.encode(), None, flags, None), hidden)
     if os.path.isdir("/dev/shm"):
-        _check(_libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", _MS_NOSUID | _MS_NODEV, size), "/dev/shm")
+        check(libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", MS_NOSUID | MS_NODEV, size), "/dev/shm")
 
 
 def _own_stderr(path: str) -> None:
@@ -159,17 +150,6 @@ def _own_stderr(path: str) -> None:
         fd = os.open(os.devnull, os.O_WRONLY)
     os.dup2(fd, 2)
     os.close(fd)
-
-
-def _loopback_up() -> None:
-    """A new network namespace starts with its loopback down: servers the code starts on
-    127.0.0.1 should work, as they do in a cold-started worker."""
-    import fcntl
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        flags = 0x1 | 0x8 | 0x40  # IFF_UP | IFF_LOOPBACK | IFF_RUNNING
-        fcntl.ioctl(s, 0x8914, struct.pack("16sH14x", b"lo", flags))  # SIOCSIFFLAGS
 
 
 def _find_sleep() -> str | None:
@@ -212,24 +192,24 @@ def _child(private_net: bool, control: tuple[int, ...], report: int, requests: i
         for fd in control:
             os.close(fd)
         # A network namespace of its own too, unless the run was given the host's network.
-        _check(_libc.unshare(_NEW | (_NEWNET if private_net else 0)), "unshare")
+        check(libc.unshare(_NEW | (NEWNET if private_net else 0)), "unshare")
         init = os.fork()
         if init:
             os.write(report, _REPORT.pack(b"C", init))
             os._exit(0)
         # No parent-death signal for C: it would fire as B leaves.  C lives in the sandbox's
         # PID namespace too, which ends with the server and with the coordinator.
-        _check(_libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "private mounts")
-        _check(_libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None), "/proc")
+        check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "private mounts")
+        check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "/proc")
         if private_net:
-            _loopback_up()
+            loopback_up()
         request = _receive(requests)
         os.close(requests)
         if request is None:
             os._exit(0)
         _private_tmp(request)
         if request.own_workspace:  # (code samples) an empty workspace of its own, gone with it
-            _check(_libc.mount(b"tmpfs", request.own_workspace.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV,
+            check(libc.mount(b"tmpfs", request.own_workspace.encode(), b"tmpfs", MS_NOSUID | MS_NODEV,
                                f"size={request.tmp_bytes},mode=1777".encode()), "workspace")
         worker = os.fork()
         if worker:
@@ -373,7 +353,7 @@ def serve() -> None:
 
     wire = _Wire()
     sleep = _find_sleep()
-    _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # workers' inits come back to us
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # workers' inits come back to us
     children: dict[int, object] = {}
     # SIGCHLD wakes select(): the self-pipe turns the signal into a readable fd.
     wake_r, wake_w = os.pipe()

@@ -21,6 +21,8 @@ from .capture import current_block
 from .contract.framing import encode
 from .contract.limits import MAX_FRAME
 
+__all__ = ["AgentHandle", "AgentSelf", "Call", "HOST_ATTR", "export", "host_stub", "inject"]
+
 Call = Callable[[str, list, dict, "str | None"], Future]
 
 HOST_ATTR = "__agentloop_host__"

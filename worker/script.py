@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .contract.wire import ScriptSpec
 
+__all__ = ["ScriptInput", "enter", "exit_status", "finish", "like_main_thread"]
+
 #: How often a reader waiting for stdin wakes, so that a cancel (an exception raised in its
 #: thread, which only lands between bytecodes) reaches it instead of a kill.
 _WAKE = 0.1

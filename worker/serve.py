@@ -43,6 +43,8 @@ from .contract.limits import INTERRUPT_SIGNAL, MAX_NOTE, STDERR, STDOUT
 from .contract.schema import ContractError
 from .runtime import Runtime
 
+__all__ = ["Crew", "HANDSHAKE_TIMEOUT", "HostCalls", "HostError", "IDLE_TRIM", "SPIN_AFTER_BLOCK", "serve"]
+
 HANDSHAKE_TIMEOUT = 15.0
 IDLE_TRIM = 1.0  # seconds idle before freed memory goes back to the kernel
 SPIN_AFTER_BLOCK = 150e-6  # seconds the listener polls before sleeping, after a block

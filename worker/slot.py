@@ -31,7 +31,6 @@ when the coordinator closes the socket, and dies with its namespace's init.
 from __future__ import annotations
 
 import builtins
-import ctypes
 import gc
 import os
 import select
@@ -43,6 +42,18 @@ import traceback
 import types
 
 from . import _confine, script
+from ._mounts import (
+    MS_NODEV,
+    MS_NOSUID,
+    NEWIPC,
+    NEWNET,
+    NEWNS,
+    bind,
+    check,
+    libc,
+    loopback_up,
+    mount_points_under,
+)
 from .contract import sample
 from .contract.confinement import Confinement
 from .contract.framing import FrameBuffer, FrameError, decode, encode, frame
@@ -50,12 +61,10 @@ from .contract.limits import INTERRUPT_SIGNAL, HeadTail
 from .contract.sample import SlotSettings
 from .contract.schema import ContractError
 from .contract.start import StartSpec
-from .fork_server import _bind, _check, _loopback_up, _mount_points_under
 
-_libc = ctypes.CDLL(None, use_errno=True)
+__all__ = ["Slot", "main"]
+
 _PR_SET_CHILD_SUBREAPER = 36
-_NEWNS, _NEWIPC, _NEWNET = 0x00020000, 0x08000000, 0x40000000
-_MS_NOSUID, _MS_NODEV = 2, 4
 _READ = 65536
 
 
@@ -75,7 +84,7 @@ class Slot:
         # (the project, outputs): never the workspace (each sample gets an empty one) nor the
         # run's sockets.
         hidden = (self.workspace, os.path.dirname(own) if own else "")
-        self.keep = [(point, ro) for point, ro in _mount_points_under("/tmp")
+        self.keep = [(point, ro) for point, ro in mount_points_under("/tmp")
                      if not any(h and (point == h or point.startswith(h + "/")) for h in hidden)]
         self.hide = [d for d in (os.path.dirname(own) if own else "",) if d and not d.startswith("/tmp/")]
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -191,8 +200,8 @@ class Slot:
         """The sample used the network: the next one gets a namespace nobody has used.  (One
         that left the counters of every interface and protocol as they were, and no socket,
         since its processes are all dead, left nothing there to see: the namespace is kept.)"""
-        _check(_libc.unshare(_NEWNET), "unshare")
-        _loopback_up()
+        check(libc.unshare(NEWNET), "unshare")
+        loopback_up()
         self.net_state = _net_state()
 
     def _reap(self) -> None:
@@ -239,21 +248,21 @@ class Slot:
 
     def _own_mounts(self) -> None:
         """Mount and IPC namespaces of the sample's own, with empty /tmp, /dev/shm and workspace."""
-        _check(_libc.unshare(_NEWNS | _NEWIPC), "unshare")
+        check(libc.unshare(NEWNS | NEWIPC), "unshare")
         # Opened in the new namespace (a bind's source must be a mount of the caller's own),
         # before the fresh /tmp hides them.
         keep = [(point, read_only, os.open(point, os.O_PATH)) for point, read_only in self.keep]
         size = f"size={self.tmp_bytes},mode=1777".encode()
-        _check(_libc.mount(b"tmpfs", b"/tmp", b"tmpfs", _MS_NOSUID | _MS_NODEV, size), "/tmp")
+        check(libc.mount(b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, size), "/tmp")
         for point, read_only, fd in keep:
-            _bind(fd, point, read_only)
+            bind(fd, point, read_only)
             os.close(fd)
         for where in self.hide:
-            _check(_libc.mount(b"tmpfs", where.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"size=1m,mode=0755"), where)
+            check(libc.mount(b"tmpfs", where.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,mode=0755"), where)
         os.makedirs(self.workspace, exist_ok=True)
-        _check(_libc.mount(b"tmpfs", self.workspace.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, size), "workspace")
+        check(libc.mount(b"tmpfs", self.workspace.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, size), "workspace")
         if os.path.isdir("/dev/shm"):
-            _check(_libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", _MS_NOSUID | _MS_NODEV, size), "/dev/shm")
+            check(libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", MS_NOSUID | MS_NODEV, size), "/dev/shm")
 
 
 #: Per network namespace: every interface's counters and every protocol's (a packet sent, a
@@ -382,7 +391,7 @@ def _drain(fd: int) -> None:
 
 def main() -> None:
     start = StartSpec.take()
-    _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     endpoint = sys.argv[1]
     path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else endpoint
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

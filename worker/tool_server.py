@@ -28,6 +28,8 @@ from .contract.framing import FrameError, decode_json, encode_json, frame, read_
 from .contract.schema import ContractError
 from .repo_tools import MAX_TEXT, Refusal, Tree, truncate
 
+__all__ = ["command", "handle", "main"]
+
 _PR_SET_PDEATHSIG = 1
 _EXIT_PARENT_GONE = 70
 _EXIT_CONFINE = 71

@@ -19,6 +19,8 @@ from .run import RunSettings, execute
 from .stopping import Stopper, infra_threshold
 from .tasks import TaskSpec, read_tasks, refuse_invalid
 
+__all__ = ["BatchOutcome", "EXIT_STOPPED", "run_batch"]
+
 EXIT_STOPPED = 1
 
 

@@ -64,6 +64,11 @@ from .run import RunSettings, execute, make_record, pack_files
 from .stopping import Stopper, infra_threshold
 from .tasks import TaskSpec
 
+__all__ = [
+    "GRACE", "NODE_RETRIES", "SLOTS_EVERY", "agent_slots", "connect", "import_ray", "run_on_node",
+    "run_on_ray"
+]
+
 #: Re-executions Ray allows a task whose node or worker process died.
 NODE_RETRIES = 3
 #: Seconds between a polite cancel and killing the task's Ray worker.

@@ -12,6 +12,8 @@ from ..display import AgentDisplay
 from ..inert import inert
 from .results import STATUSES
 
+__all__ = ["BarView", "LinesView", "Meter", "QuietView", "Tally", "make_view", "print_summary", "short"]
+
 
 class Meter(AgentDisplay):
     """Tokens and cost of one running run, from its agents' ``replied`` events."""

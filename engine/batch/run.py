@@ -29,6 +29,10 @@ from ..shared_fork_server import SharedForkServer
 from .results import read_all
 from .tasks import TaskSpec
 
+__all__ = [
+    "BACKOFF_MAX", "RunSettings", "execute", "is_infrastructure", "make_record", "pack_files", "run_slug"
+]
+
 #: Longest wait between two attempts of a run.
 BACKOFF_MAX = 60.0
 

@@ -42,6 +42,8 @@ from .run import pack_files
 from .stopping import Stopper
 from .tasks import read_lines, refuse_invalid, task_files
 
+__all__ = ["REDO", "SampleSpec", "read_samples", "run_samples"]
+
 #: What ``--redo`` may name (``cancelled`` samples always run again).
 REDO = ("error", "timeout", "oom", "died")
 

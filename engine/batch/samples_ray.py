@@ -24,6 +24,8 @@ from .progress import LinesView, Tally
 from .results import ResultsFile
 from .stopping import Stopper
 
+__all__ = ["CHUNK", "run_chunk", "run_on_ray"]
+
 # The samples are ``engine.batch.samples.SampleSpec``s (not imported: that module imports this one).
 
 #: Samples per Ray task.

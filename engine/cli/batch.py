@@ -21,6 +21,8 @@ from .options import (
     worker_settings,
 )
 
+__all__ = ["batch"]
+
 
 @click.command("batch")
 @click.argument("tasks_file", type=click.Path(dir_okay=False, exists=True, path_type=Path))

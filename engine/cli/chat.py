@@ -56,6 +56,8 @@ from .options import (
     worker_settings,
 )
 
+__all__ = ["DOUBLE_INTERRUPT_S", "PROMPT", "STEER", "chat"]
+
 PROMPT = "you> "
 STEER = "/steer"
 #: Two Ctrl-C at the prompt within this many seconds leave the chat.

@@ -27,6 +27,11 @@ from ..scripted import ScriptedServer
 from ..tags import find_tags
 from .options import ending, make_display, run_until_done, worker_options, worker_settings
 
+__all__ = [
+    "COMPLETE", "DEMO_SCRIPT", "DEMO_TASK", "HELPER_TASK", "NOTICE", "OFF_SCRIPT", "demo", "demo_registry",
+    "helper_turn", "main_turn"
+]
+
 DEMO_TASK = ("Show me what agentloop can do: run blocks at once, report progress while one works, "
              "survive a block stuck in C, and hand work to a sub-agent.")
 HELPER_TASK = ("Use collatz(n) to find the starting number below 1000 with the longest Collatz chain; "

@@ -14,6 +14,8 @@ from ..errors import AgentloopError
 from ..inert import inert
 from .options import fail, load_registry, worker_options, worker_settings
 
+__all__ = ["doctor_cmd"]
+
 
 @click.command("doctor")
 @click.option("--models", "models_file", type=click.Path(dir_okay=False, path_type=Path), default=None)

@@ -32,6 +32,8 @@ from .options import (
     worker_settings,
 )
 
+__all__ = ["SAMPLE_REDO", "exec_cmd"]
+
 #: What ``--redo`` may name with ``--jsonl``.
 SAMPLE_REDO = ("error", "timeout", "oom", "died")
 

@@ -14,6 +14,8 @@ import click
 from ..errors import AgentloopError
 from .options import Duration, fail, worker_options, worker_settings
 
+__all__ = ["mcp"]
+
 
 @click.command("mcp")
 @click.option("--http", "http", metavar="HOST:PORT", default=None,

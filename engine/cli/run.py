@@ -26,6 +26,8 @@ from .options import (
     worker_settings,
 )
 
+__all__ = ["run_cmd"]
+
 _RUN_EXIT = {"answered": 0, "failed": 1, "timed_out": EXIT_TIMEOUT, "cancelled": EXIT_INTERRUPTED}
 
 

@@ -63,6 +63,12 @@ from ..settings import WorkerSettings
 from ..worker import Worker
 from .workspace_files import MAX_LISTED_FILES, list_files, mime_type, parse_uri, read_file, resource_uri
 
+__all__ = [
+    "AgentloopMCP", "CLOSE_TIMEOUT", "DEFAULT_SESSION", "DEFAULT_TIMEOUT", "PROGRESS_INTERVAL",
+    "PROGRESS_TEXT", "Progress", "SCHEME", "SESSION_NAME", "ServerConfig", "Session", "Sessions",
+    "ToolError", "check_name", "result_data", "result_text", "tool_definitions"
+]
+
 log = logging.getLogger("agentloop")
 
 #: Seconds between two progress notifications of one block, at least.

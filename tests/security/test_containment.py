@@ -240,7 +240,8 @@ async def test_directories_of_homes_are_not_shown(where: str, tmp_path: Path):
     if cwd is None or not os.path.isdir(cwd):
         pytest.skip(reason="this machine has no such directory")
     # What the view holds beneath cwd anyway: the system and the Python the worker runs.
-    from engine.sandbox import python_paths, system_paths
+    from engine.interpreter import python_paths
+    from engine.sandbox import system_paths
 
     needed = [*system_paths()[0], *python_paths(sys.executable)]
     allowed = {os.path.relpath(p, cwd).split("/")[0] for p in needed if p.startswith(cwd.rstrip("/") + "/")}
