@@ -15,7 +15,7 @@ Guarantees, for every sample:
   endless loop, a sample that kills its process group or fills ``/tmp`` costs its own result
   only.  Where the fork server cannot run (it needs root and bubblewrap) each sample gets an
   engine of its own instead: the same isolation, started cold (~100 ms a sample).
-- It runs as ``python sample.py ARGS`` would (``engine.script``): ``sys.argv``, ``__file__``,
+- It runs as ``python sample.py ARGS`` would (``engine.script_run``): ``sys.argv``, ``__file__``,
   ``__name__ == "__main__"``, ``stdin`` on ``sys.stdin``, ``SystemExit`` as the exit status,
   tracebacks on stderr, threads waited for and ``atexit`` handlers run.
 - Exactly one ``SampleResult`` comes back (``status``: ``ok``, ``error``, ``timeout``,
@@ -47,7 +47,7 @@ from .launcher import Launcher
 from .provision import fork_server_refusal
 from .results import BlockResult, OutputChunk
 from .sample_status import STATUSES, Ending, cancelled_outcome, classify
-from .script import Script
+from .script_run import ScriptRun
 from .slots import SlotPool
 from .worker import Worker
 
@@ -199,7 +199,7 @@ async def run_sample(launcher: Launcher, sample: Sample, *, timeout: float = DEF
                                     f"its files could not be written to its workspace: {why}")
         if sample.stdin is not None:
             stdin_fd = _stdin_file(sample.stdin)
-        script = Script(os.path.join(workspace, SCRIPT_NAME), [SCRIPT_NAME, *sample.args], stdin_fd)
+        script = ScriptRun(os.path.join(workspace, SCRIPT_NAME), [SCRIPT_NAME, *sample.args], stdin_fd)
         result = await worker.run(sample.code, timeout=sample.timeout or timeout, block_id="main",
                                   on_output=collect, script=script)
         if result.status in ("ok", "error"):  # the process lives (a kill would have replaced it)

@@ -36,7 +36,7 @@ from .durations import DEFAULT_BLOCK_TIMEOUT
 from .errors import WorkerClosed, WorkerError, WorkerStartError
 from .output import OutputSink
 from .results import BlockResult, OutputChunk, describe_exit
-from .script import Script, forward_stdin
+from .script_run import ScriptRun, forward_stdin
 
 if TYPE_CHECKING:
     from .launcher import Launcher
@@ -57,7 +57,7 @@ class WorkerState(enum.Enum):
     CLOSED = "closed"  # closed by its owner; every further call raises WorkerClosed
 
 
-class _Block:
+class _RunningBlock:
     """Coordinator-side state of one running block."""
 
     def __init__(self, block_id: str, sink: OutputSink, timeout: float,
@@ -113,7 +113,7 @@ class Worker:
         self._bound_names: set[str] = set()
         self._call_tasks: set[asyncio.Task] = set()
         self._session: Session | None = None
-        self._blocks: dict[str, _Block] = {}
+        self._blocks: dict[str, _RunningBlock] = {}
         self._lock = asyncio.Lock()
         self._block_ids = itertools.count(1)
         self._restarting: asyncio.Task | None = None
@@ -199,7 +199,7 @@ class Worker:
             await self._kill_locked("worker closed", status="cancelled")
             self.state = WorkerState.CLOSED
 
-    async def _kill_locked(self, why: str, *, status: str = "killed", cause: _Block | None = None,
+    async def _kill_locked(self, why: str, *, status: str = "killed", cause: _RunningBlock | None = None,
                            cause_message: str = "", **extra: Any) -> None:
         """Kill the current process tree (reaping whatever it left) and end every running block
         with words saying why; ``extra`` goes into their results (signal, exit code)."""
@@ -382,7 +382,7 @@ class Worker:
     # -- running blocks -----------------------------------------------------------------------
     async def _submit(self, code: str, timeout: float, block_id: str | None,
                       on_output: Callable[[OutputChunk], None] | None, budget: int | None = None,
-                      script: Script | None = None) -> _Block:
+                      script: ScriptRun | None = None) -> _RunningBlock:
         session = await self._ensure_ready()
         if block_id is None:
             block_id = f"b{next(self._block_ids)}"
@@ -392,7 +392,7 @@ class Worker:
             raise ValueError(f"block {block_id!r} is already running")
         sink = OutputSink(lambda: self.launcher.output_path(self.index, block_id),
                           file_cap=self.launcher.settings.output_file_cap)
-        block = _Block(block_id, sink, timeout, on_output, budget)
+        block = _RunningBlock(block_id, sink, timeout, on_output, budget)
         self._blocks[block_id] = block
         session.send(wire.Run(block_id, code, script.spec() if script is not None else None))
         if script is not None and script.stdin is not None:
@@ -401,12 +401,12 @@ class Worker:
 
     async def run(self, code: str, *, timeout: float = DEFAULT_BLOCK_TIMEOUT, block_id: str | None = None,
                   on_output: Callable[[OutputChunk], None] | None = None,
-                  budget: int | None = None, script: Script | None = None) -> BlockResult:
+                  budget: int | None = None, script: ScriptRun | None = None) -> BlockResult:
         """Run one block and return how it ended.  Never raises for what the code did.
 
         ``budget`` caps ``result.output`` in bytes (head and tail, with the count cut between).
         ``script``: run the code as ``python FILE ARGS`` would (``agentloop exec``; see
-        ``engine.script``): then a traceback is part of the output, as Python prints it.
+        ``engine.script_run``): then a traceback is part of the output, as Python prints it.
 
         A ``SystemExit`` ends the block, never the worker: ``exit_code`` holds its status (the
         status is ok for 0, else error) and ``exited`` is true.
@@ -444,7 +444,7 @@ class Worker:
                 with contextlib.suppress(asyncio.CancelledError):
                     await supervisor
 
-    async def _supervise(self, block: _Block) -> BlockResult:
+    async def _supervise(self, block: _RunningBlock) -> BlockResult:
         """Wait for ``block``'s result, keeping its deadline.  The contract, all of it here:
 
         - The deadline is ``timeout`` seconds from when the ``run`` was sent, kept by the
@@ -486,7 +486,7 @@ class Worker:
         finally:
             timer.cancel()
 
-    def _expire(self, block: _Block) -> None:
+    def _expire(self, block: _RunningBlock) -> None:
         if not block.future.done():
             block.timed_out = True
             block.stopping = asyncio.ensure_future(self._stop(block, f"timed out after {_secs(block.timeout)}"))
@@ -498,7 +498,7 @@ class Worker:
             return None
         return await asyncio.shield(self._stop(block, "cancelled"))
 
-    async def _stop(self, block: _Block, why: str) -> BlockResult:
+    async def _stop(self, block: _RunningBlock, why: str) -> BlockResult:
         """The interrupt, then — after ``grace``, or at once when the worker says it cannot
         reach the block — the hard kill of the whole tree, with words saying which it was."""
         self.send(wire.Cancel(block.id, "timeout" if block.timed_out else "cancel", block.timeout,

@@ -16,7 +16,7 @@ import pytest
 
 from engine._process import descendants
 from engine.batch import ResultsFile, RunSettings, default_parallel, is_infrastructure, read_tasks
-from engine.batch.results import redo_selector
+from engine.batch.results_file import redo_selector
 from engine.batch.run import run_slug
 from engine.display import read_recording
 from engine.engine import Engine

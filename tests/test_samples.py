@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from engine._process import descendants
-from engine.batch.samples import read_samples
+from engine.batch.sample_file import read_samples
 from engine.engine import Engine
 from engine.samples import Sample
 

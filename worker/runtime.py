@@ -56,7 +56,7 @@ import time
 import types
 from collections.abc import Callable
 
-from . import capture, proxy, script
+from . import capture, proxy, script_run
 from ._running import MAIN, Running, deadline_words, has_signal, interrupt_note, task_status
 from .capture import FdCapture, Router, current_block
 from .contract import wire
@@ -142,7 +142,7 @@ class Runtime:
         self._tasks: dict[str, concurrent.futures.Future] = {}
         self._threads: dict[str, Running] = {}
         self._sources: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._stdin: script.ScriptInput | None = None  # a script run's forwarded stdin
+        self._stdin: script_run.ScriptInput | None = None  # a script run's forwarded stdin
 
     def base_names(self, names: set[str]) -> None:
         """Names injected by the host (tools, ``self``): not reported as the user's variables."""
@@ -170,8 +170,8 @@ class Runtime:
         the code as ``python FILE ARGS`` would (see ``script``)."""
         filename = block_filename(block_id)
         if run_as is not None:
-            self._stdin = script.ScriptInput(run_as.stdin)
-            filename = script.enter(self.namespace, run_as, self._stdin)
+            self._stdin = script_run.ScriptInput(run_as.stdin)
+            filename = script_run.enter(self.namespace, run_as, self._stdin)
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         self._sources[filename] = None
         self._sources.move_to_end(filename)
@@ -212,7 +212,7 @@ class Runtime:
         an exception that ended an interrupted block is its interrupt ("cancelled"), with the
         traceback, which says where the code was."""
         if isinstance(exc, SystemExit):
-            code, text = script.exit_status(exc)
+            code, text = script_run.exit_status(exc)
             if text is not None:
                 sys.stderr.write(text + "\n")
             return "exit", "", code
@@ -223,7 +223,7 @@ class Runtime:
                 running: Running | None = None, raised: BaseException | None = None
                 ) -> tuple[str, str, int | None]:
         """For a script run, what the interpreter does at the end: the traceback to stderr,
-        then the threads and ``atexit`` handlers (``script.finish``), which run after an
+        then the threads and ``atexit`` handlers (``script_run.finish``), which run after an
         interrupt too (as after a ``KeyboardInterrupt`` in CPython).  A ``KeyboardInterrupt``
         the script raised itself (``raised``; not an interrupt of ours) ends it as CPython
         ends: status 130, as if killed by SIGINT.  Runs in the block's context, so what they
@@ -236,7 +236,7 @@ class Runtime:
         if status == "error" and isinstance(raised, KeyboardInterrupt):
             outcome = ("exit", "", 128 + signal.SIGINT)
         try:
-            script.finish()
+            script_run.finish()
         except BaseException as exc:  # noqa: BLE001 - CPython reports it and exits all the same
             if running is not None and running.took(exc):
                 return "cancelled", error, None
@@ -259,7 +259,7 @@ class Runtime:
         outcome: tuple[str, str, int | None]
         note = ""
         if run_as is not None:
-            script.like_main_thread()
+            script_run.like_main_thread()
         try:
             await coro
         except asyncio.CancelledError:
@@ -280,7 +280,7 @@ class Runtime:
                   filename: str = "") -> None:
         outcome: tuple[str, str, int | None] = ("cancelled", "", None)
         if run_as is not None:
-            script.like_main_thread()
+            script_run.like_main_thread()
         if threading.get_ident() == self._main:
             self._on_main = running  # before it can be interrupted: the handler looks here
         try:

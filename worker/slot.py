@@ -20,7 +20,7 @@ sample can see:
 
 A sample runs as ``python sample.py ARGS`` would: ``sys.argv``, ``__file__``, ``__name__ ==
 "__main__"``, stdin, the exit status, tracebacks, threads waited for and ``atexit``
-handlers run (``worker.script``).  At its deadline it gets a ``TimeoutError`` raised in its
+handlers run (``worker.script_run``).  At its deadline it gets a ``TimeoutError`` raised in its
 main thread (signal ``SIGRTMIN+5``, as a worker's block does); ``grace`` seconds later every
 process of it is killed.
 
@@ -41,7 +41,7 @@ import time
 import traceback
 import types
 
-from . import _confine, script
+from . import _confine, script_run
 from ._mounts import (
     MS_NODEV,
     MS_NOSUID,
@@ -317,7 +317,7 @@ def _run_script(req: sample.RunSample, workspace: str) -> int:
     try:
         exec(compile(code, path, "exec"), main.__dict__)
     except SystemExit as exc:
-        status, text = script.exit_status(exc)
+        status, text = script_run.exit_status(exc)
         if text is not None:
             _flush(sys.stdout)
             print(text, file=sys.stderr)
@@ -330,9 +330,9 @@ def _run_script(req: sample.RunSample, workspace: str) -> int:
             traceback.print_exception(type(exc), exc, tb)
         status = -signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
     try:
-        script.finish()
+        script_run.finish()
     except SystemExit as exc:
-        status = script.exit_status(exc)[0]
+        status = script_run.exit_status(exc)[0]
     except BaseException:  # noqa: BLE001
         traceback.print_exc()
     for stream in (sys.stdout, sys.stderr):

@@ -59,7 +59,7 @@ from typing import Any
 
 from ..errors import AgentloopError
 from .progress import LinesView, Tally, short
-from .results import ResultsFile
+from .results_file import ResultsFile
 from .run import RunSettings, execute, make_record, pack_files
 from .stopping import Stopper, infra_threshold
 from .tasks import TaskSpec

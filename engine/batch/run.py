@@ -26,7 +26,7 @@ from ..repo_tools import RepoTools
 from ..runner import RunResult, run_task
 from ..settings import WorkerSettings
 from ..shared_fork_server import SharedForkServer
-from .results import read_all
+from .results_file import read_all
 from .tasks import TaskSpec
 
 __all__ = [

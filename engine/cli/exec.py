@@ -22,7 +22,7 @@ from ..errors import AgentloopError
 from ..inert import InertStream, inert
 from ..results import BlockResult, OutputChunk
 from ..samples import exit_code as _exit_code
-from ..script import Script
+from ..script_run import ScriptRun
 from ..settings import WorkerSettings
 from .options import (
     EXIT_INTERRUPTED,
@@ -168,9 +168,9 @@ class _Sink:
 
 def _run_samples(samples: Path, output: Path | None, file, as_json: bool, timeout: float, parallel: int | None,
                  redo: tuple[str, ...], skip_invalid: bool, progress: str, ray_address: str | None) -> None:
-    """``exec --jsonl``: every sample of the file, to the results file (``engine.batch.samples``)."""
+    """``exec --jsonl``: every sample of the file, to the results file (``engine.batch.sample_file``)."""
     from ..batch.progress import print_summary
-    from ..batch.samples import run_samples
+    from ..batch.sample_file import run_samples
 
     if file is not None or output is None or as_json:
         fail("--jsonl SAMPLES takes -o RESULTS, and neither FILE nor --json")
@@ -192,7 +192,7 @@ def _run_samples(samples: Path, output: Path | None, file, as_json: bool, timeou
     sys.exit(outcome.exit_code)
 
 
-def _script(file, args: tuple[str, ...]) -> Script:
+def _script(file, args: tuple[str, ...]) -> ScriptRun:
     """What ``exec FILE ARGS`` runs as: the file's absolute path (``<stdin>`` for ``-``), the
     arguments as given, and this process's stdin when it is a pipe or a file that is not the
     code itself (a terminal is not read: a background job would stop on it)."""
@@ -207,11 +207,11 @@ def _script(file, args: tuple[str, ...]) -> Script:
                 stdin = 0
         except OSError:
             stdin = None
-    return Script(path, ["-" if from_stdin else file.name, *args], stdin)
+    return ScriptRun(path, ["-" if from_stdin else file.name, *args], stdin)
 
 
 async def _exec(code: str, timeout: float, out: _Sink, err: _Sink, settings: WorkerSettings,
-                workspace: Path | None, script: Script | None = None) -> BlockResult:
+                workspace: Path | None, script: ScriptRun | None = None) -> BlockResult:
     def show(chunk: OutputChunk) -> None:
         (err if chunk.stream == "stderr" else out).write(chunk.data)
 

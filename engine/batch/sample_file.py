@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -35,9 +34,9 @@ from ..launcher import ENV_ALLOWLIST
 from ..samples import FILES_CAP, STATUSES, Sample, SampleResult, cancelled, check_env
 from ..settings import WorkerSettings
 from .capacity import default_parallel
-from .local import BatchOutcome
-from .progress import Tally, make_view
-from .results import ResultsFile, lock_file, open_results
+from .local import BatchOutcome, drive
+from .progress import LinesView, Tally
+from .results_file import ResultsFile, lock_file, open_results
 from .run import pack_files
 from .stopping import Stopper
 from .tasks import read_lines, refuse_invalid, task_files
@@ -172,8 +171,9 @@ def run_samples(samples_path: str | Path, output: str | Path, settings: WorkerSe
                 redo: Iterable[str] = (), ray_address: str | None = None) -> BatchOutcome:
     """Run every sample of ``samples_path`` not yet in ``output``; see the module docstring.
 
-    ``settings``: how the workers that run them are started and contained.  Raises ConfigError, before anything starts, for invalid lines (unless
-    ``skip_invalid``), a damaged output, or an output another process is writing."""
+    ``settings``: how the workers that run them are started and contained.  Raises
+    ConfigError, before anything starts, for invalid lines (unless ``skip_invalid``), a damaged
+    output, or an output another process is writing."""
     output = Path(output)
     specs, problems = read_samples(samples_path)
     refuse_invalid(samples_path, problems, skip_invalid)
@@ -181,28 +181,20 @@ def run_samples(samples_path: str | Path, output: str | Path, settings: WorkerSe
     lock = lock_file(output.with_name(f".{output.name}.lock"),
                      f"another agentloop is writing {output}; wait for it or stop it")
     results, resumed = open_results(output, redo, "sample", lock=lock)
-    try:
-        pending = [s for s in specs if s.key not in resumed.done]
-        before = len(specs) - len(pending)
-        parallel = parallel or default_parallel()
-        where = f"on Ray at {ray_address}" if ray_address else f"{parallel} at once"
-        print(f"agentloop: {len(specs)} samples, {before} done before, {len(pending)} to run, {where}; "
-              f"results in {output}", file=sys.stderr, flush=True)
-        tally = Tally(len(specs), before, kind="samples", statuses=STATUSES)
-        view = make_view(progress, tally)
-        stopper = Stopper()
-        view.start()
-        try:
-            if ray_address is not None and pending:
-                from . import samples_ray
+    parallel = parallel or default_parallel()
+    where = f"on Ray at {ray_address}" if ray_address else f"{parallel} at once"
 
-                samples_ray.run_on_ray(ray_address, pending, settings, results=results, tally=tally,
-                                       view=view, parallel=parallel, stopper=stopper, timeout=timeout)
-            elif pending:
-                asyncio.run(_run_local(pending, settings, results, tally, view, parallel, stopper, timeout))
-        finally:
-            view.stop()
-        return BatchOutcome(tally, stopper.reason)
-    finally:
-        results.close()
-        os.close(lock)
+    def run(pending: list, tally: Tally, view: LinesView, stopper: Stopper) -> None:
+        if ray_address is not None:
+            from . import sample_file_ray
+
+            sample_file_ray.run_on_ray(ray_address, pending, settings, results=results, tally=tally, view=view,
+                                       parallel=parallel, stopper=stopper, timeout=timeout)
+        else:
+            asyncio.run(_run_local(pending, settings, results, tally, view, parallel, stopper, timeout))
+
+    def tally(total: int, before: int) -> Tally:
+        return Tally(total, before, kind="samples", statuses=STATUSES)
+
+    return drive("samples", specs, results, resumed.done, lock, progress=progress, tally=tally, run=run,
+                 header=f"{where}; results in {output}")

@@ -1,6 +1,6 @@
 """A block run as ``python FILE ARGS`` runs a script: what ``agentloop exec`` asks of a worker.
 
-The worker side is ``worker.script``.  Here: what the coordinator says (``Script``), and the
+The worker side is ``worker.script_run``.  Here: what the coordinator says (``ScriptRun``), and the
 forwarding of a file descriptor (``exec``'s own stdin) to the code's ``sys.stdin``.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from worker.contract import wire
 
-__all__ = ["STDIN_CAP", "Script", "forward_stdin"]
+__all__ = ["STDIN_CAP", "ScriptRun", "forward_stdin"]
 
 log = logging.getLogger("agentloop")
 
@@ -27,7 +27,7 @@ _CHUNK = 64 * 1024
 
 
 @dataclass(frozen=True)
-class Script:
+class ScriptRun:
     """How to run a block as a script.  ``path``: the file's absolute path (``__file__``, the
     name in tracebacks and warnings), None for code read from stdin (named ``<stdin>``);
     ``argv``: ``sys.argv``, the file as given first; ``stdin``: a file descriptor whose bytes

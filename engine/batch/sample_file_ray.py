@@ -21,12 +21,12 @@ from ..engine import Engine
 from ..settings import WorkerSettings
 from .on_ray import NODE_RETRIES, agent_slots, connect, import_ray
 from .progress import LinesView, Tally
-from .results import ResultsFile
+from .results_file import ResultsFile
 from .stopping import Stopper
 
 __all__ = ["CHUNK", "run_chunk", "run_on_ray"]
 
-# The samples are ``engine.batch.samples.SampleSpec``s (not imported: that module imports this one).
+# The samples are ``engine.batch.sample_file.SampleSpec``s (not imported: that module imports this one).
 
 #: Samples per Ray task.
 CHUNK = 32
