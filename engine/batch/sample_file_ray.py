@@ -14,12 +14,11 @@ the chunk returned) and exits 130.
 from __future__ import annotations
 
 import asyncio
-import signal
 from typing import Any
 
 from ..engine import Engine
 from ..settings import WorkerSettings
-from .on_ray import NODE_RETRIES, agent_slots, connect, import_ray
+from .on_ray import NODE_RETRIES, agent_slots, on_cluster
 from .progress import LinesView, Tally
 from .results_file import ResultsFile
 from .stopping import Stopper
@@ -48,15 +47,10 @@ def run_chunk(specs: list[Any], settings: WorkerSettings, parallel: int, timeout
 def run_on_ray(address: str, pending: list[Any], settings: WorkerSettings, *, results: ResultsFile,
                tally: Tally, view: LinesView, parallel: int, stopper: Stopper, timeout: float) -> None:
     """Run ``pending`` on the cluster at ``address``, writing each chunk's records as it comes."""
-    ray = import_ray()
-    connected = connect(ray, address, {})
-    handlers: dict[int, Any] = {}
-    try:
+    with on_cluster(address, {}, stopper) as ray:
         slots = max(1, agent_slots(ray))
         remote = ray.remote(num_cpus=0, resources={"agent_slot": 1}, max_retries=NODE_RETRIES,
                             retry_exceptions=False)(run_chunk)
-        for sig in (signal.SIGINT, signal.SIGTERM):  # a flag only: ray calls are not made from a handler
-            handlers[sig] = signal.signal(sig, lambda *_: stopper.interrupt())
         chunks = [pending[i:i + CHUNK] for i in range(0, len(pending), CHUNK)]
         inflight: dict[Any, list[Any]] = {}
         cancelled = False
@@ -87,8 +81,3 @@ def run_on_ray(address: str, pending: list[Any], settings: WorkerSettings, *, re
                 for spec in chunk:
                     tally.running.pop(spec.key, None)
             view.tick()
-    finally:
-        for sig, previous in handlers.items():
-            signal.signal(sig, previous)
-        if connected:
-            ray.shutdown()
