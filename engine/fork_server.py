@@ -1,14 +1,15 @@
 """The coordinator's side of the fork server (see ``worker/fork_server.py``).
 
-One fork server per run (its launcher), or one for all the runs of a batch (``engine.shared_fork_server``),
-started on first use inside the run's sandbox with two extra capabilities (CAP_SYS_ADMIN and
-CAP_NET_ADMIN, inside bubblewrap's namespaces) so that each forked worker can get namespaces, a
-/proc, a /tmp and a loopback of its own; the worker drops them with every other privilege
-before user code runs.  It is started by
-``engine.sandbox.runtime_argv`` (isolated mode, runtime by absolute path): it holds those
-capabilities, so nothing a worker wrote may be on its import path.  Offered where the
-coordinator is root and bubblewrap is in use; elsewhere workers start cold (the warm pool
-still hides that cost).
+One fork server per run (its launcher), or one for all the runs of a batch
+(``engine.shared_fork_server``), started on first use inside the run's sandbox with two extra
+capabilities (CAP_SYS_ADMIN and CAP_NET_ADMIN, inside bubblewrap's namespaces) so that each
+forked worker can get namespaces, a /proc, a /tmp and a loopback of its own; the worker drops
+them with every other privilege before user code runs.  It is started by
+``interpreter.runtime_argv`` (isolated mode, runtime by absolute path): it holds those
+capabilities, so nothing a worker wrote may be on its import path.  A provisioner
+(``engine.provision``), offered where ``provision.fork_server_refusal`` finds nothing against
+it; elsewhere workers start cold (the warm pool still hides that cost).  Its channel is
+``worker.contract.fork``.
 """
 
 from __future__ import annotations

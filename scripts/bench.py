@@ -904,7 +904,7 @@ async def profile_start(cfg: Config, base: Path, cold_auto: dict) -> dict:
     out["coordinator_plan_ms"] = stats(plans, 2)
     out["uncached_worker_modules"] = _uncached_worker_modules()
     out["bare_worker_no_engine"] = rtt_sync_coordinator(base, max(500, cfg.rtt // 2), n)
-    out["zygote_prototype"] = zygote_prototype(base, 20)
+    out["fork_prototype"] = fork_prototype(base, 20)
     return out
 
 
@@ -1077,7 +1077,7 @@ for line in sys.stdin:
 """
 
 
-def zygote_prototype(base: Path, children: int) -> dict:
+def fork_prototype(base: Path, children: int) -> dict:
     """Fork-to-first-block time and per-child memory of workers forked from a warm parent."""
     zyg = subprocess.Popen([sys.executable, "-c", _ZYGOTE], env=_worker_env(""), text=True,
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)

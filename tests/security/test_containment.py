@@ -70,7 +70,7 @@ async def test_planted_modules_never_run_with_privileges(tmp_path: Path):
     ws.mkdir()
     targets = [str(ws), "/tmp", "/dev/shm"]
     code = _plant_code(targets, [str(ws)])
-    zygote = ROOT and host_support().bwrap is not None
+    forked = ROOT and host_support().bwrap is not None
     async with Engine(cwd=ws, workspace=ws, state_dir=tmp_path / "state", pool=0) as engine:
         worker = await engine.start_worker("planter")
         got = await worker.run(code, timeout=WAIT)
@@ -80,9 +80,9 @@ async def test_planted_modules_never_run_with_privileges(tmp_path: Path):
         await assert_still_works(worker)  # the replacement worker
         sub = await worker.run("import importlib, sys; print(sys.path[0] == '')", timeout=WAIT)
         assert sub.output.strip() == "True", sub  # user code still imports from its directory
-    for use_zygote in ([True, False] if zygote else [False]):
+    for fork_server in ([True, False] if forked else [False]):
         async with Engine(cwd=ws, workspace=ws, state_dir=tmp_path / "state", pool=0,
-                          fork_server=use_zygote) as engine:  # a new run: fork server or cold start
+                          fork_server=fork_server) as engine:  # a new run: fork server or cold start
             await assert_still_works(await engine.start_worker("next"))
     assert not sorted(p.name for p in ws.iterdir() if p.name.startswith("PLANTED-RAN")), \
         [p.read_text()[:400] for p in ws.iterdir() if p.name.startswith("PLANTED-RAN")]
