@@ -11,9 +11,17 @@ A ``Provisioner`` starts the processes of one run (workers and sample slots) fro
 
 ``Launcher.provisioner`` is the one place that decides which a run gets;
 ``fork_server_refusal`` says why a fork server cannot give a run the isolation of a cold
-start, wherever that is asked.  ``Launcher.start_process`` is the one start-and-greet every
-process goes through, a worker (its hello over ZeroMQ) or a slot (its hello over a unix
-socket) alike.  The engine decides; the provisioners touch the OS; nothing here calls back up.
+start, wherever that is asked.  The life of a process, and where each step lives:
+
+    start     Provisioner.spawn (a Launch in, a Process out)
+    greet     Launcher.start_process: spawn, its cgroups entered while it starts, its hello
+              awaited (a worker's over ZeroMQ, a slot's over a unix socket), undone on failure
+    signal    the Process: ``kill`` is one small function, shielded, that kills the whole tree
+    kill      (its PID namespace's init, or a frozen process group without one) and always
+    reap      reaps; ``wait`` and ``returncode`` read the exit status, wherever it comes from
+    release   Launcher.release: the process's cgroups and socket directory, once it is dead
+
+The engine decides; the provisioners touch the OS; nothing here calls back up.
 """
 
 from __future__ import annotations
