@@ -13,8 +13,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine._cgroup import WorkerCgroups
-from engine.sandbox import HostSupport, SandboxPolicy, host_support, root_blocker
+from engine._cgroup import WorkerCgroups, delegation_hint
+from engine.sandbox import HostSupport, SandboxPolicy, fork_server_problem, host_support, root_blocker
 
 __all__ = ["Layer", "report"]
 
@@ -81,8 +81,14 @@ def report(policy: SandboxPolicy) -> list[Layer]:
     cgroups = WorkerCgroups.find()
     if cgroups is not None:
         cgroups.close()
-    cg_why = ("a cgroup per worker: the limit bounds its whole tree, shared memory included"
-              if cgroups else "no writable cgroup (needs root or a delegated one): shared memory is refused instead")
+    if cgroups is not None:
+        where = "" if host.root else f", beneath {cgroups.base.parent}, delegated to you"
+        cg_why = f"a cgroup per worker{where}: the limit bounds its whole tree, shared memory included"
+    elif host.root:
+        cg_why = "no writable cgroup hierarchy with the memory controller: shared memory is refused instead"
+    else:
+        cg_why = ("no cgroup delegated to you: the limit is per process (RLIMIT_DATA) and shared memory "
+                  f"is refused; to get one, {delegation_hint()}")
     layers.append(Layer("memory cgroup", cgroups is not None, on and cgroups is not None, cg_why))
     switches = True
     if host.root:
@@ -109,6 +115,14 @@ def report(policy: SandboxPolicy) -> list[Layer]:
     else:
         nproc = "RLIMIT_NPROC, counted against all of your processes (budget added to your current count)"
     layers.append(Layer("process limit", True, on and "not bounded" not in nproc, nproc))
+    forks = fork_server_problem() if bw else "needs bubblewrap"
+    if forks is None:
+        fs_why = ("forks workers, sample slots and a batch's workers: ~10 ms a worker instead of ~100"
+                  + ("" if host.root else "; unprivileged: in bubblewrap's user namespace, each process "
+                     "in a user namespace of its own"))
+    else:
+        fs_why = f"{forks}: workers and code samples start cold (~100 ms each)"
+    layers.append(Layer("fork server", forks is None or fork_server_problem() is None, on and forks is None, fs_why))
     layers.append(Layer("no_new_privs", True, on, "blocks privilege gain through setuid binaries"))
 
     abi = host.landlock_abi

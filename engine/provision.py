@@ -26,14 +26,13 @@ The engine decides; the provisioners touch the OS; nothing here calls back up.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from typing import Protocol
 
 from ._process import Launch, Process, spawn
 from .errors import ConfigError
-from .sandbox import host_support
+from .sandbox import fork_server_problem
 from .settings import WorkerSettings
 
 __all__ = ["ColdStart", "Provisioner", "fork_server_refusal", "insisted"]
@@ -73,17 +72,19 @@ class ColdStart:
 
 def fork_server_refusal(settings: WorkerSettings) -> str | None:
     """Why no fork server can give workers with ``settings`` the isolation a cold start gives
-    them here (None: one can).  Today that takes bubblewrap and a coordinator running as root:
-    the server makes each worker's namespaces with capabilities it holds in the sandbox's."""
+    them here (None: one can).  That takes bubblewrap: the server makes each worker's
+    namespaces with capabilities it holds in the sandbox's (root's; an unprivileged user's in
+    bubblewrap's user namespace, which takes a kernel that allows a user namespace per worker
+    below it: ``sandbox.fork_server_problem``)."""
     if settings.fork_server is False:
         return "workers start cold (fork_server=False)"
     if settings.sandbox.mode not in ("auto", "bwrap"):
         return f"the fork server runs inside bubblewrap, and the sandbox mode is {settings.sandbox.mode!r}"
-    host = host_support()
-    if host.bwrap is None:
-        return f"the fork server needs bubblewrap ({host.bwrap_problem})"
-    if os.geteuid() != 0 or sys.platform != "linux":
-        return "the fork server needs a coordinator running as root"
+    if sys.platform != "linux":
+        return "the fork server needs Linux"
+    problem = fork_server_problem()
+    if problem is not None:
+        return f"no fork server: {problem}"
     return None
 
 

@@ -57,6 +57,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import bench_as  # scripts/bench_as.py, beside this file
 import bench_batch  # scripts/bench_batch.py, beside this file
 import bench_samples  # scripts/bench_samples.py, beside this file
 import msgpack
@@ -1372,17 +1373,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", choices=("samples", "batch"),
                     help="run that section alone and print its JSON object (samples: HumanEval through "
                          "Engine.map; batch: a batch run's worker start, shared fork server against cold)")
+    ap.add_argument("--as", dest="as_user", metavar="USER",
+                    help="(root) run the same bench again as USER, an unprivileged user, from a copy of this "
+                         "checkout USER owns, and print both side by side: {\"root\": ..., \"USER\": ...}")
     args = ap.parse_args(argv)
+    if args.as_user:
+        forwarded = [*(["--quick"] if args.quick else []), *(["--no-jupyter"] if args.no_jupyter else []),
+                     *(["--no-profile"] if args.no_profile else []), *(["--only", args.only] if args.only else [])]
+        mine, _ = measure(args)
+        if args.only:
+            mine = {args.only: mine, "machine": machine_info()}
+        try:
+            theirs = bench_as.run_as(args.as_user, forwarded)
+        except (OSError, RuntimeError, KeyError) as exc:
+            print(f"scripts/bench --as {args.as_user}: {exc}", file=sys.stderr)
+            return 1
+        if args.only:
+            theirs = {args.only: theirs}
+        report, shown = {"root": mine, args.as_user: theirs}, bench_as.side_by_side({"root": mine, args.as_user: theirs})
+    else:
+        report, shown = measure(args)
+    text = json.dumps(report, indent=2)
+    if args.json_out:
+        args.json_out.write_text(text + "\n")
+    if sys.stdout.isatty():
+        print(shown + "\n")
+    print(text)
+    return 0
+
+
+def measure(args: argparse.Namespace) -> tuple[dict, str]:
+    """The report (with ``--only``: that section's) and its table."""
     if args.only:
         module = {"samples": bench_samples, "batch": bench_batch}[args.only]
         section = module.measure(args.quick)
-        text = json.dumps(section, indent=2)
-        if args.json_out:
-            args.json_out.write_text(text + "\n")
-        if sys.stdout.isatty():
-            print(module.table(section) + "\n")
-        print(text)
-        return 0
+        return section, module.table(section)
     cfg = QUICK if args.quick else FULL
     if args.no_profile:
         cfg = Config(**{**asdict(cfg), "profile": False})
@@ -1420,13 +1445,7 @@ def main(argv: list[str] | None = None) -> int:
     report = assemble(cfg, machine, al["floor"], al, jp, jp_missing, profile, time.perf_counter() - t_begin)
     report["samples"] = samples
     report["batch"] = batch
-    text = json.dumps(report, indent=2)
-    if args.json_out:
-        args.json_out.write_text(text + "\n")
-    if sys.stdout.isatty():
-        print(table(report) + "\n" + bench_samples.table(samples) + "\n" + bench_batch.table(batch) + "\n")
-    print(text)
-    return 0
+    return report, table(report) + "\n" + bench_samples.table(samples) + "\n" + bench_batch.table(batch)
 
 
 if __name__ == "__main__":

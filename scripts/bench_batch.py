@@ -45,7 +45,7 @@ from engine.batch import RunSettings, execute, run_batch  # noqa: E402
 from engine.batch.tasks import TaskSpec  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.models import load_models  # noqa: E402
-from engine.sandbox import host_support  # noqa: E402
+from engine.provision import fork_server_refusal  # noqa: E402
 from engine.scripted import ScriptedServer  # noqa: E402
 from engine.settings import WorkerSettings  # noqa: E402
 
@@ -131,7 +131,8 @@ def measure(quick: bool = False, base: Path | None = None) -> dict:
     count, parallel_count = (5, 8) if quick else (30, 64)
     parallel = min(8, 2 * (os.cpu_count() or 1))
     base = Path(tempfile.mkdtemp(prefix="agentloop-bench-batch-")) if base is None else base
-    forked = os.geteuid() == 0 and host_support().bwrap is not None
+    no_fork_server = fork_server_refusal(WorkerSettings())
+    forked = no_fork_server is None
     script = {"*": [BLOCK, lambda body: "answer: " + body["messages"][-1]["content"][:200].replace("<", "[")]}
     with ScriptedServer(script) as server:
         models = load_models(None, env={"LLM_URL": server.url, "LLM_MODEL": "scripted"})
@@ -153,7 +154,7 @@ def measure(quick: bool = False, base: Path | None = None) -> dict:
         "parallel": {"runs": parallel_count, "at_once": parallel, "runs_per_s": rates},
         "target": f"a batch run's worker start <= {TARGET_MS:g} ms (p50) with the shared fork server",
         "met": (shared_p50 <= TARGET_MS) if forked and shared_p50 is not None else None,
-        **({} if forked else {"note": "no fork server here (it needs root and bubblewrap): both modes start cold"}),
+        **({} if forked else {"note": f"{no_fork_server}: both modes start cold"}),
     }
 
 

@@ -909,3 +909,24 @@ def test_bwrap_argv_argument_for_argument() -> None:
     assert unprivileged[1:8] == ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
                                  "--unshare-user", "--disable-userns", "--die-with-parent"]
     assert "--unshare-net" not in unprivileged and "--cap-add" not in unprivileged
+
+
+def test_fork_server_argv_argument_for_argument() -> None:
+    """A fork server's command line is its sandbox's with the capabilities it makes namespaces
+    with: root's without a user namespace (CAP_KILL for samples that run as another uid), an
+    unprivileged user's in bubblewrap's user namespace, which may then make user namespaces
+    (one per process the server forks, which allows none below it)."""
+    from engine._bwrap import fork_server_argv, namespace_flags
+
+    root = ["bwrap", *namespace_flags(True, network=False), "--proc", "/proc", "--"]
+    assert fork_server_argv(root, root=True) == [
+        "bwrap", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--unshare-net",
+        "--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_NET_ADMIN",
+        "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP",
+        "--die-with-parent", "--new-session", "--proc", "/proc", "--"]
+    assert fork_server_argv(root, root=True, kill=True)[6:10] == ["--cap-drop", "ALL", "--cap-add", "CAP_KILL"]
+    user = ["bwrap", *namespace_flags(False, network=True), "--proc", "/proc", "--"]
+    assert fork_server_argv(user, root=False) == fork_server_argv(user, root=False, kill=True) == [
+        "bwrap", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--unshare-user",
+        "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_NET_ADMIN",
+        "--die-with-parent", "--new-session", "--proc", "/proc", "--"]
