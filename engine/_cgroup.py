@@ -165,6 +165,19 @@ class WorkerCgroups:
                     return int(value)
         return 0
 
+    def held(self, group: Path) -> int | None:
+        """Bytes of memory charged to ``group`` that reclaim cannot free (all of it but the
+        page cache of files: anonymous and shared memory, tmpfs, socket buffers, kernel
+        objects); None for a ``pids`` group or where it cannot be read."""
+        if self.controller != "memory":
+            return None
+        try:
+            used = int((group / ("memory.usage_in_bytes" if self.v1 else "memory.current")).read_text())
+            stat = dict(line.split() for line in (group / "memory.stat").read_text().splitlines())
+            return used - int(stat.get("active_file", 0)) - int(stat.get("inactive_file", 0))
+        except (OSError, ValueError):
+            return None
+
     @staticmethod
     def remove(group: Path) -> None:
         _rmdir(group)

@@ -318,11 +318,17 @@ class Launcher:
             env["AGENTLOOP_TTY"] = f"{','.join(map(str, self.tty))}:{size.lines}x{size.columns}"
         return env
 
-    def launch(self, endpoint: str, sock_dir: Path, token: str, *, output: bool = False) -> Launch:
+    def launch(self, endpoint: str, sock_dir: Path, token: str, *, output: bool = False,
+               uid: int | None = None) -> Launch:
         """How to start one worker process whose socket lives in ``sock_dir``; ``output``: its
         output pipes are there too (``output_pipes``).  The worker opens them before it
-        confines itself (while it has the coordinator's uid, or root's), so they stay 0600."""
+        confines itself (while it has the coordinator's uid, or root's), so they stay 0600.
+        ``uid`` (``own_uid``): where the run's workers switch uid, this process switches to
+        ``uid`` instead of the run's."""
         plan = self.plan(sock_dir)
+        if uid is not None and plan.uid is not None:
+            confine = dict(plan.confine, uid=[uid, uid])  # (a copy: the first plan is kept)
+            plan = dataclasses.replace(plan, uid=uid, confine=confine)
         if endpoint.startswith("ipc://"):
             plan.grant(Path(endpoint[len("ipc://"):]))
         argv = [*plan.argv_prefix, *_sandbox.runtime_argv(self.python, "worker.__main__:main", endpoint,
@@ -331,6 +337,20 @@ class Launcher:
         if output:
             env["AGENTLOOP_OUTPUT"] = str(sock_dir)
         return Launch(argv, env, Path(plan.cwd) if plan.cwd else self.cwd, plan.pid_namespace, plan.notes)
+
+    def own_uid(self, name: str) -> int | None:
+        """A uid of its own for one process of this run (a sample slot: samples that run at
+        once then share no per-user kernel quota, terminal or file), claimed under ``name``
+        (unique to the process) until ``release_uid(name)``; None where workers do not switch
+        uid (an unprivileged coordinator, ``--sandbox none``, a ``worker_uid`` chosen)."""
+        if self.sandbox.mode == "none" or os.geteuid() != 0 or self.sandbox.worker_uid is not None:
+            return None
+        return _uids.claim(name)
+
+    @staticmethod
+    def release_uid(name: str) -> None:
+        """Give back the uid ``own_uid(name)`` claimed, once no process runs as it."""
+        _uids.release(name)
 
     def fork_server(self, launch: Launch) -> Zygote | RunForkServer | None:
         """The fork server to start ``launch`` with, or None to start it cold.
@@ -408,6 +428,14 @@ class Launcher:
         """Whether the kernel killed a process in one of ``groups`` for its memory limit."""
         cgroups = self.memory_cgroups
         return cgroups is not None and any(g.parent == cgroups.base and cgroups.oom_killed(g) for g in groups)
+
+    def memory_held(self, groups: list[Path]) -> int | None:
+        """Bytes charged to the memory cgroup among ``groups`` that reclaim cannot free
+        (``WorkerCgroups.held``), None without one."""
+        cgroups = self.memory_cgroups
+        if cgroups is None:
+            return None
+        return next((cgroups.held(g) for g in groups if g.parent == cgroups.base), None)
 
     def oom_kills(self, groups: list[Path]) -> int:
         """How many processes of ``groups`` the kernel killed for their memory limit so far."""

@@ -42,6 +42,11 @@ _ids = itertools.count(1)
 _MAX_REPLY = 1024 * 1024  # a hello; a result: this, or more where it keeps more output
 #: Seconds a slot may take past a sample's deadline and grace to answer (reaping what it left).
 _SLACK = 10.0
+#: Memory a slot's cgroup may still hold after a sample beyond what the slot held when it
+#: started (its own heap grows a little), in bytes, or as a share of the memory limit when
+#: that is more; and how long the kernel may take to free the rest (an IPC namespace's
+#: segments go a moment after its last process).
+_KEPT_BYTES, _KEPT_SHARE, _FREED_WITHIN = 32 * 2**20, 1 / 32, 1.0
 
 
 class SlotError(Exception):
@@ -58,6 +63,10 @@ class Slot:
         self.sock_dir: Path | None = None
         self.cgroups: list[Path] = []
         self.oom_kills = 0
+        #: What the slot's memory cgroup holds that reclaim cannot free, as the slot started.
+        self.memory_base: int | None = None
+        #: The name of the uid claim of the slot's own (``Launcher.own_uid``), while it holds one.
+        self.uid_name: str | None = None
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 
@@ -83,12 +92,17 @@ class Slot:
             listener.listen(1)
             listener.setblocking(False)
             token = secrets.token_hex(16)
-            launch = launcher.launch(endpoint, self.sock_dir, token)
+            # A uid of the slot's own: samples that run at once are in different slots, and
+            # share no terminal, /proc entry, signal or per-user kernel quota through a uid.
+            name = f"{launcher.workspace}#slot{self.number}"
+            uid = launcher.own_uid(name)
+            self.uid_name = name if uid is not None else None
+            launch = launcher.launch(endpoint, self.sock_dir, token, uid=uid)
             os.chown(path, os.getuid(), os.getgid())  # the slot connects as the sandbox's root, not a worker uid
             os.chmod(path, 0o600)
             launch.env["AGENTLOOP_SLOT"] = json.dumps({
                 "workspace": str(launcher.workspace), "tmp_bytes": launcher.sandbox.tmp_bytes,
-                "grace": launcher.grace, "socket_dir": str(self.sock_dir),
+                "grace": launcher.grace, "socket_dir": str(self.sock_dir), "outputs": str(launcher.output_dir),
                 "private_net": not launcher.sandbox.network, "preload": list(launcher.preload)})
             zygote = launcher.fork_server(launch)
             if zygote is None:
@@ -110,6 +124,7 @@ class Slot:
         self.cgroups = await asyncio.to_thread(launcher.worker_groups, self.number)
         await asyncio.to_thread(launcher.adopt, self.cgroups, self.proc.pid, {})
         self.oom_kills = launcher.oom_kills(self.cgroups)
+        self.memory_base = launcher.memory_held(self.cgroups)
 
     async def _read(self, limit: int = _MAX_REPLY) -> dict:
         assert self._reader is not None
@@ -142,6 +157,24 @@ class Slot:
             raise SlotError(f"it did not answer within {limit:g} s") from exc
         return _checked(reply, output_bytes)
 
+    async def memory_clean(self) -> bool:
+        """Whether the slot's memory cgroup, now that its sample is gone, holds no more than
+        the slot itself did (within ``_KEPT_BYTES``), waiting up to ``_FREED_WITHIN`` seconds
+        for what the kernel frees late.  Memory the sample left charged there (a memfd in
+        flight, say) would count against every later sample's limit."""
+        if self.memory_base is None:
+            return True
+        limit = self.launcher.sandbox.memory_bytes
+        allowed = self.memory_base + max(_KEPT_BYTES, int(limit * _KEPT_SHARE) if limit else 0)
+        deadline = asyncio.get_running_loop().time() + _FREED_WITHIN
+        while True:
+            held = self.launcher.memory_held(self.cgroups)
+            if held is None or held <= allowed:
+                return True
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+
     def memory_killed(self) -> bool:
         """Whether the kernel killed a process of this slot for its memory limit since last asked."""
         if not self.cgroups:
@@ -159,6 +192,9 @@ class Slot:
             await self.proc.kill()
         groups, self.cgroups, sock_dir, self.sock_dir = self.cgroups, [], self.sock_dir, None
         await self.launcher.release(groups, sock_dir)
+        if self.uid_name is not None:  # (no process of the slot is left to run as it)
+            self.launcher.release_uid(self.uid_name)
+            self.uid_name = None
 
 
 def _checked(reply: dict, keep: int) -> dict:
@@ -181,7 +217,8 @@ def _checked(reply: dict, keep: int) -> dict:
             "out": parts(reply.get("out")) if status is not None else (b"", b"", 0),
             "err": parts(reply.get("err")) if status is not None else (b"", b"", 0),
             "rss_kb": rss if isinstance(rss, int) and rss >= 0 else None,
-            "note": reply.get("note") if isinstance(reply.get("note"), str) else ""}
+            "note": reply.get("note") if isinstance(reply.get("note"), str) else "",
+            "retire": reply.get("retire") is not False}
 
 
 class SlotPool:
@@ -229,7 +266,9 @@ class SlotPool:
         except BaseException:
             await asyncio.shield(self._drop(slot))
             raise
-        if self._closed:
+        # A slot whose sample left something behind that outlives it (it says so, or its
+        # memory cgroup does) is not used again.
+        if self._closed or reply["retire"] or not await slot.memory_clean():
             await self._drop(slot)
         else:
             self._idle.append(slot)

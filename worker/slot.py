@@ -50,12 +50,19 @@ import traceback
 import types
 
 from . import _confine, script, wire
-from .zygote import _bind, _check, _loopback_up, _mount_points_under
+from .zygote import _beneath, _bind, _check, _loopback_up, _mount_points_under
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _PR_SET_CHILD_SUBREAPER = 36
-_NEWNS, _NEWIPC, _NEWNET = 0x00020000, 0x08000000, 0x40000000
-_MS_NOSUID, _MS_NODEV = 2, 4
+_NEWNS, _NEWCGROUP, _NEWIPC, _NEWNET = 0x00020000, 0x02000000, 0x08000000, 0x40000000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
+_MNT_DETACH = 2
+# The new mount API (Linux 5.2; one number on every architecture).
+_SYS_OPEN_TREE, _SYS_MOVE_MOUNT = 428, 429
+_AT_FDCWD, _OPEN_TREE_CLONE, _MOVE_MOUNT_F_EMPTY_PATH = -100, 1, 4
+#: Terminals a sample may hold at once, in the devpts instance of its own (the kernel's pool of
+#: them is the host's).
+PTYS = 64
 INTERRUPT_SIGNAL = signal.SIGRTMIN + 5  # as ``worker.runtime``'s
 MAX_REQUEST = 64 * 1024 * 1024  # code, stdin and files of one sample, checked by the coordinator too
 _READ = 65536
@@ -97,17 +104,14 @@ class Slot:
         self.grace = float(settings.get("grace", 1.0))
         self.private_net = bool(settings.get("private_net", True))
         self.net_state = _net_state()
+        self.own_sockets: set[bytes] | None = None  # its channel's two ends, once accepted
         self.confine = confine
-        uid = confine.get("uid")
-        self.owner = tuple(uid) if uid else None
         own = str(settings.get("socket_dir") or "")
-        # What the sandbox mounted beneath /tmp, to be shown again on each sample's fresh /tmp
-        # (the project, outputs): never the workspace (each sample gets an empty one) nor the
-        # run's sockets.
-        hidden = (self.workspace, os.path.dirname(own) if own else "")
-        self.keep = [(point, ro) for point, ro in _mount_points_under("/tmp")
-                     if not any(h and (point == h or point.startswith(h + "/")) for h in hidden)]
-        self.hide = [d for d in (os.path.dirname(own) if own else "",) if d and not d.startswith("/tmp/")]
+        # Never shown to a sample: the workspace (each gets an empty one), the run's sockets
+        # and its outputs.
+        hidden = [d for d in (self.workspace, os.path.dirname(own) if own else "", str(settings.get("outputs") or ""))
+                  if d]
+        self.keep = _own_view(hidden)
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         os.set_blocking(self.wake_r, False)
         signal.set_wakeup_fd(wake_w)
@@ -140,6 +144,8 @@ class Slot:
             request = self.receive()
             if request is None or request.get("t") != "run":
                 return
+            if self.own_sockets is None:  # (the coordinator has accepted: its end has an inode)
+                self.own_sockets = _unix_sockets()
             self.send(self.run(request))
 
     # -- one sample ---------------------------------------------------------------------------
@@ -171,7 +177,7 @@ class Slot:
         return {"t": "result", "id": req.get("id"), "status": status, "timed_out": timed_out,
                 "killed": killed, "out": streams[1].parts(), "err": streams[2].parts(),
                 "rss_kb": rusage.ru_maxrss if rusage is not None else None,
-                "seconds": time.monotonic() - started, "note": ""}
+                "seconds": time.monotonic() - started, "note": "", "retire": self._left_behind()}
 
     @staticmethod
     def _stdin(data) -> int:
@@ -219,17 +225,40 @@ class Slot:
             while data := os.read(fd, _READ):
                 reads[fd].add(data)
         self._reap()
-        if self.private_net and _net_state() != self.net_state:
-            self._fresh_network()
         return status, rusage, timed_out, killed
 
+    def _left_behind(self) -> bool:
+        """Check, once every process of the sample is dead, what it left that outlives them;
+        True when the slot must be replaced before the next sample.
+
+        Descriptors passed by ``SCM_RIGHTS`` into a cycle of unix sockets that no process holds
+        live on until the kernel's unix-socket garbage collection (which runs when some unix
+        socket closes): sockets and their ports, memfds charged to the slot's memory cgroup,
+        anything charged to the slot's uid.  Such a cycle shows as unix sockets in the slot's
+        network namespace that are not the slot's own: the collection is started, and the slot
+        asks to be replaced (a new uid, cgroups and namespaces; the coordinator also checks the
+        memory cgroup's charge).  A namespace whose counters moved (a packet, a connection
+        tried, a socket in TIME_WAIT) is replaced by a fresh one, which costs more than the
+        rest of a sample together: one that left every counter and socket table as it was is
+        kept.  (The sample's IPC namespace was its own, gone with it.)  With the host's network
+        its sockets cannot be told from the host's: the collection is started after every
+        sample, and the memory check stands."""
+        if not self.private_net:
+            _collect_unix_garbage()
+            return False
+        if _unix_sockets() - (self.own_sockets or set()):
+            _collect_unix_garbage()
+            return True
+        if _net_state() != self.net_state:
+            self._fresh_network()
+        return False
+
     def _fresh_network(self) -> None:
-        """The sample used the network: the next one gets a namespace nobody has used.  (One
-        that left the counters of every interface and protocol as they were, and no socket,
-        since its processes are all dead, left nothing there to see: the namespace is kept.)"""
+        """A network namespace nobody has used, for the next sample."""
         _check(_libc.unshare(_NEWNET), "unshare")
         _loopback_up()
         self.net_state = _net_state()
+        self.own_sockets = _unix_sockets()
 
     def _reap(self) -> None:
         """Wait until no process of the sample is left (the slot is the subreaper of them all)."""
@@ -248,6 +277,7 @@ class Slot:
     def _sample(self, req: dict, stdin: int, out: int, err: int) -> None:
         """The sample's process: its own namespaces and confinement, then the code.  Never returns."""
         status = 1
+        said = err  # where a failure is said: the stderr pipe, fd 2 once it is there
         try:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -257,6 +287,7 @@ class Slot:
             self._own_mounts()
             for fd, target in ((stdin, 0), (out, 1), (err, 2)):
                 os.dup2(fd, target)
+            said = 2
             os.closerange(3, 1 << 16)
             os.chdir(self.workspace)
             _confine.apply(self.confine)
@@ -266,16 +297,21 @@ class Slot:
             sys.stdout = sys.__stdout__ = _text(1, "w", "strict", False)
             sys.stderr = sys.__stderr__ = _text(2, "w", "backslashreplace", True)
         except BaseException as exc:  # noqa: BLE001 - the sample never runs half-confined
-            os.write(err, f"agentloop: the sample's sandbox could not be made: {exc}\n".encode())
-            os._exit(125)
+            try:
+                os.write(said, f"agentloop: the sample's sandbox could not be made: {exc}\n".encode())
+            finally:
+                os._exit(125)
         try:
             status = _run_script(req, self.workspace)
         finally:
             os._exit(status)
 
     def _own_mounts(self) -> None:
-        """Mount and IPC namespaces of the sample's own, with empty /tmp, /dev/shm and workspace."""
-        _check(_libc.unshare(_NEWNS | _NEWIPC), "unshare")
+        """Mount, IPC and cgroup namespaces of the sample's own: empty /tmp, /dev/shm and
+        workspace; a devpts instance of its own (no other sample's terminal exists for it);
+        a /proc that shows its own processes only (``hidepid``: the slot and the namespace's
+        init, root's, are not there); its cgroup is ``/``."""
+        _check(_libc.unshare(_NEWNS | _NEWIPC | _NEWCGROUP), "unshare")
         # Opened in the new namespace (a bind's source must be a mount of the caller's own),
         # before the fresh /tmp hides them.
         keep = [(point, read_only, os.open(point, os.O_PATH)) for point, read_only in self.keep]
@@ -284,12 +320,50 @@ class Slot:
         for point, read_only, fd in keep:
             _bind(fd, point, read_only)
             os.close(fd)
-        for where in self.hide:
-            _check(_libc.mount(b"tmpfs", where.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"size=1m,mode=0755"), where)
         os.makedirs(self.workspace, exist_ok=True)
         _check(_libc.mount(b"tmpfs", self.workspace.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, size), "workspace")
         if os.path.isdir("/dev/shm"):
             _check(_libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", _MS_NOSUID | _MS_NODEV, size), "/dev/shm")
+        if os.path.isdir("/dev/pts"):  # (/dev/ptmx is bubblewrap's link to pts/ptmx)
+            options = f"newinstance,ptmxmode=0666,mode=0620,max={PTYS}".encode()
+            _check(_libc.mount(b"devpts", b"/dev/pts", b"devpts", _MS_NOSUID | _MS_NOEXEC, options), "/dev/pts")
+        _check(_libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, b"hidepid=invisible"),
+               "/proc")
+
+
+def _own_view(hidden: list[str]) -> list[tuple[str, bool]]:
+    """Give the slot a mount namespace of its own holding nothing a sample may not see, since
+    each sample's is a copy of it and a covered mount still shows in ``/proc/self/mountinfo``:
+    every layer of ``/tmp``, ``/dev/shm`` and of the ``hidden`` directories (the paths of the
+    run's sockets, outputs and workspace) is detached, and what the sandbox mounted beneath
+    ``/tmp`` outside them (the project, the interpreter) is mounted again on a fresh ``/tmp``,
+    from copies made before (a detached mount cannot be bound).  Returns those mounts,
+    shallowest first: (mount point, read-only), for each sample's ``/tmp``."""
+    _check(_libc.unshare(_NEWNS), "unshare")
+    os.chdir("/")  # (not in a mount about to go)
+    shown: dict[str, bool] = {}
+    for point, read_only in _mount_points_under("/tmp"):  # (the topmost of a point comes last)
+        if not any(_beneath(point, h) for h in hidden):
+            shown[point] = read_only
+    keep = sorted(shown.items(), key=lambda item: item[0].count("/"))
+    copies = [_copy_mount(point) for point, _ in keep]
+    for top in ("/tmp", "/dev/shm", *hidden):
+        while _libc.umount2(top.encode(), _MNT_DETACH) == 0:  # every layer, until none is left
+            pass
+    _check(_libc.mount(b"tmpfs", b"/tmp", b"tmpfs", _MS_NOSUID | _MS_NODEV, b"size=1m,mode=0755"), "/tmp")
+    for (point, _), fd in zip(keep, copies, strict=True):
+        os.makedirs(point, exist_ok=True)
+        _check(_libc.syscall(_SYS_MOVE_MOUNT, fd, b"", _AT_FDCWD, point.encode(), _MOVE_MOUNT_F_EMPTY_PATH), point)
+        os.close(fd)
+    return keep
+
+
+def _copy_mount(point: str) -> int:
+    """A descriptor of a detached copy of the mount at ``point`` (``open_tree``), flags and all."""
+    fd = _libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, point.encode(), _OPEN_TREE_CLONE | os.O_CLOEXEC)
+    if fd < 0:
+        _check(fd, point)
+    return fd
 
 
 #: Per network namespace: every interface's counters and every protocol's (a packet sent, a
@@ -306,6 +380,21 @@ def _net_state() -> bytes:
         except OSError:
             state.append(b"")
     return b"\0".join(state)
+
+
+def _unix_sockets() -> set[bytes]:
+    """The inodes of the unix sockets of this network namespace (its processes' and those in
+    flight), from ``/proc/net/unix``."""
+    with open("/proc/net/unix", "rb") as f:
+        return {line.split()[6] for line in f.readlines()[1:] if len(line.split()) > 6}
+
+
+def _collect_unix_garbage() -> None:
+    """Start the kernel's unix-socket garbage collection: closing a unix socket does, while
+    any descriptor is in flight."""
+    a, b = socket.socketpair()
+    a.close()
+    b.close()
 
 
 def _text(fd: int, mode: str, errors: str, line_buffering: bool):
