@@ -2,10 +2,20 @@
 
 A slot is started by the run's fork server like a worker (its own PID, network and UTS
 namespaces, cgroups, a socket directory only it sees) and then runs each sample it is given
-in a process with a mount and an IPC namespace of its own, confined as a worker is, with an
-empty ``/tmp``, ``/dev/shm`` and workspace; everything a sample started is killed and reaped
-before the next one begins.  What a sample costs is then a fork of a small interpreter and a
-few mounts, not the start of a worker: the reason slots exist (``agentloop exec --jsonl``).
+in a process with mount, IPC and cgroup namespaces of its own, confined as a worker is, with
+an empty ``/tmp``, ``/dev/shm`` and workspace, terminals of its own and a ``/proc`` of its
+own processes; everything a sample started is killed and reaped before the next one begins.
+What a sample costs is then a fork of a small interpreter and a few mounts, not the start of
+a worker: the reason slots exist (``agentloop exec --jsonl``).
+
+Samples that run at once run in different slots, and a root coordinator gives each slot a
+uid of its own (``Launcher.own_uid``): what a uid allows or counts — opening a terminal,
+reading another's ``/proc``, signalling, inotify instances, pipe buffer pages and the other
+per-user kernel quotas — is never shared by two samples that run at once.  A slot is used
+again only when what it hands the next sample was checked: the slot finds no socket left in
+its network namespace (a cycle of unix sockets in flight, which outlives every process) and
+moves to a fresh one when the last sample moved its counters; here, its memory cgroup holds
+no more than the slot did at its start (``Slot.memory_clean``).  Otherwise it is replaced.
 
 Nothing a slot says is trusted: replies are size-bounded, decoded without unpickling and
 checked field by field; a slot that says anything else, stops answering past the sample's

@@ -3,12 +3,18 @@
 ``python -I -B -c "...; from worker.slot import main; main()" SOCKET`` is what the fork server
 starts in place of a worker (a fresh, small interpreter: forking it costs a third of forking
 the worker runtime).  It keeps its PID and UTS namespaces (and its network one while unused),
-its capabilities and its cgroups from sample to sample, and gives every sample what no later
-sample can see:
+its capabilities, its cgroups and its uid (a root coordinator gives each slot a uid of its
+own: samples that run at once are in different slots, so no per-user kernel quota, terminal
+or file is shared through a uid) from sample to sample.  Its own mount namespace holds no
+layer of the run's sockets, outputs or workspace (``_own_view``), and it gives every sample
+what no later sample can see:
 
-- a process of its own (forked from the slot), in a session of its own, with a mount and an
-  IPC namespace of its own: a fresh ``/tmp``, ``/dev/shm`` and an empty workspace (its
-  current directory), tmpfs that the kernel frees with the namespace;
+- a process of its own (forked from the slot), in a session of its own, with mount, IPC and
+  cgroup namespaces of its own: a fresh ``/tmp``, ``/dev/shm`` and an empty workspace (its
+  current directory), tmpfs that the kernel frees with the namespace; a devpts instance of its
+  own (it sees no other sample's terminal, and holds at most ``PTYS``); a ``/proc`` that shows
+  its own processes only (``hidepid``: the slot and the namespace's init are not there); its
+  cgroup is ``/``;
 - a network namespace nobody else used: the slot's, unless the sample before it moved any
   of its counters (a packet, a connection tried), in which case the slot moves to a new one
   first (a new namespace costs more than the rest of a sample together, and most samples never
@@ -16,7 +22,9 @@ sample can see:
 - the worker's confinement (uid, Landlock, seccomp, rlimits), applied in that process before
   the code runs; the slot itself runs no code of the sample's;
 - at its end, every process it started is killed (``kill(-1)`` from the slot, which is
-  the sample's subreaper) and reaped before the next sample begins.
+  the sample's subreaper) and reaped before the next sample begins, and what it left that
+  outlives its processes is looked for (``Slot._left_behind``): a slot that finds any asks to
+  be replaced.
 
 A sample runs as ``python sample.py ARGS`` would: ``sys.argv``, ``__file__``, ``__name__ ==
 "__main__"``, stdin, the exit status, tracebacks, threads waited for and ``atexit``
@@ -27,9 +35,10 @@ process of it is killed.
 Protocol, over one stream socket (4-byte big-endian length, then one msgpack map):
     slot  -> coordinator  hello  {token, pid}    (or failed {error}: it cannot serve)
     coordinator -> slot   run    {id, code, path, argv, stdin, files, env, timeout, keep}
-    slot  -> coordinator  result {id, status, timed_out, killed, out, err, rss_kb, seconds, note}
+    slot  -> coordinator  result {id, status, timed_out, killed, out, err, rss_kb, seconds, note, retire}
 ``status``: the sample process's wait status (None if it could not be started); ``out`` and
-``err``: [head, tail, total bytes], head and tail at most ``keep`` bytes each.  The slot exits
+``err``: [head, tail, total bytes], head and tail at most ``keep`` bytes each; ``retire``:
+the sample left something that outlives it, the slot must not run another.  The slot exits
 when the coordinator closes the socket, and dies with its namespace's init.
 """
 
