@@ -429,13 +429,13 @@ class Launcher:
         cgroups = self.memory_cgroups
         return cgroups is not None and any(g.parent == cgroups.base and cgroups.oom_killed(g) for g in groups)
 
-    def memory_held(self, groups: list[Path]) -> int | None:
+    def memory_held(self, groups: list[Path], within: int = 0) -> int | None:
         """Bytes charged to the memory cgroup among ``groups`` that reclaim cannot free
-        (``WorkerCgroups.held``), None without one."""
+        (``WorkerCgroups.held``, ``within`` included), None without one."""
         cgroups = self.memory_cgroups
         if cgroups is None:
             return None
-        return next((cgroups.held(g) for g in groups if g.parent == cgroups.base), None)
+        return next((cgroups.held(g, within) for g in groups if g.parent == cgroups.base), None)
 
     def oom_kills(self, groups: list[Path]) -> int:
         """How many processes of ``groups`` the kernel killed for their memory limit so far."""

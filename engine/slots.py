@@ -178,7 +178,7 @@ class Slot:
         allowed = self.memory_base + max(_KEPT_BYTES, int(limit * _KEPT_SHARE) if limit else 0)
         deadline = asyncio.get_running_loop().time() + _FREED_WITHIN
         while True:
-            held = self.launcher.memory_held(self.cgroups)
+            held = self.launcher.memory_held(self.cgroups, allowed)
             if held is None or held <= allowed:
                 return True
             if asyncio.get_running_loop().time() >= deadline:

@@ -237,21 +237,20 @@ class Slot:
         return status, rusage, timed_out, killed
 
     def _left_behind(self) -> bool:
-        """Check, once every process of the sample is dead, what it left that outlives them;
+        """Once every process of the sample is dead, look for what it left that outlives them;
         True when the slot must be replaced before the next sample.
 
         Descriptors passed by ``SCM_RIGHTS`` into a cycle of unix sockets that no process holds
-        live on until the kernel's unix-socket garbage collection (which runs when some unix
-        socket closes): sockets and their ports, memfds charged to the slot's memory cgroup,
-        anything charged to the slot's uid.  Such a cycle shows as unix sockets in the slot's
-        network namespace that are not the slot's own: the collection is started, and the slot
-        asks to be replaced (a new uid, cgroups and namespaces; the coordinator also checks the
-        memory cgroup's charge).  A namespace whose counters moved (a packet, a connection
-        tried, a socket in TIME_WAIT) is replaced by a fresh one, which costs more than the
-        rest of a sample together: one that left every counter and socket table as it was is
-        kept.  (The sample's IPC namespace was its own, gone with it.)  With the host's network
-        its sockets cannot be told from the host's: the collection is started after every
-        sample, and the memory check stands."""
+        live until the kernel's unix-socket garbage collection (run when some unix socket
+        closes): sockets and their ports, memfds charged to the slot's cgroup, inotify
+        instances charged to its uid.  Such a cycle shows as unix sockets in the slot's network
+        namespace that are not the slot's own: the collection is started and the slot is
+        replaced.  A namespace whose counters moved (a packet, a connection tried, a socket in
+        TIME_WAIT) is replaced by a fresh one, which costs more than the rest of a sample
+        together; one whose counters and sockets are as they were is kept.  (The IPC namespace
+        was the sample's own.)  On the host's network nothing tells the sample's sockets from
+        the host's: the collection is started after every sample, and the coordinator's memory
+        check stands."""
         if not self.private_net:
             _collect_unix_garbage()
             return False
