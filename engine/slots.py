@@ -113,11 +113,12 @@ class Slot:
             launch.env["AGENTLOOP_SLOT"] = json.dumps({
                 "workspace": str(launcher.workspace), "tmp_bytes": launcher.sandbox.tmp_bytes,
                 "grace": launcher.grace, "socket_dir": str(self.sock_dir), "outputs": str(launcher.output_dir),
-                "private_net": not launcher.sandbox.network, "preload": list(launcher.preload)})
+                "private_net": not launcher.sandbox.network, "preload": list(launcher.preload),
+                "endpoint": endpoint})  # (not in its command line, which every sample could read)
             zygote = launcher.fork_server(launch)
             if zygote is None:
                 raise WorkerStartError("sample slots need the fork server (root and bubblewrap)")
-            argv = runtime_argv(launcher.python, "worker.slot:main", endpoint, packages=launcher.runtime_packages)
+            argv = runtime_argv(launcher.python, "worker.slot:main", packages=launcher.runtime_packages)
             self.proc = await zygote.spawn(launch, exec_argv=argv)
             conn, _ = await asyncio.get_running_loop().sock_accept(listener)
         finally:

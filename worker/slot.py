@@ -1,6 +1,6 @@
 """A sample slot: runs code samples one after another, each in a sandbox of its own.
 
-``python -I -B -c "...; from worker.slot import main; main()" SOCKET`` is what the fork server
+``python -I -B -c "...; from worker.slot import main; main()"`` is what the fork server
 starts in place of a worker (a fresh, small interpreter: forking it costs a third of forking
 the worker runtime).  It keeps its PID and UTS namespaces (and its network one while unused),
 its capabilities, its cgroups and its uid (a root coordinator gives each slot a uid of its
@@ -14,7 +14,10 @@ what no later sample can see:
   current directory), tmpfs that the kernel frees with the namespace; a devpts instance of its
   own (it sees no other sample's terminal, and holds at most ``PTYS``); a ``/proc`` that shows
   its own processes only (``hidepid``: the slot and the namespace's init are not there); its
-  cgroup is ``/``;
+  cgroup is ``/``; its command line and ``sys.orig_argv`` name no path of the run's (the slot
+  is told its socket in its environment, which no sample may read).  Forked from the slot, a
+  sample's memory is a copy of the slot's: it holds no secret (the token is spent once the
+  hello is accepted), only paths that the sample's view does not show;
 - a network namespace nobody else used: the slot's, unless the sample before it moved any
   of its counters (a packet, a connection tried), in which case the slot moves to a new one
   first (a new namespace costs more than the rest of a sample together, and most samples never
@@ -430,6 +433,7 @@ def _run_script(req: dict, workspace: str) -> int:
     main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins)
     sys.modules["__main__"] = main
     sys.argv = [str(a) for a in req.get("argv") or [path]]
+    sys.orig_argv = [sys.executable, *sys.argv]  # as ``python sample.py ARGS`` has it, not the slot's
     sys.path[0:0] = [workspace]
     timeout = float(req.get("timeout") or 60.0)
 
@@ -519,7 +523,7 @@ def main() -> None:
     settings = json.loads(os.environ.pop("AGENTLOOP_SLOT", "") or "{}")
     os.environ.pop("AGENTLOOP_PARENT", None)
     _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    endpoint = sys.argv[1]
+    endpoint = str(settings.get("endpoint") or "")
     path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else endpoint
     settings.setdefault("socket_dir", os.path.dirname(path))
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

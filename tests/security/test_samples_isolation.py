@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine.engine import Engine
+from engine.launcher import _runtime_home
 from engine.samples import Sample
 from engine.sandbox import SandboxPolicy, host_support
 
@@ -317,17 +318,21 @@ for pid in ("1", "2", str(os.getppid())):
         probe(f"{pid}/{what}", lambda: open(f"/proc/{pid}/{what}").read())
 probe("procs", lambda: sorted(int(p) for p in os.listdir("/proc") if p.isdigit()) == [os.getpid()])
 probe("cgroup", lambda: sorted({line.rsplit(":", 1)[1].strip() for line in open("/proc/self/cgroup")}))
-print("MOUNTS")
-print(open("/proc/self/mountinfo").read())
+import sys
+print("SEEN")  # what names paths: its mounts, its command line
+print(open("/proc/self/mountinfo").read(), open("/proc/self/cmdline").read(), sys.orig_argv)
 """
     state = tmp_path / "state"
     got = await _run(tmp_path, [Sample("attack", attack)])
-    out, _, mounts = got["attack"].stdout.partition("MOUNTS\n")
+    out, _, seen = got["attack"].stdout.partition("SEEN\n")
     probes = dict(line.split(" ", 1) for line in out.splitlines())
     for name, outcome in probes.items():
         if "/" in name:
             assert outcome == "FileNotFoundError", (name, outcome)
     assert probes["procs"] == "True" and probes["cgroup"] == "['/']", probes
-    workspace = [line for line in mounts.splitlines() if str(state) in line]
-    assert all(line.split()[4].endswith("/samples/workspace") for line in workspace), workspace
-    assert "agentloop-" not in mounts and "/outputs" not in mounts and "/sock" not in mounts, mounts
+    # Of the run's state (its outputs among it), the sample's own workspace only; of its
+    # sockets, nothing.
+    workspace = [line for line in seen.splitlines() if str(state) in line]
+    assert workspace and all(line.split()[4].endswith("/samples/workspace") for line in workspace), workspace
+    for slot_path in (str(_runtime_home()), "ipc://"):
+        assert slot_path not in seen, (slot_path, seen)
