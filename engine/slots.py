@@ -14,8 +14,9 @@ reading another's ``/proc``, signalling, inotify instances, pipe buffer pages an
 per-user kernel quotas — is never shared by two samples that run at once.  A slot is used
 again only when what it hands the next sample was checked: the slot finds no socket left in
 its network namespace (a cycle of unix sockets in flight, which outlives every process) and
-moves to a fresh one when the last sample moved its counters; here, its memory cgroup holds
-no more than the slot did at its start (``Slot.memory_clean``).  Otherwise it is replaced.
+moves to a fresh one when the last sample moved its counters, and the coordinator finds its
+memory cgroup holding no more than the slot did at its start (``Slot.memory_clean``).
+Otherwise it is replaced.
 
 Nothing a slot says is trusted: replies are size-bounded, decoded without unpickling and
 checked field by field; a slot that says anything else, stops answering past the sample's
