@@ -312,18 +312,39 @@ class Launcher:
         return env
 
     def launch(self, endpoint: str, sock_dir: Path, token: str, *, entry: str = WORKER, output: bool = False,
-               slot: SlotSettings | None = None) -> Launch:
+               slot: SlotSettings | None = None, uid: int | None = None) -> Launch:
         """How to start one process (``entry``: a worker, or a sample slot) whose socket lives
         in ``sock_dir``; ``output``: its output pipes are there too (``output_pipes``).  The
         process opens them before it confines itself (while it has the coordinator's uid, or
-        root's), so they stay 0600."""
+        root's), so they stay 0600.  ``uid`` (``own_uid``): where the run's workers switch uid,
+        this process switches to ``uid`` instead of the run's."""
         plan = self.plan(sock_dir)
+        if uid is not None and plan.uid is not None:  # (a copy: the first plan is kept)
+            plan = dataclasses.replace(plan, uid=uid, confine=plan.confine.replace(uid=(uid, uid)))
         if endpoint.startswith("ipc://"):
             plan.grant(Path(endpoint[len("ipc://"):]))
-        command = interpreter.runtime_argv(self.settings.python, entry, endpoint, packages=self.runtime_packages)
+        # A slot is told its endpoint in its settings, not on its command line (every sample
+        # could read that).
+        args = (endpoint,) if entry == WORKER else ()
+        command = interpreter.runtime_argv(self.settings.python, entry, *args, packages=self.runtime_packages)
         env = self.env(StartSpec(token=token, output=str(sock_dir) if output else "", slot=slot), plan)
         return Launch(plan.argv_prefix, command, endpoint, env, Path(plan.cwd) if plan.cwd else self.cwd,
                       plan.pid_namespace, plan.notes, serves_blocks=entry == WORKER)
+
+    def own_uid(self, name: str) -> int | None:
+        """A uid of its own for one process of this run (a sample slot: samples that run at
+        once then share no per-user kernel quota, terminal or file), claimed under ``name``
+        (unique to the process) until ``release_uid(name)``; None where workers do not switch
+        uid (an unprivileged coordinator, ``--sandbox none``, a ``worker_uid`` chosen)."""
+        sandbox = self.settings.sandbox
+        if sandbox.mode == "none" or os.geteuid() != 0 or sandbox.worker_uid is not None:
+            return None
+        return _uids.claim(name)
+
+    @staticmethod
+    def release_uid(name: str) -> None:
+        """Give back the uid ``own_uid(name)`` claimed, once no process runs as it."""
+        _uids.release(name)
 
     def _served_by_shared(self) -> bool:
         return (self.shared is not None and fork_server_refusal(self.settings) is None
@@ -479,6 +500,14 @@ class Launcher:
         """Whether the kernel killed a process in one of ``groups`` for its memory limit."""
         cgroups = self.memory_cgroups
         return cgroups is not None and any(g.parent == cgroups.base and cgroups.oom_killed(g) for g in groups)
+
+    def memory_held(self, groups: list[Path], within: int = 0) -> int | None:
+        """Bytes charged to the memory cgroup among ``groups`` that reclaim cannot free
+        (``WorkerCgroups.held``, ``within`` included), None without one."""
+        cgroups = self.memory_cgroups
+        if cgroups is None:
+            return None
+        return next((cgroups.held(g, within) for g in groups if g.parent == cgroups.base), None)
 
     def oom_kills(self, groups: list[Path]) -> int:
         """How many processes of ``groups`` the kernel killed for their memory limit so far."""
