@@ -148,7 +148,7 @@ class Launcher:
         self.shared = fork_server
         self._shared_view: RunForkServer | None = None
         self._made_workspace = False  # made by this run: removed again when nothing was written
-        self._uid_claimed = False
+        self._uid_claim: str | None = None  # the workspace (real path) whose uid this run claimed
         #: Runtime packages the workers' Python lacks, loaded from agentloop's own copies.
         self.runtime_packages: dict[str, str] = {}
         # The pid in the name lets a later start remove what a killed coordinator left.
@@ -194,8 +194,12 @@ class Launcher:
             raise ConfigError(f"cannot create the run's directories: {exc}; "
                               "choose another --workspace or check permissions") from exc
         if self.sandbox.mode != "none" and os.geteuid() == 0 and self.sandbox.worker_uid is None:
-            self._uid_claimed = True
-            _uids.claim(str(self.workspace))  # the run's uid, its own while it lives
+            workspace = os.path.realpath(self.workspace)  # (as the sandbox plan names it)
+            try:
+                _uids.claim(workspace)  # the run's uid: this run's claim, held while it lives
+            except OSError as exc:
+                raise ConfigError(f"cannot claim a uid for the workers: {exc}") from exc
+            self._uid_claim = workspace
         if self.shared is not None and self.sock_root.parent == self.shared.socket_root:
             self._shared_view = self.shared.for_run(self)
         self._ctx = zmq.Context()
@@ -235,9 +239,9 @@ class Launcher:
         for cgroups in (self.memory_cgroups, self.pids_cgroups) if self._shared_view is None else ():
             if cgroups is not None:  # (a shared server's parents are its own, closed with it)
                 cgroups.close()
-        if self._uid_claimed:
-            self._uid_claimed = False
-            _uids.release(str(self.workspace))
+        if self._uid_claim is not None:
+            _uids.release(self._uid_claim)
+            self._uid_claim = None
         if not self.keep_output:
             await asyncio.to_thread(remove_tree, self.run_dir)
         with contextlib.suppress(OSError):
