@@ -28,6 +28,7 @@ from ._shared_fork import SharedForkServer
 from .durations import DEFAULT_BLOCK_TIMEOUT
 from .errors import AgentloopError, ConfigError
 from .launcher import ENV_ALLOWLIST, Launch, Launcher
+from .output import FILE_CAP, OUTPUT_CAP, OutputBudget
 from .samples import OUTPUT_BYTES, Sample, SampleResult, SampleRunner, map_samples
 from .worker import Worker
 
@@ -40,7 +41,10 @@ class Engine:
 
     A block's output beyond what is kept in memory goes to a file under ``run_dir`` (in
     ``state_dir``, default ``~/.local/state/agentloop/runs/``); the run's directory is removed at
-    shutdown unless ``keep_output``.  The workspace (default ``./files``) is made when missing
+    shutdown unless ``keep_output``.  Each file holds at most ``output_file_cap`` bytes, all of
+    the run's together at most ``max_output`` (None: no cap of the run's own), and, with
+    ``output_budget`` (an ``engine.output.OutputBudget`` shared with other runs, as a batch's),
+    what those runs keep together stays within it too.  The workspace (default ``./files``) is made when missing
     and removed again at shutdown if nothing was written to it.  ``fork_server``: a fork server
     shared with other runs (a batch's, ``engine._shared_fork``) that forks this run's workers,
     each shown this run's directories only; where it cannot serve the run, they start cold."""
@@ -59,7 +63,9 @@ class Engine:
         grace: float = 0.5,
         env_allow: Iterable[str] = (),
         python: str | None = None,
-        output_file_cap: int = 256 * 1024 * 1024,
+        output_file_cap: int = FILE_CAP,
+        max_output: int | None = OUTPUT_CAP,
+        output_budget: OutputBudget | None = None,
         pool: int = 1,
         pool_idle: float = 60.0,
         zygote: bool | None = None,
@@ -77,7 +83,8 @@ class Engine:
             sandbox=sandbox or _sandbox.SandboxPolicy(), python=python or sys.executable,
             transport=transport, tcp_bind=tcp_bind, connect_host=connect_host, state_dir=state_dir,
             start_timeout=start_timeout, grace=grace, env_allow=env_allow,
-            output_file_cap=output_file_cap, zygote=zygote, preload=preload,
+            output_file_cap=output_file_cap, max_output=max_output, output_budget=output_budget,
+            zygote=zygote, preload=preload,
             keep_output=keep_output, own_workspaces=own_workspaces, tty=tty, fork_server=fork_server)
         self.pool_size = max(0, pool)
         self.pool_idle = pool_idle

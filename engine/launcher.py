@@ -38,6 +38,7 @@ from ._shared_fork import RunForkServer, SharedForkServer
 from ._tree import remove_tree
 from ._zygote import Zygote
 from .errors import ConfigError, WorkerStartError
+from .output import FILE_CAP, OUTPUT_CAP, OutputBudget
 
 #: Variables a worker inherits from the coordinator's environment, if set.  Everything else
 #: (API keys, cloud credentials, tokens) stays behind.
@@ -110,7 +111,9 @@ class Launcher:
         start_timeout: float = 30.0,
         grace: float = 0.5,
         env_allow: Iterable[str] = (),
-        output_file_cap: int = 256 * 1024 * 1024,
+        output_file_cap: int = FILE_CAP,
+        max_output: int | None = OUTPUT_CAP,
+        output_budget: OutputBudget | None = None,
         zygote: bool | None = None,
         preload: Iterable[str] = (),
         keep_output: bool = False,
@@ -132,6 +135,10 @@ class Launcher:
         self.grace = grace
         self.env_allow = tuple(env_allow)
         self.output_file_cap = output_file_cap
+        #: What the run's output files may hold in all (and, through its parent, with the
+        #: other runs sharing ``output_budget``: a batch's).
+        self.output_budget = OutputBudget(max_output, parent=output_budget) if max_output is not None \
+            else output_budget
         self.zygote = zygote
         self.preload = tuple(preload)
         #: Keep the run's directory (block outputs too large for memory) after ``close``.
