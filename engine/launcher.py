@@ -35,6 +35,7 @@ from ._cgroup import SpareGroups, WorkerCgroups
 from ._outpipe import OutputPipes
 from ._process import Launch
 from ._shared_fork import RunForkServer, SharedForkServer
+from ._tcp import Gatekeeper, Guard
 from ._tree import remove_tree
 from ._zygote import Zygote
 from .errors import ConfigError, WorkerStartError
@@ -166,6 +167,7 @@ class Launcher:
         self.memory_cgroups: WorkerCgroups | None = None  # each worker's memory limit
         self.pids_cgroups: WorkerCgroups | None = None  # each worker's process limit
         self._ctx: zmq.Context | None = None
+        self._gatekeeper: Gatekeeper | None = None  # the ZAP handler of ``tcp`` workers' sockets
         self._zygote: Zygote | None = None
         self._spares: SpareGroups | None = None  # cgroups made ahead for its fork server's spare inits
         self._outputs = 0
@@ -239,6 +241,9 @@ class Launcher:
             await self._zygote.close()
         if self._spares is not None:
             await asyncio.to_thread(self._spares.close)
+        if self._gatekeeper is not None:
+            self._gatekeeper.close()
+            self._gatekeeper = None
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
         if self.sock_root is not None:
@@ -274,6 +279,22 @@ class Launcher:
         if self.transport == "tcp":
             return f"tcp://{self.tcp_bind}:*", sock_dir
         return f"ipc://{sock_dir}/sock", sock_dir
+
+    def bind(self, sock: zmq.Socket, endpoint: str, number: int) -> tuple[str, Guard | None]:
+        """Bind worker ``number``'s socket to ``endpoint``; the address the worker dials, and
+        for ``tcp`` the guard that lets that worker in and nobody else (``engine._tcp``), which
+        the session follows with the socket's connection events and closes when it ends."""
+        if self.transport != "tcp":
+            sock.bind(endpoint)
+            return sock.getsockopt_string(zmq.LAST_ENDPOINT), None
+        if self._gatekeeper is None:
+            assert self._ctx is not None, "open() the launcher first"
+            self._gatekeeper = Gatekeeper(self._ctx)
+        guard = Guard(sock, self.tcp_bind, self._gatekeeper, f"w{number}")
+        endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.connect_host:
+            endpoint = f"tcp://{self.connect_host}:{endpoint.rsplit(':', 1)[1]}"
+        return endpoint, guard
 
     def output_pipes(self, sock_dir: Path) -> OutputPipes | None:
         """The output pipes of the worker whose socket directory is ``sock_dir``, made (with
@@ -329,10 +350,12 @@ class Launcher:
             env["AGENTLOOP_TTY"] = f"{','.join(map(str, self.tty))}:{size.lines}x{size.columns}"
         return env
 
-    def launch(self, endpoint: str, sock_dir: Path, token: str, *, output: bool = False) -> Launch:
+    def launch(self, endpoint: str, sock_dir: Path, token: str, *, output: bool = False,
+               guard: Guard | None = None) -> Launch:
         """How to start one worker process whose socket lives in ``sock_dir``; ``output``: its
         output pipes are there too (``output_pipes``).  The worker opens them before it
-        confines itself (while it has the coordinator's uid, or root's), so they stay 0600."""
+        confines itself (while it has the coordinator's uid, or root's), so they stay 0600.
+        ``guard``: its socket's (``bind``), whose keys it needs to connect."""
         plan = self.plan(sock_dir)
         if endpoint.startswith("ipc://"):
             plan.grant(Path(endpoint[len("ipc://"):]))
@@ -341,6 +364,8 @@ class Launcher:
         env = self.env(token, plan)
         if output:
             env["AGENTLOOP_OUTPUT"] = str(sock_dir)
+        if guard is not None:
+            env["AGENTLOOP_CURVE"] = guard.env
         return Launch(argv, env, Path(plan.cwd) if plan.cwd else self.cwd, plan.pid_namespace, plan.notes)
 
     def fork_server(self, launch: Launch) -> Zygote | RunForkServer | None:

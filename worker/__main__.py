@@ -2,8 +2,9 @@
 as ``python -I -B -c "...; from worker.__main__ import main; main()" ENDPOINT`` (isolated: see
 ``engine.sandbox.runtime_argv``); ``python -m worker ENDPOINT`` works too, by hand.
 
-The coordinator passes the handshake token, the confinement spec, its own pid and (a local
-coordinator) the directory of the output pipes through the environment (removed from
+The coordinator passes the handshake token, the confinement spec, its own pid, (a local
+coordinator) the directory of the output pipes and (over TCP) the CurveZMQ keys through the
+environment (removed from
 ``os.environ`` before any user code runs).  Order matters: the output pipes are opened
 first, then confinement is applied, while the process still has a single thread, so every
 thread started later (ZeroMQ's, the capture pump, user code) inherits it.
@@ -48,6 +49,7 @@ def run_worker(endpoint: str) -> None:
     confine = os.environ.pop("AGENTLOOP_CONFINE", "")
     parent = int(os.environ.pop("AGENTLOOP_PARENT", "0") or 0)
     output = os.environ.pop("AGENTLOOP_OUTPUT", "")
+    curve = os.environ.pop("AGENTLOOP_CURVE", "")  # over TCP: the server's key and ours (CurveZMQ)
     _guard_parent(parent)
     from . import _memory
 
@@ -79,7 +81,7 @@ def run_worker(endpoint: str) -> None:
     # planted, and it must neither run unconfined nor break the worker's own start.
     sys.path.insert(0, "")
 
-    code = serve(endpoint, token, fifos)
+    code = serve(endpoint, token, fifos, curve)
     sys.stdout.flush() if hasattr(sys.stdout, "flush") else None
     os._exit(code)  # never wait for threads user code left running
 
