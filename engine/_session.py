@@ -59,7 +59,7 @@ log = logging.getLogger("agentloop")
 _ids = itertools.count(1)
 # Plain ints: the enum members cost an enum construction per use on the hot path.
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
-_RCVMORE, _DISCONNECTED, _ACCEPTED = int(zmq.RCVMORE), int(zmq.EVENT_DISCONNECTED), int(zmq.EVENT_ACCEPTED)
+_RCVMORE, _DISCONNECTED = int(zmq.RCVMORE), int(zmq.EVENT_DISCONNECTED)
 _READ_BATCH = 64  # messages read per callback before other work gets a turn
 _DRAIN_BATCH = 1024  # frames of a stranger's multi-frame message discarded per turn
 _AFTER_DEATH = 4 * 1024 * 1024  # bytes of ``out`` read once the worker is dead, at most (it holds 512 KiB)
@@ -141,22 +141,16 @@ class Session:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME)
         sock.setsockopt(zmq.RCVHWM, 4)  # with MAX_FRAME: what a worker can make us hold unread
-        try:
-            endpoint, self.guard = launcher.bind(sock, endpoint, self.number)
-        except BaseException:
-            await self.discard()
-            raise
+        endpoint, self.guard = launcher.bind(sock, endpoint, self.number)
         self._loop.add_reader(sock.getsockopt(zmq.FD), self._readable)
         self._reading = True
         # A peer whose frame ZeroMQ refuses (over MAXMSGSIZE, or bytes that are not ZMTP) is
         # disconnected by ZeroMQ itself and reconnects under a new identity; only this event
         # tells us.  Over TCP the guard's door follows the connections too.
-        events = zmq.EVENT_DISCONNECTED | (zmq.EVENT_ACCEPTED if self.guard is not None else 0)
-        self._monitor = sock.get_monitor_socket(events)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | (self.guard.EVENTS if self.guard else 0))
         self._loop.add_reader(self._monitor.getsockopt(zmq.FD), self._monitor_readable)
         self._monitor_readable()  # ZeroMQ signals only a reader that found the queue empty
-        launch = launcher.launch(endpoint, self.sock_dir, self.token, output=self.pipes is not None,
-                                 guard=self.guard)
+        launch = launcher.launch(endpoint, self.sock_dir, self.token, output=self.pipes is not None, guard=self.guard)
         self.notes = launch.notes
         pid_ns = launch.pid_namespace
         # Its memory and process cgroups are made and entered while the worker starts (a move
@@ -557,10 +551,7 @@ class Session:
                 return
             kind, value = struct.unpack("=HI", event[0][:6])
             if self.guard is not None:
-                if kind == _ACCEPTED:
-                    self.guard.door.accepted(value)
-                elif kind == _DISCONNECTED:
-                    self.guard.door.gone(value)
+                self.guard.follow(kind, value)
             if kind == _DISCONNECTED and self._peer_fd is not None and value == self._peer_fd:
                 self._peer_fd = None
                 self._gone.set()
@@ -577,10 +568,9 @@ class Session:
                            "ZeroMQ, or its socket closed")
 
     def _close_door(self) -> None:
-        """Once the worker is in, nobody else comes in: the ipc:// socket's file goes (over TCP
-        the door drops every new connection), so every connection a worker could add (each
-        with queues of its own, which ZeroMQ fills before anything is read) is refused.  The
-        connection made stays."""
+        """Once the worker is in, nobody else comes in: the ipc:// socket's file goes (a TCP
+        guard's door shuts), so every connection a worker could add (each with queues of its
+        own, which ZeroMQ fills before anything is read) is refused.  The connection made stays."""
         if self.guard is not None:
             self.guard.door.admit()
         endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT) if self.sock is not None else ""

@@ -159,7 +159,9 @@ class Gatekeeper:
 class Guard:
     """What guards one worker's TCP socket: its door and its keys.  ``env`` is what the
     worker needs to connect (``AGENTLOOP_CURVE``: the server's public key, its own public and
-    secret keys)."""
+    secret keys).  The socket's monitor passes its ``EVENTS`` to ``follow``."""
+
+    EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 
     def __init__(self, sock: zmq.Socket, host: str, gatekeeper: Gatekeeper, domain: str) -> None:
         if not zmq.has("curve"):
@@ -182,6 +184,13 @@ class Guard:
         except BaseException:
             self.close()
             raise
+
+    def follow(self, event: int, fd: int) -> None:
+        """A connection event of the socket: the door opens and shuts with them."""
+        if event == zmq.EVENT_ACCEPTED:
+            self.door.accepted(fd)
+        elif event == zmq.EVENT_DISCONNECTED:
+            self.door.gone(fd)
 
     def close(self) -> None:
         self._gatekeeper.forget(self.domain)
