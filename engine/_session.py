@@ -257,15 +257,15 @@ class Session:
                     self.sock.disable_monitor()
             self._monitor.close(linger=0)
             self._monitor = None
+        if self.guard is not None:
+            self.guard.close()
+            self.guard = None
         if self.sock is not None:
             if self._reading:
                 self._loop.remove_reader(self.sock.getsockopt(zmq.FD))
                 self._reading = False
             self.sock.close(linger=0)
             self.sock = None
-        if self.guard is not None:
-            self.guard.close()
-            self.guard = None
         if self.pipes is not None:
             self._watch_out(False)
             self.pipes.close()

@@ -11,20 +11,20 @@ coordinator reads a byte.  So a worker's socket is guarded three ways:
   the wire is encrypted and authenticated too: a worker may be on another machine.
 - **A door.**  A handshake message may itself be as large as ``MAXMSGSIZE``, and ZeroMQ reads
   it before the handshake can fail.  So ZeroMQ binds to a listening socket of ours
-  (``ZMQ_USE_FD``) that lets one connection in at a time: once one is accepted, a socket
-  filter drops every new connection's SYN until it has gone (its handshake failed) or, for
-  good, once the worker is in (``Door``).  Strangers then cost one handshake in flight, not
-  one per connection, and no descriptors; their connections time out unanswered.
+  (``ZMQ_USE_FD``) that lets one connection in at a time: once one is accepted, and until it
+  has gone (its handshake failed) or for good once the worker is in, ZeroMQ's descriptor is
+  pointed at a listener nobody can reach, and the coordinator itself accepts and closes
+  whatever comes meanwhile (``Door``).  Strangers then cost one handshake in flight, not one
+  per connection.  (A socket filter dropping SYNs would do it without the accepts, but Linux
+  6.x allows one on a TCP socket only with CAP_NET_ADMIN.)
 - **A short handshake** (``HANDSHAKE_IVL``): a stranger who sits in the door is cut off.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import socket
-import struct
 
 import zmq
 from zmq.utils import z85
@@ -35,31 +35,30 @@ from .errors import ConfigError
 HANDSHAKE_MS = 3000
 #: The ZAP endpoint ZeroMQ asks (fixed by the ZAP specification).
 _ZAP = "inproc://zeromq.zap.01"
-_SO_ATTACH_FILTER, _SO_DETACH_FILTER = 26, 27
+_IP_FREEBIND = 15
+_UNREACHABLE = ("192.0.2.1", 0)  # TEST-NET-1: never a local address, never routed back here
+_inert: socket.socket | None = None
 
 
-def _filter(program: list[tuple[int, int, int, int]]) -> tuple[bytes, ctypes.Array]:
-    """A ``struct sock_fprog`` for ``program`` (and the buffer it points into, to keep)."""
-    code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *op) for op in program))
-    return struct.pack("@HP", len(program), ctypes.addressof(code)), code
-
-
-# Classic BPF on a TCP socket sees each segment from its TCP header: drop one with SYN set and
-# ACK clear (a new connection), keep the rest (a child socket inherits the filter, and must
-# keep its own traffic).
-_DROP_SYN, _DROP_SYN_CODE = _filter([
-    (0x30, 0, 0, 13),          # ldb [13]: the flags
-    (0x54, 0, 0, 0x12),        # and #(SYN|ACK)
-    (0x15, 0, 1, 0x02),        # jeq #SYN: drop, else keep
-    (0x06, 0, 0, 0),           # ret #0
-    (0x06, 0, 0, 0xFFFFFFFF),  # ret #-1
-])
+def _inert_listener() -> socket.socket:
+    """A listening socket nobody can connect to (bound, by IP_FREEBIND, to an address this
+    host does not have): ``accept`` on it always says EAGAIN.  One for the process."""
+    global _inert
+    if _inert is None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.IPPROTO_IP, _IP_FREEBIND, 1)
+        sock.bind(_UNREACHABLE)
+        sock.listen(1)
+        sock.setblocking(False)
+        _inert = sock
+    return _inert
 
 
 class Door:
     """The listening socket of one worker's ZeroMQ socket, letting in one connection at a time
     (see the module docstring).  ``accepted``, ``gone`` and ``admit`` follow the ZeroMQ
-    socket's connection events and the worker's handshake."""
+    socket's connection events and the worker's handshake; ``close`` before the ZeroMQ socket
+    is closed (which must find its own descriptor as it left it)."""
 
     def __init__(self, host: str) -> None:
         host = "0.0.0.0" if host == "*" else host.strip("[]")
@@ -71,12 +70,16 @@ class Door:
             raise ConfigError(f"cannot listen on {host!r} for workers over TCP: {exc}") from exc
         try:
             self._sock.bind(address)
-            self._sock.listen(4)
+            self._sock.listen(16)
+            self._sock.setblocking(False)
+            self._inert = _inert_listener()
         except OSError as exc:
             self._sock.close()
             raise ConfigError(f"cannot listen on {host!r} for workers over TCP: {exc}") from exc
         self.host, self.port = self._sock.getsockname()[:2]
         self.family = family
+        self._loop = asyncio.get_running_loop()
+        self._zmq_fd: int | None = None  # ZeroMQ's descriptor of the listener (it closes it)
         self._pending: set[int] = set()  # connections accepted and not yet gone
         self._inside = False
         self._shut = False
@@ -85,7 +88,8 @@ class Door:
         """Bind ``sock`` through this door (it takes a descriptor of its own)."""
         if self.family == socket.AF_INET6:
             sock.setsockopt(zmq.IPV6, 1)
-        sock.setsockopt(zmq.USE_FD, os.dup(self._sock.fileno()))
+        self._zmq_fd = os.dup(self._sock.fileno())
+        sock.setsockopt(zmq.USE_FD, self._zmq_fd)
         host = f"[{self.host}]" if self.family == socket.AF_INET6 else self.host
         sock.bind(f"tcp://{host}:{self.port}")
 
@@ -104,16 +108,34 @@ class Door:
         self._close()
 
     def _close(self) -> None:
-        if not self._shut:
-            self._sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, _DROP_SYN)
+        # ZeroMQ's poller still watches the listener (level-triggered) and wakes as a
+        # connection arrives, but its accept finds the unreachable listener: EAGAIN.  The
+        # arrival is ours to turn away (``_refuse``), at once.
+        if not self._shut and self._zmq_fd is not None:
+            os.dup2(self._inert.fileno(), self._zmq_fd, inheritable=False)
+            self._loop.add_reader(self._sock.fileno(), self._refuse)
             self._shut = True
 
     def _open(self) -> None:
-        if self._shut:
-            self._sock.setsockopt(socket.SOL_SOCKET, _SO_DETACH_FILTER, b"\0" * 4)
+        if self._shut and self._zmq_fd is not None:
+            self._loop.remove_reader(self._sock.fileno())
+            os.dup2(self._sock.fileno(), self._zmq_fd, inheritable=False)
             self._shut = False
 
+    def _refuse(self) -> None:
+        for _ in range(64):  # a turn's worth; the rest at the next one
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:  # none waits (or it went): nothing to turn away
+                return
+            conn.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._sock.fileno() == -1
+
     def close(self) -> None:
+        self._open()  # ZeroMQ closes its descriptor as the listener it registered
         self._sock.close()
 
 
@@ -192,6 +214,11 @@ class Guard:
         elif event == zmq.EVENT_DISCONNECTED:
             self.door.gone(fd)
 
+    @property
+    def closed(self) -> bool:
+        return self.door.closed
+
     def close(self) -> None:
+        """Idempotent; before the ZeroMQ socket is closed (see ``Door``)."""
         self._gatekeeper.forget(self.domain)
         self.door.close()

@@ -168,6 +168,7 @@ class Launcher:
         self.pids_cgroups: WorkerCgroups | None = None  # each worker's process limit
         self._ctx: zmq.Context | None = None
         self._gatekeeper: Gatekeeper | None = None  # the ZAP handler of ``tcp`` workers' sockets
+        self._guards: list[Guard] = []  # closed (again) before the context: see ``_tcp.Door``
         self._zygote: Zygote | None = None
         self._spares: SpareGroups | None = None  # cgroups made ahead for its fork server's spare inits
         self._outputs = 0
@@ -241,6 +242,8 @@ class Launcher:
             await self._zygote.close()
         if self._spares is not None:
             await asyncio.to_thread(self._spares.close)
+        for guard in self._guards:
+            guard.close()
         if self._gatekeeper is not None:
             self._gatekeeper.close()
             self._gatekeeper = None
@@ -291,6 +294,7 @@ class Launcher:
             assert self._ctx is not None, "open() the launcher first"
             self._gatekeeper = Gatekeeper(self._ctx)
         guard = Guard(sock, self.tcp_bind, self._gatekeeper, f"w{number}")
+        self._guards = [g for g in self._guards if not g.closed] + [guard]
         endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if self.connect_host:
             endpoint = f"tcp://{self.connect_host}:{endpoint.rsplit(':', 1)[1]}"

@@ -4,47 +4,42 @@ the expected CurveZMQ key, once."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import zmq
 
 from engine._tcp import Door, Gatekeeper, Guard
 
 
-def _dial(port: int, timeout: float = 1.0) -> socket.socket | None:
-    """A TCP connection to the door, or None when it went unanswered."""
-    sock = socket.socket()
-    sock.settimeout(timeout)
+async def _greeted(port: int) -> bool:
+    """Dial the door: True when ZeroMQ answers (its greeting), False when the connection is
+    turned away (closed unread)."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 30)
     try:
-        sock.connect(("127.0.0.1", port))
-    except OSError:
-        sock.close()
-        return None
-    return sock
+        return (await asyncio.wait_for(reader.read(1), 30)) == b"\xff"
+    finally:
+        writer.close()
 
 
-def test_the_door_lets_one_connection_in_at_a_time_and_none_once_the_worker_is_in():
+async def test_the_door_lets_one_connection_in_at_a_time_and_none_once_the_worker_is_in():
     door = Door("127.0.0.1")
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     try:
         door.bind(router)
-        first = socket.create_connection(("127.0.0.1", door.port), timeout=30)
-        door.accepted(first.fileno())  # (the fd stands for the connection, as the monitor's would)
-        assert _dial(door.port, 1.0) is None  # refused while one is in the handshake
-        door.gone(first.fileno())
-        second = socket.create_connection(("127.0.0.1", door.port), timeout=30)  # the door opened again
-        door.accepted(second.fileno())
+        assert await _greeted(door.port)
+        door.accepted(1000)  # (a number standing for the connection, as the monitor gives it)
+        assert not await _greeted(door.port)  # turned away while one is in its handshake
+        door.gone(1000)
+        assert await _greeted(door.port)  # open again
+        door.accepted(1001)
         door.admit()
-        door.gone(second.fileno())  # even once it is gone: the worker was in
-        assert _dial(door.port, 1.0) is None
-        first.close()
-        second.close()
+        door.gone(1001)  # gone, but the worker was in: the door stays shut
+        assert not await _greeted(door.port)
     finally:
+        door.close()  # (before the ZeroMQ socket: it closes its descriptor as it left it)
         router.close(0)
         ctx.term()
-        door.close()
 
 
 async def test_only_the_expected_key_gets_in_and_only_once():
