@@ -15,6 +15,12 @@ Guarantees, for every sample:
   endless loop, a sample that kills its process group or fills ``/tmp`` costs its own result
   only.  Where the fork server cannot run (it needs root and bubblewrap) each sample gets an
   engine of its own instead: the same isolation, started cold (~100 ms a sample).
+- Samples that run at once cannot reach each other: each has its own terminals (a devpts
+  instance), ``/proc`` (its own processes only), PID and network namespaces, and, under a root
+  coordinator, a uid of its own (each slot's), so no per-user kernel quota (inotify instances,
+  fanotify groups, pipe buffer pages, pending signals) is shared.  An unprivileged coordinator
+  has one uid to give: its concurrent samples share its per-user quotas (and with its other
+  processes), the rest holds.
 - It runs as ``python sample.py ARGS`` would (``engine.script_run``): ``sys.argv``, ``__file__``,
   ``__name__ == "__main__"``, ``stdin`` on ``sys.stdin``, ``SystemExit`` as the exit status,
   tracebacks on stderr, threads waited for and ``atexit`` handlers run.

@@ -2,10 +2,28 @@
 
 A slot is started by the run's fork server like a worker (its own PID, network and UTS
 namespaces, cgroups, a socket directory only it sees) and then runs each sample it is given
-in a process with a mount and an IPC namespace of its own, confined as a worker is, with an
-empty ``/tmp``, ``/dev/shm`` and workspace; everything a sample started is killed and reaped
-before the next one begins.  What a sample costs is then a fork of a small interpreter and a
-few mounts, not the start of a worker: the reason slots exist (``agentloop exec --jsonl``).
+in a process with mount, IPC and cgroup namespaces of its own, confined as a worker is, with
+an empty ``/tmp``, ``/dev/shm`` and workspace, terminals of its own and a ``/proc`` of its
+own processes; everything a sample started is killed and reaped before the next one begins.
+What a sample costs is then a fork of a small interpreter and a few mounts, not the start of
+a worker: the reason slots exist (``agentloop exec --jsonl``).
+
+How a sample's sandbox is started, in order: ``SlotPool.run`` takes an idle slot or starts
+one (``Slot.start``: the slot's own uid under a root coordinator, ``Launcher.launch`` with the
+slot entry point, ``Launcher.start_process`` through the run's fork server, the slot's hello
+on its unix socket); the slot (``worker/slot.py``) forks the sample, which takes its
+namespaces, mounts and confinement and runs the code; the slot answers with a ``Result``
+(``worker/contract/sample.py``), and ``engine.sample_status`` says what it means.
+
+Samples that run at once run in different slots, and a root coordinator gives each slot a
+uid of its own (``Launcher.own_uid``): what a uid allows or counts — opening a terminal,
+reading another's ``/proc``, signalling, inotify instances, pipe buffer pages and the other
+per-user kernel quotas — is never shared by two samples that run at once.  A slot is used
+again only when what it hands the next sample was checked: the slot finds no socket left in
+its network namespace (a cycle of unix sockets in flight, which outlives every process) and
+moves to a fresh one when the last sample moved its counters, and the coordinator finds its
+memory cgroup holding no more than the slot did at its start (``Slot.memory_clean``).
+Otherwise it is replaced.
 
 Nothing a slot says is trusted: replies are size-bounded, decoded without unpickling and
 checked field by field; a slot that says anything else, stops answering past the sample's
@@ -44,6 +62,11 @@ _ids = itertools.count(1)
 _MAX_REPLY = 1024 * 1024  # a hello; a result: this, or more where it keeps more output
 #: Seconds a slot may take past a sample's deadline and grace to answer (reaping what it left).
 _SLACK = 10.0
+#: Memory a slot's cgroup may still hold after a sample beyond what the slot held when it
+#: started (its own heap grows a little), in bytes, or as a share of the memory limit when
+#: that is more; and how long the kernel may take to free the rest (an IPC namespace's
+#: segments go a moment after its last process).
+_KEPT_BYTES, _KEPT_SHARE, _FREED_WITHIN = 32 * 2**20, 1 / 32, 1.0
 
 
 class SlotError(Exception):
@@ -60,6 +83,10 @@ class Slot:
         self.sock_dir: Path | None = None
         self.cgroups: list[Path] = []
         self.oom_kills = 0
+        #: What the slot's memory cgroup holds that reclaim cannot free, as the slot started.
+        self.memory_base: int | None = None
+        #: The name of the uid claim of the slot's own (``Launcher.own_uid``), while it holds one.
+        self.uid_name: str | None = None
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 
@@ -76,9 +103,17 @@ class Slot:
             listener.setblocking(False)
             token = secrets.token_hex(16)
             settings = launcher.settings
+            # A uid of the slot's own: samples that run at once are in different slots, and
+            # share no terminal, /proc entry, signal or per-user kernel quota through a uid.
+            name = f"{launcher.workspace}#slot{self.number}"
+            uid = launcher.own_uid(name)
+            self.uid_name = name if uid is not None else None
+            # (The endpoint travels in its settings, not in its command line, which every
+            # sample could read.)
             slot = SlotSettings(str(launcher.workspace), settings.sandbox.tmp_bytes, settings.grace,
-                                str(self.sock_dir), not settings.sandbox.network, settings.preload)
-            launch = launcher.launch(endpoint, self.sock_dir, token, entry=SLOT, slot=slot)
+                                str(self.sock_dir), not settings.sandbox.network, settings.preload,
+                                outputs=str(launcher.output_dir), endpoint=endpoint)
+            launch = launcher.launch(endpoint, self.sock_dir, token, entry=SLOT, slot=slot, uid=uid)
             # After the launch (which hands a worker's socket to the run's uid): the slot connects
             # as the sandbox's root, not a worker uid.
             os.chown(path, os.getuid(), os.getgid())
@@ -93,6 +128,7 @@ class Slot:
             with contextlib.suppress(OSError):
                 os.unlink(path)  # nobody else connects
         self.oom_kills = launcher.oom_kills(self.cgroups)
+        self.memory_base = launcher.memory_held(self.cgroups)
 
     async def _greet(self, listener: socket.socket, path: str, token: str) -> sample.Hello:
         """The slot's hello: its connection, then its first message."""
@@ -144,6 +180,24 @@ class Slot:
         except ContractError as exc:
             raise SlotError(f"it sent a malformed result ({exc})") from exc
 
+    async def memory_clean(self) -> bool:
+        """Whether the slot's memory cgroup, now that its sample is gone, holds no more than
+        the slot itself did (within ``_KEPT_BYTES``), waiting up to ``_FREED_WITHIN`` seconds
+        for what the kernel frees late.  Memory the sample left charged there (a memfd in
+        flight, say) would count against every later sample's limit."""
+        if self.memory_base is None:
+            return True
+        limit = self.launcher.settings.sandbox.memory_bytes
+        allowed = self.memory_base + max(_KEPT_BYTES, int(limit * _KEPT_SHARE) if limit else 0)
+        deadline = asyncio.get_running_loop().time() + _FREED_WITHIN
+        while True:
+            held = self.launcher.memory_held(self.cgroups, allowed)
+            if held is None or held <= allowed:
+                return True
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+
     def memory_killed(self) -> bool:
         """Whether the kernel killed a process of this slot for its memory limit since last asked."""
         if not self.cgroups:
@@ -161,6 +215,9 @@ class Slot:
             await self.proc.kill()
         groups, self.cgroups, sock_dir, self.sock_dir = self.cgroups, [], self.sock_dir, None
         await self.launcher.release(groups, sock_dir)
+        if self.uid_name is not None:  # (no process of the slot is left to run as it)
+            self.launcher.release_uid(self.uid_name)
+            self.uid_name = None
 
 
 class SlotPool:
@@ -204,7 +261,9 @@ class SlotPool:
         except BaseException:
             await asyncio.shield(self._drop(slot))
             raise
-        if self._closed:
+        # A slot whose sample left something behind that outlives it (it says so, or its
+        # memory cgroup does) is not used again.
+        if self._closed or reply.retire or not await slot.memory_clean():
             await self._drop(slot)
         else:
             self._idle.append(slot)

@@ -15,13 +15,19 @@ import socket
 import struct
 
 __all__ = ["MS_BIND", "MS_NODEV", "MS_NOEXEC", "MS_NOSUID", "MS_PRIVATE", "MS_RDONLY", "MS_REC", "MS_REMOUNT",
-           "NEWIPC", "NEWNET", "NEWNS", "NEWPID", "NEWUSER", "NEWUTS", "bind", "check", "libc", "loopback_up",
-           "mount_points_under", "no_user_namespaces", "own_user_namespace"]
+           "NEWCGROUP", "NEWIPC", "NEWNET", "NEWNS", "NEWPID", "NEWUSER", "NEWUTS", "beneath", "bind", "check",
+           "libc", "loopback_up", "mount_points_under", "no_user_namespaces", "own_user_namespace"]
 
 libc = ctypes.CDLL(None, use_errno=True)
-NEWNS, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET = 0x00020000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000
+NEWNS, NEWCGROUP, NEWUTS, NEWIPC = 0x00020000, 0x02000000, 0x04000000, 0x08000000
+NEWUSER, NEWPID, NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+
+
+def beneath(path: str, top: str) -> bool:
+    """Whether ``path`` is ``top`` or lies below it (by path components, not by prefix)."""
+    return path == top or path.startswith(top.rstrip("/") + "/")
 
 
 def check(result: int, what: str) -> None:

@@ -64,6 +64,7 @@ from ._mounts import (
     NEWNS,
     NEWPID,
     NEWUTS,
+    beneath,
     bind,
     check,
     libc,
@@ -97,10 +98,6 @@ def _exit_status(status: int) -> int:
     return os.WEXITSTATUS(status)
 
 
-def _beneath(path: str, top: str) -> bool:
-    return path == top or path.startswith(top.rstrip("/") + "/")
-
-
 def _open_dir(path: str) -> int:
     """An O_PATH descriptor of directory ``path``, its last component never a link."""
     return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -128,9 +125,9 @@ def _private_tmp(request: fork.Spawn, userns: bool) -> None:
     own = os.path.dirname(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
     hide = list(request.hide or ([os.path.dirname(own)] if own else []))
     show = list(request.show) + ([(own, True)] if own else [])
-    shown = [(path, ro, _open_dir(path)) for path, ro in show if any(_beneath(path, h) for h in hide)]
+    shown = [(path, ro, _open_dir(path)) for path, ro in show if any(beneath(path, h) for h in hide)]
     keep = [(point, ro, os.open(point, os.O_PATH)) for point, ro in mount_points_under("/tmp")
-            if not any(_beneath(point, h) for h in hide)]
+            if not any(beneath(point, h) for h in hide)]
     size = f"size={request.tmp_bytes},mode=1777".encode()
     check(libc.mount(b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, size), "/tmp")
     for point, ro, fd in keep:

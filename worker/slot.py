@@ -1,14 +1,23 @@
 """A sample slot: runs code samples one after another, each in a sandbox of its own.
 
-``python -I -B -c "...; from worker.slot import main; main()" SOCKET`` is what the fork server
+``python -I -B -c "...; from worker.slot import main; main()"`` is what the fork server
 starts in place of a worker (a fresh, small interpreter: forking it costs a third of forking
 the worker runtime).  It keeps its PID and UTS namespaces (and its network one while unused),
-its capabilities and its cgroups from sample to sample, and gives every sample what no later
-sample can see:
+its capabilities, its cgroups and its uid (a root coordinator gives each slot a uid of its
+own: samples that run at once are in different slots, so no per-user kernel quota, terminal
+or file is shared through a uid) from sample to sample.  Its own mount namespace holds no
+layer of the run's sockets, outputs or workspace (``_own_view``), and it gives every sample
+what no later sample can see:
 
-- a process of its own (forked from the slot), in a session of its own, with a mount and an
-  IPC namespace of its own: a fresh ``/tmp``, ``/dev/shm`` and an empty workspace (its
-  current directory), tmpfs that the kernel frees with the namespace;
+- a process of its own (forked from the slot), in a session of its own, with mount, IPC and
+  cgroup namespaces of its own: a fresh ``/tmp``, ``/dev/shm`` and an empty workspace (its
+  current directory), tmpfs that the kernel frees with the namespace; a devpts instance of its
+  own (it sees no other sample's terminal, and holds at most ``PTYS``); a ``/proc`` that shows
+  its own processes only (``hidepid``: the slot and the namespace's init are not there); its
+  cgroup is ``/``; its command line and ``sys.orig_argv`` name no path of the run's (the slot
+  is told its socket in its environment, which no sample may read).  Forked from the slot, a
+  sample's memory is a copy of the slot's: it holds no secret (the token is spent once the
+  hello is accepted), only paths that the sample's view does not show;
 - a network namespace nobody else used: the slot's, unless the sample before it moved any
   of its counters (a packet, a connection tried), in which case the slot moves to a new one
   first (a new namespace costs more than the rest of a sample together, and most samples never
@@ -16,7 +25,9 @@ sample can see:
 - the worker's confinement (uid, Landlock, seccomp, rlimits), applied in that process before
   the code runs; the slot itself runs no code of the sample's;
 - at its end, every process it started is killed (``kill(-1)`` from the slot, which is
-  the sample's subreaper) and reaped before the next sample begins.
+  the sample's subreaper) and reaped before the next sample begins, and what it left that
+  outlives its processes is looked for (``Slot._left_behind``): a slot that finds any asks to
+  be replaced (``retire`` in its result).
 
 A sample runs as ``python sample.py ARGS`` would: ``sys.argv``, ``__file__``, ``__name__ ==
 "__main__"``, stdin, the exit status, tracebacks, threads waited for and ``atexit``
@@ -44,10 +55,13 @@ import types
 from . import _confine, script_run
 from ._mounts import (
     MS_NODEV,
+    MS_NOEXEC,
     MS_NOSUID,
+    NEWCGROUP,
     NEWIPC,
     NEWNET,
     NEWNS,
+    beneath,
     bind,
     check,
     libc,
@@ -66,6 +80,13 @@ __all__ = ["Slot", "main"]
 
 _PR_SET_CHILD_SUBREAPER = 36
 _READ = 65536
+_MNT_DETACH = 2
+# The new mount API (Linux 5.2; one number on every architecture).
+_SYS_OPEN_TREE, _SYS_MOVE_MOUNT = 428, 429
+_AT_FDCWD, _OPEN_TREE_CLONE, _MOVE_MOUNT_F_EMPTY_PATH = -100, 1, 4
+#: Terminals a sample may hold at once, in the devpts instance of its own (the kernel's pool of
+#: them is the host's).
+PTYS = 64
 
 
 class Slot:
@@ -78,15 +99,12 @@ class Slot:
         self.private_net = settings.private_net
         self.net_state = _net_state()
         self.confine = confine
-        self.owner = confine.uid
+        self.own_sockets: set[bytes] | None = None  # its channel's two ends, once accepted
         own = settings.socket_dir
-        # What the sandbox mounted beneath /tmp, to be shown again on each sample's fresh /tmp
-        # (the project, outputs): never the workspace (each sample gets an empty one) nor the
-        # run's sockets.
-        hidden = (self.workspace, os.path.dirname(own) if own else "")
-        self.keep = [(point, ro) for point, ro in mount_points_under("/tmp")
-                     if not any(h and (point == h or point.startswith(h + "/")) for h in hidden)]
-        self.hide = [d for d in (os.path.dirname(own) if own else "",) if d and not d.startswith("/tmp/")]
+        # Never shown to a sample: the workspace (each gets an empty one), the run's sockets
+        # and its outputs.
+        hidden = [d for d in (self.workspace, os.path.dirname(own) if own else "", settings.outputs) if d]
+        self.keep = _own_view(hidden)
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         os.set_blocking(self.wake_r, False)
         signal.set_wakeup_fd(wake_w)
@@ -116,6 +134,8 @@ class Slot:
 
     def serve(self) -> None:
         while (request := self.receive()) is not None:
+            if self.own_sockets is None:  # (the coordinator has accepted: its end has an inode)
+                self.own_sockets = _unix_sockets()
             self.send(self.run(request))
 
     # -- one sample ---------------------------------------------------------------------------
@@ -145,7 +165,8 @@ class Slot:
         for r in reads:
             os.close(r)
         return sample.Result(req.id, status, timed_out, killed, streams[1].parts(), streams[2].parts(),
-                             rusage.ru_maxrss if rusage is not None else None, time.monotonic() - started)
+                             rusage.ru_maxrss if rusage is not None else None, time.monotonic() - started,
+                             retire=self._left_behind())
 
     @staticmethod
     def _stdin(data) -> int:
@@ -192,17 +213,39 @@ class Slot:
             while data := os.read(fd, _READ):
                 reads[fd].add(data)
         self._reap()
-        if self.private_net and _net_state() != self.net_state:
-            self._fresh_network()
         return status, rusage, timed_out, killed
 
+    def _left_behind(self) -> bool:
+        """Once every process of the sample is dead, look for what it left that outlives them;
+        True when the slot must be replaced before the next sample.
+
+        Descriptors passed by ``SCM_RIGHTS`` into a cycle of unix sockets that no process holds
+        live until the kernel's unix-socket garbage collection (run when some unix socket
+        closes): sockets and their ports, memfds charged to the slot's cgroup, inotify
+        instances charged to its uid.  Such a cycle shows as unix sockets in the slot's network
+        namespace that are not the slot's own: the collection is started and the slot is
+        replaced.  A namespace whose counters moved (a packet, a connection tried, a socket in
+        TIME_WAIT) is replaced by a fresh one, which costs more than the rest of a sample
+        together; one whose counters and sockets are as they were is kept.  (The IPC namespace
+        was the sample's own.)  On the host's network nothing tells the sample's sockets from
+        the host's: the collection is started after every sample, and the coordinator's memory
+        check stands."""
+        if not self.private_net:
+            _collect_unix_garbage()
+            return False
+        if _unix_sockets() - (self.own_sockets or set()):
+            _collect_unix_garbage()
+            return True
+        if _net_state() != self.net_state:
+            self._fresh_network()
+        return False
+
     def _fresh_network(self) -> None:
-        """The sample used the network: the next one gets a namespace nobody has used.  (One
-        that left the counters of every interface and protocol as they were, and no socket,
-        since its processes are all dead, left nothing there to see: the namespace is kept.)"""
+        """A network namespace nobody has used, for the next sample."""
         check(libc.unshare(NEWNET), "unshare")
         loopback_up()
         self.net_state = _net_state()
+        self.own_sockets = _unix_sockets()
 
     def _reap(self) -> None:
         """Wait until no process of the sample is left (the slot is the subreaper of them all)."""
@@ -221,6 +264,7 @@ class Slot:
     def _sample(self, req: sample.RunSample, stdin: int, out: int, err: int) -> None:
         """The sample's process: its own namespaces and confinement, then the code.  Never returns."""
         status = 1
+        said = err  # where a failure is said: the stderr pipe, fd 2 once it is there
         try:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -230,6 +274,7 @@ class Slot:
             self._own_mounts()
             for fd, target in ((stdin, 0), (out, 1), (err, 2)):
                 os.dup2(fd, target)
+            said = 2
             os.closerange(3, 1 << 16)
             os.chdir(self.workspace)
             _confine.apply(self.confine)
@@ -239,16 +284,21 @@ class Slot:
             sys.stdout = sys.__stdout__ = _text(1, "w", "strict", False)
             sys.stderr = sys.__stderr__ = _text(2, "w", "backslashreplace", True)
         except BaseException as exc:  # noqa: BLE001 - the sample never runs half-confined
-            os.write(err, f"agentloop: the sample's sandbox could not be made: {exc}\n".encode())
-            os._exit(125)
+            try:
+                os.write(said, f"agentloop: the sample's sandbox could not be made: {exc}\n".encode())
+            finally:
+                os._exit(125)
         try:
             status = _run_script(req, self.workspace)
         finally:
             os._exit(status)
 
     def _own_mounts(self) -> None:
-        """Mount and IPC namespaces of the sample's own, with empty /tmp, /dev/shm and workspace."""
-        check(libc.unshare(NEWNS | NEWIPC), "unshare")
+        """Mount, IPC and cgroup namespaces of the sample's own: empty /tmp, /dev/shm and
+        workspace; a devpts instance of its own (no other sample's terminal exists for it);
+        a /proc that shows its own processes only (``hidepid``: the slot and the namespace's
+        init, root's, are not there); its cgroup is ``/``."""
+        check(libc.unshare(NEWNS | NEWIPC | NEWCGROUP), "unshare")
         # Opened in the new namespace (a bind's source must be a mount of the caller's own),
         # before the fresh /tmp hides them.
         keep = [(point, read_only, os.open(point, os.O_PATH)) for point, read_only in self.keep]
@@ -257,12 +307,50 @@ class Slot:
         for point, read_only, fd in keep:
             bind(fd, point, read_only)
             os.close(fd)
-        for where in self.hide:
-            check(libc.mount(b"tmpfs", where.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,mode=0755"), where)
         os.makedirs(self.workspace, exist_ok=True)
         check(libc.mount(b"tmpfs", self.workspace.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, size), "workspace")
         if os.path.isdir("/dev/shm"):
             check(libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", MS_NOSUID | MS_NODEV, size), "/dev/shm")
+        if os.path.isdir("/dev/pts"):  # (/dev/ptmx is bubblewrap's link to pts/ptmx)
+            options = f"newinstance,ptmxmode=0666,mode=0620,max={PTYS}".encode()
+            check(libc.mount(b"devpts", b"/dev/pts", b"devpts", MS_NOSUID | MS_NOEXEC, options), "/dev/pts")
+        check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, b"hidepid=invisible"),
+              "/proc")
+
+
+def _own_view(hidden: list[str]) -> list[tuple[str, bool]]:
+    """Give the slot a mount namespace of its own holding nothing a sample may not see, since
+    each sample's is a copy of it and a covered mount still shows in ``/proc/self/mountinfo``:
+    every layer of ``/tmp``, ``/dev/shm`` and of the ``hidden`` directories (the paths of the
+    run's sockets, outputs and workspace) is detached, and what the sandbox mounted beneath
+    ``/tmp`` outside them (the project, the interpreter) is mounted again on a fresh ``/tmp``,
+    from copies made before (a detached mount cannot be bound).  Returns those mounts,
+    shallowest first: (mount point, read-only), for each sample's ``/tmp``."""
+    check(libc.unshare(NEWNS), "unshare")
+    os.chdir("/")  # (not in a mount about to go)
+    shown: dict[str, bool] = {}
+    for point, read_only in mount_points_under("/tmp"):  # (the topmost of a point comes last)
+        if not any(beneath(point, h) for h in hidden):
+            shown[point] = read_only
+    keep = sorted(shown.items(), key=lambda item: item[0].count("/"))
+    copies = [_copy_mount(point) for point, _ in keep]
+    for top in ("/tmp", "/dev/shm", *hidden):
+        while libc.umount2(top.encode(), _MNT_DETACH) == 0:  # every layer, until none is left
+            pass
+    check(libc.mount(b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,mode=0755"), "/tmp")
+    for (point, _), fd in zip(keep, copies, strict=True):
+        os.makedirs(point, exist_ok=True)
+        check(libc.syscall(_SYS_MOVE_MOUNT, fd, b"", _AT_FDCWD, point.encode(), _MOVE_MOUNT_F_EMPTY_PATH), point)
+        os.close(fd)
+    return keep
+
+
+def _copy_mount(point: str) -> int:
+    """A descriptor of a detached copy of the mount at ``point`` (``open_tree``), flags and all."""
+    fd = libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, point.encode(), _OPEN_TREE_CLONE | os.O_CLOEXEC)
+    if fd < 0:
+        check(fd, point)
+    return fd
 
 
 #: Per network namespace: every interface's counters and every protocol's (a packet sent, a
@@ -279,6 +367,21 @@ def _net_state() -> bytes:
         except OSError:
             state.append(b"")
     return b"\0".join(state)
+
+
+def _unix_sockets() -> set[bytes]:
+    """The inodes of the unix sockets of this network namespace (its processes' and those in
+    flight), from ``/proc/net/unix``."""
+    with open("/proc/net/unix", "rb") as f:
+        return {line.split()[6] for line in f.readlines()[1:] if len(line.split()) > 6}
+
+
+def _collect_unix_garbage() -> None:
+    """Start the kernel's unix-socket garbage collection: closing a unix socket does, while
+    any descriptor is in flight."""
+    a, b = socket.socketpair()
+    a.close()
+    b.close()
 
 
 def _text(fd: int, mode: str, errors: str, line_buffering: bool):
@@ -306,6 +409,7 @@ def _run_script(req: sample.RunSample, workspace: str) -> int:
     main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins)
     sys.modules["__main__"] = main
     sys.argv = list(req.argv) or [path]
+    sys.orig_argv = [sys.executable, *sys.argv]  # as ``python sample.py ARGS`` has it, not the slot's
     sys.path[0:0] = [workspace]
     timeout = req.timeout
 
@@ -392,7 +496,7 @@ def _drain(fd: int) -> None:
 def main() -> None:
     start = StartSpec.take()
     libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    endpoint = sys.argv[1]
+    endpoint = start.slot.endpoint if start.slot is not None else ""
     path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else endpoint
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)

@@ -4,10 +4,11 @@ message a frame (``framing``) holding one msgpack map.  One sample at a time.
 Slot -> coordinator (``TO_COORDINATOR``)
     hello   {token, pid}   the slot is ready (the token the coordinator gave it)
     failed  {error}        it cannot serve (said instead of hello)
-    result  {id, status, timed_out, killed, out, err, rss_kb, seconds, note}
+    result  {id, status, timed_out, killed, out, err, rss_kb, seconds, note, retire}
             ``status``: the sample process's wait status (None: it could not be started, ``note``
             says why); ``out``/``err``: [head, tail, total bytes] of stdout and stderr, head and
-            tail at most the request's ``keep`` bytes each
+            tail at most the request's ``keep`` bytes each; ``retire``: the sample left
+            something that outlives it, and the slot must not run another
 Coordinator -> slot (``TO_SLOT``)
     run     {id, code, path, argv, stdin, files, env, timeout, keep}
             ``files``: [path, bytes, mode] written into the sample's workspace first; ``stdin``:
@@ -106,6 +107,7 @@ class Result(Message):
     rss_kb: int | None = field(is_optional(is_int(0, 2**50)), None)
     seconds: float = field(is_number(0), 0.0)
     note: str = field(is_text(MAX_NOTE * 4), "")
+    retire: bool = field(is_flag, False)
 
     def within(self, keep: int) -> Result:
         """This result, if its heads and tails are at most ``keep`` bytes each (what was asked)."""
@@ -121,8 +123,10 @@ TO_COORDINATOR = Catalogue("slot to coordinator", (Hello, Failed, Result))
 class SlotSettings:
     """What a slot is told once, at its start: the workspace path its samples start in, the
     size of their ``/tmp``, ``/dev/shm`` and workspace, the grace between a deadline's interrupt
-    and the kill, whether its network namespace is private, its socket directory and the modules
-    it imports before the first sample (``--preload``)."""
+    and the kill, whether its network namespace is private, its socket directory, the modules
+    it imports before the first sample (``--preload``), the run's output directory (which no
+    sample is shown) and the endpoint it connects to (here, not on its command line, which
+    every sample could read)."""
 
     workspace: str
     tmp_bytes: int
@@ -130,10 +134,13 @@ class SlotSettings:
     socket_dir: str
     private_net: bool = True
     preload: tuple[str, ...] = ()
+    outputs: str = ""
+    endpoint: str = ""
 
     def to_wire(self) -> dict:
         return {"workspace": self.workspace, "tmp_bytes": self.tmp_bytes, "grace": self.grace,
-                "socket_dir": self.socket_dir, "private_net": self.private_net, "preload": list(self.preload)}
+                "socket_dir": self.socket_dir, "private_net": self.private_net, "preload": list(self.preload),
+                "outputs": self.outputs, "endpoint": self.endpoint}
 
     @classmethod
     def from_wire(cls, value: Any) -> SlotSettings:
@@ -143,6 +150,7 @@ class SlotSettings:
             return cls(is_text(MAX_ID)(value["workspace"]), is_int(0, 2**50)(value["tmp_bytes"]),
                        is_number(0, 60)(value["grace"]), is_text(MAX_ID)(value["socket_dir"]),
                        is_flag(value.get("private_net", True)),
-                       is_list(is_text(MAX_NAME), 256)(value.get("preload", ())))
+                       is_list(is_text(MAX_NAME), 256)(value.get("preload", ())),
+                       is_text(MAX_ID)(value.get("outputs", "")), is_text(MAX_ID)(value.get("endpoint", "")))
         except KeyError as exc:
             raise ContractError(f"slot settings: {exc.args[0]} is missing") from None
