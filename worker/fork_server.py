@@ -135,7 +135,7 @@ def _private_tmp(request: fork.Spawn, userns: bool) -> None:
         os.close(fd)
     if userns:
         for hidden in hide:
-            if _beneath(hidden, "/tmp"):
+            if beneath(hidden, "/tmp"):
                 os.makedirs(hidden, exist_ok=True)
     covered = [h for h in hide if os.path.isdir(h)]  # (root's beneath /tmp are gone with the old /tmp)
     for hidden in covered:
