@@ -44,7 +44,7 @@ from ._tree import remove_tree
 from .errors import ConfigError, WorkerStartError
 from .fork_server import ForkServer
 from .output import OutputBudget
-from .provision import ColdStart, Provisioner, fork_server_refusal, insisted
+from .provision import ColdStart, Provisioner, cold_note, fork_server_refusal, insisted
 from .results import describe_exit
 from .settings import WorkerSettings
 from .shared_fork_server import RunView, SharedForkServer
@@ -365,8 +365,9 @@ class Launcher:
         command = interpreter.runtime_argv(self.settings.python, entry, *args, packages=self.runtime_packages)
         env = self.env(StartSpec(token=token, output=str(sock_dir) if output else "", slot=slot,
                                  curve=guard.env if guard is not None else ""), plan)
+        note = cold_note(self.settings)
         return Launch(plan.argv_prefix, command, endpoint, env, Path(plan.cwd) if plan.cwd else self.cwd,
-                      plan.pid_namespace, plan.notes, serves_blocks=entry == WORKER)
+                      plan.pid_namespace, [*plan.notes, note] if note else plan.notes, serves_blocks=entry == WORKER)
 
     def own_uid(self, name: str) -> int | None:
         """A uid of its own for one process of this run (a sample slot: samples that run at

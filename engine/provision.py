@@ -32,10 +32,10 @@ from typing import Protocol
 
 from ._process import Launch, Process, spawn
 from .errors import ConfigError
-from .sandbox import fork_server_problem
+from .sandbox import fork_server_problem, host_support
 from .settings import WorkerSettings
 
-__all__ = ["ColdStart", "Provisioner", "fork_server_refusal", "insisted"]
+__all__ = ["ColdStart", "Provisioner", "cold_note", "fork_server_refusal", "insisted"]
 
 
 class Provisioner(Protocol):
@@ -86,6 +86,19 @@ def fork_server_refusal(settings: WorkerSettings) -> str | None:
     if problem is not None:
         return f"no fork server: {problem}"
     return None
+
+
+def cold_note(settings: WorkerSettings) -> str | None:
+    """One line for a run's start notes where its processes start cold although bubblewrap
+    works here and nothing in ``settings`` asked for that (a kernel that refuses an unprivileged
+    fork server the user namespaces it makes); None otherwise."""
+    if settings.fork_server is not None or settings.sandbox.mode not in ("auto", "bwrap"):
+        return None
+    host = host_support()
+    problem = fork_server_problem() if host.bwrap is not None else None
+    if problem is None:
+        return None
+    return f"sandbox: no fork server: {problem} — workers and code samples start cold (~100 ms each)"
 
 
 def insisted(settings: WorkerSettings, own_workspaces: bool, why: str) -> None:
