@@ -115,14 +115,6 @@ def report(policy: SandboxPolicy) -> list[Layer]:
     else:
         nproc = "RLIMIT_NPROC, counted against all of your processes (budget added to your current count)"
     layers.append(Layer("process limit", True, on and "not bounded" not in nproc, nproc))
-    forks = fork_server_problem() if bw else "needs bubblewrap"
-    if forks is None:
-        fs_why = ("forks workers, sample slots and a batch's workers: ~10 ms a worker instead of ~100"
-                  + ("" if host.root else "; unprivileged: in bubblewrap's user namespace, each process "
-                     "in a user namespace of its own"))
-    else:
-        fs_why = f"{forks}: workers and code samples start cold (~100 ms each)"
-    layers.append(Layer("fork server", forks is None or fork_server_problem() is None, on and forks is None, fs_why))
     layers.append(Layer("no_new_privs", True, on, "blocks privilege gain through setuid binaries"))
 
     abi = host.landlock_abi
@@ -133,4 +125,14 @@ def report(policy: SandboxPolicy) -> list[Layer]:
     layers.append(Layer("landlock", abi > 0, on and abi > 0, ll_why))
     sc_why = f"BPF filter for {arch}" if host.seccomp else f"unavailable (kernel or architecture {arch})"
     layers.append(Layer("seccomp", host.seccomp, on and host.seccomp, sc_why))
+    # Not a layer: how each worker's layers are made (forked, or started cold).
+    problem = fork_server_problem()
+    if problem is not None:
+        fs_why = f"{problem}: workers and code samples start cold (~100 ms each)"
+    elif not bw:
+        fs_why = "runs inside bubblewrap, which this sandbox mode does not use: workers start cold"
+    else:
+        fs_why = ("forks workers, sample slots and a batch's workers (~10 ms a worker instead of ~100)"
+                  + ("" if host.root else ", in bubblewrap's user namespace, each in a user namespace of its own"))
+    layers.append(Layer("fork server", problem is None, on and bw and problem is None, fs_why))
     return layers

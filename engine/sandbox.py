@@ -439,7 +439,8 @@ def _confinement(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid:
         # Without a PID namespace the coordinator kills the process group: keep everyone in it.
         seccomp = Seccomp(socket_families=tuple(families), lock_session=not use_bwrap, shared_memory=memory_cgroup)
         if not memory_cgroup:
-            notes.append("sandbox: no memory cgroup here (it needs root or a delegated cgroup) — "
+            why = "it needs root or a delegated cgroup" if host.root else "none is delegated to you: `agentloop doctor` says how to get one"
+            notes.append(f"sandbox: no memory cgroup here ({why}) — "
                          "the memory limit is per process, and memfd_create, SysV shared memory "
                          "and shared anonymous mmap are refused so that it holds")
     else:

@@ -30,7 +30,7 @@ import pytest
 
 from engine.doctor import report
 from engine.errors import ConfigError
-from engine.sandbox import LaunchPlan, SandboxPolicy, host_support, plan, workspace_excess
+from engine.sandbox import LaunchPlan, SandboxPolicy, fork_server_problem, host_support, plan, workspace_excess
 from tests.conftest import read_line
 from worker._confine import seccomp_program
 from worker.contract.confinement import Confinement, Seccomp
@@ -781,9 +781,10 @@ def test_workspace_excess(tmp_path: Path) -> None:
 def test_doctor_reports_every_layer() -> None:
     layers = {layer.name: layer for layer in report(SandboxPolicy())}
     for name in ("bubblewrap", "pid namespace", "network namespace", "rlimits", "no_new_privs",
-                 "landlock", "seccomp", "process limit", "memory cgroup"):
+                 "landlock", "seccomp", "process limit", "memory cgroup", "fork server"):
         assert name in layers and layers[name].reason
     host = host_support()
+    assert layers["fork server"].available == (fork_server_problem() is None)
     assert layers["bubblewrap"].available == (host.bwrap is not None)
     assert layers["landlock"].available == (host.landlock_abi > 0)
     assert not any(layer.active for layer in report(SandboxPolicy(mode="none")))
