@@ -30,7 +30,14 @@ import pytest
 
 from engine.doctor import report
 from engine.errors import ConfigError
-from engine.sandbox import LaunchPlan, SandboxPolicy, fork_server_problem, host_support, plan, workspace_excess
+from engine.sandbox import (
+    LaunchPlan,
+    SandboxPolicy,
+    fork_server_problem,
+    host_support,
+    plan,
+    workspace_excess,
+)
 from tests.conftest import read_line
 from worker._confine import seccomp_program
 from worker.contract.confinement import Confinement, Seccomp
