@@ -14,9 +14,10 @@ handshake, before it has run any code.  An unprivileged user may write a cgroup 
 delegated to them: systemd's (``systemd-run --user --scope -p Delegate=yes agentloop ...``,
 cgroup v2) or a subtree an administrator handed over.  cgroup v2 hands a controller only to the
 children of a cgroup that holds no process, so in a delegated one the coordinator first moves
-itself into a leaf of its own (``agentloop-<pid>-self``), as systemd's documentation asks.  A fork server makes each worker's namespace init ahead
-of its request; ``SpareGroups`` puts that init in cgroups of its own ahead too, so the worker
-is born in them and its start waits for no move.  Where no memory cgroup can be made the sandbox refuses
+itself into a leaf of its own (``agentloop-<pid>-self``), as systemd's documentation asks.  A
+fork server makes each worker's namespace init ahead of its request; ``SpareGroups`` puts that
+init in cgroups of its own ahead too, so the worker is born in them and its start waits for no
+move.  Where no memory cgroup can be made the sandbox refuses
 the shared-memory calls instead (see ``engine.sandbox``), and says so; where no pids cgroup can
 be made, RLIMIT_NPROC bounds the processes.
 """

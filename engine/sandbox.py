@@ -30,6 +30,7 @@ import errno
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -50,8 +51,8 @@ from engine.interpreter import python_paths, runtime_argv
 from worker.contract.confinement import Confinement, Landlock, Seccomp, landlock_abi, seccomp_supported
 
 __all__ = [
-    "GiB", "HostSupport", "LaunchPlan", "MODES", "MiB", "SandboxPolicy", "fork_server_problem", "host_support", "plan",
-    "root_blocker", "server_plan", "system_paths", "tools_argv", "workspace_excess"
+    "GiB", "HostSupport", "LaunchPlan", "MODES", "MiB", "SandboxPolicy", "fork_server_problem", "host_support",
+    "plan", "root_blocker", "server_plan", "system_paths", "tools_argv", "workspace_excess"
 ]
 
 GiB = 1024**3
@@ -166,15 +167,13 @@ def fork_server_problem() -> str | None:
     and gives each process it forks a user namespace of its own: a kernel or policy that allows
     bubblewrap its namespace may still refuse one below it (AppArmor's restriction of
     unprivileged user namespaces, a low ``user.max_user_namespaces``).  So that much is made
-    once, as the server makes it (``worker.fork_server.probe``), and asked of this process
-    once (about 30 ms)."""
+    once, as the server makes it (``worker.fork_server.probe``): an interpreter started once
+    per process, in a sandbox of its own."""
     host = host_support()
     if host.bwrap is None:
         return host.bwrap_problem
     if host.root:
         return None
-    import sys
-
     argv = [host.bwrap, *namespace_flags(False, network=False), "--ro-bind", "/", "/", "--proc", "/proc",
             "--dev", "/dev", "--"]
     argv = fork_server_argv(argv, root=False) + runtime_argv(sys.executable, "worker.fork_server:probe")
