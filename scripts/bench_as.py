@@ -51,13 +51,15 @@ def _copy_for(user: pwd.struct_passwd) -> Path:
             continue
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, dst)
-    for path in copy.rglob("*"):  # files gone from the checkout go from the copy (not its venv)
-        rel = path.relative_to(copy)
-        if path.is_file() and rel.parts[0] != ".venv" and "__pycache__" not in rel.parts and str(rel) not in wanted:
-            path.unlink()
-    for path in [copy, *copy.rglob("*")]:
-        if ".venv" not in path.relative_to(copy).parts:
-            os.lchown(path, user.pw_uid, user.pw_gid)
+    os.lchown(copy, user.pw_uid, user.pw_gid)
+    for top, dirs, files in os.walk(copy):
+        dirs[:] = [d for d in dirs if top != str(copy) or d != ".venv"]  # the user's own venv stays as it is
+        for name in [*dirs, *files]:
+            path = Path(top, name)
+            if name in files and "__pycache__" not in path.parts and str(path.relative_to(copy)) not in wanted:
+                path.unlink()  # gone from the checkout
+            else:
+                os.lchown(path, user.pw_uid, user.pw_gid)
     return copy
 
 

@@ -78,3 +78,17 @@ def test_quick_bench_prints_a_complete_report(tmp_path: Path) -> None:
     for target in report["targets"].values():
         assert target["met"] in (True, False, None) and target["target"]
     assert report["targets"]["idle_workers"]["met"] is None  # --quick does not try 500
+
+
+def test_side_by_side_shows_each_users_figures_in_a_column():
+    spec = importlib.util.spec_from_file_location("bench_as", REPO / "scripts" / "bench_as.py")
+    bench_as = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_as)
+
+    reports = {"root": {"worker_start_ms": {"cold": {"p50": 90.0}}, "machine": {"python": "3.11.7"}},
+               "alice": {"worker_start_ms": {"cold": {"p50": 120.5}}, "samples": {"ratio": 2.5},
+                         "machine": {"python": "3.11.2"}}}
+    lines = bench_as.side_by_side(reports).splitlines()
+    assert lines[0].split() == ["figure", "root", "alice"]
+    assert lines[1].split()[-2:] == ["90", "120.5"] and lines[1].startswith("worker start, cold p50")
+    assert lines[2].split()[-2:] == ["—", "2.5"] and lines[3].split()[-2:] == ["3.11.7", "3.11.2"]
