@@ -216,6 +216,8 @@ def _v2_parent(own: Path, controller: str) -> Path | None:
         own = own.parent
     if _v2_controller_for_children(own, controller):
         return own
+    if not _delegated(own):  # (root may write any cgroup: only one handed over is rearranged)
+        return None
     try:
         (own / leaf).mkdir(exist_ok=True)
         (own / leaf / "cgroup.procs").write_text(str(os.getpid()))
@@ -224,6 +226,22 @@ def _v2_parent(own: Path, controller: str) -> Path | None:
         _rmdir(own / leaf)
         return None
     return own if _v2_controller_for_children(own, controller) else None
+
+
+def _delegated(group: Path) -> bool:
+    """Whether ``group`` was handed to this process's user to arrange: it is theirs (not
+    root's), or systemd marked it delegated (``Delegate=yes``: the ``user.delegate`` or
+    ``trusted.delegate`` attribute)."""
+    try:
+        if os.geteuid() != 0 and group.stat().st_uid == os.geteuid():
+            return True
+    except OSError:
+        return False
+    for name in ("user.delegate", "trusted.delegate"):
+        with contextlib.suppress(OSError):
+            if os.getxattr(group, name).strip(b"\0") == b"1":
+                return True
+    return False
 
 
 def _v2_controller_for_children(own: Path, controller: str) -> bool:
