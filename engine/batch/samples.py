@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import tracing
 from ..durations import parse_duration
 from ..engine import Engine
 from ..errors import ConfigError
@@ -164,6 +165,28 @@ async def _run_local(pending: list[SampleSpec], engine_options: dict, results: R
             record(cancelled(Sample(spec.id, ""), at))
 
 
+class _TracedView:
+    """A progress view that also sends a span for each sample that ends (tracing on): the view
+    sees every finished record, local or from Ray, as it is written."""
+
+    def __init__(self, view: Any, tracing: Any) -> None:
+        self.view = view
+        self.tracing = tracing
+
+    def finished(self, record: dict) -> None:
+        self.tracing.sample_span(record)
+        self.view.finished(record)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.view, name)
+
+
+def traced(view: Any) -> Any:
+    """``view``, sending a span per finished sample when tracing is on."""
+    current = tracing.current()
+    return view if current is None else _TracedView(view, current)
+
+
 def run_samples(samples_path: str | Path, output: str | Path, engine_options: dict, *,
                 parallel: int | None = None, timeout: float, progress: str = "auto", skip_invalid: bool = False,
                 redo: Iterable[str] = (), ray_address: str | None = None) -> BatchOutcome:
@@ -187,7 +210,7 @@ def run_samples(samples_path: str | Path, output: str | Path, engine_options: di
         print(f"agentloop: {len(specs)} samples, {before} done before, {len(pending)} to run, {where}; "
               f"results in {output}", file=sys.stderr, flush=True)
         tally = Tally(len(specs), before, kind="samples", statuses=STATUSES)
-        view = make_view(progress, tally)
+        view = traced(make_view(progress, tally))
         stopper = Stopper()
         view.start()
         try:
