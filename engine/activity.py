@@ -141,15 +141,16 @@ class Activity:
         if not isinstance(name, str):
             return
         if type == "run_finished":
-            self._close_agent(name, at, _run_outcome(fields.get("status")), _text(fields.get("error_type")),
+            self._close_agent(name, at, _run_outcome(fields.get("status")),
+                              _error_type(fields.get("status"), fields.get("error_type")),
                               status=fields.get("status"), error=fields.get("error"),
                               tokens_in=fields.get("tokens_in"), tokens_out=fields.get("tokens_out"),
                               cost=fields.get("cost"))
             return
         if type == "agent_finished":
             status = fields.get("status")
-            self._close_agent(name, at, _run_outcome(status), _text(fields.get("error_type")), status=status,
-                              error=fields.get("reason"))
+            self._close_agent(name, at, _run_outcome(status), _error_type(status, fields.get("error_type")),
+                              status=status, error=fields.get("reason"))
             return
         if type in ("agent_started", "run_started"):
             parent = fields.get("parent") if type == "agent_started" else None
@@ -275,6 +276,16 @@ class Activity:
 
 def _text(value: Any) -> str:
     return value if isinstance(value, str) else "" if value is None else str(value)
+
+
+def _error_type(status: Any, given: Any) -> str:
+    """The error type of an agent that ended with ``status``: the exception's type when it failed on
+    one, ``timeout`` at its deadline, nothing when it answered or was cancelled."""
+    if status == "timed_out":
+        return "timeout"
+    if status == "failed":
+        return _text(given) or "_OTHER"
+    return ""
 
 
 def _run_outcome(status: Any) -> str:

@@ -23,7 +23,9 @@ TASK = "trace this run"
 SUB_TASK = "the helper's part: say 42"
 SECRET = "sk-test-not-to-be-traced-5f3a"
 
-FIRST = f"""Two at once, and a helper.
+#: What a hostile block prints: it must stay text wherever it is shown.
+HOSTILE = "<script>window.pwned = 1</script></html><img src=x onerror=\"window.pwned = 2\">"
+FIRST = f"""Three at once (one prints markup), and a helper.
 
 <run_code id="left" timeout="10s">
 import time
@@ -36,6 +38,10 @@ print("left done")
 import time
 time.sleep(1.5)
 print("right done")
+</run_code>
+
+<run_code id="loud" timeout="10s">
+print({HOSTILE!r})
 </run_code>
 
 <run_agent name="helper">{SUB_TASK}</run_agent>"""
@@ -110,7 +116,7 @@ def test_a_run_is_a_span_tree_in_a_real_receiver(tmp_path: Path) -> None:
     assert any(name == "retry" for name, _ in first.events)
 
     blocks = {c.attr("gen_ai.tool.call.id"): c for c in main.children if c.name == "execute_tool run_code"}
-    assert set(blocks) == {"left", "right", "stuck"}, tree
+    assert set(blocks) == {"left", "right", "loud", "stuck"}, tree
     left, right, stuck = blocks["left"], blocks["right"], blocks["stuck"]
     assert left.attr("agentloop.block.ended") == "ok" and left.status == "UNSET"
     assert left.attr("agentloop.block.output_bytes") == len("left done\n")
