@@ -133,6 +133,12 @@ class Tracing:
         """One span for a code sample that ended (``exec --jsonl``), from its result record."""
         self._spans.sample_span(self.tracer, self.settings, record)
 
+    def flush(self, timeout: float = FLUSH_SECONDS) -> None:
+        """Send the spans that ended so far, waiting at most ``timeout`` seconds."""
+        sending = threading.Thread(target=self.provider.force_flush, name="agentloop-trace-flush", daemon=True)
+        sending.start()
+        sending.join(timeout)
+
     def shutdown(self, timeout: float = FLUSH_SECONDS) -> None:
         """Send what is left, waiting at most ``timeout`` seconds, then say in one line on stderr
         if sending failed."""
@@ -182,6 +188,17 @@ def current() -> Tracing | None:
 def observer(models: ModelRegistry | None = None, root: Mapping[str, Any] | None = None) -> AgentDisplay | None:
     """A span observer for one run when tracing is on, else None (nothing to add)."""
     return _current.observer(models, root) if _current is not None else None
+
+
+def forwarded_env() -> dict[str, str]:
+    """What a process elsewhere (a Ray task) needs to trace as this one does: the ``OTEL_*``
+    variables, and ``OTEL_TRACES_EXPORTER`` when ``--trace`` turned tracing on; nothing when off."""
+    if _current is None:
+        return {}
+    env = {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
+    if not requested(False, env):
+        env["OTEL_TRACES_EXPORTER"] = "otlp"
+    return env
 
 
 def shutdown() -> None:
@@ -250,4 +267,4 @@ def _version() -> str:
 
 
 __all__ = ["FLUSH_SECONDS", "SEMCONV_DEFAULT", "SEMCONV_LATEST", "TraceSettings", "Tracing", "current",
-           "endpoint", "observer", "requested", "shutdown", "start"]
+           "endpoint", "forwarded_env", "observer", "requested", "shutdown", "start"]

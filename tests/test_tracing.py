@@ -186,3 +186,19 @@ def test_bad_trace_settings_are_one_line(tmp_path: Path) -> None:
                                    "traces with otlp or console")
     proc = agentloop(tmp_path, "--trace", "run", "x", "-q", env={"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
     assert proc.returncode == 125 and "http/protobuf or grpc" in proc.stderr
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_batch_runs_on_ray_are_traced_where_they_run(ray_cluster, tmp_path: Path) -> None:
+    address, auth = ray_cluster
+    ids = [f"r{i}" for i in range(3)]
+    (tmp_path / "tasks.jsonl").write_text("".join(json.dumps({"id": i, "task": f"[{i}] say hi"}) + "\n" for i in ids))
+    with Receiver() as rx, ScriptedServer({"*": ["<run_code>\nprint('hi')\n</run_code>", "hi"]}) as server:
+        proc = agentloop(tmp_path, "--trace", "batch", "tasks.jsonl", "-o", "out.jsonl", "--ray", address,
+                         "--progress", "none", env=_otel(rx, LLM_URL=server.url, LLM_MODEL="scripted", **auth))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert rx.wait_for(lambda spans: sum(s.name == "invoke_agent main" for s in spans) >= 3, timeout=60)
+    roots = {r.attr("agentloop.task.id"): r for r in trees(rx.spans) if r.name == "invoke_agent main"}
+    assert set(roots) == set(ids)
+    assert all([c.name for c in r.children].count("execute_tool run_code") == 1 for r in roots.values())
