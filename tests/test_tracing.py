@@ -169,6 +169,17 @@ def test_off_by_default_and_none_disables(tmp_path: Path) -> None:
     assert rx.requests >= 1 and {s.name for s in rx.spans} >= {"invoke_agent main"}
 
 
+def test_off_imports_nothing_of_opentelemetry(tmp_path: Path) -> None:
+    code = ("import sys\nfrom engine.cli import main\ntry:\n    main(['run', 'x', '-q'])\nexcept SystemExit:\n    pass\n"
+            "print('loaded' if any(m.startswith('opentelemetry') for m in sys.modules) else 'not loaded')")
+    with ScriptedServer({"*": ["plain answer"]}) as server:
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}, "LLM_URL": server.url,
+               "XDG_STATE_HOME": str(tmp_path / "state")}
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env,
+                              timeout=120)
+    assert proc.stdout == "plain answer\nnot loaded\n", proc.stderr
+
+
 def test_an_unreachable_collector_costs_one_line(tmp_path: Path) -> None:
     with ScriptedServer({"*": ["plain answer"]}) as server:
         proc = agentloop(tmp_path, "--trace", "run", "x", "-q",
