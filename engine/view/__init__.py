@@ -60,19 +60,10 @@ def _write_file(path: Path, text: str) -> None:
         raise
 
 
-def timeline_page(source: Path) -> tuple[str, dict, str | None]:
+def _timeline(source: Path, lines) -> tuple[str, dict, str | None]:
     """A recording's page, its data and its warning."""
-    lines = read_lines(source)
-    if lines.kind != RECORDING:
-        raise_kind(source, lines.kind)
     data, warning = timeline.build(lines.records, source, lines.cut_line)
     return page(f"agentloop: {source.name}", "timeline", data), data, warning
-
-
-def raise_kind(source: Path, kind: str) -> None:
-    from ..errors import ConfigError
-
-    raise ConfigError(f"{source} is a {kind} file, not a recording")
 
 
 def write(source: Path, out: Path | None = None) -> Written:
@@ -81,8 +72,8 @@ def write(source: Path, out: Path | None = None) -> Written:
     out = out or default_output(source)
     lines = read_lines(source)
     if lines.kind == RECORDING:
-        data, warning = timeline.build(lines.records, source, lines.cut_line)
-        _write_file(out, page(f"agentloop: {source.name}", "timeline", data))
+        text, data, warning = _timeline(source, lines)
+        _write_file(out, text)
         totals = data["totals"]
         summary = (f"{totals['agents']} agent{'s' * (totals['agents'] != 1)}, {totals['requests']} model "
                    f"requests, {totals['blocks']} blocks, {totals['duration']:.1f} s")
@@ -115,9 +106,10 @@ def _timelines(records: list[dict], out: Path) -> tuple[dict[str, str], int]:
         if not path.is_absolute():
             path = out.parent / path
         try:
-            if not path.is_file():
+            lines = read_lines(path) if path.is_file() else None
+            if lines is None or lines.kind != RECORDING:
                 continue
-            text, _, _ = timeline_page(path)
+            text, _, _ = _timeline(path, lines)
             name = f"{run_slug(str(record.get('id')))}.html"
             _write_file(folder / name, text)
         except Exception:  # noqa: BLE001 - one unreadable transcript costs its link, not the report
