@@ -142,12 +142,13 @@ def traced_batch(tmp_path_factory) -> dict:
         proc = agentloop(where, "--trace", "batch", "tasks.jsonl", "-o", "results.jsonl", "--parallel", "8",
                          "--progress", "none",
                          env={"OTEL_EXPORTER_OTLP_ENDPOINT": rx.endpoint, "LLM_URL": server.url,
-                              "LLM_MODEL": "scripted"}, timeout=900)
+                              "LLM_MODEL": "scripted"}, timeout=1100)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert rx.wait_for(lambda spans: sum(s.parent_id == "" for s in spans) >= BATCH, timeout=60)
     return {"dir": where, "results": where / "results.jsonl", "spans": rx.spans, "expected": expected}
 
 
+@pytest.mark.timeout(1200)  # the batch itself: about 100 s as root on 2 idle cores, more as a user
 def test_a_batch_is_a_trace_per_run_carrying_its_task_id(traced_batch: dict) -> None:
     records = {r["id"]: r for r in map(json.loads, traced_batch["results"].read_text().splitlines())}
     assert Counter(r["status"] for r in records.values()) == traced_batch["expected"]
@@ -247,6 +248,7 @@ def test_the_timeline_of_a_run_in_a_browser(browser, traced_run: dict, tmp_path:
     page.close()
 
 
+@pytest.mark.timeout(1200)
 def test_the_report_of_a_batch_in_a_browser(browser, traced_batch: dict, tmp_path: Path) -> None:
     results = traced_batch["results"]
     out = traced_batch["dir"] / "report.html"
