@@ -141,14 +141,14 @@ class Activity:
         if not isinstance(name, str):
             return
         if type == "run_finished":
-            self._close_agent(name, at, _run_outcome(fields.get("status")),
-                              _error_type(fields.get("status"), fields.get("error_type")),
-                              status=fields.get("status"), error=fields.get("error"),
+            status = _text(fields.get("status"))
+            self._close_agent(name, at, _run_outcome(status), _error_type(status, fields.get("error_type")),
+                              status=status, error=fields.get("error"),
                               tokens_in=fields.get("tokens_in"), tokens_out=fields.get("tokens_out"),
                               cost=fields.get("cost"))
             return
         if type == "agent_finished":
-            status = fields.get("status")
+            status = _text(fields.get("status"))
             self._close_agent(name, at, _run_outcome(status), _error_type(status, fields.get("error_type")),
                               status=status, error=fields.get("reason"))
             return
@@ -254,6 +254,8 @@ class Activity:
 
     def _tool_call(self, agent: Piece, fields: dict, at: float) -> None:
         key = (agent.name, _text(fields.get("id")))
+        if key in self._tools:  # an id used twice: the earlier call ends here
+            self._close(self._tools.pop(key), at, "cancelled")
         self._tools[key] = self._open(TOOL, agent.name, key[1], agent, at, tool=fields.get("tool"),
                                       arguments=fields.get("arguments"))
 

@@ -230,7 +230,7 @@ class SpanObserver(AgentDisplay):
             for fact, key in (("duration", "agentloop.block.duration_s"), ("output_bytes", "agentloop.block.output_bytes")):
                 if isinstance(facts.get(fact), int | float):
                     attributes[key] = facts[fact]
-            if facts.get("lost"):
+            if isinstance(facts.get("lost"), list) and facts["lost"]:
                 attributes["agentloop.block.lost_variables"] = [str(v) for v in facts["lost"]]
             if self.content:
                 attributes["gen_ai.tool.call.arguments"] = json.dumps({"code": _cut(facts.get("code"))},
@@ -260,7 +260,7 @@ class SpanObserver(AgentDisplay):
             attributes["gen_ai.response.finish_reasons"] = [str(facts["finish_reason"])]
         if isinstance(facts.get("first_token"), float):
             attributes["agentloop.time_to_first_token_s"] = round(facts["first_token"] - piece.start, 6)
-        for key, value in (facts.get("timings") or {}).items():
+        for key, value in (facts["timings"] if isinstance(facts.get("timings"), dict) else {}).items():
             attributes[f"agentloop.server.{key}"] = value
         if self.content:
             if facts.get("message") is not None:

@@ -101,3 +101,30 @@ def test_block_outcomes() -> None:
     assert outcome("cancelled") == ("interrupted", "")
     assert outcome("killed", killed=True) == ("killed", "killed")
     assert outcome("died") == ("died", "died")
+
+
+def odd_events() -> list[dict]:
+    """Every event type with fields of every JSON type, in a plausible order of times."""
+    import itertools
+
+    values = [None, 0, -1.5, "x", "", [], ["a", 1], {}, {"k": [1]}, True]
+    types = ["run_started", "agent_started", "system", "sent", "waiting", "retrying", "delta", "waited", "replied",
+             "launched", "output", "progress", "finished", "tool_call", "tool_result", "agent_finished",
+             "run_finished", "note", "cancelled", "failed", "endpoint", "unknown"]
+    fields = ["id", "status", "message", "timeout", "lost", "timings", "error", "parent", "model", "attempt",
+              "text", "output", "tokens_in", "killed", "stats", "prompt", "task", "current", "label"]
+    events = []
+    for n, (kind, value) in enumerate(itertools.product(types, values)):
+        event = {"t": 1000.0 + n / 10, "type": kind, "name": ["main", "sub", 7][n % 3]}
+        event.update({field: value for field in fields[n % 5::3]})
+        events.append(event)
+    return events
+
+
+def test_events_of_any_shape_are_folded() -> None:
+    log = Listener()
+    activity = Activity(log)
+    for event in odd_events():
+        activity.feed(event["type"], {k: v for k, v in event.items() if k not in ("t", "type")}, event["t"])
+    activity.close()
+    assert len(log.opened_pieces) == len(log.closed_pieces) > 0

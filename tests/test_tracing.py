@@ -213,3 +213,24 @@ def test_batch_runs_on_ray_are_traced_where_they_run(ray_cluster, tmp_path: Path
     roots = {r.attr("agentloop.task.id"): r for r in trees(rx.spans) if r.name == "invoke_agent main"}
     assert set(roots) == set(ids)
     assert all([c.name for c in r.children].count("execute_tool run_code") == 1 for r in roots.values())
+
+
+def test_the_observer_takes_events_of_any_shape() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from engine.spans import SpanObserver
+    from engine.tracing import TraceSettings
+    from tests.test_activity import odd_events
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    for settings in (TraceSettings(), TraceSettings(latest=True, content=True)):
+        observer = SpanObserver(provider.get_tracer("test"), settings)
+        for event in odd_events():
+            observer.event(event["type"], **{k: v for k, v in event.items() if k not in ("t", "type", "name")},
+                           name=event["name"])
+        observer.close()
+    assert len(exporter.get_finished_spans()) > 0

@@ -21,6 +21,7 @@ import pytest
 
 from engine.scripted import Delay, Fail, ScriptedServer
 from tests.otlp_receiver import Receiver, trees
+from tests.test_activity import odd_events
 from tests.test_tracing import HOSTILE, SCRIPT, TASK
 
 AGENTLOOP = [sys.executable, "-m", "engine.cli"]
@@ -63,6 +64,17 @@ def test_a_damaged_line_in_the_middle_is_refused(tmp_path: Path) -> None:
                    '{"t": 2.0, "type": "note", "name": "x", "message": "b"}\n')
     proc = agentloop(tmp_path, "view", str(rec), "--no-open")
     assert proc.returncode == 125 and "line 2 is not JSON" in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
+def test_a_recording_of_any_shape_makes_a_page(tmp_path: Path) -> None:
+    """A recording is data someone else may have written: every event type with fields of every
+    JSON type still makes a page (the fold and the page take what they can use)."""
+    from engine.view import write
+
+    rec = tmp_path / "odd.jsonl"
+    rec.write_text("".join(json.dumps(event) + "\n" for event in odd_events()))
+    written = write(rec)
+    assert written.kind == "timeline" and written.path.stat().st_size > 1000
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ read as far as it goes and the caller warns; a damaged line anywhere else is ref
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,8 +68,8 @@ def read_lines(path: Path) -> Lines:
             if pending is not None:
                 raise refuse(f"line {pending[0]} is {pending[1]}")
             try:
-                record = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError):
+                record = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite)
+            except (UnicodeDecodeError, ValueError, RecursionError):  # JSONDecodeError is a ValueError
                 if kind is None:
                     raise refuse(f"line {number} is not JSON") from None
                 pending = (number, "not JSON")
@@ -84,6 +85,17 @@ def read_lines(path: Path) -> Lines:
     if kind is None:
         raise refuse("it is empty")
     return Lines(kind, records, pending[0] if pending is not None else None)
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")  # Python reads NaN and Infinity; a browser's JSON does not
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"{text} is out of range")
+    return value
 
 
 def _described(record: Any) -> str:

@@ -124,7 +124,8 @@ class _Collect:
             item["reply"] = _cut(facts.get("reply"))
         elif piece.kind == BLOCK:
             item.update(status=facts.get("status"), result=_cut(facts.get("output")), bytes=facts.get("output_bytes"),
-                        lost=[str(v) for v in facts.get("lost") or []], message=_cut(facts.get("message"), 2000),
+                        lost=[str(v) for v in facts["lost"]] if isinstance(facts.get("lost"), list) else [],
+                        message=_cut(facts.get("message"), 2000),
                         out=self._output.pop(piece, _Output()).shown())
         elif piece.kind == TOOL:
             item["result"] = _cut(facts.get("result"))
