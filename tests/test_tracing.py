@@ -59,9 +59,9 @@ def _main_turn(body: dict) -> str:
     the pair with it); answer once everything reported."""
     sent = "\n".join(str(m.get("content")) for m in body["messages"] if m.get("role") == "user")
     said = "\n".join(str(m.get("content")) for m in body["messages"] if m.get("role") == "assistant")
-    if "id=left " in sent and "id=right " in sent and 'id="stuck"' not in said:
+    if "<run_code_result id=left " in sent and "<run_code_result id=right " in sent and 'id="stuck"' not in said:
         return STUCK
-    if "id=stuck " in sent and "name=helper " in sent:
+    if "<run_code_result id=stuck " in sent and "<agent_result name=helper " in sent:
         return "All of it ran."
     return "Waiting for the rest."
 

@@ -242,6 +242,9 @@ def test_the_timeline_of_a_run_in_a_browser(browser, traced_run: dict, tmp_path:
     assert left["y"] != right["y"]  # ...so one above the other
     assert stuck["x"] >= left["x"] + left["width"] - 2  # after the pair
     assert blocks["stuck"]["outcome"] == "killed" and blocks["right"]["ticks"] >= 1  # a heartbeat
+    # The first request was answered 500 and retried: its failed attempt is hatched, the wait included.
+    hatched = page.eval_on_selector_all('.bar.request .attempt-failed', "hs => hs.map(h => h.getBoundingClientRect().width)")
+    assert len(hatched) == 1 and hatched[0] > 5
     requests_of = Counter(b["agent"] for b in bars if b["kind"] == "request")
     assert requests_of["main"] >= 3 and requests_of["helper"] == 1
     assert page.inner_text("#totals").count("model requests") == 1

@@ -137,10 +137,13 @@ function render() {
         "data-kind": item.k, "data-id": item.id, "data-outcome": item.o || "open", "data-agent": lane.name,
         style: `left: ${pct(item.s)}; width: ${pct(end - item.s)}; top: ${item.row * ROW + PAD}px`});
       if (item.k === "request") {
-        (item.attempts || []).filter((a) => a.o && a.o !== "ok").forEach((a) => {
-          const span = Math.max(end - item.s, 1e-9);
-          const left = ((a.s - item.s) / span) * 100, width = (((a.e ?? end) - a.s) / span) * 100;
-          bar.append(el("span", {class: "attempt-failed", style: `left: ${left}%; width: ${width}%`}));
+        // A failed attempt is hatched up to the next one: its wait before the retry included.
+        const attempts = item.attempts || [];
+        attempts.forEach((a, n) => {
+          if (!a.o || a.o === "ok") return;
+          const span = Math.max(end - item.s, 1e-9), until = n + 1 < attempts.length ? attempts[n + 1].s : (a.e ?? end);
+          const left = ((a.s - item.s) / span) * 100, width = ((until - a.s) / span) * 100;
+          bar.append(el("span", {class: "attempt-failed", "data-attempt": n + 1, style: `left: ${left}%; width: ${width}%`}));
         });
       }
       for (const beat of item.beats || []) {
