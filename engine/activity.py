@@ -75,7 +75,7 @@ class Activity:
         self._answered: dict[str, Piece] = {}  # requests that got their answer, closed by the next event
         self._blocks: dict[tuple[str, str], Piece] = {}
         self._tools: dict[tuple[str, str], Piece] = {}
-        self._sent: dict[str, str] = {}  # the last message sent by each agent, for its next request
+        self._unasked: dict[str, str] = {}  # the last message each agent sent, for its next request
         self.last = 0.0
 
     # -- the pieces ------------------------------------------------------------------------------
@@ -177,14 +177,14 @@ class Activity:
             agent.facts.setdefault("model", fields["model"])
 
     def _sent(self, agent: Piece, fields: dict, at: float) -> None:
-        self._sent[agent.name] = _text(fields.get("message"))
+        self._unasked[agent.name] = _text(fields.get("message"))
 
     def _waiting(self, agent: Piece, fields: dict, at: float) -> None:
         name = agent.name
         request = self._requests.get(name)
         if request is None:
             request = self._requests[name] = self._open(REQUEST, name, name, agent, at,
-                                                        message=self._sent.pop(name, None))
+                                                        message=self._unasked.pop(name, None))
         if (attempt := self._attempts.pop(name, None)) is not None:  # asked again (streaming refused)
             self._close(attempt, at)
         self._attempts[name] = self._open(ATTEMPT, name, name, request, at, attempt=fields.get("attempt"))

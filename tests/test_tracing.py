@@ -234,3 +234,20 @@ def test_the_observer_takes_events_of_any_shape() -> None:
                            name=event["name"])
         observer.close()
     assert len(exporter.get_finished_spans()) > 0
+
+
+def test_each_code_sample_is_a_span_with_its_status(tmp_path: Path) -> None:
+    samples = [{"id": "good", "code": "print(1)"}, {"id": "bad", "code": "raise SystemExit(3)"},
+               {"id": "slow", "code": "import time\ntime.sleep(30)", "timeout": "0.5s"}]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    with Receiver() as rx:
+        proc = agentloop(tmp_path, "--trace", "exec", "--jsonl", "samples.jsonl", "-o", "out.jsonl",
+                         "--progress", "none", env=_otel(rx))
+        assert proc.returncode == 0, proc.stderr
+        assert rx.wait_for(lambda spans: len(spans) >= 3)
+    spans = {s.attr("agentloop.sample.id"): s for s in rx.spans}
+    assert all(s.name == "execute_tool sample" and s.parent_id == "" for s in spans.values())
+    assert spans["good"].status == "UNSET" and spans["good"].attr("agentloop.sample.exit_code") == 0
+    assert spans["bad"].status == "ERROR" and spans["bad"].attr("error.type") == "error"
+    assert spans["bad"].attr("agentloop.sample.exit_code") == 3
+    assert spans["slow"].attr("error.type") == "timeout" and spans["slow"].end - spans["slow"].start >= 4e8
