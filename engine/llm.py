@@ -19,6 +19,7 @@ import asyncio
 import email.utils
 import functools
 import json
+import math
 import socket
 import ssl
 import time
@@ -133,8 +134,7 @@ class Chat:
         self.usage_estimated = False
         self.last_finish_reason: str | None = None
         self.last_max_tokens: int | None = None
-        #: What the server said of its own time for the last reply (llama-server's ``timings``).
-        self.last_timings: dict[str, Any] | None = None
+        self.last_timings: dict[str, float] | None = None  # the server's account of its time (llama-server)
         self.last_reasoning = ""
         self._counted = 0  # messages the last usage count covered (``context``)
         #: How many times ``compact`` replaced the history: a caller holding positions in
@@ -206,13 +206,12 @@ class Chat:
         except BaseException as exc:
             self._waited(started, error=type(exc).__name__, status=getattr(exc, "status", None))
             raise
-        tokens_in, tokens_out = self._account(messages, message, usage)
+        tokens_in, tokens_out = self._account(messages, message, usage)  # the reply's prompt and completion
         self._waited(started, tokens_in=tokens_in, tokens_out=tokens_out, finish_reason=self.last_finish_reason,
                      timings=self.last_timings)
         return message
 
-    def _waited(self, started: float, **outcome: Any) -> None:
-        """The request ended: count its time and say how it went (its tokens, or its error)."""
+    def _waited(self, started: float, **outcome: Any) -> None:  # count its time, say how it went
         self.last_latency = time.monotonic() - started
         self.seconds += self.last_latency
         self._emit("waited", seconds=self.last_latency, model=self.model.model, max_tokens=self.last_max_tokens,
@@ -438,9 +437,7 @@ class Chat:
         usage = data.get("usage")
         return result, usage if isinstance(usage, dict) else None
 
-    def _account(self, messages: list[dict[str, Any]], reply: dict[str, Any],
-                 usage: dict[str, Any] | None) -> tuple[int, int]:
-        """Count the reply's tokens into the totals; its (prompt, completion) tokens."""
+    def _account(self, messages: list[dict], reply: dict, usage: dict | None) -> tuple[int, int]:
         prompt = _int(usage, "prompt_tokens")
         completion = _int(usage, "completion_tokens")
         if prompt is None or completion is None:
@@ -478,8 +475,7 @@ class _Assembly:
         The reasoning is the caller's to keep: inline ``<think>`` is only found in the content."""
         if isinstance(chunk.get("usage"), dict):
             self.usage = chunk["usage"]
-        if chunk.get("timings") is not None:
-            self.timings = _timings(chunk["timings"])
+        self.timings = _timings(chunk.get("timings")) or self.timings
         choices = chunk.get("choices") or []
         if not choices or not isinstance(choices[0], dict):
             return "", ""
@@ -540,14 +536,11 @@ def _int(usage: dict[str, Any] | None, key: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _timings(value: Any) -> dict[str, Any] | None:
-    """A server's account of its time (llama-server's ``timings``): its numeric fields only, so a
-    server cannot put anything but numbers into an event."""
-    if not isinstance(value, dict):
-        return None
-    kept = {str(k)[:64]: v for k, v in list(value.items())[:32]
-            if isinstance(v, int | float) and not isinstance(v, bool)}
-    return kept or None
+def _timings(value: Any) -> dict[str, float] | None:
+    """llama-server's ``timings``, its finite numbers only: a server puts nothing else into an event."""
+    numbers = isinstance(value, dict) and {str(k)[:64]: v for k, v in list(value.items())[:32]
+                                           if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)}
+    return numbers or None
 
 
 def _retry_after(value: str | None) -> float | None:

@@ -148,7 +148,7 @@ def traced_batch(tmp_path_factory) -> dict:
             tasks.append({"id": f"t{i:04d}", "task": f"[ok {i}] print a number"})
             expected["answered"] += 1
     (where / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
-    script = {"[fail": [Fail(400, 1000)], "[slow": [Delay(3.0, then="too late")],
+    script = {"[fail": [Fail(400, 1000)], "[slow": [Delay(60.0, then="too late")],
               "[ok": ["<run_code>\nprint(6 * 7)\n</run_code>", _batch_turn]}
     with Receiver() as rx, ScriptedServer(script) as server:
         proc = agentloop(where, "--trace", "batch", "tasks.jsonl", "-o", "results.jsonl", "--parallel", "8",

@@ -87,15 +87,13 @@ def read_lines(path: Path) -> Lines:
     return Lines(kind, records, pending[0] if pending is not None else None)
 
 
-def _no_constant(name: str) -> float:
-    raise ValueError(f"{name} is not JSON")  # Python reads NaN and Infinity; a browser's JSON does not
+def _no_constant(name: str) -> None:
+    return None  # NaN and Infinity, which Python writes and reads and a browser's JSON does not: unknown
 
 
-def _finite(text: str) -> float:
+def _finite(text: str) -> float | None:
     value = float(text)
-    if math.isinf(value):
-        raise ValueError(f"{text} is out of range")
-    return value
+    return value if math.isfinite(value) else None
 
 
 def _described(record: Any) -> str:
