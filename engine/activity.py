@@ -212,9 +212,9 @@ class Activity:
                                             "timings") if fields.get(k) is not None}
         request.facts.update(facts)
         error, status = fields.get("error"), fields.get("status")
-        if error:
-            kind = str(status) if status else _text(error)
+        if error:  # a request cancelled (its run ended, its deadline passed) is not an error of its own
             outcome = "cancelled" if error == "CancelledError" else "error"
+            kind = "" if outcome == "cancelled" else str(status) if status else _text(error)
             if attempt is not None:
                 attempt.facts["status"] = status
                 self._close(attempt, at, outcome, kind)

@@ -128,3 +128,10 @@ def test_events_of_any_shape_are_folded() -> None:
         activity.feed(event["type"], {k: v for k, v in event.items() if k not in ("t", "type")}, event["t"])
     activity.close()
     assert len(log.opened_pieces) == len(log.closed_pieces) > 0
+
+
+def test_a_request_cancelled_is_not_an_error() -> None:
+    log = fold([(0.0, "waiting", {"name": "main", "attempt": 1}),
+                (1.0, "waited", {"name": "main", "seconds": 1.0, "error": "CancelledError"})])
+    request = next(p for p in log.closed_pieces if p.kind == "request")
+    assert (request.outcome, request.error_type) == ("cancelled", "")
