@@ -314,3 +314,20 @@ def test_the_report_of_10000_runs_stays_small_and_quick(browser, tmp_path: Path)
     assert errors == [] and page.inner_text("#runs") == "10,000"
     assert size < 10_000_000 and drawn_ms < 10_000
     page.close()
+
+
+def test_a_samples_report_counts_and_says_why(tmp_path: Path) -> None:
+    from engine.view import report
+
+    rows = [{"id": "a", "status": "ok", "exit_code": 0, "stdout": "1\n", "stderr": "", "duration_s": 0.1, "message": ""},
+            {"id": "b", "status": "error", "exit_code": 1, "stdout": "", "duration_s": 0.2, "message": "",
+             "stderr": "Traceback (most recent call last):\n  ...\nValueError: nope 7\n"},
+            {"id": "c", "status": "error", "exit_code": 1, "stdout": "", "duration_s": 0.3, "message": "",
+             "stderr": "ValueError: nope 8\n"},
+            {"id": "d", "status": "error", "exit_code": 3, "stdout": "", "stderr": "", "duration_s": 0.1, "message": ""},
+            {"id": "e", "status": "timeout", "exit_code": 124, "stdout": "", "stderr": "", "duration_s": 5.0,
+             "message": "its deadline (5 s) passed"}]
+    data = report.build(rows, "samples", tmp_path / "out.jsonl")
+    assert data["runs"] == 5 and data["by_status"]["error"] == 3 and data["failed_total"] == 4
+    assert data["reasons"] == [["ValueError: nope N", 2], ["exit code N", 1], ["its deadline (N s) passed", 1]]
+    assert [r["id"] for r in data["slowest"]][:2] == ["e", "c"]

@@ -5,7 +5,8 @@ status and by failure reason, a histogram of durations (by status), tokens and c
 slowest runs, and the failed ones (every one, as rows the page shows a page at a time).  A
 failure reason is the run's error (for samples, its message) with numbers and quoted parts
 replaced, so that "no answer within 3600 s" from a thousand runs is one reason, not a
-thousand.
+thousand; a sample without a message gives the last line of its stderr (the exception of a
+traceback), else its exit code.
 """
 
 from __future__ import annotations
@@ -42,6 +43,16 @@ def _number(value: Any) -> float:
 def _cut(value: Any) -> str:
     text = value if isinstance(value, str) else "" if value is None else str(value)
     return text if len(text) <= ROW_CHARS else text[:ROW_CHARS] + "…"
+
+
+def _sample_words(record: dict[str, Any]) -> str:
+    """Why a sample failed: its message, else the last line it wrote to stderr (a traceback's
+    exception), else its exit code."""
+    if isinstance(record.get("message"), str) and record["message"].strip():
+        return record["message"]
+    stderr = record.get("stderr") if isinstance(record.get("stderr"), str) else ""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    return lines[-1] if lines else f"exit code {record.get('exit_code')}"
 
 
 def histogram(durations: list[tuple[float, str]], statuses: tuple[str, ...]) -> dict[str, Any]:
@@ -84,7 +95,7 @@ def build(records: list[dict[str, Any]], kind: str, source: Path,
     reasons: Counter[str] = Counter()
     for r in runs:
         if r.get("status") in failed_statuses:
-            reasons[reason(r.get("error") if kind == BATCH else r.get("message"), str(r.get("status")))] += 1
+            reasons[reason(r.get("error") if kind == BATCH else _sample_words(r), str(r.get("status")))] += 1
     links = links or {}
 
     def row(r: dict[str, Any]) -> dict[str, Any]:
