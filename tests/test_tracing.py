@@ -251,3 +251,16 @@ def test_each_code_sample_is_a_span_with_its_status(tmp_path: Path) -> None:
     assert spans["bad"].status == "ERROR" and spans["bad"].attr("error.type") == "error"
     assert spans["bad"].attr("agentloop.sample.exit_code") == 3
     assert spans["slow"].attr("error.type") == "timeout" and spans["slow"].end - spans["slow"].start >= 4e8
+
+
+def test_workers_see_none_of_the_tracing_variables(tmp_path: Path) -> None:
+    """A collector's token often travels in OTEL_EXPORTER_OTLP_HEADERS: no worker may read it."""
+    block = "<run_code id=\"env\">\nimport os\nprint(sorted(k for k in os.environ if 'OTEL' in k) or 'none')\n</run_code>"
+    with Receiver() as rx, ScriptedServer({"*": [block, "checked"]}) as server:
+        proc = agentloop(tmp_path, "--trace", "run", "look", "-q", "--record", str(tmp_path / "rec.jsonl"),
+                         env=_otel(rx, LLM_URL=server.url, OTEL_EXPORTER_OTLP_HEADERS=f"authorization=Bearer {SECRET}"))
+        assert proc.returncode == 0, proc.stderr
+        assert rx.wait_for(lambda spans: any(s.name == "invoke_agent main" for s in spans))
+    finished = [json.loads(line) for line in (tmp_path / "rec.jsonl").read_text().splitlines()
+                if '"type": "finished"' in line]
+    assert finished[0]["output"].startswith("none")
