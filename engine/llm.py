@@ -19,6 +19,7 @@ import asyncio
 import email.utils
 import functools
 import json
+import math
 import socket
 import ssl
 import time
@@ -138,6 +139,7 @@ class Chat:
         self.usage_estimated = False
         self.last_finish_reason: str | None = None
         self.last_max_tokens: int | None = None
+        self.last_timings: dict[str, float] | None = None  # the server's account of its time (llama-server)
         self.last_reasoning = ""
         self._counted = 0  # messages the last usage count covered (``context``)
         #: How many times ``compact`` replaced the history: a caller holding positions in
@@ -206,12 +208,19 @@ class Chat:
         started = time.monotonic()
         try:
             message, usage = await self._with_retries(body)
-        finally:
-            self.last_latency = time.monotonic() - started
-            self.seconds += self.last_latency
-            self._emit("waited", seconds=self.last_latency)
-        self._account(messages, message, usage)
+        except BaseException as exc:
+            self._waited(started, error=type(exc).__name__, status=getattr(exc, "status", None))
+            raise
+        tokens_in, tokens_out = self._account(messages, message, usage)  # the reply's prompt and completion
+        self._waited(started, tokens_in=tokens_in, tokens_out=tokens_out, finish_reason=self.last_finish_reason,
+                     timings=self.last_timings)
         return message
+
+    def _waited(self, started: float, **outcome: Any) -> None:  # count its time, say how it went
+        self.last_latency = time.monotonic() - started
+        self.seconds += self.last_latency
+        self._emit("waited", seconds=self.last_latency, model=self.model.model, max_tokens=self.last_max_tokens,
+                   **outcome)
 
     def reply_cap(self, messages: list[dict[str, Any]]) -> int:
         """The ``max_tokens`` to send: the model's cap, lowered to what the context window has
@@ -380,6 +389,7 @@ class Chat:
                 self._chunk(reply, splitter, "\n".join(data))
         self._show(reply, *splitter.flush())
         self.last_finish_reason = reply.finish_reason
+        self.last_timings = reply.timings
         self.last_reasoning = "".join(reply.reasoning)
         return reply.message(), reply.usage
 
@@ -418,6 +428,7 @@ class Chat:
                 f"the model endpoint {self._url} answered with a body that is not a chat completion: "
                 f"{raw[:_BODY_PREVIEW]}")) from None
         self.last_finish_reason = data["choices"][0].get("finish_reason")
+        self.last_timings = _timings(data.get("timings"))
         result: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
         calls = [_normal_call(call, i) for i, call in enumerate(message.get("tool_calls") or [])]
         if calls:
@@ -431,7 +442,7 @@ class Chat:
         usage = data.get("usage")
         return result, usage if isinstance(usage, dict) else None
 
-    def _account(self, messages: list[dict[str, Any]], reply: dict[str, Any], usage: dict[str, Any] | None) -> None:
+    def _account(self, messages: list[dict], reply: dict, usage: dict | None) -> tuple[int, int]:
         prompt = _int(usage, "prompt_tokens")
         completion = _int(usage, "completion_tokens")
         if prompt is None or completion is None:
@@ -446,6 +457,7 @@ class Chat:
         self.tokens_out += completion
         self.context = prompt + completion
         self._counted = len(messages) + 1  # the reply is the next message, when it is kept
+        return prompt, completion
 
     def _emit(self, type: str, **fields: Any) -> None:
         if self.display is not None:
@@ -461,12 +473,14 @@ class _Assembly:
         self.calls: dict[int, dict[str, Any]] = {}
         self.usage: dict[str, Any] | None = None
         self.finish_reason: str | None = None
+        self.timings: dict[str, Any] | None = None
 
     def add(self, chunk: dict[str, Any]) -> tuple[str, str]:
         """Fold one chunk in; return its reasoning and its content text (either possibly empty).
         The reasoning is the caller's to keep: inline ``<think>`` is only found in the content."""
         if isinstance(chunk.get("usage"), dict):
             self.usage = chunk["usage"]
+        self.timings = _timings(chunk.get("timings")) or self.timings
         choices = chunk.get("choices") or []
         if not choices or not isinstance(choices[0], dict):
             return "", ""
@@ -525,6 +539,13 @@ def _estimate_prompt(messages: list[dict[str, Any]]) -> int:
 def _int(usage: dict[str, Any] | None, key: str) -> int | None:
     value = (usage or {}).get(key)
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _timings(value: Any) -> dict[str, float] | None:
+    """llama-server's ``timings``, its finite numbers only: a server puts nothing else into an event."""
+    numbers = isinstance(value, dict) and {str(k)[:64]: v for k, v in list(value.items())[:32]
+                                           if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)}
+    return numbers or None
 
 
 def _retry_after(value: str | None) -> float | None:
