@@ -19,7 +19,6 @@ import asyncio
 import email.utils
 import functools
 import json
-import math
 import socket
 import ssl
 import time
@@ -31,6 +30,7 @@ import httpx
 from engine.errors import ModelResponseError, ModelUnreachable
 from engine.models import ModelConfig
 from engine.reasoning import ThinkSplitter, reasoning_of
+from engine.reply_stream import Assembly, normal_call, timings
 from engine.tags import strip_think
 
 __all__ = [
@@ -371,7 +371,7 @@ class Chat:
     async def _read_events(self, lines: AsyncIterator[str]) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Consume an SSE stream: ``data:`` lines (joined per event), ``[DONE]`` ends it; comments
         and other fields are ignored.  Content deltas go to the display as they arrive."""
-        reply = _Assembly()
+        reply = Assembly()
         splitter = ThinkSplitter()
         data: list[str] = []
         async for line in lines:
@@ -393,7 +393,7 @@ class Chat:
         self.last_reasoning = "".join(reply.reasoning)
         return reply.message(), reply.usage
 
-    def _show(self, reply: _Assembly, reasoning: str, text: str) -> None:
+    def _show(self, reply: Assembly, reasoning: str, text: str) -> None:
         """Send a piece of reasoning and a piece of answer to the display, reasoning kept aside."""
         if reasoning:
             reply.reasoning.append(reasoning)
@@ -401,7 +401,7 @@ class Chat:
         if text:
             self._emit("delta", text=text)
 
-    def _chunk(self, reply: _Assembly, splitter: ThinkSplitter, event: str) -> None:
+    def _chunk(self, reply: Assembly, splitter: ThinkSplitter, event: str) -> None:
         try:
             chunk = json.loads(event)
         except json.JSONDecodeError:
@@ -428,12 +428,12 @@ class Chat:
                 f"the model endpoint {self._url} answered with a body that is not a chat completion: "
                 f"{raw[:_BODY_PREVIEW]}")) from None
         self.last_finish_reason = data["choices"][0].get("finish_reason")
-        self.last_timings = _timings(data.get("timings"))
+        self.last_timings = timings(data.get("timings"))
         result: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
-        calls = [_normal_call(call, i) for i, call in enumerate(message.get("tool_calls") or [])]
+        calls = [normal_call(call, i) for i, call in enumerate(message.get("tool_calls") or [])]
         if calls:
             result["tool_calls"] = calls
-        shown = _Assembly()
+        shown = Assembly()
         splitter = ThinkSplitter()
         self._show(shown, reasoning_of(message), "")
         self._show(shown, *splitter.feed(result["content"]))
@@ -464,63 +464,6 @@ class Chat:
             self.display.event(type, name=self.name, **fields)
 
 
-class _Assembly:
-    """The assistant message under construction from stream chunks."""
-
-    def __init__(self) -> None:
-        self.content: list[str] = []
-        self.reasoning: list[str] = []
-        self.calls: dict[int, dict[str, Any]] = {}
-        self.usage: dict[str, Any] | None = None
-        self.finish_reason: str | None = None
-        self.timings: dict[str, Any] | None = None
-
-    def add(self, chunk: dict[str, Any]) -> tuple[str, str]:
-        """Fold one chunk in; return its reasoning and its content text (either possibly empty).
-        The reasoning is the caller's to keep: inline ``<think>`` is only found in the content."""
-        if isinstance(chunk.get("usage"), dict):
-            self.usage = chunk["usage"]
-        self.timings = _timings(chunk.get("timings")) or self.timings
-        choices = chunk.get("choices") or []
-        if not choices or not isinstance(choices[0], dict):
-            return "", ""
-        choice = choices[0]
-        self.finish_reason = choice.get("finish_reason") or self.finish_reason
-        delta = choice.get("delta") or choice.get("message") or {}
-        thought = reasoning_of(delta)
-        piece = delta.get("content") or ""
-        if piece:
-            self.content.append(piece)
-        for position, fragment in enumerate(delta.get("tool_calls") or []):
-            index = fragment.get("index", position)
-            call = self.calls.setdefault(index, {"id": "", "type": "function",
-                                                 "function": {"name": "", "arguments": ""}})
-            if fragment.get("id") and not call["id"]:
-                call["id"] = fragment["id"]
-            function = fragment.get("function") or {}
-            call["function"]["name"] += function.get("name") or ""
-            arguments = function.get("arguments") or ""
-            call["function"]["arguments"] += arguments if isinstance(arguments, str) else json.dumps(arguments)
-        return thought, piece
-
-    def message(self) -> dict[str, Any]:
-        result: dict[str, Any] = {"role": "assistant", "content": "".join(self.content)}
-        if self.calls:
-            calls = [self.calls[i] for i in sorted(self.calls)]
-            for i, call in enumerate(calls):
-                call["id"] = call["id"] or f"call_{i}"
-            result["tool_calls"] = calls
-        return result
-
-
-def _normal_call(call: dict[str, Any], position: int) -> dict[str, Any]:
-    function = call.get("function") or {}
-    arguments = function.get("arguments") or ""
-    return {"id": call.get("id") or f"call_{position}", "type": "function",
-            "function": {"name": function.get("name") or "",
-                         "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}}
-
-
 async def _lines(text: str) -> AsyncIterator[str]:
     for line in text.splitlines():
         yield line
@@ -539,13 +482,6 @@ def _estimate_prompt(messages: list[dict[str, Any]]) -> int:
 def _int(usage: dict[str, Any] | None, key: str) -> int | None:
     value = (usage or {}).get(key)
     return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _timings(value: Any) -> dict[str, float] | None:
-    """llama-server's ``timings``, its finite numbers only: a server puts nothing else into an event."""
-    numbers = isinstance(value, dict) and {str(k)[:64]: v for k, v in list(value.items())[:32]
-                                           if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)}
-    return numbers or None
 
 
 def _retry_after(value: str | None) -> float | None:
