@@ -13,6 +13,8 @@ from ..errors import AgentloopError
 from ..inert import inert
 from .options import fail
 
+__all__ = ["view_cmd"]
+
 
 def _at_a_desktop() -> bool:
     """Whether opening a browser can show the page to someone: a terminal, and a display."""
