@@ -11,9 +11,9 @@ batch's runs directory read-write (every run's workspace and block outputs lie b
 one socket root read-only (every run's socket directories lie beneath it).  No worker is shown
 that.  Each forked worker's namespace init (``worker.zygote._private_tmp``) covers the runs
 directory and the socket root with an empty read-only tmpfs and binds back its run's workspace
-(read-write), its run's outputs and its own socket directory (read-only): what a worker of
-the run started cold is shown, and nothing of another run — not its directory, its sockets,
-its outputs nor its transcript.  Its stderr is a fifo of its own (``Zygote.private_stderr``),
+(read-write, what ``engine.protected`` names in it read-only), its run's outputs and its own
+socket directory (read-only): what a worker of the run started cold is shown, and nothing of
+another run — not its directory, its sockets, its outputs nor its transcript.  Its stderr is a fifo of its own (``Zygote.private_stderr``),
 so no run reads another's last words.  Everything else stays the run's: the environment, the
 uid, the Landlock rules and rlimits (all in ``AGENTLOOP_CONFINE``), and a memory and a pids
 cgroup per worker with the run's limits.  Those lie under one pair of parents for the batch
@@ -62,6 +62,7 @@ class Launcher(Protocol):
     output_dir: Path
     cwd: Path
     sock_root: Path | None
+    protected: tuple[str, ...]
     runtime_packages: dict[str, str]
 
     def env(self, token: str, plan: LaunchPlan) -> dict[str, str]: ...
@@ -178,7 +179,8 @@ class SharedForkServer:
             if self.spares is not None:
                 self._zygote.on_spare = self.spares.prepare
         view = {"hide": [str(self.root), str(self.socket_root)],
-                "show": [[os.path.realpath(launcher.workspace), False], [os.path.realpath(launcher.output_dir), True]]}
+                "show": [[os.path.realpath(launcher.workspace), False], [os.path.realpath(launcher.output_dir), True],
+                         *([path, True] for path in launcher.protected)]}
         return RunForkServer(self, self._zygote, view)
 
     def _plan(self) -> LaunchPlan:

@@ -21,13 +21,13 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tomllib
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from ._uids import UID_BASE, UID_SPAN
-from .errors import ConfigError, SandboxError
+from . import trust
+from .errors import ConfigError, SandboxError, UntrustedFile
+from .models import read_config
 
 #: Third-party packages the worker runtime imports, by import name (distribution in brackets
 #: of ``RUNTIME_INSTALL``).
@@ -65,10 +65,13 @@ def choose_python(explicit: str | None = None, config: Path | None = None,
 
 
 def _configured(config: Path) -> list[tuple[str | None, str]]:
+    if not config.is_file():
+        return []
     try:
-        with config.open("rb") as f:
-            value = tomllib.load(f).get("python")
-    except (OSError, tomllib.TOMLDecodeError):
+        value = read_config(config).get("python")
+    except UntrustedFile:
+        raise
+    except ConfigError:
         return []  # the model settings of that file report its errors
     if value is None:
         return []
@@ -93,24 +96,33 @@ def _resolve(given: str, where: str, workspace: Path | None) -> str:
 def refuse_untrusted(python: str, workspace: Path | None) -> None:
     """ConfigError for an interpreter a worker could have written: one beneath ``workspace`` (as
     named, or once its links are followed: a virtual environment finds its packages by where its
-    link lies), or, for root, whose workers run as uids of their own, one whose file or a
-    directory above it belongs to a workers' uid.  The coordinator runs it to ask what it is and
-    the fork server runs it with privileges: it must never be something model code planted."""
+    link lies), or one ``engine.trust`` refuses — its file, its link or a directory above it a
+    workers' uid's or writable by others, or it (its whole virtual environment) changed or
+    stood unprotected while workers of an earlier run could write around it.  The coordinator
+    runs it to ask what it is and the fork server runs it with privileges: it must never be
+    something model code planted."""
     named, real = os.path.abspath(python), os.path.realpath(python)
     if workspace is not None:
         ws = os.path.realpath(workspace)
         if any(os.path.commonpath([path, ws]) == ws for path in (named, real)):
             raise ConfigError(f"the workers' Python {python} lies in the workspace {ws}, which workers "
                               "write: choose another --workspace or an interpreter elsewhere")
-    if os.geteuid() == 0:
-        for place in {named, real, *map(str, Path(named).parents), *map(str, Path(real).parents)}:
-            try:
-                owner = os.lstat(place).st_uid
-            except OSError:
-                continue
-            if UID_BASE <= owner < UID_BASE + UID_SPAN:
-                raise ConfigError(f"the workers' Python {python}: {place} was written by a worker (it belongs "
-                                  f"to uid {owner}): choose an interpreter no worker wrote")
+    venv = next((str(top) for top in (Path(named).parent.parent, Path(real).parent.parent)
+                 if (top / "pyvenv.cfg").is_file()), None)
+    why = trust.owner_refusal(os.path.dirname(named)) or trust.refusal(named, tree=venv)
+    if why:
+        raise UntrustedFile(f"the workers' Python {python} is not used: {why}")
+
+
+def refuse_untrusted_paths(python: str) -> None:
+    """UntrustedFile when a directory ``python`` imports from lies where workers of an earlier
+    run could write, was there then and was not kept read-only (``engine.trust``): a module
+    planted there would run in the fork server, with privileges."""
+    for path in probe(python).paths:
+        if os.path.isabs(path) and os.path.isdir(path):
+            why = trust.record_refusal(path, tree=path)
+            if why:
+                raise UntrustedFile(f"the workers' Python {python} imports from {path}, which is not used: {why}")
 
 
 _PROBE = """

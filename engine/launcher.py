@@ -29,25 +29,22 @@ from pathlib import Path
 
 import zmq
 
-from . import _uids, interpreter
+from . import _uids, interpreter, trust
 from . import sandbox as _sandbox
 from ._cgroup import SpareGroups, WorkerCgroups
 from ._outpipe import OutputPipes
 from ._process import Launch
 from ._shared_fork import RunForkServer, SharedForkServer
+from ._state import state_home
 from ._tree import remove_tree
 from ._zygote import Zygote
 from .errors import ConfigError, WorkerStartError
+from .protected import protected_paths
 
 #: Variables a worker inherits from the coordinator's environment, if set.  Everything else
 #: (API keys, cloud credentials, tokens) stays behind.
 ENV_ALLOWLIST = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "LC_MESSAGES", "LC_NUMERIC",
                  "TERM", "TZ", "PYTHONIOENCODING", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
-
-
-def _state_home() -> Path:
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return Path(base) / "agentloop"
 
 
 def _runtime_home() -> Path:
@@ -153,7 +150,7 @@ class Launcher:
         self.runtime_packages: dict[str, str] = {}
         # The pid in the name lets a later start remove what a killed coordinator left.
         self.run_id = time.strftime("%Y%m%d-%H%M%S-") + f"{os.getpid()}-{secrets.token_hex(3)}"
-        self.run_dir = Path(state_dir or _state_home()) / "runs" / self.run_id
+        self.run_dir = Path(state_dir or state_home()) / "runs" / self.run_id
         self.output_dir = self.run_dir / "outputs"
         self.sock_root: Path | None = None
         self.memory_cgroups: WorkerCgroups | None = None  # each worker's memory limit
@@ -163,6 +160,10 @@ class Launcher:
         self._spares: SpareGroups | None = None  # cgroups made ahead for its fork server's spare inits
         self._outputs = 0
         self._first_plan: tuple[Path, _sandbox.LaunchPlan] | None = None
+        #: What stays read-only in the workspace (``engine.protected``), found when it opens.
+        self.protected: tuple[str, ...] = ()
+        #: The record that workers may write the workspace (``engine.trust``), from the first plan.
+        self._grant: trust.Grant | None = None
 
     @property
     def opened(self) -> bool:
@@ -178,6 +179,7 @@ class Launcher:
         try:
             self._made_workspace = not self.workspace.exists()
             self.workspace.mkdir(parents=True, exist_ok=True)
+            self.protected = protected_paths(self.workspace)
             self.output_dir.mkdir(parents=True, exist_ok=True)
             os.chmod(self.run_dir, 0o700)
             if self.keep_output:
@@ -213,6 +215,7 @@ class Launcher:
         runtime and imports every ``preload`` module; nor one a worker could have written."""
         interpreter.refuse_untrusted(self.python, self.workspace)
         self.runtime_packages = interpreter.runtime_packages(self.python)
+        interpreter.refuse_untrusted_paths(self.python)
         missing = interpreter.not_importable(self.python, self.preload)
         if missing:
             raise ConfigError(f"--preload: {', '.join(missing)} cannot be imported by the workers' Python "
@@ -235,6 +238,8 @@ class Launcher:
         for cgroups in (self.memory_cgroups, self.pids_cgroups) if self._shared_view is None else ():
             if cgroups is not None:  # (a shared server's parents are its own, closed with it)
                 cgroups.close()
+        if self._grant is not None:  # every worker is gone: what changes there now is not theirs
+            await asyncio.to_thread(self._grant.end)
         if self._uid_claimed:
             self._uid_claimed = False
             _uids.release(str(self.workspace))
@@ -282,13 +287,18 @@ class Launcher:
 
         The plans of one run differ in the socket directory alone: the first is made in full
         (a few milliseconds: the view, the uid, the confinement), later ones are copies of it
-        naming their own directory, made searchable by the run's uid as the full one would."""
+        naming their own directory, made searchable by the run's uid as the full one would.
+
+        Before the first plan is returned (before any worker can exist), the record notes that
+        workers may write the workspace, and what stays read-only there (``engine.trust``)."""
         first = self._first_plan
         if first is None or sock_dir.parent != first[0].parent:
             plan = _sandbox.plan(self.sandbox, socket_dir=sock_dir, workspace=self.workspace,
                                  cwd=self.cwd, output_dir=self.output_dir, python=self.python,
                                  memory_cgroup=self.memory_cgroups is not None,
-                                 pids_cgroup=self.pids_cgroups is not None)
+                                 pids_cgroup=self.pids_cgroups is not None, protected=self.protected)
+            if self._grant is None and self.sandbox.mode != "none":
+                self._grant = trust.open_grant(self.workspace, self.protected if plan.pid_namespace else ())
             if first is None and sock_dir.parent == self.sock_root:
                 self._first_plan = (sock_dir, plan)
             return plan

@@ -35,10 +35,11 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from engine import _uids, interpreter
+from engine import _uids, interpreter, trust
 from engine._bwrap import View, _beneath, _bwrap_flags, _outermost, _parents, bwrap_argv
 from engine._tree import TreeError, disk_usage
 from engine.errors import ConfigError, SandboxError
+from engine.protected import unkept_note
 from worker import _confine
 
 GiB = 1024**3
@@ -205,13 +206,15 @@ def python_paths(python: str) -> tuple[str, ...]:
 def check_workspace(workspace: Path, python: str) -> None:
     """Refuse a workspace that is, or holds, a directory on the import path of the coordinator
     or of the workers' Python: workers write the workspace, and a module planted there would
-    run in a process with privileges (the coordinator, a worker before it confines itself)."""
+    run in a process with privileges (the coordinator, a worker before it confines itself).
+    Nor may it hold the record of what workers could write (``engine.trust``)."""
     ws = os.path.realpath(workspace)
     ours = (os.path.realpath(p) for p in sys.path if p and os.path.isabs(p) and os.path.isdir(p))
     for path in sorted({*python_paths(python), *ours}):
         if _beneath(path, ws):
             raise ConfigError(f"the workspace {ws} holds {path}, from which Python imports "
                               "agentloop's code: choose another --workspace")
+    trust.refuse_holding_record(ws)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,13 +340,15 @@ def _tasks_of(uid: int) -> int:
 
 def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
          output_dir: Path, python: str, memory_cgroup: bool = False,
-         pids_cgroup: bool = False) -> LaunchPlan:
+         pids_cgroup: bool = False, protected: tuple[str, ...] = ()) -> LaunchPlan:
     """The launch plan for one worker under `policy` on this machine.
 
     `memory_cgroup`: the coordinator puts the worker in a memory cgroup of its own (see
     `engine._cgroup`); without one, the shared memory that escapes RLIMIT_DATA is refused.
     `pids_cgroup`: its process count is bounded by a cgroup of its own (``pids.max``), so a
     root coordinator's workers, who share the run's uid, need no RLIMIT_NPROC on that uid.
+    `protected`: paths in the workspace to keep read-only (``engine.protected``): bound so
+    under bubblewrap (the plan then has a PID namespace), else a note says they are not.
 
     Four steps: choose the layers (`_layers`), decide the view and, for root, set the run's
     directories up for its uid (the only side effects, with creating `workspace`, `socket_dir`
@@ -379,9 +384,10 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
                                          "(other users may not read it, and workers run as one); "
                                          "chmod o+rx it to share it")
     notes += [why] if why else []
+    notes += [unkept_note(protected, workspace)] if protected and not use_bwrap else []
     system, links = _system_paths()
     view = View(tuple(system), tuple(links), python_paths(python), workspace, socket_dir, output_dir,
-                cwd if share_cwd else None)
+                cwd if share_cwd else None, tuple(protected) if use_bwrap else ())
     start_dir = str(view.cwd or workspace)
     confine, more = _confinement(policy, host, use_bwrap, uid, view, memory_cgroup, pids_cgroup)
     notes += more

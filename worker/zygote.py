@@ -42,10 +42,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import gc
 import os
 import select
 import signal
+import stat
 import struct
 import sys
 import time
@@ -93,7 +95,8 @@ def _mount_points_under(top: str) -> list[tuple[str, bool]]:
 
 
 def _bind(fd: int, where: str, read_only: bool) -> None:
-    os.makedirs(where, exist_ok=True)
+    if not os.path.lexists(where):  # (a file kept read-only in a workspace is its own mount point)
+        os.makedirs(where)
     _check(_libc.mount(f"/proc/self/fd/{fd}".encode(), where.encode(), None, _MS_BIND, None), where)
     if read_only:
         flags = _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV
@@ -104,9 +107,15 @@ def _beneath(path: str, top: str) -> bool:
     return path == top or path.startswith(top.rstrip("/") + "/")
 
 
-def _open_dir(path: str) -> int:
-    """An O_PATH descriptor of directory ``path``, its last component never a link."""
-    return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+def _open_shown(path: str) -> int:
+    """An O_PATH descriptor of ``path``, a directory or (kept read-only in a workspace) a
+    regular file, its last component never a link."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    mode = os.fstat(fd).st_mode
+    if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+        os.close(fd)
+        raise OSError(errno.ELOOP, f"{path}: neither a directory nor a file")
+    return fd
 
 
 def _private_tmp(request: dict) -> None:
@@ -116,8 +125,8 @@ def _private_tmp(request: dict) -> None:
     ``hide``: directories whose whole content the worker must not see (a run's socket
     directory; for a server shared by a batch, the batch's runs directory and its socket root
     too).  ``show``: (path, read-only) beneath them that the worker sees again (its run's
-    workspace and outputs); its own socket directory is always shown, read-only (it connects,
-    it writes nothing there).  Without ``hide`` it is the run's socket directory.
+    workspace and outputs, and what stays read-only in the workspace); its own socket directory
+    is always shown, read-only (it connects, it writes nothing there).  Without ``hide`` it is the run's socket directory.
 
     Order: descriptors of what is shown are opened first (in this mount namespace: a bind
     comes from a mount of the same one), /tmp is replaced, what the sandbox mounted beneath
@@ -128,7 +137,7 @@ def _private_tmp(request: dict) -> None:
     own = os.path.dirname(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
     hide = [str(h) for h in request.get("hide") or ([os.path.dirname(own)] if own else [])]
     show = [(str(p), bool(ro)) for p, ro in request.get("show") or []] + ([(own, True)] if own else [])
-    shown = [(path, ro, _open_dir(path)) for path, ro in show if any(_beneath(path, h) for h in hide)]
+    shown = [(path, ro, _open_shown(path)) for path, ro in show if any(_beneath(path, h) for h in hide)]
     keep = [(point, ro, os.open(point, os.O_PATH)) for point, ro in _mount_points_under("/tmp")
             if not any(_beneath(point, h) for h in hide)]
     size = f"size={int(request['tmp_bytes'])},mode=1777".encode()

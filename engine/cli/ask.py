@@ -179,6 +179,9 @@ def ask(question: tuple[str, ...], root: Path | None, max_turns: int, model: str
         except OSError as exc:
             tools.close()
             fail(f"cannot record to {record}: {exc.strerror or exc}")
+        except AgentloopError as exc:
+            tools.close()
+            fail(str(exc))
     stream = AnswerStream(_out) if _isatty(sys.stdout) and not as_json else None
     events = _events(recorder, stream)
     chat = Chat(SYSTEM.format(root=tools.root), config, display=events, name="ask")

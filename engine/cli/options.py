@@ -245,13 +245,19 @@ def host_functions(tools: str, root: Path) -> dict:
 
 
 def make_display(record: Path | None, quiet: bool):
-    """The live console on stderr (unless quiet), plus a JSONL recorder when asked."""
+    """The live console on stderr (unless quiet), plus a JSONL recorder when asked (a file it
+    cannot write ends the command in one line)."""
     from ..console import ConsoleDisplay
     from ..display import AgentDisplay, FanoutDisplay, JsonlRecorder
 
     displays = [] if quiet else [ConsoleDisplay()]
     if record is not None:
-        displays.append(JsonlRecorder(record))
+        try:
+            displays.append(JsonlRecorder(record))
+        except OSError as exc:
+            fail(f"cannot record to {record}: {exc.strerror or exc}")
+        except AgentloopError as exc:
+            fail(str(exc))
     if not displays:
         return AgentDisplay()
     return displays[0] if len(displays) == 1 else FanoutDisplay(displays)
