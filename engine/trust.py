@@ -43,12 +43,15 @@ from .errors import ConfigError, UntrustedFile
 __all__ = ["Grant", "check", "open_grant", "owner_refusal", "record_directory", "record_refusal", "refusal",
            "refuse_holding_record"]
 
-#: Seconds added on each side of a window: a ctime is read from a clock that may lag the one
-#: the window was noted with by a tick.
-MARGIN = 1.0
+#: Seconds added on each side of a window: a ctime comes from the kernel's coarse clock, which
+#: lags the one the window was noted with by up to a tick; a ctime in whole seconds comes from a
+#: file system that keeps no finer one, and gets a second.
+MARGIN, MARGIN_COARSE = 0.05, 1.0
 #: Windows kept per directory; older ones are merged (their span covers both, what stayed
 #: read-only is what stayed so in both), which can only refuse more.
 MAX_WINDOWS = 32
+#: Seconds between two sweeps of the record for directories that are gone.
+PRUNE_EVERY = 3600.0
 
 
 def record_directory() -> Path:
@@ -211,6 +214,22 @@ class Grant:
             _write(file, entry)
 
 
+def _prune() -> None:
+    """Forget directories that are gone and whose runs all ended (at most every PRUNE_EVERY
+    seconds: a batch notes a directory per run).  Called with the lock held."""
+    marker = record_directory() / ".pruned"
+    with contextlib.suppress(OSError):
+        if time.time() - marker.stat().st_mtime < PRUNE_EVERY:
+            return
+    marker.touch()
+    for file in record_directory().glob("*.json"):
+        entry = _read(file)
+        if (entry and not entry.get("damaged") and not os.path.lexists(entry.get("directory") or "")
+                and all(w.get("end") is not None or not _alive(w) for w in entry["windows"])):
+            with contextlib.suppress(OSError):
+                file.unlink()
+
+
 def open_grant(directory: str | Path, kept: Iterable[str] = ()) -> Grant:
     """Record, before any worker may write ``directory``, that from now on they may, and which
     paths beneath it stay read-only (``kept``: bound read-only in every worker's view).
@@ -231,6 +250,7 @@ def open_grant(directory: str | Path, kept: Iterable[str] = ()) -> Grant:
             entry = _read(file)
             if not entry or entry.get("damaged") or entry.get("directory") != directory:
                 entry = {"directory": directory, "windows": []}
+                _prune()
             entry["windows"] = _compact([*entry["windows"], window])
             _write(file, entry)
     except OSError as exc:
@@ -303,28 +323,30 @@ def record_refusal(path: str | Path, *, tree: str | Path | None = None, links_on
     counts (a virtual environment, whose files nobody can check one by one): it is refused if
     it was there, not kept read-only, while workers could write around it."""
     named = os.path.abspath(path)
-    looked: list[tuple[str, float, str]] = []  # (path, when it changed or appeared, kind)
+    looked: list[tuple[str, os.stat_result, str]] = []  # (path, its status, kind)
     parts = Path(named).parts
     for depth in range(2, len(parts) + 1):
         place = os.path.join(*parts[:depth])
         with contextlib.suppress(OSError):
             st = os.lstat(place)
             if stat.S_ISLNK(st.st_mode):
-                looked.append((place, st.st_ctime, "link"))
+                looked.append((place, st, "link"))
     with contextlib.suppress(OSError):
         if not links_only:
-            looked.append((os.path.realpath(named), os.stat(named).st_ctime, "file"))
+            looked.append((os.path.realpath(named), os.stat(named), "file"))
     if tree is not None:
         tree = os.path.realpath(tree)
         with contextlib.suppress(OSError):
-            birth = os.path.join(tree, "pyvenv.cfg")
-            looked.append((tree, os.stat(birth if os.path.exists(birth) else tree).st_ctime, "tree"))
-    for place, when, kind in looked:
+            birth = os.path.join(tree, "pyvenv.cfg")  # written once, when the environment is made
+            looked.append((tree, os.stat(birth if os.path.exists(birth) else tree), "tree"))
+    for place, st, kind in looked:
+        when = st.st_ctime
+        margin = MARGIN_COARSE if st.st_ctime_ns % 1_000_000_000 == 0 else MARGIN
         for directory, window in _windows_above(place):
             if _kept(window, place):
                 continue
-            low = window["start"] - MARGIN
-            high = math.inf if window.get("end") is None else window["end"] + MARGIN
+            low = window["start"] - margin
+            high = math.inf if window.get("end") is None else window["end"] + margin
             if not (when <= high if kind == "tree" else low <= when <= high):
                 continue
             why = _said(directory, window)
