@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.scripted import ScriptedServer
 from engine.sandbox import host_support
+from engine.scripted import ScriptedServer
 
 from ..conftest import REPO
 from .harness import API_KEY, WAIT
