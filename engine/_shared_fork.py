@@ -13,11 +13,12 @@ that.  Each forked worker's namespace init (``worker.zygote._private_tmp``) cove
 directory and the socket root with an empty read-only tmpfs and binds back its run's workspace
 (read-write, what ``engine.protected`` names in it read-only), its run's outputs and its own
 socket directory (read-only): what a worker of the run started cold is shown, and nothing of
-another run — not its directory, its sockets, its outputs nor its transcript.  Its stderr is a fifo of its own (``Zygote.private_stderr``),
-so no run reads another's last words.  Everything else stays the run's: the environment, the
-uid, the Landlock rules and rlimits (all in ``AGENTLOOP_CONFINE``), and a memory and a pids
-cgroup per worker with the run's limits.  Those lie under one pair of parents for the batch
-(``cgroups``): the server makes each worker's namespace init ahead of its request, and
+another run — not its directory, its sockets, its outputs nor its transcript.  Its stderr is a
+fifo of its own (``Zygote.private_stderr``), so no run reads another's last words.  Everything
+else stays the run's: the environment, the uid, the Landlock rules and rlimits (all in
+``AGENTLOOP_CONFINE``), and a memory and a pids cgroup per worker with the run's limits.  Those
+lie under one pair of parents for the batch (``cgroups``): the server makes each worker's
+namespace init ahead of its request, and
 ``_cgroup.SpareGroups`` puts it in cgroups of its own ahead too, which the run that gets it
 takes as its worker's (every run of the batch has the same limits).
 
