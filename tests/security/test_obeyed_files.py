@@ -336,8 +336,9 @@ def test_a_planted_task_file_names_no_file_of_the_user(user: User):
     assert proc.returncode == 125, proc.stderr
     assert "files outside" in proc.stderr and "is not trusted" in proc.stderr, proc.stderr
     assert "private key" not in sent
-    assert not (project / "out.runs").exists() or "private key" not in "".join(
-        p.read_text(errors="replace") for p in (user.home / "out.runs").rglob("*") if p.is_file())
+    runs = user.home / "out.runs"
+    assert not runs.exists() or "private key" not in "".join(
+        p.read_text(errors="replace") for p in runs.rglob("*") if p.is_file())
 
 
 # -- 3. the workers' Python -----------------------------------------------------------------------
