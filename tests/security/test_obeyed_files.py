@@ -60,10 +60,11 @@ _IMPORTS = ("import engine.cli, engine.runner, engine.llm, engine.ask, engine.do
 
 
 @pytest.fixture(scope="session")
-def _alice_path(tmp_path_factory) -> str:
+def _alice_path() -> Iterator[str]:
     """A PYTHONPATH alice can use: this project, the venv's packages, and copies of the
     packages it takes from an interpreter alice cannot enter (a venv made with
-    --system-site-packages from root's pyenv, as scripts/test makes it here)."""
+    --system-site-packages from root's pyenv, as scripts/test makes it here).  Not beneath
+    pytest's own directory, which alice cannot enter either."""
     purelib = sysconfig.get_paths()["purelib"]
     listing = "\nimport sys\nfor m in list(sys.modules.values()):\n    print(getattr(m, '__file__', None) or '')"
     out = subprocess.run([sys.executable, "-c", _IMPORTS + listing], capture_output=True, text=True,
@@ -80,7 +81,8 @@ def _alice_path(tmp_path_factory) -> str:
             (shutil.copytree if os.path.isdir(top) else shutil.copy2)(top, target)
     subprocess.run(["chmod", "-R", "a+rX", str(copies)], check=True, timeout=WAIT)
     os.chmod(copies, 0o755)
-    return f"{REPO}:{purelib}:{copies}"
+    yield f"{REPO}:{purelib}:{copies}"
+    shutil.rmtree(copies, ignore_errors=True)
 
 
 @dataclass
