@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from engine import trust
 from engine.errors import ConfigError
 
 __all__ = [
@@ -124,6 +125,9 @@ class JsonlRecorder(AgentDisplay):
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        # Model text goes into this file: a link a worker left on its way (into ~/.bashrc, say)
+        # must not carry it elsewhere (UntrustedFile).
+        trust.check(self.path, "the recording", writing=True)
         self._file = open(self.path, "a", encoding="utf-8", buffering=1)  # closed in close()
         self._lock = threading.Lock()
 

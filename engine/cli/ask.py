@@ -183,6 +183,9 @@ def ask(question: tuple[str, ...], root: Path | None, max_turns: int, model: str
         except OSError as exc:
             tools.close()
             fail(f"cannot record to {record}: {exc.strerror or exc}")
+        except AgentloopError as exc:
+            tools.close()
+            fail(str(exc))
     if (spans := tracing.observer(registry)) is not None:  # the tool calls as spans, too
         recorder = FanoutDisplay([d for d in (recorder, spans) if d is not None])
     stream = AnswerStream(_out) if _isatty(sys.stdout) and not as_json else None
