@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import secrets
+import socket
 import threading
 import time
 from pathlib import Path
@@ -56,6 +57,22 @@ async def engine(run_dir: Path, tmp_path: Path):
 @pytest.fixture
 async def worker(engine: Engine):
     return await engine.start_worker("test")
+
+
+def closed_port() -> int:
+    """A loopback port nobody listens on (one just freed): a connection to it is refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs: not gone, and not a zombie waiting for a parent to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
 
 
 def processes_with(token: str) -> list[int]:

@@ -12,16 +12,8 @@ from pathlib import Path
 
 from engine._process import descendants
 
-from .conftest import processes_with, read_line, wait_until
+from .conftest import alive, processes_with, read_line, wait_until
 
-
-def _alive(pid: int) -> bool:
-    """Running, not merely a zombie waiting for a parent that does not reap."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
 
 AGENTLOOP = [sys.executable, "-m", "engine.cli"]
 
@@ -130,7 +122,7 @@ def test_coordinator_sigkill_leaves_no_process_behind(tmp_path):
         proc.wait(10)
         started = time.monotonic()
         assert wait_until(lambda: not processes_with(token), 5), "daemons survived the coordinator"
-        assert wait_until(lambda: not [p for p in before if _alive(p)], 5), "workers survived the coordinator"
+        assert wait_until(lambda: not [p for p in before if alive(p)], 5), "workers survived the coordinator"
         assert time.monotonic() - started < 5
     finally:
         if proc.poll() is None:

@@ -41,7 +41,7 @@ class _LazyGroup(click.Group):
         "ask": "engine.cli.ask:ask", "batch": "engine.cli.batch:batch", "chat": "engine.cli.chat:chat",
         "demo": "engine.cli.demo:demo", "doctor": "engine.cli.doctor:doctor_cmd",
         "exec": "engine.cli.exec:exec_cmd", "mcp": "engine.cli.mcp:mcp", "models": "engine.cli.models:models_cmd",
-        "run": "engine.cli.run:run_cmd",
+        "run": "engine.cli.run:run_cmd", "scripted": "engine.cli.scripted:scripted",
     }
 
     def list_commands(self, ctx):
