@@ -29,7 +29,7 @@ from engine.runner import RunResult
 from engine.sandbox import GiB, SandboxPolicy, host_support
 from engine.scripted import Delay, Fail, ScriptedServer
 
-from .conftest import wait_until
+from .conftest import closed_port, wait_until
 
 AGENTLOOP = [sys.executable, "-m", "engine.cli"]
 CODE = "<run_code>\n{}\n</run_code>"
@@ -275,7 +275,7 @@ def test_results_file_redo_rewrites_without_the_selected_records(tmp_path):
         results.append({"id": ident, "status": status, "infrastructure": infra})
     results.close()
     again = ResultsFile(path)
-    resumed = again.open(redo_selector(["infrastructure"]))
+    resumed = again.open(redo_selector([]))  # cancelled and infrastructure failures: always
     again.close()
     assert resumed.done == {"a": "answered", "d": "failed"} and resumed.dropped == 2
     assert [r["id"] for r in records(path)] == ["a", "d"]
@@ -313,9 +313,26 @@ def test_a_dead_endpoint_stops_the_batch_early(tmp_path):
         assert proc.returncode == 1, proc.stderr
         assert "5 runs in a row failed for infrastructure reasons" in proc.stderr
         assert len(records(tmp_path / "out.jsonl")) == 5
-        redo = run_batch(server, tmp_path, "tasks.jsonl", "-o", "out.jsonl", "--parallel", "1",
-                         "--redo", "infrastructure")
+        assert "(5 infrastructure: a rerun runs them again)" in proc.stderr
+        # A run that failed for its infrastructure is not done: the same command runs it again.
+        redo = run_batch(server, tmp_path, "tasks.jsonl", "-o", "out.jsonl", "--parallel", "1")
     assert "5 record(s) removed to be run again" in redo.stderr
+    assert "12 tasks, 0 done before, 12 to run" in redo.stderr
+
+
+def test_an_endpoint_nobody_listens_on_stops_the_batch_before_it_makes_anything(tmp_path):
+    write_tasks(tmp_path / "tasks.jsonl", [{"id": i, "task": f"[{i}] go"} for i in range(6)])
+    url = f"http://127.0.0.1:{closed_port()}/v1"
+    env = {**os.environ, "LLM_URL": url, "XDG_STATE_HOME": str(tmp_path / "state"),
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run([*AGENTLOOP, "batch", "tasks.jsonl", "-o", "out.jsonl"], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"agentloop: nothing was run: the model at {url} does not "
+                                                   "answer (connection refused). Start one there:"), proc.stderr
+    assert lines[0].endswith("Then run the same command again.")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tasks.jsonl"]  # no results, no runs directory
 
 
 async def test_errors_of_the_infrastructure_are_told_apart(tmp_path):
@@ -387,6 +404,9 @@ def test_ctrl_c_cancels_running_runs_writes_them_and_resume_redoes_them(tmp_path
         status = {r["id"]: r["status"] for r in records(out)}
         assert status == {"q1": "answered", "q2": "answered", "h0": "cancelled", "h1": "cancelled",
                           "h2": "cancelled"}
+        # Cancelled runs are not done: the count stays at the two answered (and so do rate and ETA).
+        cancelled = [line for line in stderr.splitlines() if line.endswith(" cancelled") or " cancelled " in line]
+        assert [line.split()[0] for line in cancelled if line.startswith("[")] == ["[2/8]"] * 3, stderr
         assert wait_until(lambda: not processes_under(tmp_path), 60), "cancelled runs left workers"
 
         hang.on.clear()

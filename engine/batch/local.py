@@ -11,7 +11,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import EXIT_INTERRUPTED, AgentloopError
+from ..errors import EXIT_INTERRUPTED, AgentloopError, ModelUnreachable
+from ..model_server import probe
+from ..models import ModelConfig
 from .capacity import default_parallel
 from .progress import LinesView, Meter, Tally, make_view, short
 from .results import ResultsFile, lock_runs_dir, open_results
@@ -97,6 +99,17 @@ async def _run_local(pending: list[TaskSpec], settings: RunSettings, results: Re
             await fork_server.close()
 
 
+async def check_endpoints(models: Iterable[ModelConfig]) -> None:
+    """ModelUnreachable, saying what to do, when an endpoint the tasks use does not answer at
+    all (its ``/models``, within ``model_server.PROBE_TIMEOUT``): else every run would fail the
+    same way, seconds each, and be recorded as failed."""
+    configs = list({(m.base_url, m.model): m for m in models}.values())
+    for config, server in zip(configs, await asyncio.gather(*(probe(c) for c in configs)), strict=True):
+        if server.models_status is None:
+            raise ModelUnreachable(f"nothing was run: {server.silence(config.base_url)} Then run the same "
+                                   "command again.")
+
+
 def run_batch(tasks_path: str | Path, output: str | Path, settings: RunSettings, *,
               parallel: int | None = None, progress: str = "auto", skip_invalid: bool = False,
               redo: Iterable[str] = (), ray_address: str | None = None) -> BatchOutcome:
@@ -104,10 +117,13 @@ def run_batch(tasks_path: str | Path, output: str | Path, settings: RunSettings,
 
     Raises ConfigError, before anything starts, for invalid task lines (unless
     ``skip_invalid``: then they are reported and left out), a damaged output or a runs
-    directory another batch holds."""
+    directory another batch holds; ModelUnreachable, before anything is made, for a model
+    endpoint that does not answer (``check_endpoints``; not with Ray)."""
     output = Path(output)
     specs, problems = read_tasks(tasks_path, settings.models)
     refuse_invalid(tasks_path, problems, skip_invalid)
+    if ray_address is None:  # (a Ray node may reach what this machine does not, and the reverse)
+        asyncio.run(check_endpoints(settings.models.get(s.model or settings.model) for s in specs))
     lock = lock_runs_dir(settings.runs_dir)
     results, resumed = open_results(output, redo, lock=lock)
     try:

@@ -119,14 +119,14 @@ def _fsync_dir(path: Path) -> None:
 
 
 def redo_selector(statuses: Iterable[str]) -> Callable[[dict], bool]:
-    """Which existing records to run again: always ``cancelled`` ones (they never finished),
-    plus the given statuses; ``infrastructure`` means failed for infrastructure reasons."""
+    """Which existing records to run again: always ``cancelled`` ones and those that failed for
+    infrastructure reasons (neither is the model's result: the run was stopped, or never got
+    its model or worker), plus the given statuses."""
     wanted = {"cancelled", *statuses}
 
     def select(record: dict) -> bool:
         status = record.get("status")
-        return status in wanted or ("infrastructure" in wanted and status == "failed"
-                                    and bool(record.get("infrastructure")))
+        return status in wanted or (status == "failed" and bool(record.get("infrastructure")))
     return select
 
 

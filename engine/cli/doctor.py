@@ -56,7 +56,6 @@ def doctor_cmd(models_file, model) -> None:
         config = registry.get(model)
     except AgentloopError as exc:
         fail(str(exc))
-    from ..llm import start_hint
     from ..model_server import probe
     from ..models import which_wins
 
@@ -65,9 +64,7 @@ def doctor_cmd(models_file, model) -> None:
     server = asyncio.run(probe(config))
     if server.models_status is None:
         answers = False
-        advice = start_hint(config.base_url) if server.no_server else (
-            "Check that the server at that address is up and reachable from here, or set LLM_URL.")
-        click.echo(inert(f"model endpoint {config.base_url}: does not answer ({server.models_error}). {advice}"))
+        click.echo(inert(f"model endpoint: {server.silence(config.base_url)}"))
     elif server.models_status in (401, 403):
         answers = False
         held = "is set" if config.api_key() else "is not set"
