@@ -14,7 +14,6 @@ from engine._process import descendants
 
 from .conftest import alive, processes_with, read_line, wait_until
 
-
 AGENTLOOP = [sys.executable, "-m", "engine.cli"]
 
 
