@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("mcp", reason="the mcp extra is not installed (pip install 'agentloop[test]')")
+pytest.importorskip("mcp", reason="the mcp extra is not installed (scripts/test installs it)")
 
 import anyio  # noqa: E402
 from mcp import ClientSession, StdioServerParameters  # noqa: E402

@@ -47,7 +47,7 @@ from .options import (
 @click.option("--progress", type=click.Choice(["auto", "bar", "lines", "none"]), default="auto",
               show_default=True, help="A live bar (auto: when stderr is a terminal) or one line per run.")
 @click.option("--ray", "ray_address", metavar="ADDRESS", default=None,
-              help="Run on a Ray cluster (pip install 'agentloop[ray]'): its GCS host:port, 'auto', or "
+              help="Run on a Ray cluster (needs the ray extra): its GCS host:port, 'auto', or "
                    "ray://host:10001.  Nodes offer the agent_slot resource (runs per node).  If the cluster "
                    "uses token authentication (Ray 2.60's default), set RAY_AUTH_MODE=token and "
                    "RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH).")

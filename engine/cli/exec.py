@@ -61,7 +61,7 @@ SAMPLE_REDO = ("error", "timeout", "killed", "died")
 @click.option("--progress", type=click.Choice(["auto", "bar", "lines", "none"]), default="auto",
               show_default=True, help="With --jsonl: a live bar (auto: when stderr is a terminal) or one line per sample.")
 @click.option("--ray", "ray_address", metavar="ADDRESS", default=None,
-              help="With --jsonl: run the samples on a Ray cluster (pip install 'agentloop[ray]'), in chunks, one "
+              help="With --jsonl: run the samples on a Ray cluster (needs the ray extra), in chunks, one "
                    "agent_slot each; see `agentloop batch --help`.")
 @worker_options
 def exec_cmd(file, args: tuple[str, ...], timeout: float, as_json: bool, allow_sgr: bool, samples: Path | None,

@@ -50,9 +50,10 @@ try:
     import mcp_types as types
     from mcp.server.lowlevel import Server
     from mcp.shared.exceptions import MCPError
-except ImportError as exc:  # the optional extra: say which one
-    raise ImportError(f"the MCP server needs the MCP SDK ({exc}); install it with: "
-                      "pip install 'agentloop[mcp]'") from exc
+except ImportError as exc:  # the optional extra: say how to get it
+    from ..extras import install_hint
+
+    raise ImportError(f"the MCP server needs the MCP SDK ({exc}): {install_hint('mcp')}") from exc
 
 from ..code_task import OUTPUT_BUDGET  # what a block's result carries, as an agent sees it
 from ..durations import format_duration, parse_duration
