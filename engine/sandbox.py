@@ -575,6 +575,12 @@ def _nproc(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid: int |
     return _tasks_of(os.getuid()) + policy.max_processes
 
 
+def writable_note(workspace: str | Path) -> str:
+    """The one line said after code that ended on a refused write (``BlockResult.refused_write``),
+    by ``exec`` to its user and by the MCP server to its client's model: where it may write."""
+    return f"in this sandbox code writes only to the workspace ({workspace}) and $TMPDIR; the rest is read-only"
+
+
 def workspace_excess(policy: SandboxPolicy, workspace: Path) -> str | None:
     """Words for the model when the workspace holds more than `policy.workspace_bytes`, else
     None.  A bind-mounted directory cannot be size-capped without filesystem quotas, so the

@@ -21,6 +21,7 @@ from ..engine import Engine
 from ..errors import AgentloopError
 from ..inert import InertStream, inert
 from ..results import BlockResult, OutputChunk
+from ..sandbox import writable_note
 from ..samples import exit_code as _exit_code
 from ..script import Script
 from .options import (
@@ -109,9 +110,7 @@ def exec_cmd(file, args: tuple[str, ...], timeout: float, as_json: bool, allow_s
     if result.message and not on_its_own:
         err.text(f"agentloop: {result.message}\n")
     if result.refused_write():
-        workspace = worker_settings().workspace or "./files"
-        err.text(f"agentloop: note: in this sandbox code writes only to the workspace ({workspace}) and "
-                 "$TMPDIR; the rest is read-only\n")
+        err.text(f"agentloop: note: {writable_note(worker_settings().workspace or './files')}\n")
     # All of it was streamed here; the file is kept only on request (then it is said where).
     output_file = result.output_file if worker_settings().keep_output else None
     if result.truncated and output_file:
