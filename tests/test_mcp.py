@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -34,6 +35,7 @@ from engine.sandbox import host_support  # noqa: E402
 
 from .conftest import read_line, wait_until  # noqa: E402
 
+ROOT = Path(__file__).resolve().parent.parent
 CALL = 60  # seconds any one request may take, at most
 GONE = 15  # seconds for processes to disappear after the server stops
 
@@ -188,6 +190,26 @@ async def test_started_from_root_the_operators_notes_go_to_stderr_once_and_the_m
         assert wait_until(lambda: "share-cwd" in server.log.read_text(), 10)
     said = [line for line in server.log.read_text().splitlines() if "share-cwd" in line]
     assert len(said) == 1 and said[0].startswith("agentloop: sandbox: the current directory / is not shown"), said
+
+
+async def test_the_readmes_client_entry_works_from_root(tmp_path):
+    """The README's entry for an MCP client, its paths made this checkout's and the test's,
+    started as desktop clients start servers: from /."""
+    section = (ROOT / "README.md").read_text().split("### `agentloop mcp`", 1)[1]
+    entry = json.loads(section.split("```json\n", 1)[1].split("```", 1)[0])["mcpServers"]["agentloop"]
+    files = tmp_path / "agentloop-files"
+    command = entry["command"].replace("/path/to/agentloop", str(ROOT))
+    args = [a.replace("/home/you/agentloop-files", str(files)) for a in entry["args"]]
+    params = StdioServerParameters(command=command, args=args, cwd="/",
+                                   env={**entry["env"], "XDG_STATE_HOME": str(tmp_path / "state")})
+    with open(tmp_path / "server.log", "w") as errlog:
+        async with stdio_client(params, errlog=errlog) as (read, write):
+            async with ClientSession(read, write) as client:
+                with anyio.fail_after(CALL):
+                    await client.initialize()
+                    result = await client.call_tool("run_python", {"code": "open('made.txt', 'w').write('x')"})
+    assert not result.is_error, text(result)
+    assert (files / "default" / "made.txt").read_text() == "x"
 
 
 async def test_two_sessions_run_at_once_each_with_its_namespace(tmp_path):
