@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -43,6 +44,11 @@ from .errors import ConfigError, WorkerStartError
 #: (API keys, cloud credentials, tokens) stays behind.
 ENV_ALLOWLIST = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "LC_MESSAGES", "LC_NUMERIC",
                  "TERM", "TZ", "PYTHONIOENCODING", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+
+
+log = logging.getLogger("agentloop")
+#: The plans' details logged so far (``LaunchPlan.details``: once per process each).
+_detailed: set[str] = set()
 
 
 def _state_home() -> Path:
@@ -330,6 +336,10 @@ class Launcher:
         env = self.env(token, plan)
         if output:
             env["AGENTLOOP_OUTPUT"] = str(sock_dir)
+        for detail in plan.details:
+            if detail not in _detailed:
+                _detailed.add(detail)
+                log.info("%s", detail)
         return Launch(argv, env, Path(plan.cwd) if plan.cwd else self.cwd, plan.pid_namespace, plan.notes)
 
     def fork_server(self, launch: Launch) -> Zygote | RunForkServer | None:

@@ -86,7 +86,10 @@ class SandboxPolicy:
 @dataclass
 class LaunchPlan:
     """How to start one worker: argv prefix, whether the kill can rely on a PID namespace,
-    the spec the worker applies to itself before user code (JSON-able), one-line notes.
+    the spec the worker applies to itself before user code (JSON-able), one-line notes (said
+    wherever the worker starts: a weaker sandbox, a directory not shown) and details (how this
+    machine bounds every worker, e.g. without a memory cgroup: ``doctor`` shows them, and
+    ``-v`` logs each once per process, so that they do not follow every ``exec``).
 
     `env` holds variables to add to the worker's environment, `cwd` the directory to start it
     in, `uid` the uid the worker switches to (root only; see `grant`)."""
@@ -98,6 +101,7 @@ class LaunchPlan:
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
     uid: int | None = None
+    details: list[str] = field(default_factory=list)
 
     def grant(self, path: Path) -> None:
         """Give the worker's uid ownership of `path` (its socket, once bound).  A unix socket
@@ -383,14 +387,14 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
     view = View(tuple(system), tuple(links), python_paths(python), workspace, socket_dir, output_dir,
                 cwd if share_cwd else None)
     start_dir = str(view.cwd or workspace)
-    confine, more = _confinement(policy, host, use_bwrap, uid, view, memory_cgroup, pids_cgroup)
+    confine, more, details = _confinement(policy, host, use_bwrap, uid, view, memory_cgroup, pids_cgroup)
     notes += more
     env = {"HOME": tmp, "TMPDIR": tmp}
     if not use_bwrap:
-        return LaunchPlan([], False, confine, notes, env, start_dir, uid)
+        return LaunchPlan([], False, confine, notes, env, start_dir, uid, details)
     argv = bwrap_argv(host.bwrap, root=host.root, network=policy.network, tmp_bytes=policy.tmp_bytes,
                       view=view, start_dir=start_dir)
-    return LaunchPlan(argv, True, confine, notes, env, start_dir, uid)
+    return LaunchPlan(argv, True, confine, notes, env, start_dir, uid, details)
 
 
 def _layers(policy: SandboxPolicy, host: HostSupport) -> tuple[bool, list[str]]:
@@ -411,9 +415,12 @@ def _layers(policy: SandboxPolicy, host: HostSupport) -> tuple[bool, list[str]]:
 
 
 def _confinement(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid: int | None,
-                 view: View, memory_cgroup: bool, pids_cgroup: bool = False) -> tuple[dict, list[str]]:
-    """The JSON-able spec `worker._confine.apply` installs, and a note for each layer missing."""
+                 view: View, memory_cgroup: bool, pids_cgroup: bool = False
+                 ) -> tuple[dict, list[str], list[str]]:
+    """The JSON-able spec `worker._confine.apply` installs, a note for each layer missing, and
+    the details of how this machine bounds the worker (see `LaunchPlan`)."""
     notes: list[str] = []
+    details: list[str] = []
     confine: dict = {"rlimits": _rlimits(policy, host, use_bwrap, uid, pids_cgroup), "drop_caps": True,
                      "no_new_privs": True}
     if uid is not None:
@@ -446,7 +453,7 @@ def _confinement(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid:
         confine["seccomp"] = {"socket_families": families, "lock_session": not use_bwrap,
                               "shared_memory": memory_cgroup}
         if not memory_cgroup:
-            notes.append("sandbox: no memory cgroup here (it needs root or a delegated cgroup) — "
+            details.append("sandbox: no memory cgroup here (it needs root or a delegated cgroup) — "
                          "the memory limit is per process, and memfd_create, SysV shared memory "
                          "and shared anonymous mmap are refused so that it holds")
     else:
@@ -454,7 +461,7 @@ def _confinement(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid:
                      "dangerous system calls are not filtered")
         if not use_bwrap and not policy.network:
             notes.append("sandbox: without seccomp or a network namespace the worker has network access")
-    return confine, notes
+    return confine, notes, details
 
 
 def tools_argv(root: str, python: str) -> list[str]:

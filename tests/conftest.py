@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import secrets
+import shutil
 import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -57,6 +64,59 @@ async def engine(run_dir: Path, tmp_path: Path):
 @pytest.fixture
 async def worker(engine: Engine):
     return await engine.start_worker("test")
+
+
+NOBODY = 65534
+#: The interpreter an unprivileged user runs agentloop with here (one it may read: a root-owned
+#: venv may sit where nobody can enter), this checkout and the venv's packages on its path.
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+@functools.cache
+def _nobody_problem() -> str | None:
+    if os.geteuid() != 0:
+        return "not root: cannot switch to nobody"
+    if not shutil.which("setpriv"):
+        return "setpriv (util-linux) not installed"
+    version = subprocess.run([SYSTEM_PYTHON, "-c", "import sys; print(sys.version_info[:2])"],
+                             capture_output=True, text=True, timeout=60).stdout.strip()
+    if version != str(sys.version_info[:2]):
+        return f"{SYSTEM_PYTHON} is not Python {sys.version_info[0]}.{sys.version_info[1]}"
+    probe = subprocess.run([*_SETPRIV, SYSTEM_PYTHON, "-c", "import engine.cli"], cwd="/",
+                           env=nobody_env(), capture_output=True, timeout=60)
+    if probe.returncode != 0:
+        return f"nobody cannot import this project: {probe.stderr.decode()[-200:]}"
+    return None
+
+
+_SETPRIV = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+
+
+def nobody_env(**extra: str) -> dict[str, str]:
+    """An environment for ``as_nobody``'s commands (``extra`` added)."""
+    path = f"{REPO}:{sysconfig.get_paths()['purelib']}"
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONPATH": path, **extra}
+
+
+def as_nobody() -> list[str]:
+    """The argv prefix that runs agentloop's command line as the unprivileged user nobody
+    (``[..., python, "-m", "engine.cli"]``, with ``nobody_env``); skips the test where it cannot."""
+    problem = _nobody_problem()
+    if problem:
+        pytest.skip(reason=problem)
+    return [*_SETPRIV, SYSTEM_PYTHON, "-m", "engine.cli"]
+
+
+@pytest.fixture
+def nobody_dir() -> Iterator[Path]:
+    """A directory of nobody's own that nobody can reach (the test's tmp_path is root's, 0700)."""
+    base = Path(tempfile.mkdtemp(prefix="agentloop-nobody-"))
+    os.chmod(base, 0o755)
+    os.chown(base, NOBODY, NOBODY)
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def closed_port() -> int:
