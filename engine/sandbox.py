@@ -87,9 +87,7 @@ class SandboxPolicy:
 class LaunchPlan:
     """How to start one worker: argv prefix, whether the kill can rely on a PID namespace,
     the spec the worker applies to itself before user code (JSON-able), one-line notes (said
-    wherever the worker starts: a weaker sandbox, a directory not shown) and details (how this
-    machine bounds every worker, e.g. without a memory cgroup: ``doctor`` shows them, and
-    ``-v`` logs each once per process, so that they do not follow every ``exec``).
+    where it starts) and details (how this machine bounds every worker: ``doctor`` and ``-v``).
 
     `env` holds variables to add to the worker's environment, `cwd` the directory to start it
     in, `uid` the uid the worker switches to (root only; see `grant`)."""
@@ -580,12 +578,6 @@ def _nproc(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid: int |
     if use_bwrap:
         return policy.max_processes
     return _tasks_of(os.getuid()) + policy.max_processes
-
-
-def writable_note(workspace: str | Path) -> str:
-    """The one line said after code that ended on a refused write (``BlockResult.refused_write``),
-    by ``exec`` to its user and by the MCP server to its client's model: where it may write."""
-    return f"in this sandbox code writes only to the workspace ({workspace}) and $TMPDIR; the rest is read-only"
 
 
 def workspace_excess(policy: SandboxPolicy, workspace: Path) -> str | None:

@@ -12,6 +12,7 @@ from ..doctor import report
 from ..engine import Engine
 from ..errors import AgentloopError
 from ..inert import inert
+from ..interpreter import probe as probe_python
 from .options import fail, load_registry, worker_options, worker_settings
 
 
@@ -22,7 +23,9 @@ from .options import fail, load_registry, worker_options, worker_settings
 def doctor_cmd(models_file, model) -> None:
     """Which sandbox layers are available and active here, whether a sandboxed worker really
     starts, and whether the model endpoint answers.  Exit 1 when something does not work."""
-    options = worker_settings().engine_options()
+    settings = worker_settings()
+    options = settings.engine_options()
+    python, chosen_by = settings.python_choice()
     policy = options["sandbox"]
     healthy = True
     try:
@@ -51,6 +54,11 @@ def doctor_cmd(models_file, model) -> None:
         click.echo(inert(f"worker: does not start: {exc}"))
         started = False
     healthy &= started
+    try:
+        version = f" (Python {probe_python(python).version})"
+    except AgentloopError:
+        version = ""
+    click.echo(inert(f"workers' python: {python}{version}, chosen by {chosen_by}"))
     registry = load_registry(models_file)
     try:
         config = registry.get(model)

@@ -20,8 +20,7 @@ from ..durations import DEFAULT_BLOCK_TIMEOUT
 from ..engine import Engine
 from ..errors import AgentloopError
 from ..inert import InertStream, inert
-from ..results import BlockResult, OutputChunk
-from ..sandbox import writable_note
+from ..results import BlockResult, OutputChunk, writable_note
 from ..samples import exit_code as _exit_code
 from ..script import Script
 from .options import (

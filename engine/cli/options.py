@@ -19,7 +19,7 @@ import click
 from ..durations import parse_duration
 from ..errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OWN, EXIT_TIMEOUT, AgentloopError
 from ..inert import inert
-from ..interpreter import choose_python
+from ..interpreter import which_python
 from ..sandbox import SandboxPolicy
 
 
@@ -90,15 +90,19 @@ class WorkerSettings:
             click.echo("agentloop: warning: --sandbox none runs model code with your privileges", err=True)
         return SandboxPolicy(mode=self.sandbox, network=self.network, **self.limits)
 
-    def engine_options(self) -> dict:
-        """``Engine`` keyword arguments for these settings (the interpreter chosen as
-        ``engine.interpreter.choose_python`` says; a bad choice ends the command in one line)."""
+    def python_choice(self) -> tuple[str, str]:
+        """The workers' interpreter and which source chose it (``engine.interpreter.which_python``,
+        ./agentloop.toml read as every command reads it); a bad choice or file ends the command
+        in one line."""
         try:
-            python = choose_python(self.python, workspace=self.workspace or Path("files"))
+            return which_python(self.python, workspace=self.workspace or Path("files"))
         except AgentloopError as exc:
             fail(str(exc))
-        return {"sandbox": self.policy(), "workspace": self.workspace, "preload": self.preload, "python": python,
-                "keep_output": self.keep_output}
+
+    def engine_options(self) -> dict:
+        """``Engine`` keyword arguments for these settings (the interpreter: ``python_choice``)."""
+        return {"sandbox": self.policy(), "workspace": self.workspace, "preload": self.preload,
+                "python": self.python_choice()[0], "keep_output": self.keep_output}
 
 
 def worker_settings() -> WorkerSettings:

@@ -63,8 +63,8 @@ from ..code_task import OUTPUT_BUDGET  # what a block's result carries, as an ag
 from ..durations import format_duration, parse_duration
 from ..engine import Engine
 from ..errors import AgentloopError
-from ..results import BlockResult, OutputChunk
-from ..sandbox import SandboxPolicy, writable_note
+from ..results import BlockResult, OutputChunk, writable_note
+from ..sandbox import SandboxPolicy
 from ..worker import Worker
 from .workspace_files import MAX_LISTED_FILES, list_files, mime_type, parse_uri, read_file, resource_uri
 
