@@ -56,6 +56,16 @@ def _state_home() -> Path:
     return Path(base) / "agentloop"
 
 
+def _missing(path: Path) -> list[Path]:
+    """``path`` and each of its parents that does not exist, deepest first."""
+    missing = []
+    for place in (path.absolute(), *path.absolute().parents):
+        if os.path.lexists(place):
+            break
+        missing.append(place)
+    return missing
+
+
 def _runtime_home() -> Path:
     # Short on purpose: an ipc:// path must fit in 107 bytes.
     xdg = os.environ.get("XDG_RUNTIME_DIR")
@@ -153,7 +163,9 @@ class Launcher:
         #: never starts a server of its own.
         self.shared = fork_server
         self._shared_view: RunForkServer | None = None
-        self._made_workspace = False  # made by this run: removed again when nothing was written
+        #: The directories this run made for its workspace, the workspace first, then each missing
+        #: parent (``--workspace /new/dir``): removed again, as far as nothing was written there.
+        self._made: list[Path] = []
         self._uid_claimed = False
         #: Runtime packages the workers' Python lacks, loaded from agentloop's own copies.
         self.runtime_packages: dict[str, str] = {}
@@ -182,7 +194,7 @@ class Launcher:
         if self.sandbox.mode != "none":
             _sandbox.check_workspace(self.workspace, self.python)
         try:
-            self._made_workspace = not self.workspace.exists()
+            self._made = _missing(self.workspace)
             self.workspace.mkdir(parents=True, exist_ok=True)
             self.output_dir.mkdir(parents=True, exist_ok=True)
             os.chmod(self.run_dir, 0o700)
@@ -250,10 +262,14 @@ class Launcher:
             self.output_dir.rmdir()  # only if no block needed a file
             (self.run_dir / ".kept").unlink()
             self.run_dir.rmdir()
-        if self._made_workspace:
-            for leftover in (self.workspace / ".tmp", self.workspace):  # (.tmp: the fallback's TMPDIR)
-                with contextlib.suppress(OSError):
+        if self._made:
+            for leftover in (self.workspace / ".tmp", *self._made):  # (.tmp: the fallback's TMPDIR)
+                try:
                     leftover.rmdir()
+                except FileNotFoundError:
+                    continue
+                except OSError:  # something was written: it and what holds it stay
+                    break
 
     # -- one worker -------------------------------------------------------------------------------
     def socket(self) -> zmq.Socket:

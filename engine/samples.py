@@ -52,7 +52,9 @@ Engine = Any
 
 #: Bytes of each stream kept at the head and at the tail of a result (the middle is counted).
 OUTPUT_BYTES = 8 * 1024
-#: What the code is called: ``__file__`` (in its workspace) and ``sys.argv[0]``.
+#: What the code is called: ``__file__``, the name in its tracebacks and ``sys.argv[0]``, relative to
+#: its workspace (its current directory; as Python before 3.9 named a script), so that a sample's
+#: output does not depend on where a run's workspace happened to lie.
 SCRIPT_NAME = "sample.py"
 #: Bytes of ``files`` one sample may carry (they travel in one message to the worker).
 FILES_CAP = 8 * 1024 * 1024
@@ -232,7 +234,7 @@ async def run_sample(engine: Engine, sample: Sample, *, timeout: float = DEFAULT
                                     f"its files could not be written to its workspace: {why}")
         if sample.stdin is not None:
             stdin_fd = _stdin_file(sample.stdin)
-        script = Script(os.path.join(workspace, SCRIPT_NAME), [SCRIPT_NAME, *sample.args], stdin_fd)
+        script = Script(SCRIPT_NAME, [SCRIPT_NAME, *sample.args], stdin_fd)  # relative: see SCRIPT_NAME
         result = await worker.run(sample.code, timeout=sample.timeout or timeout, block_id="main",
                                   on_output=collect, script=script)
         if result.status in ("ok", "error"):  # the process lives (a kill would have replaced it)

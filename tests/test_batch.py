@@ -18,11 +18,11 @@ from engine._process import descendants
 from engine._shared_fork import SharedForkServer
 from engine._zygote import ZygoteProcess
 from engine.batch import ResultsFile, RunSettings, default_parallel, is_infrastructure, read_tasks
-from engine.batch.results import redo_selector
+from engine.batch.results import Lock, redo_selector
 from engine.batch.run import RunEngine, run_slug
 from engine.display import read_recording
 from engine.engine import Engine
-from engine.errors import ModelError, WorkerError, WorkerStartError
+from engine.errors import ConfigError, ModelError, WorkerError, WorkerStartError
 from engine.llm import Chat
 from engine.models import ModelConfig, load_models
 from engine.runner import RunResult
@@ -264,6 +264,18 @@ def test_a_damaged_line_before_the_end_is_refused(tmp_path):
     with ScriptedServer(["x"]) as server:
         proc = run_batch(server, tmp_path, "tasks.jsonl", "-o", "out.jsonl")
     assert proc.returncode == 125 and "out.jsonl:2: not a result record" in proc.stderr
+
+
+def test_a_results_lock_is_held_by_one_and_leaves_no_file(tmp_path):
+    path = tmp_path / ".out.jsonl.lock"
+    held = Lock(path, "busy")
+    with pytest.raises(ConfigError, match="busy"):
+        Lock(path, "busy")
+    held.release()
+    assert not path.exists()
+    again = Lock(path, "busy")  # free again, on a file of its own
+    assert path.exists()
+    again.release()
 
 
 def test_results_file_redo_rewrites_without_the_selected_records(tmp_path):

@@ -209,3 +209,13 @@ def test_an_unprivileged_exec_adds_nothing_to_the_codes_stderr(nobody_dir):
     if "no memory cgroup" not in verbose.stderr:
         pytest.skip(reason="nobody has a writable memory cgroup here: no detail to say")
     assert verbose.stderr.count("no memory cgroup") == 1
+
+
+def test_a_workspace_made_for_the_run_goes_with_its_parents_unless_written(tmp_path):
+    made = tmp_path / "new" / "deeper" / "ws"
+    proc = run_exec(tmp_path, "print('hi')", "--workspace", str(made))
+    assert proc.returncode == 0, proc.stderr
+    assert not (tmp_path / "new").exists()  # nothing was written: nothing is left
+    kept = run_exec(tmp_path, f"open({str(made / 'x.txt')!r}, 'w').write('x')", "--workspace", str(made))
+    assert kept.returncode == 0, kept.stderr
+    assert (made / "x.txt").read_text() == "x"

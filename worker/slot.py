@@ -325,14 +325,14 @@ def _run_script(req: dict, workspace: str) -> int:
         with open(full, "wb") as f:
             f.write(content)
         os.chmod(full, mode)
-    path = os.path.join(workspace, str(req.get("path") or "sample.py"))
+    name = str(req.get("path") or "sample.py")  # as the code sees it: relative to its workspace, its cwd
     code = str(req.get("code", ""))
-    with open(path, "w", encoding="utf-8") as f:  # a script is a file: tracebacks quote it, spawn re-reads it
+    with open(os.path.join(workspace, name), "w", encoding="utf-8") as f:  # tracebacks quote it, spawn re-reads it
         f.write(code)
     main = types.ModuleType("__main__")
-    main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins)
+    main.__dict__.update(__file__=name, __cached__=None, __builtins__=builtins)
     sys.modules["__main__"] = main
-    sys.argv = [str(a) for a in req.get("argv") or [path]]
+    sys.argv = [str(a) for a in req.get("argv") or [name]]
     sys.path[0:0] = [workspace]
     timeout = float(req.get("timeout") or 60.0)
 
@@ -342,7 +342,7 @@ def _run_script(req: dict, workspace: str) -> int:
     signal.signal(INTERRUPT_SIGNAL, interrupt)
     status = 0
     try:
-        exec(compile(code, path, "exec"), main.__dict__)
+        exec(compile(code, name, "exec"), main.__dict__)
     except SystemExit as exc:
         status, text = script.exit_status(exc)
         if text is not None:

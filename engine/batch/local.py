@@ -4,7 +4,6 @@ infrastructure keeps failing."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import sys
 from collections.abc import Iterable
@@ -151,4 +150,4 @@ def run_batch(tasks_path: str | Path, output: str | Path, settings: RunSettings,
         return BatchOutcome(tally, stopper.reason)
     finally:
         results.close()
-        os.close(lock)
+        lock.release()

@@ -36,7 +36,7 @@ from ..samples import FILES_CAP, STATUSES, Sample, SampleResult, cancelled, chec
 from .capacity import default_parallel
 from .local import BatchOutcome
 from .progress import Tally, make_view
-from .results import ResultsFile, lock_file, open_results
+from .results import Lock, ResultsFile, open_results
 from .run import pack_files
 from .stopping import Stopper
 from .tasks import read_lines, refuse_invalid, task_files
@@ -176,8 +176,7 @@ def run_samples(samples_path: str | Path, output: str | Path, engine_options: di
     specs, problems = read_samples(samples_path)
     refuse_invalid(samples_path, problems, skip_invalid)
     output.parent.mkdir(parents=True, exist_ok=True)
-    lock = lock_file(output.with_name(f".{output.name}.lock"),
-                     f"another agentloop is writing {output}; wait for it or stop it")
+    lock = Lock(output.with_name(f".{output.name}.lock"), f"another agentloop is writing {output}; wait for it or stop it")
     results, resumed = open_results(output, redo, "sample", lock=lock)
     try:
         pending = [s for s in specs if s.key not in resumed.done]
@@ -203,4 +202,4 @@ def run_samples(samples_path: str | Path, output: str | Path, engine_options: di
         return BatchOutcome(tally, stopper.reason)
     finally:
         results.close()
-        os.close(lock)
+        lock.release()
