@@ -67,8 +67,8 @@ def which_python(explicit: str | None = None, config: Path | None = None,
     venv = os.environ.get("VIRTUAL_ENV")
     if venv and os.access(os.path.join(venv, "bin", "python"), os.X_OK):
         return os.path.join(venv, "bin", "python"), f"the active virtual environment (VIRTUAL_ENV={venv})"
-    return sys.executable, ("agentloop's own: no --python, AGENTLOOP_PYTHON, python in "
-                            f"{config} or active virtual environment names one")
+    return sys.executable, ("default, agentloop's own (none of --python, AGENTLOOP_PYTHON, python in "
+                            f"{config} or an active virtual environment names one)")
 
 
 def _configured(config: Path) -> list[tuple[str | None, str]]:

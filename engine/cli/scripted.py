@@ -46,10 +46,11 @@ BACKGROUND_IDLE = 30 * 60.0
 def scripted(script: Path | None, port: int | None, host: str, background: bool, idle_exit: float | None) -> None:
     """Serve a scripted OpenAI-compatible model: replies come from SCRIPT, no LLM involved.
 
-    SCRIPT is JSON: {"a piece of the task": [turn, ...], "*": [...]}; a request is answered by
-    the conversation whose key its first user message contains (else "*"), with the turn of
-    that index: a string (the reply), or {"content": ..., "tool_calls": [{"name": ...,
-    "arguments": {...}}]}.  Default: engine/examples/scripted-model.json, the README's tour.
+    SCRIPT is JSON: {"a piece of the task": [turn, ...], "*": [...]}.  A request belongs to the
+    conversation whose key its first user message contains (else "*"), and gets its next turn
+    (the first for a request with no reply of the model's in it yet): a string (the reply), or
+    {"content": ..., "tool_calls": [{"name": ..., "arguments": {...}}]}.  Default:
+    engine/examples/scripted-model.json, the README's tour.
 
     Point a command at it with LLM_URL=http://HOST:PORT/v1, or in one line:
     export LLM_URL=$(agentloop scripted --background)."""
