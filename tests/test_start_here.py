@@ -75,6 +75,7 @@ def _first_and_second_run(copy: Path, env: dict[str, str], user: list[str]) -> s
                             stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.timeout(2 * WAIT)  # two pip installs at once: beyond the suite's 120 s on a loaded machine
 def test_the_first_run_says_each_step_and_how_long_as_root_and_as_a_plain_user():
     """``scripts/agentloop`` on a fresh copy: one line per step on stderr (stdout stays the
     command's), how long it will take and took; the second run is silent."""
