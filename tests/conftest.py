@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import os
@@ -67,15 +68,34 @@ async def worker(engine: Engine):
 
 
 NOBODY = 65534
-#: The interpreter an unprivileged user runs agentloop with here (one it may read: a root-owned
-#: venv may sit where nobody can enter), this checkout and the venv's packages on its path.
+#: The interpreter nobody runs agentloop with here (one it may read: a root-owned venv may sit
+#: where nobody can enter), with this checkout and the venv's packages on its path.
 SYSTEM_PYTHON = "/usr/bin/python3"
+_SETPRIV = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+
+
+@dataclasses.dataclass
+class Unprivileged:
+    """A plain user to run commands as: nobody when the tests run as root, else the user itself.
+    ``python``: the argv prefix that runs Python as that user; ``home``: a directory of theirs."""
+
+    python: list[str]
+    env: dict[str, str]
+    home: Path
+
+    @property
+    def agentloop(self) -> list[str]:
+        return [*self.python, "-m", "engine.cli"]
+
+    def own(self, *paths: Path) -> None:
+        """Give ``paths`` to the user (nothing to do when the user is the one running the tests)."""
+        if os.geteuid() == 0:
+            for path in paths:
+                os.chown(path, NOBODY, NOBODY)
 
 
 @functools.cache
 def _nobody_problem() -> str | None:
-    if os.geteuid() != 0:
-        return "not root: cannot switch to nobody"
     if not shutil.which("setpriv"):
         return "setpriv (util-linux) not installed"
     version = subprocess.run([SYSTEM_PYTHON, "-c", "import sys; print(sys.version_info[:2])"],
@@ -83,38 +103,32 @@ def _nobody_problem() -> str | None:
     if version != str(sys.version_info[:2]):
         return f"{SYSTEM_PYTHON} is not Python {sys.version_info[0]}.{sys.version_info[1]}"
     probe = subprocess.run([*_SETPRIV, SYSTEM_PYTHON, "-c", "import engine.cli"], cwd="/",
-                           env=nobody_env(), capture_output=True, timeout=60)
+                           env=_nobody_env(), capture_output=True, timeout=60)
     if probe.returncode != 0:
         return f"nobody cannot import this project: {probe.stderr.decode()[-200:]}"
     return None
 
 
-_SETPRIV = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
-
-
-def nobody_env(**extra: str) -> dict[str, str]:
-    """An environment for ``as_nobody``'s commands (``extra`` added)."""
+def _nobody_env() -> dict[str, str]:
     path = f"{REPO}:{sysconfig.get_paths()['purelib']}"
-    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONPATH": path, **extra}
-
-
-def as_nobody() -> list[str]:
-    """The argv prefix that runs agentloop's command line as the unprivileged user nobody
-    (``[..., python, "-m", "engine.cli"]``, with ``nobody_env``); skips the test where it cannot."""
-    problem = _nobody_problem()
-    if problem:
-        pytest.skip(reason=problem)
-    return [*_SETPRIV, SYSTEM_PYTHON, "-m", "engine.cli"]
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONPATH": path}
 
 
 @pytest.fixture
-def nobody_dir() -> Iterator[Path]:
-    """A directory of nobody's own that nobody can reach (the test's tmp_path is root's, 0700)."""
-    base = Path(tempfile.mkdtemp(prefix="agentloop-nobody-"))
-    os.chmod(base, 0o755)
-    os.chown(base, NOBODY, NOBODY)
+def unprivileged() -> Iterator[Unprivileged]:
+    """A plain user and a directory of theirs that they can reach (a root test's tmp_path is
+    0700); skips where root cannot become nobody."""
+    base = Path(tempfile.mkdtemp(prefix="agentloop-unprivileged-"))
     try:
-        yield base
+        if os.geteuid() != 0:
+            yield Unprivileged([sys.executable], {**os.environ, "HOME": str(base)}, base)
+            return
+        problem = _nobody_problem()
+        if problem:
+            pytest.skip(reason=problem)
+        os.chmod(base, 0o755)
+        os.chown(base, NOBODY, NOBODY)
+        yield Unprivileged([*_SETPRIV, SYSTEM_PYTHON], {**_nobody_env(), "HOME": str(base)}, base)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -14,7 +14,7 @@ import pytest
 
 from engine._process import descendants
 
-from .conftest import alive, as_nobody, nobody_env, processes_with, read_line, wait_until
+from .conftest import alive, processes_with, read_line, wait_until
 
 AGENTLOOP = [sys.executable, "-m", "engine.cli"]
 
@@ -189,25 +189,24 @@ def test_exec_at_a_terminal_gives_the_code_a_terminal(tmp_path):
     assert piped.stdout.startswith("False False False")
 
 
-def test_an_unprivileged_exec_adds_nothing_to_the_codes_stderr(nobody_dir):
+def test_an_unprivileged_exec_adds_nothing_to_the_codes_stderr(unprivileged):
     """As a plain user (no writable cgroup here, as for most), the code's stderr is python's,
     byte for byte: how this machine bounds workers is for ``doctor`` and ``-v``, not every run."""
-    agentloop = as_nobody()
-    project = nobody_dir / "project"
+    project = unprivileged.home / "project"
     project.mkdir()
     (project / "script.py").write_text("import sys\nprint('out')\nprint('err', file=sys.stderr)\nsys.exit(3)\n")
-    for path in (project, project / "script.py"):
-        os.chown(path, 65534, 65534)
-    env = nobody_env(HOME=str(nobody_dir), XDG_STATE_HOME=str(nobody_dir / "state"))
-    python = subprocess.run([*agentloop[:-2], "script.py"], capture_output=True, text=True, cwd=project, timeout=60)
-    ours = subprocess.run([*agentloop, "exec", "script.py"], capture_output=True, text=True, cwd=project,
-                          env=env, timeout=60)
+    unprivileged.own(project, project / "script.py")
+    env = {**unprivileged.env, "XDG_STATE_HOME": str(unprivileged.home / "state")}
+    python = subprocess.run([*unprivileged.python, "script.py"], capture_output=True, text=True, cwd=project,
+                            timeout=60)
+    ours = subprocess.run([*unprivileged.agentloop, "exec", "script.py"], capture_output=True, text=True,
+                          cwd=project, env=env, timeout=60)
     assert (ours.returncode, ours.stdout, ours.stderr) == (python.returncode, python.stdout, python.stderr) \
         == (3, "out\n", "err\n"), ours.stderr
-    verbose = subprocess.run([*agentloop, "-v", "exec", "script.py"], capture_output=True, text=True,
+    verbose = subprocess.run([*unprivileged.agentloop, "-v", "exec", "script.py"], capture_output=True, text=True,
                              cwd=project, env=env, timeout=60)
     if "no memory cgroup" not in verbose.stderr:
-        pytest.skip(reason="nobody has a writable memory cgroup here: no detail to say")
+        pytest.skip(reason="this user has a writable memory cgroup here: no detail to say")
     assert verbose.stderr.count("no memory cgroup") == 1
 
 
