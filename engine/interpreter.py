@@ -30,12 +30,12 @@ import worker.contract
 from . import trust
 from ._bwrap import beneath, outermost
 from .errors import ConfigError, SandboxError, UntrustedFile
-from .models import read_config
+from .models import CONFIG_FILE, read_config
 
 __all__ = [
     "Interpreter", "RUNTIME_INSTALL", "RUNTIME_PACKAGES", "RUNTIME_ROOT", "check_workspace",
-    "choose_python", "not_importable", "probe", "python_paths", "refuse_untrusted", "runtime_argv",
-    "runtime_dirs", "runtime_packages"
+    "choose_python", "not_importable", "probe", "python_paths", "refuse_untrusted",
+    "refuse_untrusted_paths", "runtime_argv", "runtime_dirs", "runtime_packages", "which_python"
 ]
 
 #: Third-party packages the worker runtime imports, by import name (distribution in brackets
@@ -61,31 +61,31 @@ def choose_python(explicit: str | None = None, config: Path | None = None,
                   workspace: Path | None = None) -> str:
     """The interpreter workers run (see the module docstring), as an absolute path.  A name is
     looked up on PATH; one that is not there, or not executable, or one a worker could have
-    written (``refuse_untrusted``), is a ConfigError."""
-    config = config or Path("agentloop.toml")
+    written (``refuse_untrusted``), is a ConfigError; so is an invalid ``config`` file."""
+    return which_python(explicit, config, workspace)[0]
+
+
+def which_python(explicit: str | None = None, config: Path | None = None,
+                 workspace: Path | None = None) -> tuple[str, str]:
+    """``choose_python``'s interpreter and, in words, which of the five sources chose it."""
+    config = config or Path(CONFIG_FILE)
     for given, where in ((explicit, "--python"), (os.environ.get("AGENTLOOP_PYTHON"), "AGENTLOOP_PYTHON"),
                          *_configured(config)):
         if given:
-            return _resolve(given, where, workspace)
+            return _resolve(given, where, workspace), where
     venv = os.environ.get("VIRTUAL_ENV")
     if venv and os.access(os.path.join(venv, "bin", "python"), os.X_OK):
-        return os.path.join(venv, "bin", "python")
-    return sys.executable
+        return os.path.join(venv, "bin", "python"), f"the active virtual environment (VIRTUAL_ENV={venv})"
+    return sys.executable, ("default, agentloop's own (none of --python, AGENTLOOP_PYTHON, python in "
+                            f"{config} or an active virtual environment names one)")
 
 
 def _configured(config: Path) -> list[tuple[str | None, str]]:
     if not config.is_file():
         return []
-    try:
-        value = read_config(config).get("python")
-    except UntrustedFile:
-        raise
-    except ConfigError:
-        return []  # the model settings of that file report its errors
+    value = read_config(config).get("python")  # the whole file checked, as every command checks it
     if value is None:
         return []
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{config}: python must be the path of an interpreter, as a string")
     if os.sep in value and not os.path.isabs(value):
         value = str(config.resolve().parent / value)
     return [(value, f"python in {config}")]

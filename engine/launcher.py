@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
 import secrets
 import shutil
@@ -63,6 +64,21 @@ SLOT = "worker.slot:main"
 #: (API keys, cloud credentials, tokens) stays behind.
 ENV_ALLOWLIST = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "LC_MESSAGES", "LC_NUMERIC",
                  "TERM", "TZ", "PYTHONIOENCODING", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+
+
+log = logging.getLogger("agentloop")
+#: The plans' details logged so far (``LaunchPlan.details``: once per process each).
+_detailed: set[str] = set()
+
+
+def _missing(path: Path) -> list[Path]:
+    """``path`` and each of its parents that does not exist, deepest first."""
+    missing = []
+    for place in (path.absolute(), *path.absolute().parents):
+        if os.path.lexists(place):
+            break
+        missing.append(place)
+    return missing
 
 
 def _runtime_home() -> Path:
@@ -127,7 +143,9 @@ class Launcher:
         self.own_workspaces = own_workspaces
         self.shared = shared
         self._provisioner: Provisioner | None = None
-        self._made_workspace = False  # made by this run: removed again when nothing was written
+        #: The directories this run made for its workspace, the workspace first, then each missing
+        #: parent (``--workspace /new/dir``): removed again, as far as nothing was written there.
+        self._made: list[Path] = []
         self._uid_claim: str | None = None  # the workspace (real path) whose uid this run claimed
         #: Runtime packages the workers' Python lacks, loaded from agentloop's own copies.
         self.runtime_packages: dict[str, str] = {}
@@ -163,7 +181,7 @@ class Launcher:
         if settings.sandbox.mode != "none":
             interpreter.check_workspace(self.workspace, settings.python)
         try:
-            self._made_workspace = not self.workspace.exists()
+            self._made = _missing(self.workspace)
             self.workspace.mkdir(parents=True, exist_ok=True)
             self.protected = protected_paths(self.workspace)
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -247,10 +265,14 @@ class Launcher:
             self.output_dir.rmdir()  # only if no block needed a file
             (self.run_dir / ".kept").unlink()
             self.run_dir.rmdir()
-        if self._made_workspace:
-            for leftover in (self.workspace / ".tmp", self.workspace):  # (.tmp: the fallback's TMPDIR)
-                with contextlib.suppress(OSError):
+        if self._made:
+            for leftover in (self.workspace / ".tmp", *self._made):  # (.tmp: the fallback's TMPDIR)
+                try:
                     leftover.rmdir()
+                except FileNotFoundError:
+                    continue
+                except OSError:  # something was written: it and what holds it stay
+                    break
 
     # -- one worker -------------------------------------------------------------------------------
     def socket(self) -> zmq.Socket:
@@ -375,6 +397,10 @@ class Launcher:
         command = interpreter.runtime_argv(self.settings.python, entry, *args, packages=self.runtime_packages)
         env = self.env(StartSpec(token=token, output=str(sock_dir) if output else "", slot=slot,
                                  curve=guard.env if guard is not None else ""), plan)
+        for detail in plan.details:
+            if detail not in _detailed:
+                _detailed.add(detail)
+                log.info("%s", detail)
         return Launch(plan.argv_prefix, command, endpoint, env, Path(plan.cwd) if plan.cwd else self.cwd,
                       plan.pid_namespace, plan.notes, serves_blocks=entry == WORKER)
 

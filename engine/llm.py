@@ -22,6 +22,7 @@ import json
 import socket
 import ssl
 import time
+import types
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -39,6 +40,8 @@ __all__ = [
 ]
 
 _RETRY_STATUS = {408, 429}
+#: Base URLs that have answered a completion in this process (see ``Chat.request``).
+_answered: set[str] = set()
 _BODY_PREVIEW = 400
 #: The smallest reply cap sent when the context window leaves less room than the configured cap.
 MIN_REPLY_TOKENS = 256
@@ -72,13 +75,16 @@ class Display(Protocol):
 
 
 class _Transient(Exception):
-    """One failed attempt that may succeed if repeated; carries the error to raise if it does not."""
+    """One failed attempt that may succeed if repeated; carries the error to raise if it does not.
+    ``refused``: the connection was refused (see ``Chat.request`` for when that is retried)."""
 
-    def __init__(self, final: Exception, reason: str, retry_after: float | None = None) -> None:
+    def __init__(self, final: Exception, reason: str, retry_after: float | None = None, *,
+                 refused: bool = False) -> None:
         super().__init__(reason)
         self.final = final
         self.reason = reason
         self.retry_after = retry_after
+        self.refused = refused
 
 
 class _StreamRefused(Exception):
@@ -195,7 +201,10 @@ class Chat:
         """One completion for ``messages``: the assistant message dict, ``content`` always a
         string, ``tool_calls`` (OpenAI shape, assembled from stream deltas) when there are any.
         Retries connection errors, timeouts, 408, 429 and 5xx with exponential backoff; then
-        raises ``ModelUnreachable`` (no connection) or ``ModelResponseError`` (error status)."""
+        raises ``ModelUnreachable`` (no connection) or ``ModelResponseError`` (error status).
+        A refused connection to an endpoint that has not answered this process yet is not
+        retried: nothing listens there, and waiting seconds to say so helps nobody.  Once it has
+        answered, a refusal is a server restarting, and is retried like the rest."""
         self.last_max_tokens = self.reply_cap(messages)
         body: dict[str, Any] = {"model": self.model.model, "messages": messages,
                                 "max_tokens": self.last_max_tokens, **self.extra_body}
@@ -282,7 +291,7 @@ class Chat:
                 self._cap_key = "max_completion_tokens"  # remembered, as the stream refusal is
                 continue
             except _Transient as failure:
-                if attempt >= self.max_retries:
+                if attempt >= self.max_retries or (failure.refused and self.model.base_url not in _answered):
                     raise failure.final from failure.final.__cause__
                 if failure.retry_after is not None:
                     wait = min(failure.retry_after, self.retry_after_max)
@@ -324,7 +333,8 @@ class Chat:
             raise _Transient(self._too_slow(exc), reason) from exc
         except httpx.TransportError as exc:
             reason = transport_reason(exc)
-            raise _Transient(self._unreachable(reason, exc, start=nobody_listens(exc)), reason) from exc
+            raise _Transient(self._unreachable(reason, exc, start=nobody_listens(exc)), reason,
+                             refused=_caused_by(exc, ConnectionRefusedError)) from exc
 
     def _status_error(self, response: httpx.Response, text: str, *, stream: bool) -> Exception:
         status = response.status_code
@@ -453,6 +463,7 @@ class Chat:
                 args = "".join(c["function"]["arguments"] for c in reply.get("tool_calls", []))
                 completion = (len(reply.get("content") or "") + len(args)) // 4
         self.requests += 1
+        _answered.add(self.model.base_url)
         self.tokens_in += prompt
         self.tokens_out += completion
         self.context = prompt + completion
@@ -513,14 +524,20 @@ def start_hint(base_url: str) -> str:
 def nobody_listens(exc: BaseException) -> bool:
     """Whether a failed connection means no server is there: refused, or a host name that does
     not resolve (as opposed to a reset, a broken stream or a timeout from a server that is up)."""
+    return _caused_by(exc, ConnectionRefusedError | socket.gaierror) or (
+        isinstance(exc, httpx.ConnectError) and "refused" in str(exc).lower())
+
+
+def _caused_by(exc: BaseException, kind: type | types.UnionType) -> bool:
+    """Whether ``exc``, or an exception it was raised from (eight deep at most), is a ``kind``."""
     cause: BaseException | None = exc
     for _ in range(8):
         if cause is None:
             return False
-        if isinstance(cause, ConnectionRefusedError | socket.gaierror):
+        if isinstance(cause, kind):
             return True
         cause = cause.__cause__ or cause.__context__
-    return isinstance(exc, httpx.ConnectError) and "refused" in str(exc).lower()
+    return False
 
 
 def transport_reason(exc: httpx.TransportError) -> str:

@@ -24,6 +24,10 @@ and it is read at request time.
 
 ``context_window`` left out means "ask the server" (``engine.model_server``); set, it wins over
 whatever the server reports.
+
+The file may also name the workers' Python (``python = "..."``, ``engine.interpreter``); any
+other key is refused.  ``read_config`` is the file's one loader: a command that reads it for
+its models or for its ``python`` refuses the same mistakes in the same words.
 """
 
 from __future__ import annotations
@@ -162,7 +166,7 @@ def load_models(path: str | Path | None = None, env: Mapping[str, str] = os.envi
             return ModelRegistry({DEFAULT_ALIAS: env_model}, DEFAULT_ALIAS)
         path = candidate
     path = Path(path)
-    file_models, file_default = _from_file(path, env_model)
+    file_models, file_default = _file_models(path, read_config(path), env_model)
 
     models: dict[str, ModelConfig] = {}
     env_explicit = "LLM_URL" in env or "LLM_MODEL" in env
@@ -219,12 +223,31 @@ def _from_env(env: Mapping[str, str]) -> ModelConfig:
 _KEYS = {f.name for f in fields(ModelConfig)} - {"alias"}
 
 
+#: What agentloop.toml may hold at its top: the models (here) and the workers' Python
+#: (``engine.interpreter``).  A key beyond these is a mistake (``pyhton = ...``), not ignored.
+TOP_KEYS = ("default", "models", "python")
+
+
 def read_config(path: str | Path) -> dict[str, Any]:
-    """The table of the configuration file ``path``, read only once no worker could have
-    written it: ``engine.trust`` refuses it otherwise (UntrustedFile, one line: why, and what
-    to do), whatever keys it holds.  Every command that obeys the file reads it here.  Any
-    other problem is a ConfigError naming the file."""
+    """``path`` (an agentloop.toml) read and checked whole: the one loader of the file, so that
+    every command that reads it refuses the same mistakes with the same one line (ConfigError,
+    naming the file and what to fix), whichever part of it the command uses.  It is read only
+    once no worker could have written it: ``engine.trust`` refuses it otherwise (UntrustedFile,
+    one line: why, and what to do), whatever keys it holds."""
     path = Path(path)
+    data = _parse(path)
+    unknown = sorted(set(data) - set(TOP_KEYS))
+    if unknown:
+        raise ConfigError(f"{path}: unknown key {unknown[0]!r}; known keys: {', '.join(TOP_KEYS)} "
+                          "(and [models.ALIAS] sections)")
+    python = data.get("python")
+    if python is not None and not (isinstance(python, str) and python):
+        raise ConfigError(f"{path}: python must be the path of an interpreter, as a string")
+    _file_models(path, data, _from_env({}))
+    return data
+
+
+def _parse(path: Path) -> dict[str, Any]:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -244,8 +267,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
             raise ConfigError(f"{path}: not valid TOML ({exc})") from None
 
 
-def _from_file(path: Path, env_model: ModelConfig) -> tuple[dict[str, ModelConfig], str | None]:
-    data = read_config(path)
+def _file_models(path: Path, data: dict[str, Any], env_model: ModelConfig
+                 ) -> tuple[dict[str, ModelConfig], str | None]:
     default = data.get("default")
     if default is not None and not (isinstance(default, str) and default):
         raise ConfigError(f"{path}: default must be the alias of a model, as a string")

@@ -92,7 +92,8 @@ class SandboxPolicy:
 @dataclass
 class LaunchPlan:
     """How to start one worker: argv prefix, whether the kill can rely on a PID namespace,
-    the spec the worker applies to itself before user code (JSON-able), one-line notes.
+    the spec the worker applies to itself before user code (JSON-able), one-line notes (said
+    where it starts) and details (how this machine bounds every worker: ``doctor`` and ``-v``).
 
     `env` holds variables to add to the worker's environment, `cwd` the directory to start it
     in, `uid` the uid the worker switches to (root only; see `grant`)."""
@@ -104,6 +105,7 @@ class LaunchPlan:
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
     uid: int | None = None
+    details: list[str] = field(default_factory=list)
 
     def grant(self, path: Path) -> None:
         """Give the worker's uid ownership of `path` (its socket, once bound).  A unix socket
@@ -323,14 +325,14 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
     view = View(tuple(system), tuple(links), python_paths(python), workspace, socket_dir, output_dir,
                 cwd if share_cwd else None, tuple(protected) if use_bwrap else ())
     start_dir = str(view.cwd or workspace)
-    confine, more = _confinement(policy, host, use_bwrap, uid, view, memory_cgroup, pids_cgroup)
+    confine, more, details = _confinement(policy, host, use_bwrap, uid, view, memory_cgroup, pids_cgroup)
     notes += more
     env = {"HOME": tmp, "TMPDIR": tmp}
     if not use_bwrap:
-        return LaunchPlan([], False, confine, notes, env, start_dir, uid)
+        return LaunchPlan([], False, confine, notes, env, start_dir, uid, details)
     argv = bwrap_argv(host.bwrap, root=host.root, network=policy.network, tmp_bytes=policy.tmp_bytes,
                       view=view, start_dir=start_dir)
-    return LaunchPlan(argv, True, confine, notes, env, start_dir, uid)
+    return LaunchPlan(argv, True, confine, notes, env, start_dir, uid, details)
 
 
 def server_plan(policy: SandboxPolicy, python: str, root: Path, socket_root: Path) -> LaunchPlan:
@@ -365,9 +367,12 @@ def _layers(policy: SandboxPolicy, host: HostSupport) -> tuple[bool, list[str]]:
 
 
 def _confinement(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid: int | None,
-                 view: View, memory_cgroup: bool, pids_cgroup: bool = False) -> tuple[Confinement, list[str]]:
-    """The spec the worker installs on itself, and a note for each layer missing."""
+                 view: View, memory_cgroup: bool, pids_cgroup: bool = False
+                 ) -> tuple[Confinement, list[str], list[str]]:
+    """The spec the worker installs on itself, a note for each layer missing, and the details
+    of how this machine bounds the worker (see `LaunchPlan`)."""
     notes: list[str] = []
+    details: list[str] = []
     rw = (str(view.workspace), *(("/tmp", "/dev/shm") if use_bwrap else ()))
     landlock = None
     if host.landlock_abi >= 1:
@@ -395,9 +400,9 @@ def _confinement(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid:
         # Without a PID namespace the coordinator kills the process group: keep everyone in it.
         seccomp = Seccomp(socket_families=tuple(families), lock_session=not use_bwrap, shared_memory=memory_cgroup)
         if not memory_cgroup:
-            notes.append("sandbox: no memory cgroup here (it needs root or a delegated cgroup) — "
-                         "the memory limit is per process, and memfd_create, SysV shared memory "
-                         "and shared anonymous mmap are refused so that it holds")
+            details.append("sandbox: no memory cgroup here (it needs root or a delegated cgroup) — "
+                           "the memory limit is per process, and memfd_create, SysV shared memory "
+                           "and shared anonymous mmap are refused so that it holds")
     else:
         notes.append("sandbox: seccomp filters are unavailable here (kernel or architecture) — "
                      "dangerous system calls are not filtered")
@@ -406,7 +411,7 @@ def _confinement(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid:
     rlimits = tuple((name, soft, hard) for name, (soft, hard) in _rlimits(policy, host, use_bwrap, uid, pids_cgroup).items())
     return Confinement(rlimits=rlimits, drop_caps=True, no_new_privs=True,
                        uid=(uid, uid) if uid is not None else None, umask=0o002 if uid is not None else None,
-                       landlock=landlock, seccomp=seccomp), notes
+                       landlock=landlock, seccomp=seccomp), notes, details
 
 
 def tools_argv(root: str, python: str) -> list[str]:

@@ -13,7 +13,8 @@ Off, nothing of OpenTelemetry is imported and nothing observes the engine: the o
 reading two environment variables when a command starts.  On, one observer per run
 (``engine.spans.SpanObserver``) turns the run's display events into spans, which a background
 thread batches and sends; the agent loop never waits for it.  The SDK is an optional extra
-(``pip install 'agentloop[otel]'``); asking for traces without it is a one-line error.
+(``otel``); asking for traces without it is a one-line error saying how to get it
+(``engine.extras``).
 
 What the spans say (the GenAI semantic conventions, which version, message contents only on
 opt-in, never the API key) is ``engine.spans``'s docstring.  At the end of a command the spans
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError
+from .extras import install_hint
 
 if TYPE_CHECKING:
     from .display import AgentDisplay
@@ -43,7 +45,6 @@ FLUSH_SECONDS = 5.0
 #: The GenAI conventions emitted by default, and with ``gen_ai_latest_experimental``.
 SEMCONV_DEFAULT, SEMCONV_LATEST = "1.36.0", "1.38.0"
 _CONTENT_ON = {"true", "1", "span_only", "span_and_event"}
-_INSTALL = "pip install 'agentloop[otel]' (opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http)"
 
 
 @dataclass(frozen=True)
@@ -216,7 +217,7 @@ def _provider(flag: bool, environ: Mapping[str, str]) -> tuple[Any, str]:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
     except ImportError as exc:
-        raise ConfigError(f"tracing needs the OpenTelemetry SDK, which is not installed: {_INSTALL}") from exc
+        raise ConfigError(f"tracing needs the OpenTelemetry SDK, which is not installed: {install_hint('otel')}") from exc
     names = _exporter_names(environ) - {"none"} or {"otlp"}
     unknown = names - {"otlp", "console"}
     if unknown:
@@ -245,7 +246,7 @@ def _otlp_exporter(environ: Mapping[str, str]) -> Any:
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError as exc:
-            raise ConfigError(f"OTLP over HTTP needs its exporter, which is not installed: {_INSTALL}") from exc
+            raise ConfigError(f"OTLP over HTTP needs its exporter, which is not installed: {install_hint('otel')}") from exc
         return OTLPSpanExporter()
     if protocol == "grpc":
         try:

@@ -114,7 +114,7 @@ def measure(quick: bool = False, base: Path | None = None) -> dict:
     try:
         import opentelemetry.sdk  # noqa: F401
     except ImportError:
-        return {"note": "the OpenTelemetry SDK is not installed (pip install 'agentloop[otel]')"}
+        return {"note": "the OpenTelemetry SDK is not installed (scripts/bench installs it with the bench extra)"}
     sink = ThreadingHTTPServer(("127.0.0.1", 0), _Sink)
     threading.Thread(target=sink.serve_forever, daemon=True).start()
     from engine import tracing

@@ -401,14 +401,14 @@ def _run_script(req: sample.RunSample, workspace: str) -> int:
         with open(full, "wb") as f:
             f.write(content)
         os.chmod(full, mode)
-    path = os.path.join(workspace, req.path)
+    name = req.path  # as the code sees it: relative to its workspace, its cwd
     code = req.code
-    with open(path, "w", encoding="utf-8") as f:  # a script is a file: tracebacks quote it, spawn re-reads it
+    with open(os.path.join(workspace, name), "w", encoding="utf-8") as f:  # tracebacks quote it, spawn re-reads it
         f.write(code)
     main = types.ModuleType("__main__")
-    main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins)
+    main.__dict__.update(__file__=name, __cached__=None, __builtins__=builtins)
     sys.modules["__main__"] = main
-    sys.argv = list(req.argv) or [path]
+    sys.argv = list(req.argv) or [name]
     sys.orig_argv = [sys.executable, *sys.argv]  # as ``python sample.py ARGS`` has it, not the slot's
     sys.path[0:0] = [workspace]
     timeout = req.timeout
@@ -419,7 +419,7 @@ def _run_script(req: sample.RunSample, workspace: str) -> int:
     signal.signal(INTERRUPT_SIGNAL, interrupt)
     status = 0
     try:
-        exec(compile(code, path, "exec"), main.__dict__)
+        exec(compile(code, name, "exec"), main.__dict__)
     except SystemExit as exc:
         status, text = script_run.exit_status(exc)
         if text is not None:

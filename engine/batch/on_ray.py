@@ -1,6 +1,6 @@
 """A batch on a Ray cluster: one Ray task per run, its coordinator and workers on one node.
 
-Imported only by ``agentloop batch --ray ADDRESS`` (``pip install 'agentloop[ray]'``).
+Imported only by ``agentloop batch --ray ADDRESS`` (the ``ray`` extra: ``engine.extras``).
 
 Capacity.  Each run is a task needing one ``agent_slot``, a custom resource that caps the runs a
 node holds: start nodes with ``ray start --address=HEAD:6379 --resources='{"agent_slot": 8}'``
@@ -137,7 +137,9 @@ def import_ray() -> Any:
     try:
         import ray
     except ImportError:
-        raise AgentloopError("--ray needs Ray: pip install 'agentloop[ray]'") from None
+        from ..extras import install_hint
+
+        raise AgentloopError(f"--ray needs Ray: {install_hint('ray')}") from None
     return ray
 
 

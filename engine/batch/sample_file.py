@@ -37,7 +37,7 @@ from ..settings import WorkerSettings
 from .capacity import default_parallel
 from .local import BatchOutcome, drive
 from .progress import LinesView, Tally
-from .results_file import ResultsFile, lock_file, open_results
+from .results_file import Lock, ResultsFile, open_results
 from .run import pack_files
 from .stopping import Stopper
 from .tasks import read_lines, refuse_invalid, task_files
@@ -201,8 +201,7 @@ def run_samples(samples_path: str | Path, output: str | Path, settings: WorkerSe
     specs, problems = read_samples(samples_path)
     refuse_invalid(samples_path, problems, skip_invalid)
     output.parent.mkdir(parents=True, exist_ok=True)
-    lock = lock_file(output.with_name(f".{output.name}.lock"),
-                     f"another agentloop is writing {output}; wait for it or stop it")
+    lock = Lock(output.with_name(f".{output.name}.lock"), f"another agentloop is writing {output}; wait for it or stop it")
     results, resumed = open_results(output, redo, "sample", lock=lock)
     parallel = parallel or default_parallel()
     where = f"on Ray at {ray_address}" if ray_address else f"{parallel} at once"

@@ -41,7 +41,8 @@ class _LazyGroup(click.Group):
         "ask": "engine.cli.ask:ask", "batch": "engine.cli.batch:batch", "chat": "engine.cli.chat:chat",
         "demo": "engine.cli.demo:demo", "doctor": "engine.cli.doctor:doctor_cmd",
         "exec": "engine.cli.exec:exec_cmd", "mcp": "engine.cli.mcp:mcp", "models": "engine.cli.models:models_cmd",
-        "run": "engine.cli.run:run_cmd", "view": "engine.cli.view:view_cmd",
+        "run": "engine.cli.run:run_cmd", "scripted": "engine.cli.scripted:scripted",
+        "view": "engine.cli.view:view_cmd",
     }
 
     def list_commands(self, ctx):
