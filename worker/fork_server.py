@@ -340,9 +340,11 @@ def serve() -> None:
     import worker.__main__  # noqa: F401 - everything a worker imports, imported once, shared by all
     import worker._confine  # noqa: F401
     import worker._memory
+    import worker.environment
     import worker.serve  # noqa: F401
 
     worker._memory.tune()
+    worker.environment.prepare()  # the installed distributions, read once for every worker
     # What is imported now is shared with every worker; the collector must not write to it
     # (its bookkeeping would copy each page into each worker), so it never looks at it again.
     gc.collect()
