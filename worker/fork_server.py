@@ -330,6 +330,24 @@ class _Wire:
         return requests
 
 
+def _prepare_for(request: fork.Spawn) -> None:
+    """Once a worker is on its way, do here what every later worker like it would otherwise
+    do for itself, so that the processes forked from now on inherit it: build its seccomp
+    filter, and (a worker, not a sample slot) read the installed distributions its system
+    prompt lists (``worker.environment``).  Each is done once per kind."""
+    from worker import _confine, environment
+    from worker.contract.start import StartSpec
+
+    try:
+        confine = StartSpec.take(dict(request.env)).confine
+    except ContractError:  # (the worker says so itself)
+        return
+    if confine.seccomp is not None:
+        _confine.seccomp_program(confine.seccomp)
+    if not request.exec:
+        environment.prepare()
+
+
 def serve() -> None:
     for name in filter(None, os.environ.pop("AGENTLOOP_PRELOAD", "").split(",")):
         try:
@@ -340,11 +358,9 @@ def serve() -> None:
     import worker.__main__  # noqa: F401 - everything a worker imports, imported once, shared by all
     import worker._confine  # noqa: F401
     import worker._memory
-    import worker.environment
     import worker.serve  # noqa: F401
 
     worker._memory.tune()
-    worker.environment.prepare()  # the installed distributions, read once for every worker
     # What is imported now is shared with every worker; the collector must not write to it
     # (its bookkeeping would copy each page into each worker), so it never looks at it again.
     gc.collect()
@@ -409,6 +425,7 @@ def serve() -> None:
                 else:
                     children[pid] = rid
                     wire.send(fork.Spawned(rid, pid))
+                    _prepare_for(request)
                 spare_due = time.monotonic() + _SPARE_AFTER  # (not while this worker starts)
 
 
