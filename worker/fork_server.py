@@ -1,7 +1,9 @@
 """The fork server: ``python -m worker.fork_server``, started once per run inside the run's sandbox.
 
-It imports the worker runtime (and modules named with ``AGENTLOOP_PRELOAD``) once, then forks
-a worker per request in a few milliseconds instead of starting an interpreter.  It runs no
+It imports the modules named with ``AGENTLOOP_PRELOAD`` once, and the worker runtime with the
+first request for a worker (a server that only starts sample slots, which run a fresh
+interpreter of their own, never pays for it), then forks a worker per request in a few
+milliseconds instead of starting an interpreter.  It runs no
 user code, holds no threads and no ZeroMQ context (neither survives a fork), and talks to the
 coordinator over its stdin/stdout (``contract.fork``).
 
@@ -330,6 +332,23 @@ class _Wire:
         return requests
 
 
+def _freeze() -> None:
+    """What is imported now is shared with every worker forked after; the collector must not
+    write to it (its bookkeeping would copy each page into each worker), so it never looks at
+    it again."""
+    gc.collect()
+    gc.freeze()
+
+
+def _load_runtime() -> None:
+    """Everything a worker imports, imported once and shared by every worker forked after."""
+    import worker.__main__  # noqa: F401
+    import worker._confine  # noqa: F401
+    import worker.serve  # noqa: F401
+
+    _freeze()
+
+
 def _prepare_for(request: fork.Spawn) -> None:
     """Once a worker is on its way, do here what every later worker like it would otherwise
     do for itself, so that the processes forked from now on inherit it: build its seccomp
@@ -355,16 +374,10 @@ def serve() -> None:
         except BaseException as exc:  # noqa: BLE001 - said in one line; the coordinator says the rest
             sys.stderr.write(f"--preload {name.strip()}: importing it failed: {type(exc).__name__}: {exc}\n")
             sys.exit(1)
-    import worker.__main__  # noqa: F401 - everything a worker imports, imported once, shared by all
-    import worker._confine  # noqa: F401
     import worker._memory
-    import worker.serve  # noqa: F401
 
     worker._memory.tune()
-    # What is imported now is shared with every worker; the collector must not write to it
-    # (its bookkeeping would copy each page into each worker), so it never looks at it again.
-    gc.collect()
-    gc.freeze()
+    _freeze()
 
     wire = _Wire()
     sleep = _find_sleep()
@@ -379,6 +392,7 @@ def serve() -> None:
     spare: _Init | None = None  # the next worker's init, made ahead ...
     spare_due: float | None = time.monotonic() + _SPARE_AFTER  # ... once the server is idle this long
     private_net = True  # (as the last request had it)
+    runtime = False  # (the worker runtime is imported: ``_load_runtime``)
     wire.send(fork.Ready(os.getpid()))
     while True:
         wait = None if spare_due is None else max(0.0, spare_due - time.monotonic())
@@ -410,6 +424,12 @@ def serve() -> None:
             for request in messages:
                 rid = request.id
                 private_net = request.private_net
+                if not request.exec and not runtime:  # the first worker: a spare made before lacks it
+                    _load_runtime()
+                    runtime = True
+                    if spare is not None:
+                        spare.discard()
+                        spare = None
                 init, spare = (spare, None) if spare is not None and spare.private_net == private_net else (None, spare)
                 if spare is not None:  # made for another kind of request
                     spare.discard()
