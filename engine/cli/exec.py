@@ -119,7 +119,9 @@ def exec_cmd(file, args: tuple[str, ...], timeout: float, as_json: bool, allow_s
     # All of it was streamed here; the file is kept only on request (then it is said where).
     output_file = result.output_file if worker_settings().keep_output else None
     if result.truncated and output_file:
-        err.text(f"agentloop: the whole output is in {output_file}\n")
+        whole = os.path.getsize(output_file) == result.output_bytes  # (a cut file ends saying so)
+        err.text(f"agentloop: the whole output is in {output_file}\n" if whole else
+                 f"agentloop: the output is in {output_file}, cut where it says why\n")
     if as_json:
         click.echo(json.dumps({
             "status": result.status, "exit_code": _exit_code(result),
