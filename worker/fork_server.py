@@ -340,31 +340,25 @@ def _freeze() -> None:
     gc.freeze()
 
 
-def _load_runtime() -> None:
-    """Everything a worker imports, imported once and shared by every worker forked after."""
+def _load_runtime(first: fork.Spawn) -> None:
+    """With the first request for a worker: everything a worker imports, and what each would
+    otherwise make for itself — the seccomp filter of its confinement (the runs of a batch
+    share it), the installed distributions its system prompt lists (``worker.environment``)
+    — made once, before that worker is forked, and shared by every worker forked after."""
     import worker.__main__  # noqa: F401
-    import worker._confine  # noqa: F401
+    import worker._confine
+    import worker._memory
+    import worker.environment
     import worker.serve  # noqa: F401
-
-    _freeze()
-
-
-def _prepare_for(request: fork.Spawn) -> None:
-    """Once a worker is on its way, do here what every later worker like it would otherwise
-    do for itself, so that the processes forked from now on inherit it: build its seccomp
-    filter, and (a worker, not a sample slot) read the installed distributions its system
-    prompt lists (``worker.environment``).  Each is done once per kind."""
-    from worker import _confine, environment
     from worker.contract.start import StartSpec
 
-    try:
-        confine = StartSpec.take(dict(request.env)).confine
-    except ContractError:  # (the worker says so itself)
-        return
-    if confine.seccomp is not None:
-        _confine.seccomp_program(confine.seccomp)
-    if not request.exec:
-        environment.prepare()
+    worker._memory.tune()  # (what workers inherit; after the imports, whose heap it would keep)
+    with contextlib.suppress(ContractError):  # (the worker itself says what is wrong with it)
+        confine = StartSpec.take(dict(first.env)).confine
+        if confine.seccomp is not None:
+            worker._confine.seccomp_program(confine.seccomp)
+    worker.environment.prepare()
+    _freeze()
 
 
 def serve() -> None:
@@ -374,9 +368,6 @@ def serve() -> None:
         except BaseException as exc:  # noqa: BLE001 - said in one line; the coordinator says the rest
             sys.stderr.write(f"--preload {name.strip()}: importing it failed: {type(exc).__name__}: {exc}\n")
             sys.exit(1)
-    import worker._memory
-
-    worker._memory.tune()
     _freeze()
 
     wire = _Wire()
@@ -424,8 +415,8 @@ def serve() -> None:
             for request in messages:
                 rid = request.id
                 private_net = request.private_net
-                if not request.exec and not runtime:  # the first worker: a spare made before lacks it
-                    _load_runtime()
+                if not request.exec and not runtime:  # the first worker: a spare made before lacks it all
+                    _load_runtime(request)
                     runtime = True
                     if spare is not None:
                         spare.discard()
@@ -445,7 +436,6 @@ def serve() -> None:
                 else:
                     children[pid] = rid
                     wire.send(fork.Spawned(rid, pid))
-                    _prepare_for(request)
                 spare_due = time.monotonic() + _SPARE_AFTER  # (not while this worker starts)
 
 
