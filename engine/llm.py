@@ -30,6 +30,7 @@ import httpx
 from engine.errors import ModelResponseError, ModelUnreachable
 from engine.models import ModelConfig
 from engine.reasoning import ThinkSplitter, reasoning_of
+from engine.reply_stream import Assembly, normal_call, timings
 from engine.tags import strip_think
 
 __all__ = [
@@ -138,6 +139,7 @@ class Chat:
         self.usage_estimated = False
         self.last_finish_reason: str | None = None
         self.last_max_tokens: int | None = None
+        self.last_timings: dict[str, float] | None = None  # the server's account of its time (llama-server)
         self.last_reasoning = ""
         self._counted = 0  # messages the last usage count covered (``context``)
         #: How many times ``compact`` replaced the history: a caller holding positions in
@@ -206,12 +208,19 @@ class Chat:
         started = time.monotonic()
         try:
             message, usage = await self._with_retries(body)
-        finally:
-            self.last_latency = time.monotonic() - started
-            self.seconds += self.last_latency
-            self._emit("waited", seconds=self.last_latency)
-        self._account(messages, message, usage)
+        except BaseException as exc:
+            self._waited(started, error=type(exc).__name__, status=getattr(exc, "status", None))
+            raise
+        tokens_in, tokens_out = self._account(messages, message, usage)  # the reply's prompt and completion
+        self._waited(started, tokens_in=tokens_in, tokens_out=tokens_out, finish_reason=self.last_finish_reason,
+                     timings=self.last_timings)
         return message
+
+    def _waited(self, started: float, **outcome: Any) -> None:  # count its time, say how it went
+        self.last_latency = time.monotonic() - started
+        self.seconds += self.last_latency
+        self._emit("waited", seconds=self.last_latency, model=self.model.model, max_tokens=self.last_max_tokens,
+                   **outcome)
 
     def reply_cap(self, messages: list[dict[str, Any]]) -> int:
         """The ``max_tokens`` to send: the model's cap, lowered to what the context window has
@@ -362,7 +371,7 @@ class Chat:
     async def _read_events(self, lines: AsyncIterator[str]) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Consume an SSE stream: ``data:`` lines (joined per event), ``[DONE]`` ends it; comments
         and other fields are ignored.  Content deltas go to the display as they arrive."""
-        reply = _Assembly()
+        reply = Assembly()
         splitter = ThinkSplitter()
         data: list[str] = []
         async for line in lines:
@@ -380,10 +389,11 @@ class Chat:
                 self._chunk(reply, splitter, "\n".join(data))
         self._show(reply, *splitter.flush())
         self.last_finish_reason = reply.finish_reason
+        self.last_timings = reply.timings
         self.last_reasoning = "".join(reply.reasoning)
         return reply.message(), reply.usage
 
-    def _show(self, reply: _Assembly, reasoning: str, text: str) -> None:
+    def _show(self, reply: Assembly, reasoning: str, text: str) -> None:
         """Send a piece of reasoning and a piece of answer to the display, reasoning kept aside."""
         if reasoning:
             reply.reasoning.append(reasoning)
@@ -391,7 +401,7 @@ class Chat:
         if text:
             self._emit("delta", text=text)
 
-    def _chunk(self, reply: _Assembly, splitter: ThinkSplitter, event: str) -> None:
+    def _chunk(self, reply: Assembly, splitter: ThinkSplitter, event: str) -> None:
         try:
             chunk = json.loads(event)
         except json.JSONDecodeError:
@@ -418,11 +428,12 @@ class Chat:
                 f"the model endpoint {self._url} answered with a body that is not a chat completion: "
                 f"{raw[:_BODY_PREVIEW]}")) from None
         self.last_finish_reason = data["choices"][0].get("finish_reason")
+        self.last_timings = timings(data.get("timings"))
         result: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
-        calls = [_normal_call(call, i) for i, call in enumerate(message.get("tool_calls") or [])]
+        calls = [normal_call(call, i) for i, call in enumerate(message.get("tool_calls") or [])]
         if calls:
             result["tool_calls"] = calls
-        shown = _Assembly()
+        shown = Assembly()
         splitter = ThinkSplitter()
         self._show(shown, reasoning_of(message), "")
         self._show(shown, *splitter.feed(result["content"]))
@@ -431,7 +442,7 @@ class Chat:
         usage = data.get("usage")
         return result, usage if isinstance(usage, dict) else None
 
-    def _account(self, messages: list[dict[str, Any]], reply: dict[str, Any], usage: dict[str, Any] | None) -> None:
+    def _account(self, messages: list[dict], reply: dict, usage: dict | None) -> tuple[int, int]:
         prompt = _int(usage, "prompt_tokens")
         completion = _int(usage, "completion_tokens")
         if prompt is None or completion is None:
@@ -446,65 +457,11 @@ class Chat:
         self.tokens_out += completion
         self.context = prompt + completion
         self._counted = len(messages) + 1  # the reply is the next message, when it is kept
+        return prompt, completion
 
     def _emit(self, type: str, **fields: Any) -> None:
         if self.display is not None:
             self.display.event(type, name=self.name, **fields)
-
-
-class _Assembly:
-    """The assistant message under construction from stream chunks."""
-
-    def __init__(self) -> None:
-        self.content: list[str] = []
-        self.reasoning: list[str] = []
-        self.calls: dict[int, dict[str, Any]] = {}
-        self.usage: dict[str, Any] | None = None
-        self.finish_reason: str | None = None
-
-    def add(self, chunk: dict[str, Any]) -> tuple[str, str]:
-        """Fold one chunk in; return its reasoning and its content text (either possibly empty).
-        The reasoning is the caller's to keep: inline ``<think>`` is only found in the content."""
-        if isinstance(chunk.get("usage"), dict):
-            self.usage = chunk["usage"]
-        choices = chunk.get("choices") or []
-        if not choices or not isinstance(choices[0], dict):
-            return "", ""
-        choice = choices[0]
-        self.finish_reason = choice.get("finish_reason") or self.finish_reason
-        delta = choice.get("delta") or choice.get("message") or {}
-        thought = reasoning_of(delta)
-        piece = delta.get("content") or ""
-        if piece:
-            self.content.append(piece)
-        for position, fragment in enumerate(delta.get("tool_calls") or []):
-            index = fragment.get("index", position)
-            call = self.calls.setdefault(index, {"id": "", "type": "function",
-                                                 "function": {"name": "", "arguments": ""}})
-            if fragment.get("id") and not call["id"]:
-                call["id"] = fragment["id"]
-            function = fragment.get("function") or {}
-            call["function"]["name"] += function.get("name") or ""
-            arguments = function.get("arguments") or ""
-            call["function"]["arguments"] += arguments if isinstance(arguments, str) else json.dumps(arguments)
-        return thought, piece
-
-    def message(self) -> dict[str, Any]:
-        result: dict[str, Any] = {"role": "assistant", "content": "".join(self.content)}
-        if self.calls:
-            calls = [self.calls[i] for i in sorted(self.calls)]
-            for i, call in enumerate(calls):
-                call["id"] = call["id"] or f"call_{i}"
-            result["tool_calls"] = calls
-        return result
-
-
-def _normal_call(call: dict[str, Any], position: int) -> dict[str, Any]:
-    function = call.get("function") or {}
-    arguments = function.get("arguments") or ""
-    return {"id": call.get("id") or f"call_{position}", "type": "function",
-            "function": {"name": function.get("name") or "",
-                         "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}}
 
 
 async def _lines(text: str) -> AsyncIterator[str]:

@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import tomllib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from engine import trust
 from engine.errors import ConfigError
 
 __all__ = [
@@ -217,17 +219,33 @@ def _from_env(env: Mapping[str, str]) -> ModelConfig:
 _KEYS = {f.name for f in fields(ModelConfig)} - {"alias"}
 
 
-def _from_file(path: Path, env_model: ModelConfig) -> tuple[dict[str, ModelConfig], str | None]:
+def read_config(path: str | Path) -> dict[str, Any]:
+    """The table of the configuration file ``path``, read only once no worker could have
+    written it: ``engine.trust`` refuses it otherwise (UntrustedFile, one line: why, and what
+    to do), whatever keys it holds.  Every command that obeys the file reads it here.  Any
+    other problem is a ConfigError naming the file."""
+    path = Path(path)
     try:
-        with path.open("rb") as f:
-            data = tomllib.load(f)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such model configuration file") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read it ({exc.strerror or exc})") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+    with os.fdopen(fd, "rb") as f:
+        opened = os.fstat(fd)
+        if not stat.S_ISREG(opened.st_mode):
+            raise ConfigError(f"{path}: not a regular file")
+        trust.check(path, "the configuration", same_as=opened)
+        try:
+            return tomllib.loads(f.read().decode("utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+        except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"{path}: not valid TOML ({exc})") from None
 
+
+def _from_file(path: Path, env_model: ModelConfig) -> tuple[dict[str, ModelConfig], str | None]:
+    data = read_config(path)
     default = data.get("default")
     if default is not None and not (isinstance(default, str) and default):
         raise ConfigError(f"{path}: default must be the alias of a model, as a string")

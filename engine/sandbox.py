@@ -39,6 +39,7 @@ from engine._bwrap import View, beneath, bwrap_argv, make_parents, namespace_fla
 from engine._tree import TreeError, disk_usage
 from engine.errors import ConfigError, SandboxError
 from engine.interpreter import python_paths
+from engine.protected import unkept_note
 from worker.contract.confinement import Confinement, Landlock, Seccomp, landlock_abi, seccomp_supported
 
 __all__ = [
@@ -273,13 +274,15 @@ def _tasks_of(uid: int) -> int:
 
 def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
          output_dir: Path, python: str, memory_cgroup: bool = False,
-         pids_cgroup: bool = False) -> LaunchPlan:
+         pids_cgroup: bool = False, protected: tuple[str, ...] = ()) -> LaunchPlan:
     """The launch plan for one worker under `policy` on this machine.
 
     `memory_cgroup`: the coordinator puts the worker in a memory cgroup of its own (see
     `engine._cgroup`); without one, the shared memory that escapes RLIMIT_DATA is refused.
     `pids_cgroup`: its process count is bounded by a cgroup of its own (``pids.max``), so a
     root coordinator's workers, who share the run's uid, need no RLIMIT_NPROC on that uid.
+    `protected`: paths in the workspace to keep read-only (``engine.protected``): bound so
+    under bubblewrap (the plan then has a PID namespace), else a note says they are not.
 
     Four steps: choose the layers (`_layers`), decide the view and, for root, set the run's
     directories up for its uid (the only side effects, with creating `workspace`, `socket_dir`
@@ -315,9 +318,10 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
                                          "(other users may not read it, and workers run as one); "
                                          "chmod o+rx it to share it")
     notes += [why] if why else []
+    notes += [unkept_note(protected, workspace)] if protected and not use_bwrap else []
     system, links = system_paths()
     view = View(tuple(system), tuple(links), python_paths(python), workspace, socket_dir, output_dir,
-                cwd if share_cwd else None)
+                cwd if share_cwd else None, tuple(protected) if use_bwrap else ())
     start_dir = str(view.cwd or workspace)
     confine, more = _confinement(policy, host, use_bwrap, uid, view, memory_cgroup, pids_cgroup)
     notes += more

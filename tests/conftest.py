@@ -17,6 +17,19 @@ from engine.engine import Engine
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_state(tmp_path_factory):
+    """agentloop's state (its record of what workers could write among it) goes to a directory
+    of the session's, not to the home of whoever runs the tests; a test may set its own."""
+    before = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+    yield
+    if before is None:
+        os.environ.pop("XDG_STATE_HOME", None)
+    else:
+        os.environ["XDG_STATE_HOME"] = before
+
+
 @pytest.fixture(autouse=True)
 def _fresh_model_probes():
     """Each test asks its servers afresh: a port reused by a later test's server must not

@@ -42,7 +42,8 @@ GOOD = [{"id": f"good/{i}", "code": f"{prompt}{body}\n{test}\ncheck({entry})\n"}
 HOSTILE = [
     {"id": "fork-bomb", "code": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
                                 "        pass\n", "timeout": "2s"},
-    {"id": "memory-bomb", "code": "blocks = []\nwhile True:\n    blocks.append(bytearray(64 << 20))\n"},
+    {"id": "memory-bomb", "code": "blocks = []\nwhile True:\n    blocks.append(bytearray(64 << 20))\n",
+     "timeout": "60s"},  # (a deadline a loaded machine cannot reach before the memory limit)
     {"id": "endless", "code": "while True:\n    pass\n", "timeout": "1s"},
     {"id": "kill-group", "code": "import os, signal\nos.killpg(0, signal.SIGKILL)\n"},
     {"id": "fill-tmp", "code": "with open('/tmp/big', 'wb') as f:\n    while True:\n"

@@ -36,10 +36,12 @@ the coordinator moves C into the worker's cgroups while C sets up, and D is born
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import os
 import select
 import signal
+import stat
 import struct
 import sys
 import time
@@ -91,9 +93,15 @@ def _exit_status(status: int) -> int:
     return os.WEXITSTATUS(status)
 
 
-def _open_dir(path: str) -> int:
-    """An O_PATH descriptor of directory ``path``, its last component never a link."""
-    return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+def _open_shown(path: str) -> int:
+    """An O_PATH descriptor of ``path``, a directory or (kept read-only in a workspace) a
+    regular file, its last component never a link."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    mode = os.fstat(fd).st_mode
+    if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+        os.close(fd)
+        raise OSError(errno.ELOOP, f"{path}: neither a directory nor a file")
+    return fd
 
 
 def _private_tmp(request: fork.Spawn) -> None:
@@ -103,8 +111,8 @@ def _private_tmp(request: fork.Spawn) -> None:
     ``hide``: directories whose whole content the worker must not see (a run's socket
     directory; for a server shared by a batch, the batch's runs directory and its socket root
     too).  ``show``: (path, read-only) beneath them that the worker sees again (its run's
-    workspace and outputs); its own socket directory is always shown, read-only (it connects,
-    it writes nothing there).  Without ``hide`` it is the run's socket directory.
+    workspace and outputs, and what stays read-only in the workspace); its own socket directory
+    is always shown, read-only (it connects, it writes nothing there).  Without ``hide`` it is the run's socket directory.
 
     Order: descriptors of what is shown are opened first (in this mount namespace: a bind
     comes from a mount of the same one), /tmp is replaced, what the sandbox mounted beneath
@@ -115,7 +123,7 @@ def _private_tmp(request: fork.Spawn) -> None:
     own = os.path.dirname(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
     hide = list(request.hide or ([os.path.dirname(own)] if own else []))
     show = list(request.show) + ([(own, True)] if own else [])
-    shown = [(path, ro, _open_dir(path)) for path, ro in show if any(beneath(path, h) for h in hide)]
+    shown = [(path, ro, _open_shown(path)) for path, ro in show if any(beneath(path, h) for h in hide)]
     keep = [(point, ro, os.open(point, os.O_PATH)) for point, ro in mount_points_under("/tmp")
             if not any(beneath(point, h) for h in hide)]
     size = f"size={request.tmp_bytes},mode=1777".encode()

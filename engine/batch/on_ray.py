@@ -58,6 +58,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from .. import tracing
 from ..errors import AgentloopError
 from .progress import LinesView, Tally, short
 from .results_file import ResultsFile
@@ -97,7 +98,12 @@ def run_on_node(spec: TaskSpec, settings: RunSettings,
             asyncio.get_running_loop().add_signal_handler(signal.SIGINT, me.cancel)
         return await execute(spec, settings, packed=packed)
 
-    record = asyncio.run(main())
+    traced = tracing.start()  # as the driver's: its tracing variables came in the job's environment
+    try:
+        record = asyncio.run(main())
+    finally:
+        if traced is not None:
+            traced.flush()  # this Ray worker lives on: its run's spans leave now
     record["node"] = ray.util.get_node_ip_address()
     return record
 
@@ -137,7 +143,7 @@ def import_ray() -> Any:
 
 def _forwarded_env(settings: RunSettings) -> dict[str, str]:
     names = {config.api_key_env for config in settings.models}
-    return {name: os.environ[name] for name in sorted(names) if os.environ.get(name)}
+    return {**{name: os.environ[name] for name in sorted(names) if os.environ.get(name)}, **tracing.forwarded_env()}
 
 
 def _check_reachable(address: str) -> None:

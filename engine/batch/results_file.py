@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import trust
 from ..errors import ConfigError
 
 __all__ = [
@@ -40,10 +41,14 @@ class ResultsFile:
         self._fd: int | None = None
 
     def open(self, redo: Callable[[dict], bool] = lambda record: False) -> Resumed:
-        """Create or repair the file; drop (atomically) the records ``redo`` selects."""
+        """Create or repair the file; drop (atomically) the records ``redo`` selects.  A file a
+        worker could have written (``engine.trust``: its records would choose what is skipped)
+        is refused, and so is a link a worker could have made on the way to a new one."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        trust.check(self.path, "the results file")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
         try:
+            trust.check(self.path, "the results file", same_as=os.fstat(fd))
             data = read_all(fd)
             report = Resumed()
             cut = data.rstrip(b"\0")  # a crash can leave zeros past the last write
@@ -106,7 +111,10 @@ def read_all(fd: int) -> bytes:
 
 def _replace_atomically(path: Path, data: bytes) -> None:
     temporary = path.with_name(f".{path.name}.rewrite")
-    with open(temporary, "wb") as f:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(temporary)  # (made anew, never through whatever was left there)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    with open(os.open(temporary, flags, 0o644), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -144,7 +152,10 @@ def lock_runs_dir(runs_dir: Path) -> int:
 def lock_file(path: Path, busy: str) -> int:
     """An exclusive lock on ``path`` (made if missing), held until its descriptor (returned) is
     closed; ConfigError saying ``busy`` when another process holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise ConfigError(f"cannot open the lock file {path} ({exc.strerror}); remove what is there") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

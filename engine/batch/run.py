@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from .. import tracing
 from .._tree import copy_tree, remove_tree, walk
 from ..display import AgentDisplay, FanoutDisplay, JsonlRecorder
 from ..engine import Engine
@@ -221,7 +222,8 @@ async def _attempt(spec: TaskSpec, settings: RunSettings, attempt: int, display:
         return RunResult(None, "failed", f"cannot prepare the run's directory {run_dir}: {exc}"), True
     recorder = JsonlRecorder(run_dir / "transcript.jsonl")
     recorder.event("note", name="batch", message=f"run {spec.key!r}, attempt {attempt}")
-    shown: AgentDisplay = FanoutDisplay([recorder, display]) if display is not None else recorder
+    spans = tracing.observer(settings.models, {"agentloop.task.id": spec.key, "agentloop.run.attempt": attempt})
+    shown: AgentDisplay = FanoutDisplay([d for d in (recorder, display, spans) if d is not None])
     # No warm pool: an idle spare worker per run would double a batch's processes for the rare
     # run that starts a sub-agent.  No fork server of the run's own either (starting one costs
     # more than the one or two workers a run starts): the batch's, shared by its runs, forks
@@ -257,6 +259,8 @@ async def _attempt(spec: TaskSpec, settings: RunSettings, attempt: int, display:
             await _to_the_end(engine.shutdown())
         finally:
             recorder.close()
+            if spans is not None:
+                spans.close()
             with contextlib.suppress(OSError):  # the engine removed its empty run directory
                 (run_dir / "state" / "runs").rmdir()
                 (run_dir / "state").rmdir()

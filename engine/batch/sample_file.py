@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import tracing
 from ..durations import parse_duration
 from ..engine import Engine
 from ..errors import ConfigError
@@ -165,6 +166,28 @@ async def _run_local(pending: list[SampleSpec], settings: WorkerSettings, result
             record(cancelled(Sample(spec.id, ""), at))
 
 
+class _TracedView:
+    """A progress view that also sends a span for each sample that ends (tracing on): the view
+    sees every finished record, local or from Ray, as it is written."""
+
+    def __init__(self, view: Any, tracing: Any) -> None:
+        self.view = view
+        self.tracing = tracing
+
+    def finished(self, record: dict) -> None:
+        self.tracing.sample_span(record)
+        self.view.finished(record)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.view, name)
+
+
+def traced(view: Any) -> Any:
+    """``view``, sending a span per finished sample when tracing is on."""
+    current = tracing.current()
+    return view if current is None else _TracedView(view, current)
+
+
 def run_samples(samples_path: str | Path, output: str | Path, settings: WorkerSettings, *,
                 parallel: int | None = None, timeout: float, progress: str = "auto", skip_invalid: bool = False,
                 redo: Iterable[str] = (), ray_address: str | None = None) -> BatchOutcome:
@@ -184,6 +207,7 @@ def run_samples(samples_path: str | Path, output: str | Path, settings: WorkerSe
     where = f"on Ray at {ray_address}" if ray_address else f"{parallel} at once"
 
     def run(pending: list, tally: Tally, view: LinesView, stopper: Stopper) -> None:
+        view = traced(view)
         if ray_address is not None:
             from . import sample_file_ray
 

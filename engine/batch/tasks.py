@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import stat
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import trust
 from .._tree import walk
 from ..durations import parse_duration
 from ..errors import ConfigError
@@ -53,13 +55,18 @@ def read_lines(path: str | Path, what: str, parse: Callable[[Any, int, Path], An
     """Each line of the JSONL file ``path`` made a spec by ``parse(data, line number, the
     file's directory)``, which raises ConfigError for an invalid one: the valid specs in file
     order (the first of a repeated ``key`` stays), and one ``"line N: ..."`` per invalid line.
-    Blank lines are ignored; ConfigError only when the file (``what``) cannot be read."""
+    Blank lines are ignored; ConfigError only when the file (``what``) cannot be read.
+
+    A spec's ``files`` are read with the user's rights and shown to a run: a file a worker
+    could have written (``engine.trust``) may name only files beneath its own directory, which
+    that worker could write anyway — never a key or a secret elsewhere."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read the {what} {path}: {exc}") from exc
     base = path.resolve().parent
+    untrusted = functools.cache(trust.refusal)
     specs: list = []
     problems: list[str] = []
     first_line: dict[str, int] = {}
@@ -77,9 +84,17 @@ def read_lines(path: str | Path, what: str, parse: Callable[[Any, int, Path], An
         if spec.key in first_line:
             problems.append(f"line {number}: duplicate id {spec.id!r} (first on line {first_line[spec.key]})")
             continue
+        if any(not _beneath(f, base) for f in spec.files) and (why := untrusted(path)):
+            problems.append(f"line {number}: files outside {base} are not read: the {what} is not trusted, "
+                            f"as {why}")
+            continue
         first_line[spec.key] = number
         specs.append(spec)
     return specs, problems
+
+
+def _beneath(path: str, top: Path) -> bool:
+    return path.startswith(str(top).rstrip("/") + "/")
 
 
 def refuse_invalid(path: str | Path, problems: list[str], skip_invalid: bool) -> None:

@@ -257,14 +257,24 @@ def host_functions(tools: str, root: Path) -> dict:
     return {}
 
 
-def make_display(record: Path | None, quiet: bool):
-    """The live console on stderr (unless quiet), plus a JSONL recorder when asked."""
+def make_display(record: Path | None, quiet: bool, models=None):
+    """The live console on stderr (unless quiet), plus a JSONL recorder when asked (a file it
+    cannot write ends the command in one line), plus the spans of the run when tracing is on
+    (``models`` names its model ids and servers)."""
+    from .. import tracing
     from ..console import ConsoleDisplay
     from ..display import AgentDisplay, FanoutDisplay, JsonlRecorder
 
     displays = [] if quiet else [ConsoleDisplay()]
     if record is not None:
-        displays.append(JsonlRecorder(record))
+        try:
+            displays.append(JsonlRecorder(record))
+        except OSError as exc:
+            fail(f"cannot record to {record}: {exc.strerror or exc}")
+        except AgentloopError as exc:
+            fail(str(exc))
+    if (spans := tracing.observer(models)) is not None:
+        displays.append(spans)
     if not displays:
         return AgentDisplay()
     return displays[0] if len(displays) == 1 else FanoutDisplay(displays)
