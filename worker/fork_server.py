@@ -1,11 +1,11 @@
 """The fork server: ``python -m worker.fork_server``, started once per run inside the run's sandbox.
 
 It imports the modules named with ``AGENTLOOP_PRELOAD`` once, and the worker runtime with the
-first request for a worker (a server that only starts sample slots, which run a fresh
-interpreter of their own, never pays for it), then forks a worker per request in a few
-milliseconds instead of starting an interpreter.  It runs no
-user code, holds no threads and no ZeroMQ context (neither survives a fork), and talks to the
-coordinator over its stdin/stdout (``contract.fork``).
+first request for a worker (``_prepare_workers``: a server that only starts sample slots, which
+run a fresh interpreter of their own, never pays for it), then forks a worker per request in a
+few milliseconds instead of starting an interpreter.  It runs no user code, holds no threads
+and no ZeroMQ context (neither survives a fork), and talks to the coordinator over its
+stdin/stdout (``contract.fork``).
 
 Each worker gets the isolation of a freshly started one:
 
@@ -348,7 +348,7 @@ def _freeze() -> None:
     gc.freeze()
 
 
-def _load_runtime(first: fork.Spawn) -> None:
+def _prepare_workers(first: fork.Spawn) -> None:
     """With the first request for a worker: everything a worker imports, and what each would
     otherwise make for itself — the seccomp filter of its confinement (the runs of a batch
     share it), the installed distributions its system prompt lists (``worker.environment``)
@@ -391,7 +391,7 @@ def serve() -> None:
     spare: _Init | None = None  # the next worker's init, made ahead ...
     spare_due: float | None = time.monotonic() + _SPARE_AFTER  # ... once the server is idle this long
     private_net = True  # (as the last request had it)
-    runtime = False  # (the worker runtime is imported: ``_load_runtime``)
+    runtime = False  # (the worker runtime is imported: ``_prepare_workers``)
     wire.send(fork.Ready(os.getpid()))
     while True:
         wait = None if spare_due is None else max(0.0, spare_due - time.monotonic())
@@ -424,7 +424,7 @@ def serve() -> None:
                 rid = request.id
                 private_net = request.private_net
                 if not request.exec and not runtime:  # the first worker: a spare made before lacks it all
-                    _load_runtime(request)
+                    _prepare_workers(request)
                     runtime = True
                     if spare is not None:
                         spare.discard()

@@ -42,7 +42,6 @@ Progress lines, the bar and the summary print ids, errors and messages inert
 endpoint reaches the terminal) and never as rich markup; RESULTS.jsonl keeps them exactly.
 """
 
-
 from __future__ import annotations
 
 import importlib
