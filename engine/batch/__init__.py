@@ -46,12 +46,38 @@ Progress lines, the bar and the summary print ids, errors and messages inert
 endpoint reaches the terminal) and never as rich markup; RESULTS.jsonl keeps them exactly.
 """
 
-from .capacity import default_parallel
-from .local import BatchOutcome, run_batch
-from .progress import BarView, Tally, print_summary
-from .results_file import ResultsFile
-from .run import RunSettings, execute, is_infrastructure, make_record
-from .tasks import TaskSpec, read_tasks
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Every name is imported when first used (PEP 562): ``exec --jsonl`` uses this package's
+# driver and results file without loading the agent loop that task runs need.
+_WHERE = {
+    "default_parallel": "capacity", "BatchOutcome": "local", "run_batch": "local", "BarView": "progress",
+    "Tally": "progress", "print_summary": "progress", "ResultsFile": "results_file", "RunSettings": "run",
+    "execute": "run", "is_infrastructure": "run", "make_record": "run", "TaskSpec": "tasks", "read_tasks": "tasks",
+}
+
+if TYPE_CHECKING:
+    from .capacity import default_parallel
+    from .local import BatchOutcome, run_batch
+    from .progress import BarView, Tally, print_summary
+    from .results_file import ResultsFile
+    from .run import RunSettings, execute, is_infrastructure, make_record
+    from .tasks import TaskSpec, read_tasks
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
 __all__ = ["BarView", "BatchOutcome", "ResultsFile", "RunSettings", "TaskSpec", "Tally", "default_parallel",
            "execute", "is_infrastructure", "make_record", "print_summary", "read_tasks", "run_batch"]

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import EXIT_INTERRUPTED, AgentloopError, ModelUnreachable
 from ..model_server import probe
@@ -16,9 +17,11 @@ from ..models import ModelConfig
 from .capacity import default_parallel
 from .progress import LinesView, Meter, Tally, make_view, short
 from .results_file import Lock, ResultsFile, lock_runs_dir, open_results
-from .run import RunSettings, execute
 from .stopping import Stopper, infra_threshold
 from .tasks import TaskSpec, read_tasks, refuse_invalid
+
+if TYPE_CHECKING:
+    from .run import RunSettings
 
 __all__ = ["BatchOutcome", "EXIT_STOPPED", "drive", "run_batch"]
 
@@ -41,6 +44,8 @@ class BatchOutcome:
 
 async def _run_local(pending: list[TaskSpec], settings: RunSettings, results: ResultsFile, tally: Tally,
                      view: LinesView, parallel: int, stopper: Stopper) -> None:
+    from .run import execute  # (the agent loop and its HTTP client: loaded for task batches only)
+
     loop = asyncio.get_running_loop()
     running: dict[asyncio.Task, TaskSpec] = {}
 

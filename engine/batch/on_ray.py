@@ -62,9 +62,9 @@ from .. import tracing
 from ..errors import AgentloopError
 from .progress import LinesView, Tally, short
 from .results_file import ResultsFile
-from .run import RunSettings, execute, make_record, pack_files
+from .run import RunSettings, execute, make_record
 from .stopping import Stopper, infra_threshold
-from .tasks import TaskSpec
+from .tasks import TaskSpec, pack_files
 
 __all__ = [
     "GRACE", "NODE_RETRIES", "SLOTS_EVERY", "agent_slots", "connect", "import_ray", "on_cluster", "run_on_node",

@@ -11,7 +11,6 @@ import shutil
 import stat
 import time
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -28,12 +27,9 @@ from ..repo_tools import RepoTools
 from ..runner import RunResult, run_task
 from ..settings import WorkerSettings
 from ..shared_fork_server import SharedForkServer
-from .results_file import read_all
 from .tasks import TaskSpec
 
-__all__ = [
-    "BACKOFF_MAX", "RunSettings", "execute", "is_infrastructure", "make_record", "pack_files", "run_slug"
-]
+__all__ = ["BACKOFF_MAX", "RunSettings", "execute", "is_infrastructure", "make_record", "run_slug"]
 
 #: Longest wait between two attempts of a run.
 BACKOFF_MAX = 60.0
@@ -157,36 +153,6 @@ def make_record(spec: TaskSpec, settings: RunSettings, *, status: str, answer: s
             "infrastructure": infrastructure, "model": settings.models.get(spec.model or settings.model).alias,
             "transcript": str(run_dir / "transcript.jsonl"), "workspace": str(run_dir / "workspace"),
             "finished_at": datetime.now(UTC).isoformat(timespec="seconds"), **extra}
-
-
-def pack_files(paths: Iterable[str]) -> list[tuple[str, bytes, int]]:
-    """The files (directories walked) as (relative path, bytes, mode): what a run on another
-    machine needs to rebuild them in its workspace."""
-    packed = []
-    for path in map(Path, paths):
-        if path.is_dir():
-            found = []
-            for entry in walk(path, one_filesystem=False):
-                if not entry.is_dir and (content := _regular_file(entry.name, entry.dir_fd)) is not None:
-                    found.append((entry.parts, *content))
-            packed += [(str(Path(path.name, *parts)), data, mode) for parts, data, mode in sorted(found)]
-        else:
-            packed.append((path.name, path.read_bytes(), path.stat().st_mode & 0o777))
-    return packed
-
-
-def _regular_file(name: str, dir_fd: int) -> tuple[bytes, int] | None:
-    """(content, permission bits) of ``name`` if it is a regular file or a symlink to one (as
-    ``Path.is_file()`` has it), else None; a fifo or a device is never read."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-    except OSError:
-        return None
-    try:
-        mode = os.fstat(fd).st_mode
-        return (read_all(fd), mode & 0o777) if stat.S_ISREG(mode) else None
-    finally:
-        os.close(fd)
 
 
 def _clear(run_dir: Path, first: bool) -> None:

@@ -38,9 +38,8 @@ from .capacity import default_parallel
 from .local import BatchOutcome, drive
 from .progress import LinesView, Tally
 from .results_file import Lock, ResultsFile, open_results
-from .run import pack_files
 from .stopping import Stopper
-from .tasks import read_lines, refuse_invalid, task_files
+from .tasks import pack_files, read_lines, refuse_invalid, task_files
 
 __all__ = ["REDO", "SampleSpec", "read_samples", "run_samples"]
 
