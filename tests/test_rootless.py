@@ -168,7 +168,8 @@ def test_without_a_delegated_cgroup_memory_is_per_process_and_doctor_says_how(ba
                                                               layers["memory cgroup"].reason]}}))
     """)
     assert "PermissionError" in got["error"], got  # memfd_create refused: no cgroup would count it
-    assert any("no memory cgroup here" in note for note in got["notes"]), got["notes"]
+    # A detail of the machine, not of this start: doctor says it (and -v, once per command).
+    assert not any("memory cgroup" in note for note in got["notes"]), got["notes"]
     active, reason = got["doctor"]
     assert not active and "no cgroup delegated to you" in reason and "to get one" in reason, reason
 

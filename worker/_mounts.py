@@ -55,7 +55,8 @@ def bind(fd: int, where: str, read_only: bool) -> None:
     mounts beneath it: in a mount namespace that belongs to a user namespace below its parent's,
     the mounts copied from the parent are locked together, and one is bound only with those
     beneath it (the kernel refuses to uncover them)."""
-    os.makedirs(where, exist_ok=True)
+    if not os.path.lexists(where):  # (a file kept read-only in a workspace is its own mount point)
+        os.makedirs(where)
     check(libc.mount(f"/proc/self/fd/{fd}".encode(), where.encode(), None, MS_BIND | MS_REC, None), where)
     if read_only:
         flags = MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV

@@ -20,7 +20,7 @@ from ..durations import DEFAULT_BLOCK_TIMEOUT
 from ..engine import Engine
 from ..errors import AgentloopError
 from ..inert import InertStream, inert
-from ..results import BlockResult, OutputChunk
+from ..results import BlockResult, OutputChunk, writable_note
 from ..samples import exit_code as _exit_code
 from ..script_run import ScriptRun
 from ..settings import WorkerSettings
@@ -64,7 +64,7 @@ SAMPLE_REDO = ("error", "timeout", "oom", "died")
 @click.option("--progress", type=click.Choice(["auto", "bar", "lines", "none"]), default="auto",
               show_default=True, help="With --jsonl: a live bar (auto: when stderr is a terminal) or one line per sample.")
 @click.option("--ray", "ray_address", metavar="ADDRESS", default=None,
-              help="With --jsonl: run the samples on a Ray cluster (pip install 'agentloop[ray]'), in chunks, one "
+              help="With --jsonl: run the samples on a Ray cluster (needs the ray extra), in chunks, one "
                    "agent_slot each; see `agentloop batch --help`.")
 @worker_options
 def exec_cmd(file, args: tuple[str, ...], timeout: float, as_json: bool, allow_sgr: bool, samples: Path | None,
@@ -113,9 +113,7 @@ def exec_cmd(file, args: tuple[str, ...], timeout: float, as_json: bool, allow_s
     if result.message and not on_its_own:
         err.text(f"agentloop: {result.message}\n")
     if result.refused_write():
-        workspace = worker_settings().workspace or "./files"
-        err.text(f"agentloop: note: in this sandbox code writes only to the workspace ({workspace}) and "
-                 "$TMPDIR; the rest is read-only\n")
+        err.text(f"agentloop: note: {writable_note(worker_settings().workspace or './files')}\n")
     # All of it was streamed here; the file is kept only on request (then it is said where).
     output_file = result.output_file if worker_settings().keep_output else None
     if result.truncated and output_file:

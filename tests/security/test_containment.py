@@ -427,5 +427,5 @@ def test_a_python_a_worker_could_have_written_is_never_run(tmp_path):
                               capture_output=True, text=True, cwd=tmp_path, timeout=120,
                               env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")})
         assert proc.returncode == 125, proc.stderr
-        assert "workspace" in proc.stderr or "written by a worker" in proc.stderr, proc.stderr
+        assert "workspace" in proc.stderr or "which workers of a run write as" in proc.stderr, proc.stderr
         assert not marker.exists(), f"{python} ran"
