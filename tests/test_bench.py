@@ -88,7 +88,8 @@ def test_side_by_side_shows_each_users_figures_in_a_column():
     reports = {"root": {"worker_start_ms": {"cold": {"p50": 90.0}}, "machine": {"python": "3.11.7"}},
                "alice": {"worker_start_ms": {"cold": {"p50": 120.5}}, "samples": {"ratio": 2.5},
                          "machine": {"python": "3.11.2"}}}
-    lines = bench_as.side_by_side(reports).splitlines()
+    lines = bench_as.side_by_side(reports, {"samples": {"root": 2.5, "alice": 3.0}}).splitlines()
     assert lines[0].split() == ["figure", "root", "alice"]
     assert lines[1].split()[-2:] == ["90", "120.5"] and lines[1].startswith("worker start, cold p50")
     assert lines[2].split()[-2:] == ["—", "2.5"] and lines[3].split()[-2:] == ["3.11.7", "3.11.2"]
+    assert lines[4].startswith("load (1 min) as samples began") and lines[4].split()[-2:] == ["2.5", "3.0"]
