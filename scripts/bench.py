@@ -1411,9 +1411,9 @@ def main(argv: list[str] | None = None) -> int:
 #: The sections of their own (their modules beside this file): HumanEval through Engine.map,
 #: exec --jsonl, the harness and the fork floor; a batch run's worker start, the batch's fork
 #: server against cold; what traces cost a block when on.
-SECTIONS = {"samples": bench_samples, "batch": bench_batch, "tracing": bench_tracing}
+SECTION_MODULES = {"samples": bench_samples, "batch": bench_batch, "tracing": bench_tracing}
 #: The parts of a full run, in the order ``--as`` takes them in turn.
-PARTS = ("core", *SECTIONS)
+PARTS = ("core", *SECTION_MODULES)
 
 
 def both(args: argparse.Namespace, user: str) -> dict:
@@ -1439,7 +1439,7 @@ def measure(args: argparse.Namespace) -> tuple[dict, str]:
     """The report (with ``--only``: that section's; ``core``: the report without the sections)
     and its table."""
     if args.only and args.only != "core":
-        module = SECTIONS[args.only]
+        module = SECTION_MODULES[args.only]
         section = module.measure(args.quick)
         return section, module.table(section)
     cfg = QUICK if args.quick else FULL
@@ -1454,7 +1454,7 @@ def measure(args: argparse.Namespace) -> tuple[dict, str]:
         jp_missing = "skipped (--no-jupyter)" if args.no_jupyter else jupyter_available()
         jp = None if jp_missing else bench_jupyter(cfg, base)
         sections = {}
-        for name, module in () if args.only == "core" else SECTIONS.items():
+        for name, module in () if args.only == "core" else SECTION_MODULES.items():
             with _section(name):
                 sections[name] = module.measure(cfg.mode == "quick", base)
         profile = None
@@ -1478,7 +1478,7 @@ def measure(args: argparse.Namespace) -> tuple[dict, str]:
         shutil.rmtree(base, ignore_errors=True)
     report = assemble(cfg, machine, al["floor"], al, jp, jp_missing, profile, time.perf_counter() - t_begin)
     report.update(sections)
-    return report, "\n".join((table(report), *(SECTIONS[name].table(got) for name, got in sections.items())))
+    return report, "\n".join((table(report), *(SECTION_MODULES[name].table(got) for name, got in sections.items())))
 
 
 if __name__ == "__main__":
