@@ -1,12 +1,13 @@
-"""The unprivileged path, driven from a root test run: an engine run by ``nobody`` gets its
-workers and code samples from a fork server in a user namespace; a cgroup subtree delegated to
-``nobody`` (as systemd's ``Delegate=yes`` does: a directory and its ``cgroup.procs`` handed over,
-the process started inside) is used for each worker's memory and process limits, and without
-one the limit is per process and ``doctor`` says how to get one; a kernel that gives no user
-namespace at all means cold starts (the Landlock fallback), said in one line.
+"""The unprivileged path: an engine run by a plain user gets its workers and code samples from a
+fork server in a user namespace; a cgroup subtree delegated to the user (as systemd's
+``Delegate=yes`` does: a directory and its ``cgroup.procs`` handed over, the process started
+inside) is used for each worker's memory and process limits, and without one the limit is per
+process and ``doctor`` says how to get one; a kernel that gives no user namespace at all means
+cold starts (the Landlock fallback), said in one line.
 
-Each test starts ``/usr/bin/python3`` as ``nobody`` (with this project and the venv's packages
-on its path, as ``tests/test_sandbox_layers.py`` does), which prints one JSON object.
+Each test starts a Python that prints one JSON object: from a root run, ``/usr/bin/python3`` as
+``nobody`` (with this project and the venv's packages on its path, as
+``tests/test_sandbox_layers.py`` does); from a plain user's, the venv's as that user.
 """
 
 from __future__ import annotations
@@ -16,19 +17,23 @@ import os
 import secrets
 import shutil
 import subprocess
+import sys
 import tempfile
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.test_sandbox_layers import _NOBODY_PROBLEM, NOBODY, NOBODY_PATH, SYSTEM_PYTHON
+from tests.test_sandbox_layers import _NOBODY_PROBLEM, NOBODY, NOBODY_PATH, ROOT, SYSTEM_PYTHON
 
 WAIT = 120
+ROOTED = os.geteuid() == 0
+#: Whom the engine runs as: nobody from a root run, else the user running the tests.
+USER = NOBODY if ROOTED else os.getuid()
 
-pytestmark = pytest.mark.skipif(_NOBODY_PROBLEM is not None, reason=str(_NOBODY_PROBLEM))
+pytestmark = pytest.mark.skipif(ROOTED and _NOBODY_PROBLEM is not None, reason=str(_NOBODY_PROBLEM))
 
-#: Prepended to each script: an engine of nobody's, in ``BASE`` (argv[1]).
+#: Prepended to each script: an engine of the user's, in ``BASE`` (argv[1]).
 _PRELUDE = """
 import asyncio, json, os, sys
 from pathlib import Path
@@ -42,29 +47,32 @@ def engine(**kw):
 
 @pytest.fixture
 def base() -> Path:
-    """A directory of nobody's own (the test's tmp_path is root's, 0700)."""
-    made = Path(tempfile.mkdtemp(prefix="agentloop-nobody-"))
+    """A directory of the user's own (a root test's tmp_path is root's, 0700)."""
+    made = Path(tempfile.mkdtemp(prefix="agentloop-unprivileged-"))
     (made / "cwd").mkdir()
-    for path in (made, made / "cwd"):
-        os.chown(path, NOBODY, NOBODY)
+    for path in (made, made / "cwd") if ROOTED else ():
+        os.chown(path, USER, USER)
     yield made
     shutil.rmtree(made, ignore_errors=True)
 
 
-def _as_nobody(base: Path, script: str, *, inside: list[str] = (), cgroups: list[Path] = ()) -> dict:
-    """Run ``script`` as nobody in ``base`` (its own), inside ``cgroups`` (entered as root
-    first) and under the command ``inside`` (run as nobody); the JSON object it printed last."""
+def _as_user(base: Path, script: str, *, inside: list[str] = (), cgroups: list[Path] = ()) -> dict:
+    """Run ``script`` as the user in ``base`` (its own), inside ``cgroups`` (entered as root
+    first) and under the command ``inside`` (run as the user); the JSON object it printed last."""
     enter = "".join(f"echo $$ > {g}/cgroup.procs; " for g in cgroups)
-    argv = ["sh", "-c", f'{enter}exec "$@"', "sh", "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}",
-            "--clear-groups", *inside, SYSTEM_PYTHON, "-c", _PRELUDE + textwrap.dedent(script), str(base)]
-    env = {"PYTHONPATH": NOBODY_PATH, "PATH": "/usr/bin:/bin", "HOME": str(base), "PYTHONDONTWRITEBYTECODE": "1"}
+    become = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"] if ROOTED else []
+    python = SYSTEM_PYTHON if ROOTED else sys.executable
+    argv = ["sh", "-c", f'{enter}exec "$@"', "sh", *become, *inside, python, "-c", _PRELUDE + textwrap.dedent(script),
+            str(base)]
+    env = {"PYTHONPATH": NOBODY_PATH if ROOTED else str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(base),
+           "PYTHONDONTWRITEBYTECODE": "1"}
     done = subprocess.run(argv, cwd=base, env=env, capture_output=True, text=True, timeout=WAIT)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_workers_batches_and_samples_are_forked_in_a_user_namespace(base: Path):
-    got = _as_nobody(base, """
+    got = _as_user(base, """
         from engine.provision import fork_server_refusal
         from engine.settings import WorkerSettings
         async def main():
@@ -81,11 +89,11 @@ def test_workers_batches_and_samples_are_forked_in_a_user_namespace(base: Path):
     """)
     assert got["refusal"] is None and got["kind"] == "fork server", got
     seen = [line.split(" ", 1) for line in got["seen"]]
-    assert all(uid == str(NOBODY) for uid, _ in seen), seen  # the user's own uid, as cold
-    # Each worker in a user namespace of its own (mapping nobody's uid alone), its init hidden
+    assert all(uid == str(USER) for uid, _ in seen), seen  # the user's own uid, as cold
+    # Each worker in a user namespace of its own (mapping the user's uid alone), its init hidden
     # from its /proc (it shares the worker's uid).
     assert seen[0][1] != seen[1][1], seen
-    assert all(f"['{NOBODY}', '{NOBODY}', '1']" in rest and "['2', " in rest for _, rest in seen), seen
+    assert all(f"['{USER}', '{USER}', '1']" in rest and "['2', " in rest for _, rest in seen), seen
     assert got["samples"] == ["3\n"] * 3 and got["slots"] is True, got  # forked by a slot: its init, the slot, the sample
 
 
@@ -131,7 +139,7 @@ print("survived")
 
 
 def test_a_delegated_cgroup_bounds_each_workers_memory(base: Path, delegated: list[Path]):
-    got = _as_nobody(base, f"""
+    got = _as_user(base, f"""
         from engine.doctor import report
         from engine.sandbox import SandboxPolicy
         async def main():
@@ -155,7 +163,7 @@ def test_a_delegated_cgroup_bounds_each_workers_memory(base: Path, delegated: li
 
 
 def test_without_a_delegated_cgroup_memory_is_per_process_and_doctor_says_how(base: Path):
-    got = _as_nobody(base, f"""
+    got = _as_user(base, f"""
         from engine.doctor import report
         from engine.sandbox import SandboxPolicy
         async def main():
@@ -167,6 +175,8 @@ def test_without_a_delegated_cgroup_memory_is_per_process_and_doctor_says_how(ba
         print(json.dumps({{**asyncio.run(main()), "doctor": [layers["memory cgroup"].active,
                                                               layers["memory cgroup"].reason]}}))
     """)
+    if not ROOTED and got["doctor"][0]:
+        pytest.skip(reason="a cgroup is delegated to the user running the tests")
     assert "PermissionError" in got["error"], got  # memfd_create refused: no cgroup would count it
     # A detail of the machine, not of this start: doctor says it (and -v, once per command).
     assert not any("memory cgroup" in note for note in got["notes"]), got["notes"]
@@ -183,7 +193,7 @@ def test_no_user_namespaces_means_cold_starts_said_in_one_line(base: Path):
     if bwrap is None:
         pytest.skip(reason="needs bubblewrap to build the refusing sandbox")
     refusing = [bwrap, "--unshare-user", "--disable-userns", "--dev-bind", "/", "/", "--proc", "/proc", "--"]
-    got = _as_nobody(base, """
+    got = _as_user(base, """
         from engine.provision import fork_server_refusal
         from engine.settings import WorkerSettings
         async def main():
