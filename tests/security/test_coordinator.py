@@ -19,6 +19,7 @@ import pytest
 from rich.console import Console
 
 from engine._tree import disk_usage, remove_tree
+from engine.agent import MAX_AGENT_NAME
 from engine.batch.run import _clear
 from engine.console import ConsoleDisplay
 from engine.engine import Engine
@@ -26,6 +27,7 @@ from engine.models import ModelConfig, ModelRegistry
 from engine.runner import run_task
 from engine.sandbox import workspace_excess
 from engine.scripted import ScriptedServer
+from engine.subagents import MAX_STARTED
 from engine.worker import WorkerState
 
 from .harness import WAIT, Host, agent_attack, assert_still_works, attack, block
@@ -327,6 +329,37 @@ async def test_sub_agent_tags_beyond_the_limit_are_answered_with_an_error(engine
     refused = re.findall(r"<error name=(k\d)>\nCould not start this sub-agent: this run already has 2 "
                          r"sub-agents working", second)
     assert refused == ["k2", "k3", "k4"], second
+
+
+START_AND_CANCEL = '''
+try:
+    self.run_agent("child job", name="n" * 100_000)
+except Exception as exc:
+    print("long name:", exc)
+started = 0
+try:
+    for i in range(MAX_STARTED + 50):
+        self.run_agent("child job", name=f"c{i}").cancel()
+        started += 1
+except Exception as exc:
+    print("refused after", started, "-", exc)
+'''
+
+
+async def test_starting_and_cancelling_sub_agents_in_a_loop_is_bounded(engine: Engine):
+    """Every sub-agent is kept, by the name the code chose, until the run ends: the names are
+    short and their number is bounded, so a loop of starts and cancels cannot grow the
+    coordinator without end."""
+    code = START_AND_CANCEL.replace("MAX_STARTED", str(MAX_STARTED))
+    script = {"parent: start and cancel": [f'<run_code id="loop" timeout="120s">\n{code}</run_code>', "all done"],
+              "child job": ["waiting"] * 4}
+    with ScriptedServer(script) as server:
+        result = await run_task("parent: start and cancel", models=_models(server), engine=engine, timeout=180)
+    assert result.status == "answered", result
+    text = server.conversation("parent: start and cancel")[1]["messages"][-1]["content"]
+    assert f"long name: a sub-agent's name is a string of at most {MAX_AGENT_NAME} characters" in text, text
+    assert f"refused after {MAX_STARTED} - this run has started {MAX_STARTED} sub-agents, the most one run may" \
+        in text, text
 
 
 # -- 18: garbage on the worker's own channel --------------------------------------------------
