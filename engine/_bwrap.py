@@ -59,7 +59,9 @@ def _parents(path: str, made: set[str]) -> list[str]:
 class View:
     """What a worker is shown, every path resolved: the system (read-only, with the symlinks
     of a merged /usr), its Python, the current directory when shown, the run's output and
-    socket directories (read-only) and the workspace (read-write).  A fork server shared by
+    socket directories (read-only) and the workspace (read-write); ``hidden`` directories
+    beneath the current directory are covered by an empty, read-only tmpfs (the workspace may
+    lie beneath one: it is bound back on top).  A fork server shared by
     the runs of a batch is shown the batch's runs directory as its workspace and no output
     directory (``engine._shared_fork``)."""
 
@@ -70,6 +72,7 @@ class View:
     socket_dir: Path
     output_dir: Path | None
     cwd: Path | None
+    hidden: tuple[str, ...] = ()
 
 
 def bwrap_argv(bwrap: str, *, root: bool, network: bool, tmp_bytes: int, view: View,
@@ -96,7 +99,12 @@ def bwrap_argv(bwrap: str, *, root: bool, network: bool, tmp_bytes: int, view: V
         binds.append(("--ro-bind", view.output_dir))
     if view.cwd is not None and not _beneath(str(view.cwd), str(view.workspace)):
         binds.append(("--ro-bind", view.cwd))  # (beneath the workspace it is visible, writable)
+    binds += [("--tmpfs", Path(h)) for h in view.hidden]  # over the current directory, under the workspace
     for kind, path in sorted(binds, key=lambda b: (len(b[1].parts), b[0] == "--bind")):
-        argv += [*_parents(str(path), made), kind, str(path), str(path)]
-    # The root and /dev are tmpfs that bwrap builds; nothing may be written to them.
-    return argv + ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", start_dir, "--"]
+        if kind == "--tmpfs":
+            argv += [*_parents(str(path), made), "--perms", "0755", "--size", "65536", kind, str(path)]
+        else:
+            argv += [*_parents(str(path), made), kind, str(path), str(path)]
+    # The root, /dev and the covers are tmpfs that bwrap builds; nothing may be written to them.
+    covers = [a for h in view.hidden for a in ("--remount-ro", h)]
+    return argv + ["--remount-ro", "/dev", *covers, "--remount-ro", "/", "--chdir", start_dir, "--"]

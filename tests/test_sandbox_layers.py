@@ -899,6 +899,17 @@ def test_bwrap_argv_argument_for_argument() -> None:
         "--perms", "0755", "--dir", "/run", "--perms", "0755", "--dir", "/run/s",
         "--ro-bind", "/run/s/w1", "/run/s/w1",
         "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/w/proj", "--"]
+    # A hidden directory beneath the current one: covered after it, the workspace bound back after that.
+    covered = bwrap_argv("/usr/bin/bwrap", root=True, network=False, tmp_bytes=1024,
+                         view=dataclasses.replace(view, workspace=Path("/w/proj/files/c/ws"),
+                                                  hidden=("/w/proj/files",)), start_dir="/w/proj")
+    assert covered[covered.index("--ro-bind", covered.index("/w/out")):] == [
+        "--ro-bind", "/w/proj", "/w/proj",
+        "--perms", "0755", "--dir", "/run", "--perms", "0755", "--dir", "/run/s",
+        "--ro-bind", "/run/s/w1", "/run/s/w1",
+        "--perms", "0755", "--size", "65536", "--tmpfs", "/w/proj/files",
+        "--perms", "0755", "--dir", "/w/proj/files/c", "--bind", "/w/proj/files/c/ws", "/w/proj/files/c/ws",
+        "--remount-ro", "/dev", "--remount-ro", "/w/proj/files", "--remount-ro", "/", "--chdir", "/w/proj", "--"]
     unprivileged = bwrap_argv("bwrap", root=False, network=True, tmp_bytes=1, view=view, start_dir="/w/ws")
     assert unprivileged[1:8] == ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
                                  "--unshare-user", "--disable-userns", "--die-with-parent"]
