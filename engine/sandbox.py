@@ -369,7 +369,7 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
     hidden = sorted({os.path.realpath(h) for h in policy.hidden})
     for h in hidden if share_cwd and not in_workspace else ():
         if _beneath(str(cwd), h) or (not use_bwrap and _beneath(h, str(cwd))):
-            share_cwd, why = False, f"sandbox: the current directory {cwd} is not shown to workers (it holds {h}, hidden)"
+            share_cwd, why = False, f"sandbox: the current directory {cwd} is not shown to workers ({h} is hidden from them)"
     tmp = "/tmp" if use_bwrap else str(workspace / ".tmp")
     if not use_bwrap and not os.path.lexists(tmp):
         os.mkdir(tmp)  # (a link a worker put in its place is replaced in `_share_with_run`)
