@@ -34,6 +34,7 @@ from mcp.client.streamable_http import streamable_http_client  # noqa: E402
 from mcp.shared.exceptions import MCPError  # noqa: E402
 
 from tests.conftest import wait_until  # noqa: E402
+from tests.test_mcp import alive  # noqa: E402
 
 from .harness import WAIT  # noqa: E402
 
@@ -90,14 +91,6 @@ async def call(client: ClientSession | Client, tool: str, **arguments) -> tuple[
         result = await client.call_tool(tool, arguments)
     text = "".join(part.text for part in result.content if part.type == "text")
     return text, result.structured_content or {}, bool(result.is_error)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 async def test_two_http_clients_share_no_session_variable_file_or_name(tmp_path: Path):
@@ -166,8 +159,8 @@ async def test_two_http_clients_share_no_session_variable_file_or_name(tmp_path:
                 b_pids = [s["pid"] for s in b_listed["sessions"]]
 
         # A ended its MCP session (the SDK's client sends DELETE on exit): its workers are gone.
-        # (B's ended too, by now; its workers were alive while A's stopped.)
-        assert wait_until(lambda: not any(alive(pid) for pid in a_pids), WAIT), \
+        # (B ended first; that another client's workers run on is the next test's.)
+        assert wait_until(lambda: not alive(set(a_pids)), WAIT), \
             f"client A's workers outlived its MCP session: {log.read_text()[-2000:]}"
         assert b_pids and set(b_pids).isdisjoint(a_pids)
 
@@ -180,7 +173,7 @@ async def test_a_client_s_workers_stop_when_its_mcp_session_ends_and_no_one_else
                 assert not (await call(a, "run_python", code="x = 1"))[2]
                 _, listed, _ = await call(a, "list_sessions")
                 a_pids = [s["pid"] for s in listed["sessions"]]
-            assert wait_until(lambda: not any(alive(pid) for pid in a_pids), WAIT), log.read_text()[-2000:]
+            assert wait_until(lambda: not alive(set(a_pids)), WAIT), log.read_text()[-2000:]
             text, _, error = await call(b, "run_python", code="print(kept)")
             assert not error and text.startswith("42\n"), text
     said = log.read_text()
