@@ -93,7 +93,9 @@ class Sessions:
         # The sessions this server started for a client whose root is shared (stdio's, the
         # workspace itself): their files stay readable.  A private root holds nothing else.
         self._seen: set[tuple[str, str]] = set()
-        self._closing: set[asyncio.Task] = set()
+        # Shutdowns running in the background (idle, client gone), by session: one of the same
+        # name starts after it, so that the old engine's cleanup cannot remove the new one's workspace.
+        self._closing: dict[tuple[str, str], asyncio.Task] = {}
         self._closed = False
 
     def names(self, client: Client) -> list[str]:
@@ -159,6 +161,9 @@ class Sessions:
             task.exception()  # read here: every caller waiting for it may have given up
 
     async def _start(self, client: Client, name: str) -> Session:
+        closing = self._closing.get((client.id, name))
+        if closing is not None:
+            await asyncio.wait([closing])
         config = self.config
         policy = config.policy
         if client.private:  # the other clients' directories are never in its view
@@ -201,9 +206,9 @@ class Sessions:
         if session.idle_timer is not None:
             session.idle_timer.cancel()
             session.idle_timer = None
-        task = asyncio.ensure_future(session.engine.shutdown())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        key, task = session.key, asyncio.ensure_future(session.engine.shutdown())
+        self._closing[key] = task
+        task.add_done_callback(lambda done: self._closing.pop(key) if self._closing.get(key) is done else None)
 
     async def reset(self, client: Client, name: str) -> tuple[Session, list[str]] | None:
         """End ``client``'s session ``name``: its worker is killed (running blocks end, saying
@@ -246,7 +251,7 @@ class Sessions:
         for session in sessions:
             if session.idle_timer is not None:
                 session.idle_timer.cancel()
-        tasks = [asyncio.ensure_future(s.engine.shutdown()) for s in sessions] + list(self._closing)
+        tasks = [asyncio.ensure_future(s.engine.shutdown()) for s in sessions] + list(self._closing.values())
         if tasks:
             done, pending = await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT)
             for task in pending:
