@@ -168,10 +168,16 @@ class Session:
 
         try:
             zygote = launcher.fork_server(launch)
-            if zygote is not None:
-                self.proc = await zygote.spawn(launch, on_forked=adopt)
-            else:
-                self.proc = await spawn(launch.argv, env=launch.env, cwd=launch.cwd, pid_namespace=pid_ns)
+            making = asyncio.ensure_future(zygote.spawn(launch, on_forked=adopt) if zygote is not None else
+                                           spawn(launch.argv, env=launch.env, cwd=launch.cwd, pid_namespace=pid_ns))
+            try:
+                self.proc = await asyncio.shield(making)
+            except asyncio.CancelledError:  # asyncio's clean-up of a half-made subprocess can hang and
+                while not making.done():  # leave the sandbox running: it is made, the caller kills the tree
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.wait([making])
+                self.proc = None if making.cancelled() or making.exception() else making.result()
+                raise
         except BaseException as exc:
             if adopting is not None:  # its thread is done with the cgroups before they go
                 with contextlib.suppress(BaseException):

@@ -28,9 +28,9 @@ class SubagentSlots:
     follow-up until a newer sub-agent needs the room, so processes stay bounded too.  At most
     ``max_started`` are started in all (``count_start``)."""
 
-    def __init__(self, limit: int, max_started: int = MAX_STARTED) -> None:
+    def __init__(self, limit: int, max_started: int | None = None) -> None:
         self.limit = limit
-        self.max_started = max_started
+        self.max_started = MAX_STARTED if max_started is None else max_started
         self.started = 0
         self.live: set[Any] = set()  # engine.agent.Agent
         self.idle: list[Any] = []  # finished, still holding a worker; the oldest first
