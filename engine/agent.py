@@ -15,9 +15,9 @@ What the model's code asks for is bounded, so no reply can flood the coordinator
 heartbeats come at most every ``HEARTBEAT_FLOOR`` and are coalesced (one pending report per
 block or sub-agent, all of them in one message, and never more than one message per floor
 interval caused by heartbeats); one run has at most ``max_subagents`` sub-agents working at
-once, and the model is told so in words beyond that, and starts at most ``MAX_STARTED``, each
-named in ``MAX_AGENT_NAME`` characters (the run keeps them all); and the live display gets each
-output line cut to ``DISPLAY_LINE_BYTES``, so a line of any length costs nothing.
+once, and the model is told so in words beyond that, and starts ``subagents.MAX_STARTED`` at
+most, named in ``MAX_AGENT_NAME`` characters (the run keeps them all); and the live display
+gets each output line cut to ``DISPLAY_LINE_BYTES``, so a line of any length costs nothing.
 
 A reply the server cut at the length cap (``finish_reason: "length"``) is never taken as the
 answer: what it completed runs, the model is told where it was cut and continues, and after

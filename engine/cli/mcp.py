@@ -28,7 +28,8 @@ from .options import Duration, fail, worker_options, worker_settings
               help="Close a session (its worker; its files stay) after this long without a call; "
                    "over HTTP an MCP session that long without a request ends too.")
 @click.option("--max-sessions", type=click.IntRange(1, 256), default=8, show_default=True,
-              help="Sessions open at once; run_python naming one more is refused in words.")
+              help="Sessions open at once on the server, all clients together; run_python naming "
+                   "one more is refused in words.")
 @worker_options
 def mcp(http: str | None, allowed_hosts: tuple[str, ...], idle_timeout: float, max_sessions: int) -> None:
     """Serve agentloop's sandboxed workers to an MCP client (stdio by default).
