@@ -1,22 +1,52 @@
-"""agentloop's coordinator: engine, workers, results, errors."""
+"""agentloop's coordinator: engine, workers, results, errors.
 
-from .agent import Agent
-from .engine import Engine
-from .errors import (
-    AgentloopError,
-    ConfigError,
-    ModelError,
-    ModelResponseError,
-    ModelUnreachable,
-    SandboxError,
-    WorkerClosed,
-    WorkerError,
-    WorkerStartError,
-)
-from .results import BlockResult, OutputChunk
-from .runner import RunResult, make_agent, run_task
-from .sandbox import SandboxPolicy
-from .worker import Worker, WorkerState
+Every name below is imported when first used (PEP 562), not with the package: a command that
+runs code samples never loads the agent loop and its HTTP client."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+#: Public name -> the module that defines it.
+_WHERE = {
+    "Agent": "agent", "Engine": "engine", "AgentloopError": "errors", "ConfigError": "errors",
+    "ModelError": "errors", "ModelResponseError": "errors", "ModelUnreachable": "errors", "SandboxError": "errors",
+    "WorkerClosed": "errors", "WorkerError": "errors", "WorkerStartError": "errors", "BlockResult": "results",
+    "OutputChunk": "results", "RunResult": "runner", "make_agent": "runner", "run_task": "runner",
+    "SandboxPolicy": "sandbox", "Worker": "worker", "WorkerState": "worker",
+}
+
+if TYPE_CHECKING:
+    from .agent import Agent
+    from .engine import Engine
+    from .errors import (
+        AgentloopError,
+        ConfigError,
+        ModelError,
+        ModelResponseError,
+        ModelUnreachable,
+        SandboxError,
+        WorkerClosed,
+        WorkerError,
+        WorkerStartError,
+    )
+    from .results import BlockResult, OutputChunk
+    from .runner import RunResult, make_agent, run_task
+    from .sandbox import SandboxPolicy
+    from .worker import Worker, WorkerState
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
 __all__ = [
     "Agent",

@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+__all__ = ["View", "beneath", "bwrap_argv", "make_parents", "namespace_flags", "outermost"]
 
-def _bwrap_flags(root: bool, network: bool) -> list[str]:
+
+def namespace_flags(root: bool, network: bool) -> list[str]:
     flags = ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     if not network:
         flags.append("--unshare-net")
@@ -26,22 +28,20 @@ def _bwrap_flags(root: bool, network: bool) -> list[str]:
     return flags + ["--die-with-parent", "--new-session"]
 
 
-
-
-def _outermost(paths: list[str]) -> tuple[str, ...]:
+def outermost(paths: list[str]) -> tuple[str, ...]:
     """Drop paths that lie beneath another path of the list."""
     out: list[str] = []
     for p in sorted(set(paths), key=lambda s: (s.count("/"), s)):
-        if not any(_beneath(p, q) for q in out):
+        if not any(beneath(p, q) for q in out):
             out.append(p)
     return tuple(out)
 
 
-def _beneath(path: str, top: str) -> bool:
+def beneath(path: str, top: str) -> bool:
     return path == top or path.startswith(top.rstrip("/") + "/")
 
 
-def _parents(path: str, made: set[str]) -> list[str]:
+def make_parents(path: str, made: set[str]) -> list[str]:
     """bwrap options creating the missing ancestors of a bind target as mode 0755: bwrap would
     make them 0700, which the worker's uid could not traverse (/root/.pyenv/... for one)."""
     out: list[str] = []
@@ -59,11 +59,11 @@ def _parents(path: str, made: set[str]) -> list[str]:
 class View:
     """What a worker is shown, every path resolved: the system (read-only, with the symlinks
     of a merged /usr), its Python, the current directory when shown, the run's output and
-    socket directories (read-only) and the workspace (read-write); ``hidden`` directories
-    beneath the current directory are covered by an empty, read-only tmpfs (the workspace may
-    lie beneath one: it is bound back on top).  A fork server shared by
-    the runs of a batch is shown the batch's runs directory as its workspace and no output
-    directory (``engine._shared_fork``)."""
+    socket directories (read-only) and the workspace (read-write), in which ``protected``
+    (``engine.protected``) stay read-only; ``hidden`` directories beneath the current directory
+    are covered by an empty, read-only tmpfs (the workspace may lie beneath one: it is bound
+    back on top).  A fork server shared by the runs of a batch is shown the batch's runs
+    directory as its workspace and no output directory (``engine.shared_fork_server``)."""
 
     system: tuple[str, ...]
     links: tuple[tuple[str, str], ...]
@@ -72,6 +72,7 @@ class View:
     socket_dir: Path
     output_dir: Path | None
     cwd: Path | None
+    protected: tuple[str, ...] = ()
     hidden: tuple[str, ...] = ()
 
 
@@ -79,7 +80,7 @@ def bwrap_argv(bwrap: str, *, root: bool, network: bool, tmp_bytes: int, view: V
                start_dir: str) -> list[str]:
     """The bubblewrap command line (up to and including ``--``) that builds `view`.  Pure: the
     same arguments give the same list, which the tests compare argument for argument."""
-    argv = [bwrap, *_bwrap_flags(root, network), "--hostname", "agentloop"]
+    argv = [bwrap, *namespace_flags(root, network), "--hostname", "agentloop"]
     made = {"/", "/tmp", "/dev", "/proc"}
     size = str(tmp_bytes)
     # The private /tmp first: a Python installed beneath /tmp (a checkout there) is bound on top
@@ -87,8 +88,8 @@ def bwrap_argv(bwrap: str, *, root: bool, network: bool, tmp_bytes: int, view: V
     argv += ["--proc", "/proc", "--dev", "/dev",
              "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm",
              "--perms", "1777", "--size", size, "--tmpfs", "/tmp"]
-    for path in _outermost([*view.system, *view.python]):
-        argv += [*_parents(path, made), "--ro-bind", path, path]
+    for path in outermost([*view.system, *view.python]):
+        argv += [*make_parents(path, made), "--ro-bind", path, path]
     for target, link in view.links:
         argv += ["--symlink", target, link]
     # Host directories last, shallowest first, so a deeper (more specific) bind wins and none
@@ -97,14 +98,18 @@ def bwrap_argv(bwrap: str, *, root: bool, network: bool, tmp_bytes: int, view: V
     binds = [("--bind", view.workspace), ("--ro-bind", view.socket_dir)]
     if view.output_dir is not None:
         binds.append(("--ro-bind", view.output_dir))
-    if view.cwd is not None and not _beneath(str(view.cwd), str(view.workspace)):
+    if view.cwd is not None and not beneath(str(view.cwd), str(view.workspace)):
         binds.append(("--ro-bind", view.cwd))  # (beneath the workspace it is visible, writable)
     binds += [("--tmpfs", Path(h)) for h in view.hidden]  # over the current directory, under the workspace
     for kind, path in sorted(binds, key=lambda b: (len(b[1].parts), b[0] == "--bind")):
         if kind == "--tmpfs":
-            argv += [*_parents(str(path), made), "--perms", "0755", "--size", "65536", kind, str(path)]
+            argv += [*make_parents(str(path), made), "--perms", "0755", "--size", "65536", kind, str(path)]
         else:
-            argv += [*_parents(str(path), made), kind, str(path), str(path)]
+            argv += [*make_parents(str(path), made), kind, str(path), str(path)]
+    # Last, over the workspace: what stays read-only in it.  Each exists there (its parents
+    # with it), so no directory is made for it.
+    for path in view.protected:
+        argv += ["--ro-bind", path, path]
     # The root, /dev and the covers are tmpfs that bwrap builds; nothing may be written to them.
     covers = [a for h in view.hidden for a in ("--remount-ro", h)]
     return argv + ["--remount-ro", "/dev", *covers, "--remount-ro", "/", "--chdir", start_dir, "--"]

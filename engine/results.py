@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import signal as _signal
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
+
+__all__ = ["BlockResult", "OutputChunk", "Status", "describe_exit"]
 
 Status = Literal["ok", "error", "timeout", "cancelled", "died", "killed"]
 
@@ -31,7 +34,8 @@ class BlockResult:
     stop is killed, and ``message`` says which it was.  A ``SystemExit`` is ok (status
     0) or error, with ``exit_code`` set (``exited``).  ``message`` says in words what
     happened whenever the status is not ok; ``lost_vars`` names the variables a worker
-    kill took with it.
+    kill took with it; ``over_memory``: the worker died because the kernel killed it for its
+    memory limit (status died).
     """
 
     id: str
@@ -47,6 +51,7 @@ class BlockResult:
     exit_code: int | None = None
     worker_killed: bool = False
     lost_vars: list[str] = field(default_factory=list)
+    over_memory: bool = False
 
     @property
     def ok(self) -> bool:
@@ -69,6 +74,12 @@ class BlockResult:
         """Output, traceback and a ``[what happened]`` suffix, concatenated as the seed does
         (``output + "[timed out]"``), for a model or a log."""
         return self.output + self.error + (f"[{self.message}]" if self.message else "")
+
+
+def writable_note(workspace: str | Path) -> str:
+    """The one line said after code that ended on a refused write (``BlockResult.refused_write``),
+    by ``exec`` to its user and by the MCP server to its client's model: where it may write."""
+    return f"in this sandbox code writes only to the workspace ({workspace}) and $TMPDIR; the rest is read-only"
 
 
 def describe_exit(returncode: int | None, *, via_namespace: bool) -> tuple[str, int | None]:

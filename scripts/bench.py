@@ -25,9 +25,10 @@ Figures (p50/p99 where a distribution is meaningful):
 - ``idle_worker_pss_mb`` and ``max_idle_workers``: memory of idle workers and how many fit;
 - ``zmq_floor_us``: a raw pyzmq REQ/REP round trip of a ~100-byte msgpack message over ipc://.
 
-Sections of their own: ``samples`` (HumanEval through ``Engine.map``, ``scripts/bench_samples.py``)
-and ``batch`` (a batch run's worker start with the batch's one fork server and cold,
-``scripts/bench_batch.py``); ``--only samples|batch`` runs one alone.  The full run adds a
+Sections of their own: ``samples`` (HumanEval through ``Engine.map``, ``scripts/bench_samples.py``),
+``batch`` (a batch run's worker start with the batch's one fork server and cold,
+``scripts/bench_batch.py``) and ``tracing`` (what OpenTelemetry traces cost a block when on,
+``scripts/bench_tracing.py``); ``--only samples|batch|tracing`` runs one alone.  The full run adds a
 ``profile`` section: where cold-start and round-trip time goes.
 """
 
@@ -59,6 +60,7 @@ from pathlib import Path
 
 import bench_batch  # scripts/bench_batch.py, beside this file
 import bench_samples  # scripts/bench_samples.py, beside this file
+import bench_tracing  # scripts/bench_tracing.py, beside this file
 import msgpack
 import zmq
 import zmq.asyncio
@@ -585,7 +587,7 @@ async def bench_agentloop(cfg: Config, base: Path) -> dict:
     out: dict = {}
     with _section("agentloop: cold starts"):
         # Cold: a fresh interpreter per worker, no fork server, no pool.
-        async with _engine(base, "cold", zygote=False, **pool_kwargs(0)) as engine:
+        async with _engine(base, "cold", fork_server=False, **pool_kwargs(0)) as engine:
             first: list[float] = []
             out["cold_start"] = stats(await start_times(engine, cfg.starts, first_block=first), 1)
             out["cold_start"]["to_first_block_done_p50"] = _p50(stats(first, 2))
@@ -598,7 +600,7 @@ async def bench_agentloop(cfg: Config, base: Path) -> dict:
             out["forked_start"]["to_first_block_done_p50"] = _p50(stats(first, 2))
     if pool_param() is None:
         out["warm_start"] = None
-        out["warm_note"] = "Engine has no pre-started pool or zygote yet; see pool_param()"
+        out["warm_note"] = "Engine has no pre-started pool or fork server yet; see pool_param()"
     else:
         with _section("agentloop: warm starts"):
             async with _engine(base, "warm", **pool_kwargs(1)) as engine:
@@ -609,7 +611,7 @@ async def bench_agentloop(cfg: Config, base: Path) -> dict:
                             "(the pool is filled by the fork server where one runs)")
     # The rest with Engine's defaults, as a user gets it (the kill's replacement included).
     async with _engine(base, "main") as engine:
-        out["engine_defaults"] = {"grace_s": engine.grace, "pool": getattr(engine, "pool_size", None)}
+        out["engine_defaults"] = {"grace_s": engine.settings.grace, "pool": getattr(engine, "pool_size", None)}
         worker = await engine.start_worker("bench")
         out["sandbox_notes"] = list(dict.fromkeys([*getattr(engine, "notes", []), *getattr(worker, "notes", [])]))
         # The floor right before the round trips: on a busy machine, the same moment matters.
@@ -617,6 +619,12 @@ async def bench_agentloop(cfg: Config, base: Path) -> dict:
             out["floor"] = zmq_floor(cfg.floor, base)
         with _section("agentloop: round trips"):
             out["rtt"] = stats(await rtt_samples(worker, cfg.rtt), 4)
+        with _section("agentloop: round trips over tcp"):
+            # A worker that dials its coordinator over TCP (CurveZMQ, one connection let in), as
+            # one elsewhere would; it needs the host's network to reach the loopback.
+            async with _engine(base, "tcp", transport="tcp", sandbox=SandboxPolicy(network=True),
+                               **pool_kwargs(0)) as tcp:
+                out["rtt_tcp"] = stats(await rtt_samples(await tcp.start_worker("bench-tcp"), cfg.rtt), 4)
         out["idle"] = await idle_memory(worker)
         with _section("agentloop: streaming"):
             out["stream"] = await stream_rate(worker, cfg.stream_mb, cfg.stream_runs)
@@ -626,7 +634,7 @@ async def bench_agentloop(cfg: Config, base: Path) -> dict:
         with _section("agentloop: kill to ready"):
             out["kill"] = await kill_cycles(worker, cfg.kills, cfg.kill_deadline)
             out["kill"]["c_loop_total"] = await c_loop_kills(worker, cfg.c_loop_kills, cfg.kill_deadline)
-        out["kill"].update(deadline_s=cfg.kill_deadline, grace_s=engine.grace,
+        out["kill"].update(deadline_s=cfg.kill_deadline, grace_s=engine.settings.grace,
                            pool=getattr(engine, "pool_size", None))
     with _section("agentloop: idle workers"):
         out["max_idle"] = await max_idle(base, cfg.max_workers)
@@ -869,7 +877,7 @@ async def profile_start(cfg: Config, base: Path, cold_auto: dict) -> dict:
 
     plan = make_plan()
     env_plain = {**_worker_env("profile"), **plan.env}
-    env = {**env_plain, "AGENTLOOP_CONFINE": json.dumps(plan.confine)}
+    env = {**env_plain, "AGENTLOOP_CONFINE": plan.confine.to_json()}
     prefix = plan.argv_prefix
     imports = "import worker.__main__, worker.serve, worker._confine"
     phases = {
@@ -881,8 +889,9 @@ async def profile_start(cfg: Config, base: Path, cold_auto: dict) -> dict:
     }
     out["phase_p50_ms"] = {name: _p50(stats(_run_ms(argv, env_plain, str(cwd), n), 1)) if argv else None
                            for name, argv in phases.items()}
-    confine_code = ("import json, os, time\nt0 = time.perf_counter()\nfrom worker import _confine\n"
-                    "_confine.apply(json.loads(os.environ['AGENTLOOP_CONFINE']))\n"
+    confine_code = ("import os, time\nt0 = time.perf_counter()\nfrom worker import _confine\n"
+                    "from worker.contract.confinement import Confinement\n"
+                    "_confine.apply(Confinement.from_json(os.environ['AGENTLOOP_CONFINE']))\n"
                     "print((time.perf_counter() - t0) * 1000)")
     applies = []
     for _ in range(n):
@@ -903,7 +912,7 @@ async def profile_start(cfg: Config, base: Path, cold_auto: dict) -> dict:
     out["coordinator_plan_ms"] = stats(plans, 2)
     out["uncached_worker_modules"] = _uncached_worker_modules()
     out["bare_worker_no_engine"] = rtt_sync_coordinator(base, max(500, cfg.rtt // 2), n)
-    out["zygote_prototype"] = zygote_prototype(base, 20)
+    out["fork_prototype"] = fork_prototype(base, 20)
     return out
 
 
@@ -957,7 +966,7 @@ async def profile_rtt(cfg: Config, base: Path, rtt_auto: dict, tmp: Path) -> dic
 # measures the coordinator's side of a round trip (plus the transport).
 _NULL_WORKER = """
 import os, sys, zmq, msgpack
-from worker import wire
+from worker.contract import wire
 s = zmq.Context().socket(zmq.DEALER)
 s.connect(sys.argv[-1])
 s.send(msgpack.packb({"t": "hello", "v": wire.PROTOCOL_VERSION,
@@ -988,9 +997,10 @@ class _SyncPeer:
     """A blocking ROUTER speaking the coordinator's side of the protocol to one process."""
 
     def __init__(self, endpoint: str) -> None:
-        from worker import wire
+        from worker.contract import framing, wire
 
         self.wire = wire
+        self.framing = framing
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.RCVTIMEO, 30_000)
@@ -999,13 +1009,13 @@ class _SyncPeer:
 
     def handshake(self) -> None:
         self.peer, frame = self.sock.recv_multipart()
-        assert self.wire.decode(frame)["t"] == "hello"
-        self.sock.send_multipart([self.peer, self.wire.encode({"t": "welcome", "v": self.wire.PROTOCOL_VERSION})])
+        assert self.framing.decode(frame)["t"] == "hello"
+        self.sock.send_multipart([self.peer, self.framing.encode(self.wire.Welcome())])
 
     def run(self, block_id: str, code: str = "pass") -> None:
-        self.sock.send_multipart([self.peer, self.wire.encode({"t": "run", "id": block_id, "code": code})])
+        self.sock.send_multipart([self.peer, self.framing.encode(self.wire.Run(block_id, code))])
         while True:
-            msg = self.wire.decode(self.sock.recv_multipart()[1])
+            msg = self.framing.decode(self.sock.recv_multipart()[1])
             if msg["t"] == "done" and msg["id"] == block_id:
                 return
 
@@ -1013,8 +1023,8 @@ class _SyncPeer:
         """Ask for a polite exit and wait (briefly) for the ``bye``."""
         self.sock.setsockopt(zmq.RCVTIMEO, 2000)
         with contextlib.suppress(zmq.ZMQError):
-            self.sock.send_multipart([self.peer, self.wire.encode({"t": "shutdown"})])
-            while self.wire.decode(self.sock.recv_multipart()[1])["t"] != "bye":
+            self.sock.send_multipart([self.peer, self.framing.encode(self.wire.Shutdown())])
+            while self.framing.decode(self.sock.recv_multipart()[1])["t"] != "bye":
                 pass
 
     def close(self) -> None:
@@ -1075,7 +1085,7 @@ for line in sys.stdin:
 """
 
 
-def zygote_prototype(base: Path, children: int) -> dict:
+def fork_prototype(base: Path, children: int) -> dict:
     """Fork-to-first-block time and per-child memory of workers forked from a warm parent."""
     zyg = subprocess.Popen([sys.executable, "-c", _ZYGOTE], env=_worker_env(""), text=True,
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
@@ -1120,7 +1130,8 @@ def _micro() -> dict:
     """In-process costs of the steps a ``pass`` block takes, each alone."""
     import ast as _ast
 
-    from worker import wire
+    from worker.contract import wire
+    from worker.contract.framing import encode
 
     def per_call(fn: Callable[[], object], n: int = 2000) -> float:
         t0 = time.perf_counter()
@@ -1128,9 +1139,9 @@ def _micro() -> dict:
             fn()
         return round((time.perf_counter() - t0) / n * 1e6, 2)
 
-    run_msg = {"t": "run", "id": "b123", "code": "pass"}
-    done_msg = {"t": "done", "id": "b123", "status": "ok", "error": "", "vars": []}
-    run_frame, done_frame = wire.encode(run_msg), wire.encode(done_msg)
+    run_msg = wire.Run("b123", "pass")
+    done_msg = wire.done("b123", "ok")
+    run_frame, done_frame = encode(run_msg), encode(done_msg)
 
     def thread_start_join() -> None:
         t = threading.Thread(target=lambda: None)
@@ -1179,8 +1190,9 @@ def _micro() -> dict:
         asyncio.run_coroutine_threadsafe(nothing(), loop).result(10)
 
     out = {
-        "wire_encode_decode_run_and_done": per_call(lambda: (wire.decode(wire.encode(run_msg)),
-                                                             wire.decode(wire.encode(done_msg)))),
+        "wire_encode_decode_run_and_done": per_call(lambda: (
+            wire.decode_message(encode(run_msg), wire.TO_WORKER),
+            wire.decode_message(encode(done_msg), wire.TO_COORDINATOR))),
         "frame_bytes_run_done": [len(run_frame), len(done_frame)],
         "compile_pass_top_level_await": per_call(lambda: compile(
             "pass", "<block b1>", "exec", flags=_ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)),
@@ -1218,7 +1230,7 @@ def assemble(cfg: Config, machine: dict, floor: dict, al: dict, jp: dict | None,
     figures = {
         "worker_start_ms": {"cold": cold, "forked": al.get("forked_start"), "warm": warm,
                             "warm_note": al.get("warm_note"), "jupyter": j_start},
-        "exec_rtt_ms": {"agentloop": al["rtt"], "jupyter": j_rtt},
+        "exec_rtt_ms": {"agentloop": al["rtt"], "agentloop_tcp": al.get("rtt_tcp"), "jupyter": j_rtt},
         "stream_mb_s": {"agentloop": al["stream"]["mb_s"], "jupyter": j_stream["mb_s"] if j_stream else None,
                         "mb": cfg.stream_mb, "line_bytes": LINE,
                         "detail": {"agentloop": al["stream"], "jupyter": j_stream}},
@@ -1365,12 +1377,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-jupyter", action="store_true", help="skip the Jupyter side (its figures are null)")
     ap.add_argument("--no-profile", action="store_true", help="skip the where-the-time-goes section")
     ap.add_argument("--json-out", type=Path, help="also write the JSON object to this file")
-    ap.add_argument("--only", choices=("samples", "batch"),
+    ap.add_argument("--only", choices=("samples", "batch", "tracing"),
                     help="run that section alone and print its JSON object (samples: HumanEval through "
-                         "Engine.map; batch: a batch run's worker start, shared fork server against cold)")
+                         "Engine.map; batch: a batch run's worker start, shared fork server against cold; "
+                         "tracing: what traces cost a block when on)")
     args = ap.parse_args(argv)
     if args.only:
-        module = {"samples": bench_samples, "batch": bench_batch}[args.only]
+        module = {"samples": bench_samples, "batch": bench_batch, "tracing": bench_tracing}[args.only]
         section = module.measure(args.quick)
         text = json.dumps(section, indent=2)
         if args.json_out:
@@ -1394,6 +1407,8 @@ def main(argv: list[str] | None = None) -> int:
             samples = bench_samples.measure(cfg.mode == "quick", base)
         with _section("batch"):  # a batch run's worker start: the batch's fork server against cold
             batch = bench_batch.measure(cfg.mode == "quick", base)
+        with _section("tracing"):  # what traces cost a block when on
+            traced = bench_tracing.measure(cfg.mode == "quick", base)
         profile = None
         if cfg.profile:
 
@@ -1416,11 +1431,13 @@ def main(argv: list[str] | None = None) -> int:
     report = assemble(cfg, machine, al["floor"], al, jp, jp_missing, profile, time.perf_counter() - t_begin)
     report["samples"] = samples
     report["batch"] = batch
+    report["tracing"] = traced
     text = json.dumps(report, indent=2)
     if args.json_out:
         args.json_out.write_text(text + "\n")
     if sys.stdout.isatty():
-        print(table(report) + "\n" + bench_samples.table(samples) + "\n" + bench_batch.table(batch) + "\n")
+        print(table(report) + "\n" + bench_samples.table(samples) + "\n" + bench_batch.table(batch) + "\n"
+              + bench_tracing.table(traced) + "\n")
     print(text)
     return 0
 

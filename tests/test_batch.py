@@ -15,21 +15,22 @@ from pathlib import Path
 import pytest
 
 from engine._process import descendants
-from engine._shared_fork import SharedForkServer
-from engine._zygote import ZygoteProcess
 from engine.batch import ResultsFile, RunSettings, default_parallel, is_infrastructure, read_tasks
-from engine.batch.results import redo_selector
-from engine.batch.run import RunEngine, run_slug
+from engine.batch.results_file import Lock, redo_selector
+from engine.batch.run import run_slug
 from engine.display import read_recording
 from engine.engine import Engine
-from engine.errors import ModelError, WorkerError, WorkerStartError
+from engine.errors import ConfigError, ModelError, WorkerError, WorkerStartError
+from engine.fork_server import ForkedProcess
 from engine.llm import Chat
 from engine.models import ModelConfig, load_models
 from engine.runner import RunResult
 from engine.sandbox import GiB, SandboxPolicy, host_support
 from engine.scripted import Delay, Fail, ScriptedServer
+from engine.settings import WorkerSettings
+from engine.shared_fork_server import SharedForkServer
 
-from .conftest import wait_until
+from .conftest import closed_port, wait_until
 
 AGENTLOOP = [sys.executable, "-m", "engine.cli"]
 CODE = "<run_code>\n{}\n</run_code>"
@@ -266,6 +267,18 @@ def test_a_damaged_line_before_the_end_is_refused(tmp_path):
     assert proc.returncode == 125 and "out.jsonl:2: not a result record" in proc.stderr
 
 
+def test_a_results_lock_is_held_by_one_and_leaves_no_file(tmp_path):
+    path = tmp_path / ".out.jsonl.lock"
+    held = Lock(path, "busy")
+    with pytest.raises(ConfigError, match="busy"):
+        Lock(path, "busy")
+    held.release()
+    assert not path.exists()
+    again = Lock(path, "busy")  # free again, on a file of its own
+    assert path.exists()
+    again.release()
+
+
 def test_results_file_redo_rewrites_without_the_selected_records(tmp_path):
     path = tmp_path / "out.jsonl"
     results = ResultsFile(path)
@@ -275,7 +288,7 @@ def test_results_file_redo_rewrites_without_the_selected_records(tmp_path):
         results.append({"id": ident, "status": status, "infrastructure": infra})
     results.close()
     again = ResultsFile(path)
-    resumed = again.open(redo_selector(["infrastructure"]))
+    resumed = again.open(redo_selector([]))  # cancelled and infrastructure failures: always
     again.close()
     assert resumed.done == {"a": "answered", "d": "failed"} and resumed.dropped == 2
     assert [r["id"] for r in records(path)] == ["a", "d"]
@@ -313,9 +326,26 @@ def test_a_dead_endpoint_stops_the_batch_early(tmp_path):
         assert proc.returncode == 1, proc.stderr
         assert "5 runs in a row failed for infrastructure reasons" in proc.stderr
         assert len(records(tmp_path / "out.jsonl")) == 5
-        redo = run_batch(server, tmp_path, "tasks.jsonl", "-o", "out.jsonl", "--parallel", "1",
-                         "--redo", "infrastructure")
+        assert "(5 infrastructure: a rerun runs them again)" in proc.stderr
+        # A run that failed for its infrastructure is not done: the same command runs it again.
+        redo = run_batch(server, tmp_path, "tasks.jsonl", "-o", "out.jsonl", "--parallel", "1")
     assert "5 record(s) removed to be run again" in redo.stderr
+    assert "12 tasks, 0 done before, 12 to run" in redo.stderr
+
+
+def test_an_endpoint_nobody_listens_on_stops_the_batch_before_it_makes_anything(tmp_path):
+    write_tasks(tmp_path / "tasks.jsonl", [{"id": i, "task": f"[{i}] go"} for i in range(6)])
+    url = f"http://127.0.0.1:{closed_port()}/v1"
+    env = {**os.environ, "LLM_URL": url, "XDG_STATE_HOME": str(tmp_path / "state"),
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run([*AGENTLOOP, "batch", "tasks.jsonl", "-o", "out.jsonl"], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"agentloop: nothing was run: the model at {url} does not "
+                                                   "answer (connection refused). Start one there:"), proc.stderr
+    assert lines[0].endswith("Then run the same command again.")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tasks.jsonl"]  # no results, no runs directory
 
 
 async def test_errors_of_the_infrastructure_are_told_apart(tmp_path):
@@ -387,6 +417,9 @@ def test_ctrl_c_cancels_running_runs_writes_them_and_resume_redoes_them(tmp_path
         status = {r["id"]: r["status"] for r in records(out)}
         assert status == {"q1": "answered", "q2": "answered", "h0": "cancelled", "h1": "cancelled",
                           "h2": "cancelled"}
+        # Cancelled runs are not done: the count stays at the two answered (and so do rate and ETA).
+        counts = [line.split()[0] for line in stderr.splitlines() if line.startswith("[") and " cancelled " in line]
+        assert counts == ["[2/8]"] * 3, stderr
         assert wait_until(lambda: not processes_under(tmp_path), 60), "cancelled runs left workers"
 
         hang.on.clear()
@@ -446,7 +479,7 @@ def test_default_parallel_follows_cpus_and_memory():
 
 
 async def test_a_run_holds_at_most_its_workers(tmp_path):
-    engine = RunEngine(max_workers=2, cwd=tmp_path, workspace=tmp_path / "ws", state_dir=tmp_path / "state")
+    engine = Engine(max_workers=2, cwd=tmp_path, workspace=tmp_path / "ws", state_dir=tmp_path / "state")
     async with engine:
         first = await engine.start_worker("a")
         await engine.start_worker("b")
@@ -490,11 +523,11 @@ def _parent(pid: int) -> int:
 
 
 def fork_servers_and_workers(root: int) -> tuple[list[int], list[int]]:
-    """Below ``root``: the fork servers (``worker.zygote``'s Python, child of its bubblewrap
+    """Below ``root``: the fork servers (``worker.fork_server``'s Python, child of its bubblewrap
     sandbox) and the workers they forked (each below its namespace's init, ``sleep``)."""
     servers, workers = [], []
     for pid in descendants(root):
-        if "worker.zygote" in _proc_field(pid, "cmdline") and _proc_field(pid, "comm") != "bwrap" \
+        if "worker.fork_server" in _proc_field(pid, "cmdline") and _proc_field(pid, "comm") != "bwrap" \
                 and _proc_field(_parent(pid), "comm") == "bwrap":
             servers.append(pid)
         elif _proc_field(_parent(pid), "comm") == "sleep":
@@ -618,21 +651,21 @@ async def test_a_shared_fork_server_serves_runs_alike_and_restarts(tmp_path):
     policy starts cold; a server that died is started again by the next worker; once it is
     closed, runs start cold."""
     runs = tmp_path / "runs"
-    shared = SharedForkServer(runs, sandbox=SandboxPolicy(), python=sys.executable)
+    shared = SharedForkServer(runs, WorkerSettings())
 
-    def run_engine(name: str, **kwargs) -> RunEngine:
+    def run_engine(name: str, **kwargs) -> Engine:
         ws = runs / name / "workspace"
-        return RunEngine(max_workers=4, cwd=ws, workspace=ws, state_dir=runs / name / "state", pool=0,
-                         fork_server=shared, keep_output=True, **kwargs)
+        return Engine(max_workers=4, cwd=ws, workspace=ws, state_dir=runs / name / "state", pool=0,
+                      shared_fork_server=shared, keep_output=True, **kwargs)
 
     engines = [run_engine("a"), run_engine("b"), run_engine("c", sandbox=SandboxPolicy(tmp_bytes=GiB))]
     try:
         a, b, c = [await e.start_worker("main") for e in engines]
-        assert isinstance(a._session.proc, ZygoteProcess) and isinstance(b._session.proc, ZygoteProcess)
-        assert not isinstance(c._session.proc, ZygoteProcess)  # not alike: its own, cold
-        assert a._session.proc._zygote is b._session.proc._zygote
+        assert isinstance(a.session.proc, ForkedProcess) and isinstance(b.session.proc, ForkedProcess)
+        assert not isinstance(c.session.proc, ForkedProcess)  # not alike: its own, cold
+        assert a.session.proc.server is b.session.proc.server
         first = shared.pid
-        assert first is not None and _below(a._session.proc.pid, first) and _below(b._session.proc.pid, first)
+        assert first is not None and _below(a.session.proc.pid, first) and _below(b.session.proc.pid, first)
         result = await b.run("import os; print(os.getcwd(), sorted(os.listdir('..')))", timeout=10)
         assert result.output.strip() == f"{runs / 'b' / 'workspace'} ['state', 'workspace']", result
         # What a worker writes to its own stderr (its runtime's last words) reaches its own
@@ -643,11 +676,11 @@ async def test_a_shared_fork_server_serves_runs_alike_and_restarts(tmp_path):
                            "    if where.endswith('/stderr'):\n        os.write(fd, b'b-was-here')\n", timeout=10)
         assert said.status == "ok", said
         for _ in range(100):
-            if b"b-was-here" in b._session.proc.stderr_tail:
+            if b"b-was-here" in b.session.proc.stderr_tail:
                 break
             await asyncio.sleep(0.02)
-        assert b"b-was-here" in b._session.proc.stderr_tail
-        assert b"b-was-here" not in a._session.proc.stderr_tail + a._session.proc._zygote.stderr_tail
+        assert b"b-was-here" in b.session.proc.stderr_tail
+        assert b"b-was-here" not in a.session.proc.stderr_tail + a.session.proc.server.stderr_tail
 
         os.kill(first, signal.SIGKILL)  # the server dies, and every worker it forked with it
         for _ in range(200):
@@ -663,11 +696,11 @@ async def test_a_shared_fork_server_serves_runs_alike_and_restarts(tmp_path):
         await shared.close()
     assert shared.pid is None and not shared.socket_root.exists()
     async with run_engine("d") as late:  # a run after the batch's end starts cold
-        assert not isinstance((await late.start_worker("main"))._session.proc, ZygoteProcess)
+        assert not isinstance((await late.start_worker("main")).session.proc, ForkedProcess)
 
 
 def test_the_batchs_fork_server_can_be_turned_off(tmp_path):
     models = load_models(None, env={})
-    assert RunSettings(models=models, runs_dir=tmp_path, fork_server=False).shared_fork_server() is None
+    assert RunSettings(models=models, runs_dir=tmp_path, worker=WorkerSettings(fork_server=False)).shared_fork_server() is None
     shared = RunSettings(models=models, runs_dir=tmp_path).shared_fork_server()
     assert shared is not None and shared.pid is None  # nothing starts before a run needs a worker

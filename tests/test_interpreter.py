@@ -143,3 +143,46 @@ def test_a_preload_module_that_fails_as_it_is_imported_is_one_line(tmp_path, use
     assert "--preload breaks_on_import: importing it failed: RuntimeError: broken at import" in proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
+
+
+#: Every command that reads ./agentloop.toml, with arguments it would otherwise run with.
+READERS = [["models"], ["doctor"], ["exec", "x.py"], ["exec", "--jsonl", "s.jsonl", "-o", "r.jsonl"],
+           ["run", "-q", "hi"], ["chat"], ["ask", "hi"], ["batch", "t.jsonl", "-o", "o.jsonl"], ["demo", "-q"],
+           ["mcp"]]
+
+
+@pytest.mark.parametrize(("config", "commands"), [
+    ('python = "/usr/bin/python3"\n[models.a\n', READERS),                           # not TOML
+    ('python = "/usr/bin/python3"\n[models.a]\nbogus = 1\n', READERS[:3]),           # a model's unknown key
+    ('pyhton = "/usr/bin/python3"\n', READERS[:3]),                                   # a misspelt key
+], ids=["not-toml", "bad-model", "misspelt"])
+def test_an_invalid_config_is_refused_alike_by_every_command_that_reads_it(tmp_path, config, commands):
+    (tmp_path / "agentloop.toml").write_text(config)
+    (tmp_path / "x.py").write_text("print('ran')\n")
+    (tmp_path / "s.jsonl").write_text('{"id": 1, "code": "print(1)"}\n')
+    (tmp_path / "t.jsonl").write_text('{"id": 1, "task": "hi"}\n')
+    said = {}
+    for command in commands:
+        done = subprocess.run([*AGENTLOOP, *command], capture_output=True, text=True, cwd=tmp_path, input="",
+                              env=_env(tmp_path, LLM_URL="http://127.0.0.1:9/v1"), timeout=120)
+        said[" ".join(command)] = (done.returncode, done.stdout, done.stderr)
+    first = said["models"]
+    assert first[0] == 125 and first[2].startswith("agentloop: agentloop.toml: ") and first[2].count("\n") == 1, first
+    assert {command: outcome for command, outcome in said.items() if outcome != first} == {}
+
+
+def test_doctor_says_which_python_workers_run_and_which_source_chose_it(tmp_path, user_venv):
+    python = str(user_venv / "bin" / "python")
+    (tmp_path / "agentloop.toml").write_text(f'python = "{python}"\n')
+    cases = [((), {}, "python in agentloop.toml"), (("--python", sys.executable), {}, "--python"),
+             ((), {"AGENTLOOP_PYTHON": sys.executable}, "AGENTLOOP_PYTHON")]
+    for options, env, source in cases:
+        done = subprocess.run([*AGENTLOOP, "doctor", *options], capture_output=True, text=True, cwd=tmp_path,
+                              env=_env(tmp_path, LLM_URL="http://127.0.0.1:9/v1", **env), timeout=120)
+        line = next((x for x in done.stdout.splitlines() if x.startswith("workers' python: ")), done.stdout)
+        assert line.endswith(f", chosen by {source}"), line
+        assert f"(Python {sys.version.split()[0]})" in line, line
+    (tmp_path / "agentloop.toml").unlink()
+    done = subprocess.run([*AGENTLOOP, "doctor"], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                          env=_env(tmp_path, LLM_URL="http://127.0.0.1:9/v1", VIRTUAL_ENV=str(user_venv)))
+    assert f"chosen by the active virtual environment (VIRTUAL_ENV={user_venv})" in done.stdout, done.stdout

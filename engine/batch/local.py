@@ -4,20 +4,26 @@ infrastructure keeps failing."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..errors import EXIT_INTERRUPTED, AgentloopError
+from ..errors import EXIT_INTERRUPTED, AgentloopError, ModelUnreachable
+from ..model_server import probe
+from ..models import ModelConfig
 from .capacity import default_parallel
 from .progress import LinesView, Meter, Tally, make_view, short
-from .results import ResultsFile, lock_runs_dir, open_results
-from .run import RunSettings, execute
+from .results_file import Lock, ResultsFile, lock_runs_dir, open_results
 from .stopping import Stopper, infra_threshold
 from .tasks import TaskSpec, read_tasks, refuse_invalid
+
+if TYPE_CHECKING:
+    from .run import RunSettings
+
+__all__ = ["BatchOutcome", "EXIT_STOPPED", "drive", "run_batch"]
 
 EXIT_STOPPED = 1
 
@@ -38,6 +44,8 @@ class BatchOutcome:
 
 async def _run_local(pending: list[TaskSpec], settings: RunSettings, results: ResultsFile, tally: Tally,
                      view: LinesView, parallel: int, stopper: Stopper) -> None:
+    from .run import execute  # (the agent loop and its HTTP client: loaded for task batches only)
+
     loop = asyncio.get_running_loop()
     running: dict[asyncio.Task, TaskSpec] = {}
 
@@ -51,11 +59,12 @@ async def _run_local(pending: list[TaskSpec], settings: RunSettings, results: Re
     # One fork server for every run (closed below, once they are over; a second Ctrl-C leaves
     # at once and takes it down with this process: bubblewrap's --die-with-parent).
     fork_server = settings.shared_fork_server()
+    output_budget = settings.output_budget()  # what the runs' kept outputs may hold together
 
     async def one(spec: TaskSpec) -> None:
         meter = Meter()
         tally.start(spec.key, meter)
-        record = await execute(spec, settings, display=meter, fork_server=fork_server)
+        record = await execute(spec, settings, display=meter, fork_server=fork_server, output_budget=output_budget)
         try:
             results.append(record)
         except OSError as exc:
@@ -97,6 +106,43 @@ async def _run_local(pending: list[TaskSpec], settings: RunSettings, results: Re
             await fork_server.close()
 
 
+def drive(noun: str, specs: list, results: ResultsFile, done: set[str], lock: Lock, *, header: str,
+          progress: str, tally: Callable[[int, int], Tally], run: Callable[[list, Tally, LinesView, Stopper], None]
+          ) -> BatchOutcome:
+    """What every batch (of ``noun``: "tasks", "samples") does around its runs: what is left
+    after a resume (ids in ``done`` are skipped), one line saying so (``header`` ends it), the
+    ``tally`` (made of the total and those done before) and its view, a stopper for Ctrl-C and
+    for giving up, and ``run`` (the local or the
+    Ray scheduler) for what is pending.  The results file and the ``lock`` are closed after."""
+    try:
+        pending = [s for s in specs if s.key not in done]
+        before = len(specs) - len(pending)
+        print(f"agentloop: {len(specs)} {noun}, {before} done before, {len(pending)} to run, {header}",
+              file=sys.stderr, flush=True)
+        counts = tally(len(specs), before)
+        view = make_view(progress, counts)
+        stopper = Stopper()
+        view.start()
+        try:
+            if pending:
+                run(pending, counts, view, stopper)
+        finally:
+            view.stop()
+        return BatchOutcome(counts, stopper.reason)
+    finally:
+        results.close()
+        lock.release()
+async def check_endpoints(models: Iterable[ModelConfig]) -> None:
+    """ModelUnreachable, saying what to do, when an endpoint the tasks use does not answer at
+    all (its ``/models``, within ``model_server.PROBE_TIMEOUT``): else every run would fail the
+    same way, seconds each, and be recorded as failed."""
+    configs = list({(m.base_url, m.model): m for m in models}.values())
+    for config, server in zip(configs, await asyncio.gather(*(probe(c) for c in configs)), strict=True):
+        if server.models_status is None:
+            raise ModelUnreachable(f"nothing was run: {server.silence(config.base_url)} Then run the same "
+                                   "command again.")
+
+
 def run_batch(tasks_path: str | Path, output: str | Path, settings: RunSettings, *,
               parallel: int | None = None, progress: str = "auto", skip_invalid: bool = False,
               redo: Iterable[str] = (), ray_address: str | None = None) -> BatchOutcome:
@@ -104,35 +150,27 @@ def run_batch(tasks_path: str | Path, output: str | Path, settings: RunSettings,
 
     Raises ConfigError, before anything starts, for invalid task lines (unless
     ``skip_invalid``: then they are reported and left out), a damaged output or a runs
-    directory another batch holds."""
+    directory another batch holds; ModelUnreachable, before anything is made, for a model
+    endpoint that does not answer (``check_endpoints``; not with Ray)."""
     output = Path(output)
     specs, problems = read_tasks(tasks_path, settings.models)
     refuse_invalid(tasks_path, problems, skip_invalid)
+    if ray_address is None:  # (a Ray node may reach what this machine does not, and the reverse)
+        asyncio.run(check_endpoints(settings.models.get(s.model or settings.model) for s in specs))
     lock = lock_runs_dir(settings.runs_dir)
     results, resumed = open_results(output, redo, lock=lock)
-    try:
-        pending = [s for s in specs if s.key not in resumed.done]
-        before = len(specs) - len(pending)
-        if ray_address is None:
-            parallel = parallel or default_parallel()
-        where = f"on Ray at {ray_address}" if ray_address else f"{parallel} at once"
-        print(f"agentloop: {len(specs)} tasks, {before} done before, {len(pending)} to run, {where}; "
-              f"results in {output}, runs in {settings.runs_dir}", file=sys.stderr, flush=True)
-        tally = Tally(len(specs), before)
-        view = make_view(progress, tally)
-        stopper = Stopper()
-        view.start()
-        try:
-            if ray_address is not None and pending:
-                from . import on_ray
+    if ray_address is None:
+        parallel = parallel or default_parallel()
+    where = f"on Ray at {ray_address}" if ray_address else f"{parallel} at once"
 
-                on_ray.run_on_ray(ray_address, pending, settings, results=results, tally=tally, view=view,
-                                      parallel=parallel, stopper=stopper)
-            elif pending:
-                asyncio.run(_run_local(pending, settings, results, tally, view, parallel, stopper))
-        finally:
-            view.stop()
-        return BatchOutcome(tally, stopper.reason)
-    finally:
-        results.close()
-        os.close(lock)
+    def run(pending: list, tally: Tally, view: LinesView, stopper: Stopper) -> None:
+        if ray_address is not None:
+            from . import on_ray
+
+            on_ray.run_on_ray(ray_address, pending, settings, results=results, tally=tally, view=view,
+                              parallel=parallel, stopper=stopper)
+        else:
+            asyncio.run(_run_local(pending, settings, results, tally, view, parallel, stopper))
+
+    return drive("tasks", specs, results, resumed.done, lock, progress=progress, tally=Tally, run=run,
+                 header=f"{where}; results in {output}, runs in {settings.runs_dir}")

@@ -9,27 +9,27 @@ import os
 import re
 import shutil
 import stat
-import sys
 import time
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .._shared_fork import SharedForkServer
+from .. import tracing
 from .._tree import copy_tree, remove_tree, walk
 from ..display import AgentDisplay, FanoutDisplay, JsonlRecorder
 from ..engine import Engine
-from ..errors import ConfigError, WorkerError
+from ..errors import ConfigError
 from ..models import ModelRegistry
+from ..output import BATCH_OUTPUT_CAP, OutputBudget
 from ..repo_tools import RepoTools
 from ..runner import RunResult, run_task
-from ..sandbox import SandboxPolicy
-from ..worker import Worker, WorkerState
-from .results import read_all
+from ..settings import WorkerSettings
+from ..shared_fork_server import SharedForkServer
 from .tasks import TaskSpec
+
+__all__ = ["BACKOFF_MAX", "RunSettings", "execute", "is_infrastructure", "make_record", "run_slug"]
 
 #: Longest wait between two attempts of a run.
 BACKOFF_MAX = 60.0
@@ -47,18 +47,19 @@ class RunSettings:
     timeout: float | None = 3600.0
     tools: str = "none"
     root: str = "."
-    sandbox: SandboxPolicy = field(default_factory=SandboxPolicy)
-    preload: tuple[str, ...] = ()
-    python: str | None = None  # the workers' interpreter (default: the coordinator's)
+    #: How every run's workers are started and contained.  Its ``fork_server``: None forks the
+    #: runs' workers from one fork server for the batch where it gives the isolation of a cold
+    #: start (see ``shared_fork_server``); False: every worker starts cold; True: insist (a run
+    #: fails, as for its infrastructure, without).
+    worker: WorkerSettings = field(default_factory=WorkerSettings)
+    #: What the output files of every run of the batch on one machine may hold in all (None:
+    #: no cap); each run's own is ``worker.max_output``.  A batch keeps them, in each run's directory.
+    max_batch_output: int | None = BATCH_OUTPUT_CAP
     retries: int = 0
     retry_backoff: float = 2.0
     max_workers: int = 16
     #: What the repository tools never show a run: the batch's runs directory and results file.
     exclude: tuple[Path, ...] = ()
-    #: None: the runs' workers are forked by one fork server for the batch where it gives the
-    #: isolation of a cold start (root with bubblewrap; see ``shared_fork_server``); False:
-    #: every worker starts cold; True: insist (a run fails, as for its infrastructure, without).
-    fork_server: bool | None = None
 
     def backoff(self, attempt: int) -> float:
         """Seconds to wait after failed attempt ``attempt`` (1-based): doubling, capped."""
@@ -68,10 +69,16 @@ class RunSettings:
         """The fork server the runs of one batch (one machine) share, or None when the
         workers start cold.  Nothing starts until a run needs a worker; the caller closes it
         once the batch's runs are over."""
-        if self.fork_server is False:
+        if self.worker.fork_server is False:
             return None
-        return SharedForkServer(self.runs_dir, sandbox=self.sandbox, python=self.python or sys.executable,
-                                preload=self.preload)
+        return SharedForkServer(self.runs_dir, self.worker)
+
+    def output_budget(self) -> OutputBudget | None:
+        """The budget the runs of one batch on one machine share for their output files
+        (None: no cap of the batch's); each run's own cap draws from it."""
+        if self.max_batch_output is None:
+            return None
+        return OutputBudget(self.max_batch_output, owner="the batch's")
 
     def deadline(self, spec: TaskSpec) -> float | None:
         """Seconds after which a run, all attempts included, is surely hung (None: no cap)."""
@@ -82,41 +89,14 @@ class RunSettings:
         return (timeout + 60.0) * (self.retries + 1) + waits
 
 
-class RunEngine(Engine):
-    """The Engine of one batch run.
-
-    It refuses a worker beyond ``max_workers`` live ones: the per-run cap that bounds the
-    workers of a whole batch (the refusal reaches the model as words; it only happens when
-    starting a sub-agent).  And it hands the files placed in the workspace (``placed``) to the
-    run once a worker has started (see ``_give_to_run``), so the model can change them, not only
-    read them."""
-
-    def __init__(self, *, max_workers: int, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.max_workers = max_workers
-        self.placed: list[Path] = []
-
-    async def start_worker(self, name: str = "worker") -> Worker:
-        live = sum(1 for w in self.workers if w.state is not WorkerState.CLOSED)
-        if live >= self.max_workers:
-            raise WorkerError(f"this run already holds {live} workers, its limit; wait for a sub-agent "
-                              "to finish, or do the work yourself, before starting another")
-        worker = await super().start_worker(name)
-        placed, self.placed = self.placed, []
-        if placed:
-            await asyncio.to_thread(_give_to_run, self.workspace, placed)
-        return worker
-
-
-def _give_to_run(workspace: Path, paths: list[Path]) -> None:
-    """Give ``paths`` to the run's workers.  A root coordinator runs them as the run's uid and
-    keeps the workspace its own (in the run's group, sticky: see ``engine.sandbox``), so files
-    it placed there would be read-only to them; the task's files are the run's copies, not the
-    user's originals, so they become the run's uid's and group-writable."""
-    ws = workspace.stat()
-    if os.geteuid() != 0 or not ws.st_mode & stat.S_ISVTX or ws.st_gid == 0:
+def _give_to_run(paths: list[Path], run: int | None) -> None:
+    """Give ``paths`` to the run's workers, whose uid (and gid: one number) is ``run`` (None:
+    they keep the coordinator's).  A root coordinator runs them as the run's uid and keeps the
+    workspace its own (in the run's group, sticky: see ``engine.sandbox``), so files it placed
+    there would be read-only to them; the task's files are the run's copies, not the user's
+    originals, so they become the run's uid's and group-writable."""
+    if run is None or os.geteuid() != 0:
         return
-    run = ws.st_gid  # the run's uid and gid are one number
 
     def give(name: str | Path, mode: int, dir_fd: int | None = None) -> None:
         os.chown(name, run, run, dir_fd=dir_fd, follow_symlinks=False)
@@ -175,36 +155,6 @@ def make_record(spec: TaskSpec, settings: RunSettings, *, status: str, answer: s
             "finished_at": datetime.now(UTC).isoformat(timespec="seconds"), **extra}
 
 
-def pack_files(paths: Iterable[str]) -> list[tuple[str, bytes, int]]:
-    """The files (directories walked) as (relative path, bytes, mode): what a run on another
-    machine needs to rebuild them in its workspace."""
-    packed = []
-    for path in map(Path, paths):
-        if path.is_dir():
-            found = []
-            for entry in walk(path, one_filesystem=False):
-                if not entry.is_dir and (content := _regular_file(entry.name, entry.dir_fd)) is not None:
-                    found.append((entry.parts, *content))
-            packed += [(str(Path(path.name, *parts)), data, mode) for parts, data, mode in sorted(found)]
-        else:
-            packed.append((path.name, path.read_bytes(), path.stat().st_mode & 0o777))
-    return packed
-
-
-def _regular_file(name: str, dir_fd: int) -> tuple[bytes, int] | None:
-    """(content, permission bits) of ``name`` if it is a regular file or a symlink to one (as
-    ``Path.is_file()`` has it), else None; a fifo or a device is never read."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-    except OSError:
-        return None
-    try:
-        mode = os.fstat(fd).st_mode
-        return (read_all(fd), mode & 0o777) if stat.S_ISREG(mode) else None
-    finally:
-        os.close(fd)
-
-
 def _clear(run_dir: Path, first: bool) -> None:
     """Remove what an earlier attempt left.  The first attempt also clears what an earlier,
     interrupted batch left; later ones keep the transcript (it records every attempt).  A
@@ -261,7 +211,8 @@ async def _to_the_end(awaitable: Any) -> None:
 
 async def _attempt(spec: TaskSpec, settings: RunSettings, attempt: int, display: AgentDisplay | None,
                    packed: list[tuple[str, bytes, int]] | None,
-                   fork_server: SharedForkServer | None) -> tuple[RunResult, bool]:
+                   fork_server: SharedForkServer | None,
+                   output_budget: OutputBudget | None) -> tuple[RunResult, bool]:
     """One attempt of a run: (its result, whether it failed for infrastructure reasons)."""
     run_dir = settings.runs_dir / run_slug(spec.key)
     workspace = run_dir / "workspace"
@@ -271,22 +222,24 @@ async def _attempt(spec: TaskSpec, settings: RunSettings, attempt: int, display:
         return RunResult(None, "failed", f"cannot prepare the run's directory {run_dir}: {exc}"), True
     recorder = JsonlRecorder(run_dir / "transcript.jsonl")
     recorder.event("note", name="batch", message=f"run {spec.key!r}, attempt {attempt}")
-    shown: AgentDisplay = FanoutDisplay([recorder, display]) if display is not None else recorder
+    spans = tracing.observer(settings.models, {"agentloop.task.id": spec.key, "agentloop.run.attempt": attempt})
+    shown: AgentDisplay = FanoutDisplay([d for d in (recorder, display, spans) if d is not None])
     # No warm pool: an idle spare worker per run would double a batch's processes for the rare
     # run that starts a sub-agent.  No fork server of the run's own either (starting one costs
     # more than the one or two workers a run starts): the batch's, shared by its runs, forks
     # them (~10 ms instead of ~120 ms cold), each worker shown its own run's workspace, outputs
     # and socket only, with its run's uid, confinement and cgroups.  Without one (non-root, no
     # bubblewrap, Ray, ``fork_server=False``) they start cold.
-    engine = RunEngine(max_workers=settings.max_workers, cwd=workspace, workspace=workspace,
-                       sandbox=settings.sandbox, state_dir=run_dir / "state", pool=0,
-                       zygote=settings.fork_server if fork_server is not None else False,
-                       fork_server=fork_server, preload=settings.preload, python=settings.python,
-                       keep_output=True)
+    worker = settings.worker.replace(state_dir=run_dir / "state", keep_output=True,
+                                     fork_server=settings.worker.fork_server if fork_server is not None else False)
+    engine = Engine(worker, cwd=workspace, workspace=workspace, pool=0, max_workers=settings.max_workers,
+                    shared_fork_server=fork_server, output_budget=output_budget)
     infrastructure = False
     tools = None
     try:
-        engine.placed = await asyncio.to_thread(_place_files, workspace, spec, packed)
+        placed = await asyncio.to_thread(_place_files, workspace, spec, packed)
+        engine.open()
+        await asyncio.to_thread(_give_to_run, placed, engine.launcher.run_uid())
         if settings.tools == "repo":  # other runs' directories and results are not this run's to read
             tools = RepoTools(settings.root, exclude=settings.exclude)
         result = await run_task(spec.task, models=settings.models, model=spec.model or settings.model,
@@ -306,6 +259,8 @@ async def _attempt(spec: TaskSpec, settings: RunSettings, attempt: int, display:
             await _to_the_end(engine.shutdown())
         finally:
             recorder.close()
+            if spans is not None:
+                spans.close()
             with contextlib.suppress(OSError):  # the engine removed its empty run directory
                 (run_dir / "state" / "runs").rmdir()
                 (run_dir / "state").rmdir()
@@ -314,13 +269,14 @@ async def _attempt(spec: TaskSpec, settings: RunSettings, attempt: int, display:
 
 async def execute(spec: TaskSpec, settings: RunSettings, *, display: AgentDisplay | None = None,
                   packed: list[tuple[str, bytes, int]] | None = None,
-                  fork_server: SharedForkServer | None = None) -> dict:
+                  fork_server: SharedForkServer | None = None, output_budget: OutputBudget | None = None) -> dict:
     """Run one task, with up to ``settings.retries`` more attempts after infrastructure
     failures, and return its record.  Never raises: cancelling it yields a ``cancelled`` record
     once its workers are gone.  ``packed`` (from ``pack_files``) replaces copying ``spec.files``
     when the run happens on another machine.  ``fork_server``: the batch's
     (``settings.shared_fork_server()``), which forks the run's workers; without one they start
-    cold."""
+    cold.  ``output_budget``: the batch's (``settings.output_budget()``), which the run's output
+    files draw from besides its own cap."""
     started = time.monotonic()
     sums = Counter()
     attempts, infrastructure = 0, False
@@ -328,7 +284,8 @@ async def execute(spec: TaskSpec, settings: RunSettings, *, display: AgentDispla
     try:
         while True:
             attempts += 1
-            result, infrastructure = await _attempt(spec, settings, attempts, display, packed, fork_server)
+            result, infrastructure = await _attempt(spec, settings, attempts, display, packed, fork_server,
+                                                    output_budget)
             sums.update(messages=result.messages, tokens_in=result.tokens_in, tokens_out=result.tokens_out)
             sums["cost"] += result.cost
             if not infrastructure or attempts > settings.retries or result.status == "cancelled":

@@ -20,9 +20,10 @@ from ..durations import DEFAULT_BLOCK_TIMEOUT
 from ..engine import Engine
 from ..errors import AgentloopError
 from ..inert import InertStream, inert
-from ..results import BlockResult, OutputChunk
+from ..results import BlockResult, OutputChunk, writable_note
 from ..samples import exit_code as _exit_code
-from ..script import Script
+from ..script_run import ScriptRun
+from ..settings import WorkerSettings
 from .options import (
     EXIT_INTERRUPTED,
     Duration,
@@ -31,8 +32,10 @@ from .options import (
     worker_settings,
 )
 
+__all__ = ["SAMPLE_REDO", "exec_cmd"]
+
 #: What ``--redo`` may name with ``--jsonl``.
-SAMPLE_REDO = ("error", "timeout", "killed", "died")
+SAMPLE_REDO = ("error", "timeout", "oom", "died")
 
 
 @click.command("exec", context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
@@ -62,7 +65,7 @@ SAMPLE_REDO = ("error", "timeout", "killed", "died")
 @click.option("--progress", type=click.Choice(["auto", "bar", "lines", "none"]), default="auto",
               show_default=True, help="With --jsonl: a live bar (auto: when stderr is a terminal) or one line per sample.")
 @click.option("--ray", "ray_address", metavar="ADDRESS", default=None,
-              help="With --jsonl: run the samples on a Ray cluster (pip install 'agentloop[ray]'), in chunks, one "
+              help="With --jsonl: run the samples on a Ray cluster (needs the ray extra), in chunks, one "
                    "agent_slot each; see `agentloop batch --help`.")
 @worker_options
 def exec_cmd(file, args: tuple[str, ...], timeout: float, as_json: bool, allow_sgr: bool, samples: Path | None,
@@ -91,12 +94,13 @@ def exec_cmd(file, args: tuple[str, ...], timeout: float, as_json: bool, allow_s
     out = _Sink(sys.stderr if as_json else sys.stdout, allow_sgr)
     err = _Sink(sys.stderr, allow_sgr)
     try:
-        options = worker_settings().engine_options()
+        options = worker_settings()
         # A stream bound for a terminal is a terminal for the code too (a pty of its own: colours
         # and progress bars behave as under python; what reaches the screen is still made
         # inert); with --json, or piped, it stays a pipe.
-        options["tty"] = [] if as_json else [fd for fd, sink in ((1, out), (2, err)) if sink.filter is not None]
-        result = asyncio.run(_exec(code, timeout, out, err, options, script))
+        tty = () if as_json else tuple(fd for fd, sink in ((1, out), (2, err)) if sink.filter is not None)
+        result = asyncio.run(_exec(code, timeout, out, err, options.settings().replace(tty=tty),
+                                   options.workspace, script))
     except AgentloopError as exc:
         fail(str(exc))
     except KeyboardInterrupt:
@@ -110,13 +114,13 @@ def exec_cmd(file, args: tuple[str, ...], timeout: float, as_json: bool, allow_s
     if result.message and not on_its_own:
         err.text(f"agentloop: {result.message}\n")
     if result.refused_write():
-        workspace = worker_settings().workspace or "./files"
-        err.text(f"agentloop: note: in this sandbox code writes only to the workspace ({workspace}) and "
-                 "$TMPDIR; the rest is read-only\n")
+        err.text(f"agentloop: note: {writable_note(worker_settings().workspace or './files')}\n")
     # All of it was streamed here; the file is kept only on request (then it is said where).
     output_file = result.output_file if worker_settings().keep_output else None
     if result.truncated and output_file:
-        err.text(f"agentloop: the whole output is in {output_file}\n")
+        whole = os.path.getsize(output_file) == result.output_bytes  # (a cut file ends saying so)
+        err.text(f"agentloop: the whole output is in {output_file}\n" if whole else
+                 f"agentloop: the output is in {output_file}, cut where it says why\n")
     if as_json:
         click.echo(json.dumps({
             "status": result.status, "exit_code": _exit_code(result),
@@ -165,9 +169,9 @@ class _Sink:
 
 def _run_samples(samples: Path, output: Path | None, file, as_json: bool, timeout: float, parallel: int | None,
                  redo: tuple[str, ...], skip_invalid: bool, progress: str, ray_address: str | None) -> None:
-    """``exec --jsonl``: every sample of the file, to the results file (``engine.batch.samples``)."""
+    """``exec --jsonl``: every sample of the file, to the results file (``engine.batch.sample_file``)."""
     from ..batch.progress import print_summary
-    from ..batch.samples import run_samples
+    from ..batch.sample_file import run_samples
 
     if file is not None or output is None or as_json:
         fail("--jsonl SAMPLES takes -o RESULTS, and neither FILE nor --json")
@@ -178,7 +182,7 @@ def _run_samples(samples: Path, output: Path | None, file, as_json: bool, timeou
     settings.limits.setdefault("share_cwd", False)
     output = output.absolute()
     try:
-        outcome = run_samples(samples, output, settings.engine_options(), parallel=parallel, timeout=timeout,
+        outcome = run_samples(samples, output, settings.settings(), parallel=parallel, timeout=timeout,
                               progress=progress, skip_invalid=skip_invalid, redo=redo, ray_address=ray_address)
     except AgentloopError as exc:
         fail(str(exc))
@@ -189,7 +193,7 @@ def _run_samples(samples: Path, output: Path | None, file, as_json: bool, timeou
     sys.exit(outcome.exit_code)
 
 
-def _script(file, args: tuple[str, ...]) -> Script:
+def _script(file, args: tuple[str, ...]) -> ScriptRun:
     """What ``exec FILE ARGS`` runs as: the file's absolute path (``<stdin>`` for ``-``), the
     arguments as given, and this process's stdin when it is a pipe or a file that is not the
     code itself (a terminal is not read: a background job would stop on it)."""
@@ -204,15 +208,15 @@ def _script(file, args: tuple[str, ...]) -> Script:
                 stdin = 0
         except OSError:
             stdin = None
-    return Script(path, ["-" if from_stdin else file.name, *args], stdin)
+    return ScriptRun(path, ["-" if from_stdin else file.name, *args], stdin)
 
 
-async def _exec(code: str, timeout: float, out: _Sink, err: _Sink, options: dict,
-                script: Script | None = None) -> BlockResult:
+async def _exec(code: str, timeout: float, out: _Sink, err: _Sink, settings: WorkerSettings,
+                workspace: Path | None, script: ScriptRun | None = None) -> BlockResult:
     def show(chunk: OutputChunk) -> None:
         (err if chunk.stream == "stderr" else out).write(chunk.data)
 
-    async with Engine(**options, pool=0) as engine:  # one worker: no pool
+    async with Engine(settings, workspace=workspace, pool=0) as engine:  # one worker: no pool
         worker = await engine.start_worker("exec")
         for note in worker.notes:
             err.text(f"agentloop: {note}\n")

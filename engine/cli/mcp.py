@@ -15,6 +15,8 @@ import click
 from ..errors import AgentloopError
 from .options import Duration, fail, worker_options, worker_settings
 
+__all__ = ["mcp"]
+
 
 @click.command("mcp")
 @click.option("--http", "http", metavar="HOST:PORT", default=None,
@@ -58,12 +60,10 @@ def mcp(http: str | None, allowed_hosts: tuple[str, ...], idle_timeout: float, m
                        "(the MCP transport carries no authentication here)", err=True)
     elif allowed_hosts:
         fail("--allow-host applies to --http only")
-    settings = worker_settings()
-    engine = settings.engine_options()  # the interpreter chosen, the policy (warning for --sandbox none)
+    options = worker_settings()
     config = server.ServerConfig(
-        workspace=(settings.workspace or Path("files")).resolve(), policy=engine["sandbox"],
-        cwd=Path(os.getcwd()).resolve(), idle_timeout=idle_timeout, max_sessions=max_sessions,
-        python=engine["python"], preload=tuple(engine["preload"]))
+        workspace=(options.workspace or Path("files")).resolve(), settings=options.settings(),
+        cwd=Path(os.getcwd()).resolve(), idle_timeout=idle_timeout, max_sessions=max_sessions)
 
     def announce(url: str) -> None:
         click.echo(f"agentloop: serving MCP at {url}", err=True)

@@ -2,7 +2,8 @@
 
 Every command that starts workers takes ``worker_options`` (one decorator, so ``--help`` of
 each lists the same sandbox, limit and interpreter options) and reads them back with
-``worker_settings()``; the options never become parameters of the command functions.
+``worker_settings()``, which builds the command's ``engine.settings.WorkerSettings`` once; the
+options never become parameters of the command functions.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import click
 from ..durations import parse_duration
 from ..errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OWN, EXIT_TIMEOUT, AgentloopError
 from ..inert import inert
-from ..interpreter import choose_python
+from ..interpreter import which_python
+from ..output import OUTPUT_CAP
 from ..sandbox import SandboxPolicy
+from ..settings import WorkerSettings
 
 
 class Duration(click.ParamType):
@@ -73,7 +76,7 @@ class Size(click.ParamType):
 
 
 @dataclass
-class WorkerSettings:
+class _WorkerOptions:
     """The worker options of the current command, as ``worker_options`` collected them."""
 
     sandbox: str = "auto"
@@ -82,31 +85,41 @@ class WorkerSettings:
     preload: tuple[str, ...] = ()
     python: str | None = None
     keep_output: bool = False
+    max_output: int = OUTPUT_CAP
     limits: dict = field(default_factory=dict)
+    _built: WorkerSettings | None = None
 
     def policy(self) -> SandboxPolicy:
-        """The sandbox policy (mode, network, limits); warns once on stderr for ``--sandbox none``."""
-        if self.sandbox == "none":
-            click.echo("agentloop: warning: --sandbox none runs model code with your privileges", err=True)
+        """The sandbox policy (mode, network, limits)."""
         return SandboxPolicy(mode=self.sandbox, network=self.network, **self.limits)
 
-    def engine_options(self) -> dict:
-        """``Engine`` keyword arguments for these settings (the interpreter chosen as
-        ``engine.interpreter.choose_python`` says; a bad choice ends the command in one line)."""
+    def python_choice(self) -> tuple[str, str]:
+        """The workers' interpreter and which source chose it (``engine.interpreter.which_python``,
+        ./agentloop.toml read as every command reads it); a bad choice or file ends the command
+        in one line."""
         try:
-            python = choose_python(self.python, workspace=self.workspace or Path("files"))
+            return which_python(self.python, workspace=self.workspace or Path("files"))
         except AgentloopError as exc:
             fail(str(exc))
-        return {"sandbox": self.policy(), "workspace": self.workspace, "preload": self.preload, "python": python,
-                "keep_output": self.keep_output}
+
+    def settings(self) -> WorkerSettings:
+        """The command's worker settings, built once: the policy (a warning on stderr for
+        ``--sandbox none``) and the interpreter ``python_choice`` chooses."""
+        if self._built is None:
+            if self.sandbox == "none":
+                click.echo("agentloop: warning: --sandbox none runs model code with your privileges", err=True)
+            self._built = WorkerSettings(sandbox=self.policy(), python=self.python_choice()[0], preload=self.preload,
+                                         keep_output=self.keep_output, max_output=self.max_output)
+        return self._built
 
 
-def worker_settings() -> WorkerSettings:
-    """The current command's worker options (defaults outside a command)."""
+def worker_settings() -> _WorkerOptions:
+    """The current command's worker options (defaults outside a command); ``.settings()`` is
+    what its engines are given, ``.workspace`` where its workers write."""
     ctx = click.get_current_context(silent=True)
     if ctx is None:
-        return WorkerSettings()
-    return ctx.meta.setdefault("agentloop.worker", WorkerSettings())  # one ``meta`` per command line
+        return _WorkerOptions()
+    return ctx.meta.setdefault("agentloop.worker", _WorkerOptions())  # one ``meta`` per command line
 
 
 def _setting(name: str):
@@ -157,6 +170,10 @@ def worker_options(f):
                      callback=_setting("keep_output"),
                      help="Keep the files of block outputs too large for memory after the run (batch "
                           "always keeps them, in each run's directory)."),
+        click.option("--max-output", type=Size(), default=None, expose_value=False,
+                     callback=_setting("max_output"),
+                     help="What the files of block outputs too large for memory may hold in all, per "
+                          "run (default 1G; each file 256M at most)."),
         _limit("--memory", "memory_bytes", Size(), "Memory per worker (default 2G)."),
         _limit("--cpu-time", "cpu_seconds", click.IntRange(1), "CPU seconds per worker (default: no limit)."),
         _limit("--max-processes", "max_processes", click.IntRange(1), "Processes per worker (default 256)."),
@@ -244,14 +261,24 @@ def host_functions(tools: str, root: Path) -> dict:
     return {}
 
 
-def make_display(record: Path | None, quiet: bool):
-    """The live console on stderr (unless quiet), plus a JSONL recorder when asked."""
+def make_display(record: Path | None, quiet: bool, models=None):
+    """The live console on stderr (unless quiet), plus a JSONL recorder when asked (a file it
+    cannot write ends the command in one line), plus the spans of the run when tracing is on
+    (``models`` names its model ids and servers)."""
+    from .. import tracing
     from ..console import ConsoleDisplay
     from ..display import AgentDisplay, FanoutDisplay, JsonlRecorder
 
     displays = [] if quiet else [ConsoleDisplay()]
     if record is not None:
-        displays.append(JsonlRecorder(record))
+        try:
+            displays.append(JsonlRecorder(record))
+        except OSError as exc:
+            fail(f"cannot record to {record}: {exc.strerror or exc}")
+        except AgentloopError as exc:
+            fail(str(exc))
+    if (spans := tracing.observer(models)) is not None:
+        displays.append(spans)
     if not displays:
         return AgentDisplay()
     return displays[0] if len(displays) == 1 else FanoutDisplay(displays)
@@ -305,7 +332,7 @@ def terminated(signum: int, frame) -> None:
         raise KeyboardInterrupt
 
 
-__all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OWN", "EXIT_TIMEOUT", "Duration", "Size", "WorkerSettings",
+__all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OWN", "EXIT_TIMEOUT", "Duration", "Size",
            "agent_options", "apply_max_tokens", "apply_options", "close_display", "ending", "fail",
            "host_functions", "load_registry", "make_display", "max_tokens_option", "modules", "run_until_done",
            "same_terminal", "terminated", "worker_options", "worker_settings"]

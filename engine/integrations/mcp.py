@@ -21,6 +21,10 @@ What it guarantees:
   client's directory through the current directory it is shown.  A session idle for
   ``idle_timeout`` is closed (its files stay); at most ``max_sessions`` are open on the whole
   server, and one more is refused in words.
+- **The model reads what it can act on.**  A result carries the code's output, the session's
+  start (where its files go) and, after a refused write, where the code may write; the
+  sandbox's notes (the current directory not shown, a layer this machine lacks) are for whoever
+  runs the server and go to its stderr, once each.
 - **Every fault is a tool result, never a crash.**  An exception, a deadline, a kill, a worker
   that died, a session that could not start, arguments that cannot be used: the result says so
   in words (``is_error`` set), with the output so far.  Only a resource that cannot be read is
@@ -56,17 +60,23 @@ try:
     import mcp_types as types
     from mcp.server.lowlevel import Server
     from mcp.shared.exceptions import MCPError
-except ImportError as exc:  # the optional extra: say which one
-    raise ImportError(f"the MCP server needs the MCP SDK ({exc}); install it with: "
-                      "pip install 'agentloop[mcp]'") from exc
+except ImportError as exc:  # the optional extra: say how to get it
+    from ..extras import install_hint
+
+    raise ImportError(f"the MCP server needs the MCP SDK ({exc}): {install_hint('mcp')}") from exc
 
 from ..code_task import OUTPUT_BUDGET  # what a block's result carries, as an agent sees it
 from ..durations import format_duration, parse_duration
 from ..errors import AgentloopError
-from ..results import BlockResult, OutputChunk
+from ..results import BlockResult, OutputChunk, writable_note
 from .mcp_clients import Client, Clients, NoClient
-from .mcp_sessions import ServerConfig, Sessions, ToolError
+from .mcp_sessions import CallRefused, ServerConfig, Sessions
 from .workspace_files import MAX_LISTED_FILES, list_files, mime_type, parse_uri, read_file, resource_uri
+
+__all__ = [
+    "AgentloopMCP", "DEFAULT_SESSION", "DEFAULT_TIMEOUT", "PROGRESS_INTERVAL", "PROGRESS_TEXT", "Progress",
+    "SCHEME", "ServerConfig", "result_data", "result_text", "tool_definitions"
+]
 
 log = logging.getLogger("agentloop")
 
@@ -177,7 +187,7 @@ def _text(text: str, *, error: bool = False, data: dict | None = None) -> types.
 def tool_definitions(config: ServerConfig, where: str) -> list[types.Tool]:
     """The three tools, described for the client's model; ``where`` says where a session's
     files go."""
-    network = "with the host's network" if config.policy.network else "without network"
+    network = "with the host's network" if config.settings.sandbox.network else "without network"
     return [
         types.Tool(
             name="run_python",
@@ -204,7 +214,7 @@ def tool_definitions(config: ServerConfig, where: str) -> list[types.Tool]:
                 "required": ["code"],
             },
             annotations=types.ToolAnnotations(title="Run Python", read_only_hint=False, destructive_hint=False,
-                                              open_world_hint=config.policy.network),
+                                              open_world_hint=config.settings.sandbox.network),
         ),
         types.Tool(
             name="reset_session",
@@ -280,7 +290,7 @@ class AgentloopMCP:
                 return self.list_sessions(client)
             names = ", ".join(t.name for t in self.tools)
             return _text(f"no tool named {params.name!r}; the tools are {names}", error=True)
-        except (ToolError, NoClient) as exc:
+        except (CallRefused, NoClient) as exc:
             return _text(str(exc), error=True)
         except Exception as exc:  # noqa: BLE001 - the edge: a bug of ours is a tool error, not a dead client
             log.exception("tool %s failed", params.name)
@@ -292,25 +302,26 @@ class AgentloopMCP:
         ``report``."""
         code = args.get("code")
         if not isinstance(code, str):
-            raise ToolError("run_python needs `code`, the Python source to run, as a string")
+            raise CallRefused("run_python needs `code`, the Python source to run, as a string")
         name = args.get("session", DEFAULT_SESSION) or DEFAULT_SESSION
         try:
             timeout = parse_duration(args.get("timeout") or DEFAULT_TIMEOUT)
         except AgentloopError as exc:
-            raise ToolError(f"timeout: {exc}") from exc
+            raise CallRefused(f"timeout: {exc}") from exc
         async with self.sessions.use(client, name) as (session, started):
             progress = Progress(lambda total, text: report(total, None, text)) if report is not None else None
-            notes = [*session.worker.notes, f"session {name!r} started; its files go in {session.workspace}"] \
-                if started else []
+            notes = [f"session {name!r} started; its files go in {session.workspace}"] if started else []
             try:
                 result = await session.worker.run(code, timeout=timeout, budget=OUTPUT_BUDGET,
                                                   on_output=progress.add if progress else None)
             except AgentloopError as exc:  # the worker could not be started again, or was closed
-                raise ToolError(f"session {name!r}: {exc}") from exc
+                raise CallRefused(f"session {name!r}: {exc}") from exc
             finally:
                 if progress is not None:
                     await progress.close()
             session.blocks += 1
+        if result.refused_write():
+            notes.append(writable_note(session.workspace))
         return _text(result_text(result, name, notes), error=result.status != "ok",
                      data=result_data(result, name))
 
@@ -372,9 +383,9 @@ class AgentloopMCP:
             name, relative = parse_uri(uri)
             root = self.sessions.workspace_of(client, name)
             if name not in await asyncio.to_thread(self.sessions.owned, client):
-                raise ToolError(f"no session {name!r} of yours has files")
+                raise CallRefused(f"no session {name!r} of yours has files")
             data = await asyncio.to_thread(read_file, root, relative)
-        except (ValueError, ToolError, OSError) as exc:
+        except (ValueError, CallRefused, OSError) as exc:
             raise MCPError(types.INVALID_PARAMS, f"cannot read {uri}: {_reason(exc)}") from exc
         mime = mime_type(relative)
         try:

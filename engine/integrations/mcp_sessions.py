@@ -18,11 +18,11 @@ from typing import Any
 from ..durations import format_duration
 from ..engine import Engine
 from ..errors import AgentloopError
-from ..sandbox import SandboxPolicy
+from ..settings import WorkerSettings
 from ..worker import Worker
 from .mcp_clients import Client, session_directories
 
-__all__ = ["CLOSE_TIMEOUT", "SESSION_NAME", "ServerConfig", "Session", "Sessions", "ToolError", "check_name"]
+__all__ = ["CLOSE_TIMEOUT", "SESSION_NAME", "ServerConfig", "Session", "Sessions", "CallRefused", "check_name"]
 
 log = logging.getLogger("agentloop")
 
@@ -32,7 +32,7 @@ CLOSE_TIMEOUT = 15.0
 SESSION_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 
 
-class ToolError(Exception):
+class CallRefused(Exception):
     """A tool call that cannot be done as asked; its message goes back to the client as the
     tool's result, with ``is_error`` set."""
 
@@ -42,13 +42,10 @@ class ServerConfig:
     """What the command line decided for every session of one server."""
 
     workspace: Path  # a session's files are workspace/SESSION (stdio) or workspace/client-ID/SESSION (HTTP)
-    policy: SandboxPolicy = field(default_factory=SandboxPolicy)
+    settings: WorkerSettings = field(default_factory=WorkerSettings)  # every session's workers'
     cwd: Path = field(default_factory=Path.cwd)
     idle_timeout: float = 30 * 60.0
     max_sessions: int = 8
-    python: str | None = None  # the interpreter workers run; None: the engine's default
-    preload: tuple[str, ...] = ()  # modules each session's fork server imports once
-    state_dir: Path | None = None  # the engines' run directories; None: the engine's default
 
 
 class Session:
@@ -93,9 +90,11 @@ class Sessions:
         # The sessions this server started for a client whose root is shared (stdio's, the
         # workspace itself): their files stay readable.  A private root holds nothing else.
         self._seen: set[tuple[str, str]] = set()
-        # Shutdowns running in the background (idle, client gone), by session: one of the same
-        # name starts after it, so that the old engine's cleanup cannot remove the new one's workspace.
+        # Shutdowns under way (idle, reset, client gone), by session: one of the same name
+        # starts after it ends, so that the old engine's cleanup (its workspace's uid, its
+        # workers' processes) cannot take what the new one starts.
         self._closing: dict[tuple[str, str], asyncio.Task] = {}
+        self._noted: set[str] = set()  # the sandbox's notes said on stderr (once each)
         self._closed = False
 
     def names(self, client: Client) -> list[str]:
@@ -128,7 +127,7 @@ class Sessions:
     async def _acquire(self, client: Client, name: str) -> tuple[Session, bool]:
         check_name(name)
         if self._closed:
-            raise ToolError("the server is shutting down")
+            raise CallRefused("the server is shutting down")
         key = (client.id, name)
         session = self._open.get(key)
         started = False
@@ -137,7 +136,7 @@ class Sessions:
             if task is None:
                 if len(self._open) + len(self._starting) >= self.config.max_sessions:
                     yours = ", ".join(self.names(client)) or "none"
-                    raise ToolError(
+                    raise CallRefused(
                         f"{self.config.max_sessions} sessions are open on this server, the most it allows "
                         f"(--max-sessions); yours: {yours}. Use one of yours, or end one with reset_session; "
                         f"sessions idle for {format_duration(self.config.idle_timeout)} close by themselves")
@@ -165,27 +164,31 @@ class Sessions:
         if closing is not None:
             await asyncio.wait([closing])
         config = self.config
-        policy = config.policy
+        settings = config.settings
         if client.private:  # the other clients' directories are never in its view
-            policy = dataclasses.replace(policy, hidden=(*policy.hidden, str(config.workspace)))
-        engine = Engine(cwd=config.cwd, workspace=client.root / name, sandbox=policy, pool=0,
-                        python=config.python, preload=config.preload, state_dir=config.state_dir)
+            policy = settings.sandbox
+            settings = settings.replace(sandbox=dataclasses.replace(policy, hidden=(*policy.hidden, str(config.workspace))))
+        engine = Engine(settings, cwd=config.cwd, workspace=client.root / name, pool=0)
         try:
             worker = await engine.start_worker(name)
         except AgentloopError as exc:
             await engine.shutdown()
-            raise ToolError(f"session {name!r} could not start: {exc}") from exc
+            raise CallRefused(f"session {name!r} could not start: {exc}") from exc
         except BaseException:
             await asyncio.shield(engine.shutdown())
             raise
         session = Session(client, name, engine, worker)
         if self._closed:  # the server began to stop while this one started
             await engine.shutdown()
-            raise ToolError("the server is shutting down")
+            raise CallRefused("the server is shutting down")
         self._open[session.key] = session
         if not client.private:
             self._seen.add(session.key)
         log.info("session %s of %s started (workspace %s)", name, client.id, session.workspace)
+        for note in worker.notes:  # the sandbox's, for whoever runs the server, not its client's model
+            if note not in self._noted:
+                self._noted.add(note)
+                log.warning("%s", note)
         return session
 
     def _arm_idle(self, session: Session) -> None:
@@ -201,7 +204,9 @@ class Sessions:
                      format_duration(self.config.idle_timeout))
             self._close_later(session)
 
-    def _close_later(self, session: Session) -> None:
+    def _close_later(self, session: Session) -> asyncio.Task:
+        """Take ``session`` out of the open ones and shut it down in the background; a session
+        of its name starts only once that ends."""
         del self._open[session.key]
         if session.idle_timer is not None:
             session.idle_timer.cancel()
@@ -209,6 +214,7 @@ class Sessions:
         key, task = session.key, asyncio.ensure_future(session.engine.shutdown())
         self._closing[key] = task
         task.add_done_callback(lambda done: self._closing.pop(key) if self._closing.get(key) is done else None)
+        return task
 
     async def reset(self, client: Client, name: str) -> tuple[Session, list[str]] | None:
         """End ``client``'s session ``name``: its worker is killed (running blocks end, saying
@@ -218,15 +224,13 @@ class Sessions:
         key = (client.id, name)
         task = self._starting.get(key)
         if task is not None:
-            with contextlib.suppress(ToolError):
+            with contextlib.suppress(CallRefused):
                 await asyncio.shield(task)
-        session = self._open.pop(key, None)
+        session = self._open.get(key)
         if session is None:
             return None
-        if session.idle_timer is not None:
-            session.idle_timer.cancel()
         held = list(session.worker.vars)
-        await asyncio.shield(session.engine.shutdown())
+        await asyncio.shield(self._close_later(session))  # (a caller that gives up leaves it to end)
         log.info("session %s of %s reset", name, client.id)
         return session, held
 
@@ -261,8 +265,8 @@ class Sessions:
 
 
 def check_name(name: Any) -> str:
-    """``name`` if it can name a session (and its workspace directory), else a ToolError."""
+    """``name`` if it can name a session (and its workspace directory), else a CallRefused."""
     if not isinstance(name, str) or not SESSION_NAME.fullmatch(name):
-        raise ToolError(f"a session name is 1 to 64 letters, digits, '_', '-' or '.', not starting with "
+        raise CallRefused(f"a session name is 1 to 64 letters, digits, '_', '-' or '.', not starting with "
                         f"'.' or '-'; got {name!r}")
     return name

@@ -16,14 +16,17 @@ from collections.abc import Awaitable, Callable, Iterator
 try:
     from mcp.server.stdio import stdio_server
     from mcp.server.transport_security import TransportSecuritySettings
-except ImportError as exc:  # the optional extra: say which one
-    raise ImportError(f"the MCP server needs the MCP SDK ({exc}); install it with: "
-                      "pip install 'agentloop[mcp]'") from exc
+except ImportError as exc:  # the optional extra: say how to get it
+    from ..extras import install_hint
+
+    raise ImportError(f"the MCP server needs the MCP SDK ({exc}): {install_hint('mcp')}") from exc
 
 from ..errors import AgentloopError
 from .http_gate import Gate
 from .mcp import AgentloopMCP
 from .mcp_sessions import CLOSE_TIMEOUT, ServerConfig
+
+__all__ = ["MAX_MCP_SESSIONS", "MAX_MESSAGE", "parse_address", "run", "serve_http", "serve_stdio"]
 
 log = logging.getLogger("agentloop")
 

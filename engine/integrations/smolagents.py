@@ -50,9 +50,10 @@ from typing import Any
 
 try:
     from smolagents.local_python_executor import CodeOutput, PythonExecutor
-except ImportError as exc:  # the optional extra: say which one
-    raise ImportError(f"AgentloopExecutor needs smolagents ({exc}); install it with: "
-                      "pip install 'agentloop[smolagents]'") from exc
+except ImportError as exc:  # the optional extra: say how to get it
+    from ..extras import install_hint
+
+    raise ImportError(f"AgentloopExecutor needs smolagents ({exc}): {install_hint('smolagents')}") from exc
 
 from ..code_task import OUTPUT_BUDGET  # what a block's result carries, as an agent sees it
 from ..durations import parse_duration
@@ -61,6 +62,8 @@ from ..errors import AgentloopError, WorkerError
 from ..results import BlockResult
 from ..sandbox import SandboxPolicy
 from ..worker import Worker
+
+__all__ = ["AgentloopExecutor", "CodeFailed", "MAX_REPR", "is_plain", "with_last_value"]
 
 log = logging.getLogger("agentloop")
 
