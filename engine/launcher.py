@@ -261,8 +261,8 @@ class Launcher:
         runtime and imports every ``preload`` module; nor one a worker could have written."""
         python = self.settings.python
         interpreter.refuse_untrusted(python, self.workspace)
+        interpreter.refuse_untrusted_paths(python)  # before anything else runs it with its site
         self.runtime_packages = interpreter.runtime_packages(python)
-        interpreter.refuse_untrusted_paths(python)
         missing = interpreter.not_importable(python, self.settings.preload)
         if missing:
             raise ConfigError(f"--preload: {', '.join(missing)} cannot be imported by the workers' Python "
