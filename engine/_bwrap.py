@@ -77,9 +77,10 @@ class View:
     """What a worker is shown, every path resolved: the system (read-only, with the symlinks
     of a merged /usr), its Python, the current directory when shown, the run's output and
     socket directories (read-only) and the workspace (read-write), in which ``protected``
-    (``engine.protected``) stay read-only.  A fork server shared by the runs of a batch is
-    shown the batch's runs directory as its workspace and no output directory
-    (``engine.shared_fork_server``)."""
+    (``engine.protected``) stay read-only; ``hidden`` directories beneath the current directory
+    are covered by an empty, read-only tmpfs (the workspace may lie beneath one: it is bound
+    back on top).  A fork server shared by the runs of a batch is shown the batch's runs
+    directory as its workspace and no output directory (``engine.shared_fork_server``)."""
 
     system: tuple[str, ...]
     links: tuple[tuple[str, str], ...]
@@ -89,6 +90,7 @@ class View:
     output_dir: Path | None
     cwd: Path | None
     protected: tuple[str, ...] = ()
+    hidden: tuple[str, ...] = ()
 
 
 def bwrap_argv(bwrap: str, *, root: bool, network: bool, tmp_bytes: int, view: View,
@@ -115,11 +117,16 @@ def bwrap_argv(bwrap: str, *, root: bool, network: bool, tmp_bytes: int, view: V
         binds.append(("--ro-bind", view.output_dir))
     if view.cwd is not None and not beneath(str(view.cwd), str(view.workspace)):
         binds.append(("--ro-bind", view.cwd))  # (beneath the workspace it is visible, writable)
+    binds += [("--tmpfs", Path(h)) for h in view.hidden]  # over the current directory, under the workspace
     for kind, path in sorted(binds, key=lambda b: (len(b[1].parts), b[0] == "--bind")):
-        argv += [*make_parents(str(path), made), kind, str(path), str(path)]
+        if kind == "--tmpfs":
+            argv += [*make_parents(str(path), made), "--perms", "0755", "--size", "65536", kind, str(path)]
+        else:
+            argv += [*make_parents(str(path), made), kind, str(path), str(path)]
     # Last, over the workspace: what stays read-only in it.  Each exists there (its parents
     # with it), so no directory is made for it.
     for path in view.protected:
         argv += ["--ro-bind", path, path]
-    # The root and /dev are tmpfs that bwrap builds; nothing may be written to them.
-    return argv + ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", start_dir, "--"]
+    # The root, /dev and the covers are tmpfs that bwrap builds; nothing may be written to them.
+    covers = [a for h in view.hidden for a in ("--remount-ro", h)]
+    return argv + ["--remount-ro", "/dev", *covers, "--remount-ro", "/", "--chdir", start_dir, "--"]

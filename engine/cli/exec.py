@@ -46,7 +46,8 @@ SAMPLE_REDO = ("error", "timeout", "oom", "died")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object on stdout after the run (the code's stdout goes to stderr).")
 @click.option("--color", "allow_sgr", is_flag=True,
-              help="Let the code's colour sequences (ESC [ ... m) through to a terminal.  Without it, "
+              help="Let the code's colour and style sequences (ESC [ ... m: colours, bold, dim, italic, "
+                   "underline, reverse, strike; not concealed text or blink) through to a terminal.  Without it, "
                    "output bound for a terminal loses every escape sequence and control character but "
                    "newline and tab (a lone carriage return becomes a newline); output to a pipe or a "
                    "file is passed unchanged either way.")
