@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine._cgroup import WorkerCgroups, delegation_hint
-from engine.sandbox import HostSupport, SandboxPolicy, fork_server_problem, host_support, root_blocker
+from engine.provision import fork_server_problem
+from engine.sandbox import HostSupport, SandboxPolicy, host_support, root_blocker
 
 __all__ = ["Layer", "report"]
 

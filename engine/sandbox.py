@@ -30,30 +30,21 @@ import errno
 import os
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
 from engine import _uids
-from engine._bwrap import (
-    View,
-    beneath,
-    bwrap_argv,
-    fork_server_argv,
-    make_parents,
-    namespace_flags,
-    outermost,
-)
+from engine._bwrap import View, beneath, bwrap_argv, make_parents, namespace_flags, outermost
 from engine._tree import TreeError, disk_usage
 from engine.errors import ConfigError, SandboxError
-from engine.interpreter import python_paths, runtime_argv
+from engine.interpreter import python_paths
 from engine.protected import unkept_note
 from worker.contract.confinement import Confinement, Landlock, Seccomp, landlock_abi, seccomp_supported
 
 __all__ = [
-    "GiB", "HostSupport", "LaunchPlan", "MODES", "MiB", "SandboxPolicy", "fork_server_problem", "host_support",
-    "plan", "root_blocker", "server_plan", "system_paths", "tools_argv", "workspace_excess"
+    "GiB", "HostSupport", "LaunchPlan", "MODES", "MiB", "SandboxPolicy", "host_support", "plan",
+    "root_blocker", "server_plan", "system_paths", "tools_argv", "workspace_excess"
 ]
 
 GiB = 1024**3
@@ -161,44 +152,6 @@ def host_support() -> HostSupport:
         except (OSError, subprocess.TimeoutExpired) as exc:
             problem, exe = f"bubblewrap failed to run ({exc})", None
     return HostSupport(root, exe, problem, landlock_abi(), seccomp_supported())
-
-
-@lru_cache(maxsize=1)
-def fork_server_problem() -> str | None:
-    """Why a fork server cannot run here for this user (None: it can), in a few words.
-
-    Root's needs bubblewrap only.  An unprivileged user's runs in bubblewrap's user namespace
-    and gives each process it forks a user namespace of its own: a kernel or policy that allows
-    bubblewrap its namespace may still refuse one below it (AppArmor's restriction of
-    unprivileged user namespaces, a low ``user.max_user_namespaces``).  So that much is made
-    once, as the server makes it (``worker.fork_server.probe``): an interpreter started once
-    per process, in a sandbox of its own."""
-    host = host_support()
-    if host.bwrap is None:
-        return host.bwrap_problem
-    if host.root:
-        return None
-    argv = [host.bwrap, *namespace_flags(False, network=False), "--ro-bind", "/", "/", "--proc", "/proc",
-            "--dev", "/dev", "--"]
-    argv = fork_server_argv(argv, root=False) + runtime_argv(sys.executable, "worker.fork_server:probe")
-    try:
-        done = subprocess.run(argv, capture_output=True, timeout=30, stdin=subprocess.DEVNULL, cwd="/")
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"bubblewrap failed to run ({exc})"
-    if done.returncode == 0:
-        return None
-    said = done.stderr.decode(errors="replace").strip().splitlines()
-    why = said[-1].removeprefix("agentloop fork server: worker start failed: ") if said else f"exit {done.returncode}"
-    if _read_sysctl("kernel/apparmor_restrict_unprivileged_userns") == "1":
-        why += "; AppArmor restricts unprivileged user namespaces (kernel.apparmor_restrict_unprivileged_userns=1)"
-    return f"the kernel refuses a user namespace inside bubblewrap's ({why})"
-
-
-def _read_sysctl(name: str) -> str | None:
-    try:
-        return Path("/proc/sys", name).read_text().strip()
-    except OSError:
-        return None
 
 
 # ---------------------------------------------------------------------------------------------

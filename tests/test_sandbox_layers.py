@@ -30,14 +30,8 @@ import pytest
 
 from engine.doctor import report
 from engine.errors import ConfigError
-from engine.sandbox import (
-    LaunchPlan,
-    SandboxPolicy,
-    fork_server_problem,
-    host_support,
-    plan,
-    workspace_excess,
-)
+from engine.provision import fork_server_problem
+from engine.sandbox import LaunchPlan, SandboxPolicy, host_support, plan, workspace_excess
 from tests.conftest import read_line
 from worker._confine import seccomp_program
 from worker.contract.confinement import Confinement, Seccomp
