@@ -59,17 +59,26 @@ def _parents(path: str, made: set[str]) -> list[str]:
 class View:
     """What a worker is shown, every path resolved: the system (read-only, with the symlinks
     of a merged /usr), its Python, the current directory when shown, the run's output and
-    socket directories (read-only) and the workspace (read-write).  A fork server shared by
-    the runs of a batch is shown the batch's runs directory as its workspace and no output
-    directory (``engine._shared_fork``)."""
+    socket directories (read-only) and the workspace (read-write), in which ``protected``
+    stay read-only.  A fork server shared by the runs of a batch is shown the batch's runs
+    directory as its workspace and no output directory (``engine._shared_fork``); a script
+    run by ``exec`` has no socket or output directory, and ``shown`` holds its own directory.
+
+    ``shown``: more paths shown read-only where nothing above them is shown already.
+    ``root_proc``: for code that keeps uid 0 (without capabilities), the files of ``/proc``
+    that only their owner may read or write, covered so that opening them fails as it does for
+    any other user; ``/proc/sys`` is then shown read-only, as it is to other users by its modes."""
 
     system: tuple[str, ...]
     links: tuple[tuple[str, str], ...]
     python: tuple[str, ...]
     workspace: Path
-    socket_dir: Path
+    socket_dir: Path | None
     output_dir: Path | None
     cwd: Path | None
+    protected: tuple[str, ...] = ()
+    shown: tuple[Path, ...] = ()
+    root_proc: tuple[str, ...] = ()
 
 
 def bwrap_argv(bwrap: str, *, root: bool, network: bool, tmp_bytes: int, view: View,
@@ -84,6 +93,12 @@ def bwrap_argv(bwrap: str, *, root: bool, network: bool, tmp_bytes: int, view: V
     argv += ["--proc", "/proc", "--dev", "/dev",
              "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm",
              "--perms", "1777", "--size", size, "--tmpfs", "/tmp"]
+    if view.root_proc:
+        # The host's /proc/sys (sysctls are read through the reader's own namespaces), read-only;
+        # a character device on a nodev mount cannot be opened: EACCES, as for any user.
+        argv += ["--ro-bind", "/proc/sys", "/proc/sys"]
+        for path in view.root_proc:
+            argv += ["--ro-bind", "/dev/null", path]
     for path in _outermost([*view.system, *view.python]):
         argv += [*_parents(path, made), "--ro-bind", path, path]
     for target, link in view.links:
@@ -91,12 +106,17 @@ def bwrap_argv(bwrap: str, *, root: bool, network: bool, tmp_bytes: int, view: V
     # Host directories last, shallowest first, so a deeper (more specific) bind wins and none
     # is hidden by the /tmp tmpfs.  The socket directory is read-only: connecting to a socket
     # needs no write access to its directory, and nothing else belongs there.
-    binds = [("--bind", view.workspace), ("--ro-bind", view.socket_dir)]
-    if view.output_dir is not None:
-        binds.append(("--ro-bind", view.output_dir))
+    binds = [("--bind", view.workspace)]
+    binds += [("--ro-bind", d) for d in (view.socket_dir, view.output_dir) if d is not None]
     if view.cwd is not None and not _beneath(str(view.cwd), str(view.workspace)):
         binds.append(("--ro-bind", view.cwd))  # (beneath the workspace it is visible, writable)
+    seen = [*view.system, *view.python, str(view.workspace), *([str(view.cwd)] if view.cwd is not None else [])]
+    binds += [("--ro-bind", p) for p in view.shown if not any(_beneath(str(p), s) for s in seen)]
     for kind, path in sorted(binds, key=lambda b: (len(b[1].parts), b[0] == "--bind")):
         argv += [*_parents(str(path), made), kind, str(path), str(path)]
+    # Last, over the workspace: what stays read-only in it.  Each exists there (its parents
+    # with it), so no directory is made for it.
+    for path in view.protected:
+        argv += ["--ro-bind", path, path]
     # The root and /dev are tmpfs that bwrap builds; nothing may be written to them.
     return argv + ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", start_dir, "--"]

@@ -75,6 +75,15 @@ _NR = {
     "landlock_create_ruleset": (444, 444), "landlock_add_rule": (445, 445),
     "landlock_restrict_self": (446, 446),
 }
+# Calls that set a file's mode, with the argument holding the mode and, for the opening calls,
+# the one holding the flags (a mode is read only when O_CREAT or O_TMPFILE asks for one).
+_MODE_CALLS = (("chmod", (90, None), 1, None), ("fchmod", (91, 52), 1, None),
+               ("fchmodat", (268, 53), 2, None), ("fchmodat2", (452, 452), 2, None),
+               ("creat", (85, None), 1, None), ("open", (2, None), 2, 1), ("openat", (257, 56), 3, 2),
+               ("mknod", (133, None), 1, None), ("mknodat", (259, 33), 2, None))
+_OPENAT2 = (437, 437)  # its mode is in memory that BPF cannot read
+_S_ISUID_ISGID = 0o6000
+_O_CREAT_TMPFILE = 0o100 | 0o20000000
 _ARCHES = (("x86_64", _AUDIT_ARCH_X86_64, 0), ("aarch64", _AUDIT_ARCH_AARCH64, 1))
 
 _CLONE_NEW_MASK = (0x00020000 | 0x02000000 | 0x04000000 | 0x08000000   # NEWNS CGROUP UTS IPC
@@ -355,22 +364,27 @@ _PROGRAMS: dict[tuple, bytes] = {}
 
 
 def seccomp_program(socket_families: list[int] | None = None, lock_session: bool = False,
-                    shared_memory: bool = True) -> bytes:
+                    shared_memory: bool = True, set_id_modes: bool = True) -> bytes:
     """``_program``, built once per set of options: a sample slot builds it before it forks,
     so its samples install it without building it again."""
-    key = (None if socket_families is None else tuple(socket_families), bool(lock_session), bool(shared_memory))
+    key = (None if socket_families is None else tuple(socket_families), bool(lock_session), bool(shared_memory),
+           bool(set_id_modes))
     program = _PROGRAMS.get(key)
     if program is None:
-        program = _PROGRAMS[key] = _program(socket_families, lock_session, shared_memory)
+        program = _PROGRAMS[key] = _program(socket_families, lock_session, shared_memory, set_id_modes)
     return program
 
 
-def _program(socket_families: list[int] | None, lock_session: bool, shared_memory: bool) -> bytes:
+def _program(socket_families: list[int] | None, lock_session: bool, shared_memory: bool,
+             set_id_modes: bool = True) -> bytes:
     """The filter as packed `struct sock_filter`s.  `socket_families`: the address families
     socket(2) may create (None: any); of netlink, only NETLINK_ROUTE.  `lock_session`: refuse
     setsid/setpgid, so every descendant stays in the worker's process group and one killpg
     reaches it.  `shared_memory=False`: refuse the memory that RLIMIT_DATA does not count
-    (memfd_create, SysV shmget, shared anonymous mmap), for workers without a memory cgroup."""
+    (memfd_create, SysV shmget, shared anonymous mmap), for workers without a memory cgroup.
+    `set_id_modes=False`: refuse a mode with the set-user-ID or set-group-ID bit (chmod and
+    its kin, and files created with one), for code that keeps uid 0: in a directory it may
+    write, a root-owned set-user-ID copy of a shell would be anyone's root shell on the host."""
     prog: list[list] = []
     labels: dict[str, int] = {}
 
@@ -407,7 +421,20 @@ def _program(socket_families: list[int] | None, lock_session: bool, shared_memor
             op(_JEQ, _NR["memfd_create"][col], f"{name}_eperm", 0)
             op(_JEQ, _NR["shmget"][col], f"{name}_eperm", 0)
             op(_JEQ, _NR["mmap"][col], f"{name}_mmap", 0)
+        mode_calls = [(call, nrs[col], mode, flags) for call, nrs, mode, flags in _MODE_CALLS
+                      if not set_id_modes and nrs[col] is not None]
+        for call, nr, _, _ in mode_calls:
+            op(_JEQ, nr, f"{name}_{call}", 0)
+        if not set_id_modes:
+            op(_JEQ, _OPENAT2[col], f"{name}_enosys", 0)  # (libc falls back to openat)
         op(_RET, _RET_ALLOW)
+        for call, _, mode, flags in mode_calls:
+            label(f"{name}_{call}")
+            if flags is not None:
+                op(_LD_ABS, _arg_lo(flags))
+                op(_JSET, _O_CREAT_TMPFILE, 0, f"{name}_allow")
+            op(_LD_ABS, _arg_lo(mode))
+            op(_JSET, _S_ISUID_ISGID, f"{name}_eperm", f"{name}_allow")
         if not shared_memory:
             # Threat: MAP_SHARED | MAP_ANONYMOUS memory is shmem, which RLIMIT_DATA ignores.
             label(f"{name}_mmap")
@@ -469,7 +496,7 @@ def _seccomp(opts: dict) -> None:
     import ctypes
 
     prog = seccomp_program(opts.get("socket_families"), bool(opts.get("lock_session")),
-                           bool(opts.get("shared_memory", True)))
+                           bool(opts.get("shared_memory", True)), bool(opts.get("set_id_modes", True)))
     buf = ctypes.create_string_buffer(prog, len(prog))
 
     class _Fprog(ctypes.Structure):

@@ -1,0 +1,384 @@
+"""``agentloop exec FILE``: run ``python FILE ARGS`` in its sandbox, and be it for whoever started us.
+
+The program's standard streams are ours, passed straight through: a pipe, a file or
+``/dev/null`` reaches it as the very descriptor we were given, so ``| head``, ``2>&1``,
+buffering, binary streams and the order of a child's output against the script's own are
+python's, and agentloop itself never writes to stdout.  A stream that is a terminal is a pty
+of the script's own instead (``engine._terminal``).  What the sandbox and its first process
+(``worker.confiner``) say goes to a pipe of ours, never to the script's stderr.
+
+How it ends is python's: the confiner reports the program's wait status exactly, and this
+process exits with the same code, or dies of the same signal (core dumps off, as ``timeout(1)``
+does), so a shell shows 128+N and a parent sees -N.  Signals sent to this process reach the
+program: those a terminal sends to its foreground group (SIGINT, SIGQUIT, SIGHUP) go to the
+program's process group, the others (SIGTERM, SIGUSR1, ...) to the program alone; Ctrl-Z
+stops the program and then this process, and ``fg`` continues both.  A deadline
+(``--timeout``) is kept here as ``timeout(1)`` keeps it: SIGTERM to the program's group, the
+sandbox killed after the grace, exit 124.  A program the kernel killed for its memory limit is
+said to be so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ._cgroup import WorkerCgroups
+from ._terminal import TerminalRelay
+from .file_sandbox import ScriptPlan
+from .sandbox import SandboxPolicy, runtime_argv
+
+__all__ = ["ScriptCgroups", "ScriptResult", "inherited_ignored", "run_script"]
+
+#: Signals relayed to the program's process group, as a terminal sends them to its foreground job.
+_TO_GROUP = (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP)
+#: Signals relayed to the program alone, as ``kill PID`` sends them.
+_TO_PROGRAM = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM)
+#: Job control and the terminal's size.
+_OTHERS = (signal.SIGTSTP, signal.SIGCONT, signal.SIGWINCH)
+#: Inherited dispositions worth passing on: those a shell or ``nohup`` may have set to ignore.
+_IGNORABLE = (*_TO_GROUP, *_TO_PROGRAM, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
+_DIAGNOSTICS_LIMIT = 16 * 1024  # bytes kept of what the sandbox itself says
+
+
+def inherited_ignored() -> list[int]:
+    """The signals this process inherited as ignored (``nohup``, a background job of a
+    non-interactive shell): the program gets them ignored too, as from a shell.  Call before
+    installing handlers (SIGPIPE cannot be told: Python ignores it at start, as the program will)."""
+    return [int(s) for s in _IGNORABLE if signal.getsignal(s) == signal.SIG_IGN]
+
+
+@dataclass
+class ScriptResult:
+    """How the script ended.  ``status``: ``ok`` (exit 0), ``error`` (another exit status),
+    ``timeout``, ``killed`` (over its memory limit), ``died`` (a signal), or ``failed``: the
+    sandbox could not run it (agentloop's own error, 125); ``exit_code``: what a shell shows
+    (N, 128+N, 124); ``message``: agentloop's one line, "" when the script's own ending says
+    it all."""
+
+    status: str
+    exit_code: int
+    signal: int | None
+    duration_s: float
+    message: str = ""
+
+
+class ScriptCgroups:
+    """A memory and a pids cgroup for one script, where this process may make them (root, or
+    a delegated subtree): its limits then bound the whole sandbox, shared memory included."""
+
+    def __init__(self, policy: SandboxPolicy) -> None:
+        self._parents: list[WorkerCgroups] = []
+        self.groups: list[Path] = []
+        self.memory: Path | None = None
+        self._memory_parent: WorkerCgroups | None = None
+        if policy.mode == "none":
+            return
+        for controller, limit in (("memory", policy.memory_bytes), ("pids", policy.max_processes)):
+            parent = WorkerCgroups.find("exec", controller)
+            group = parent.make("script", limit) if parent is not None else None
+            if group is None:
+                if parent is not None:
+                    parent.close()
+                continue
+            self._parents.append(parent)
+            self.groups.append(group)
+            if controller == "memory":
+                self.memory, self._memory_parent = group, parent
+
+    @property
+    def pids(self) -> bool:
+        return len(self.groups) > (self.memory is not None)
+
+    def join(self) -> None:
+        """In the sandbox's first process, before it runs anything: everything it starts is
+        born inside."""
+        for group in self.groups:
+            (group / "cgroup.procs").write_text("0")
+
+    def oom_killed(self) -> bool:
+        return self.memory is not None and self._memory_parent.oom_killed(self.memory)
+
+    def close(self) -> None:
+        for parent in self._parents:
+            parent.close()
+
+
+@dataclass
+class _Run:
+    """The state of one run, as the loop sees it."""
+
+    ended: tuple[str, int] | None = None  # ("exit", N) or ("signal", N), as the confiner reported
+    error: str = ""  # the confiner could not start the program
+    stopped: bool = False
+    timed_out: bool = False
+    killed: bool = False  # by us, after the grace
+    gone: bool = False  # the sandbox's first process was reaped
+    diagnostics: bytearray = field(default_factory=bytearray)
+    status_buffer: bytes = b""
+
+
+def run_script(plan: ScriptPlan, program: list[str], env: dict[str, str], *, python: str,
+               timeout: float | None = None, grace: float = 5.0, allow_sgr: bool = False,
+               stdout: int = 1, ignored: list[int] | tuple[int, ...] = (),
+               cgroups: ScriptCgroups | None = None) -> ScriptResult:
+    """Run ``program`` (``[python, FILE, *ARGS]``) as ``plan`` says and wait for its end.
+
+    ``stdout``: our descriptor the program's fd 1 is (``--json`` gives it our stderr);
+    ``ignored``: the signals the program starts with ignored (``inherited_ignored``)."""
+    started = time.monotonic()
+    sources = {0: 0, 1: stdout, 2: 2}
+    terminals = [fd for fd in (1, 2, 0) if _isatty(sources[fd])]
+    relay = None
+    if terminals:
+        sink = next(sources[fd] for fd in terminals)
+        keyboard = 0 if 0 in terminals else None
+        relay = TerminalRelay(sink, sink, keyboard, allow_sgr=allow_sgr, encoding=_encoding())
+        relay.raw()  # early: what is typed from now on is echoed once, by the script's pty
+    given = {fd: (relay.slave if fd in terminals else _usable(src)) for fd, src in sources.items()}
+    status_r, status_w = os.pipe()
+    control_r, control_w = os.pipe()
+    diag_r, diag_w = os.pipe()
+    program_err = os.dup(given[2]) if given[2] is not None else os.open(os.devnull, os.O_WRONLY)
+    settings = {"confine": plan.confine, "status": status_w, "control": control_r, "stderr": program_err,
+                "tty": next((fd for fd in (0, 1) if fd in terminals), program_err) if relay is not None else None,
+                "ignored": list(ignored),
+                "parent": 0 if plan.pid_namespace else os.getpid(), "lc_ctype": env.get("LC_CTYPE")}
+    boot = runtime_argv(python, "worker.confiner:main", json.dumps(settings), *program)
+    argv = [*plan.argv_prefix, boot[0], "-S", *boot[1:]]  # -S: not even site-packages' .pth files
+    if plan.tmpdir:  # no private /tmp (no bubblewrap): one in the workspace
+        env = {**env, "TMPDIR": plan.tmpdir}
+    handled = (*_TO_GROUP, *_TO_PROGRAM, *_OTHERS)
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    previous = {sig: signal.signal(sig, _noted) for sig in handled if sig not in ignored}
+    old_wakeup = signal.set_wakeup_fd(wake_w)
+    run = _Run()
+    try:
+        try:
+            proc = subprocess.Popen(argv, stdin=given[0], stdout=given[1], stderr=diag_w, env=env, cwd=plan.cwd,
+                                    pass_fds=(status_w, control_r, program_err), start_new_session=True,
+                                    preexec_fn=cgroups.join if cgroups is not None and cgroups.groups else None)
+        except OSError as exc:
+            return ScriptResult("failed", 125, None, 0.0, f"cannot start the sandbox: {exc.strerror or exc}")
+        finally:
+            for fd in (status_w, control_r, diag_w, program_err):
+                os.close(fd)
+            if relay is not None:
+                relay.close_slave()
+        _loop(proc, run, relay, status_r, control_w, diag_r, wake_r, timeout, grace)
+    finally:
+        signal.set_wakeup_fd(old_wakeup)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if relay is not None:
+            relay.drain()
+            relay.close()
+        for fd in (status_r, control_w, diag_r, wake_r, wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    return _result(run, time.monotonic() - started, timeout, grace, cgroups)
+
+
+def _noted(signum, frame) -> None:
+    """The handler of a relayed signal: the wakeup descriptor carries it to the loop."""
+
+
+def _loop(proc: subprocess.Popen, run: _Run, relay: TerminalRelay | None, status: int, control: int,
+          diagnostics: int, wake: int, timeout: float | None, grace: float) -> None:
+    """Until the sandbox has ended and said all it had to: relay, keep the deadline."""
+    sel = selectors.DefaultSelector()
+    pidfd = os.pidfd_open(proc.pid)
+    for fd in (status, diagnostics, wake, pidfd):
+        sel.register(fd, selectors.EVENT_READ)
+    if relay is not None:
+        sel.register(relay.master, selectors.EVENT_READ)
+        if relay.keyboard is not None:
+            sel.register(relay.keyboard, selectors.EVENT_READ)
+    open_pipes = {status, diagnostics}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    kill_at = None
+
+    def tell(target: str, sig: int) -> None:
+        with contextlib.suppress(OSError):
+            os.write(control, f"{target} {int(sig)}\n".encode())
+
+    try:
+        while not run.gone or open_pipes:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline and not run.timed_out and run.ended is None:
+                run.timed_out, kill_at = True, now + grace
+                tell("g", signal.SIGTERM)
+                tell("g", signal.SIGCONT)  # (a stopped script takes its SIGTERM too)
+            if kill_at is not None and now >= kill_at and not run.gone:
+                run.killed, kill_at = True, None
+                _kill(proc)
+            wait = [t - now for t in (deadline if not run.timed_out else None, kill_at) if t is not None]
+            for key, events in sel.select(max(0.0, min(wait)) if wait else None):
+                fd = key.fd
+                if fd == pidfd:
+                    proc.wait()
+                    run.gone = True
+                    sel.unregister(pidfd)
+                elif fd == status:
+                    if not _read_status(status, run):
+                        open_pipes.discard(status)
+                        sel.unregister(status)
+                    if run.stopped:
+                        _stop_here(relay, tell)
+                        run.stopped = False
+                elif fd == diagnostics:
+                    data = os.read(diagnostics, 4096)
+                    if not data:
+                        open_pipes.discard(diagnostics)
+                        sel.unregister(diagnostics)
+                    run.diagnostics += data
+                    del run.diagnostics[:-_DIAGNOSTICS_LIMIT]
+                elif fd == wake:
+                    _signals(os.read(wake, 256), relay, tell)
+                elif relay is not None and fd == relay.master:
+                    if events & selectors.EVENT_WRITE:
+                        relay.write_input()
+                    if events & selectors.EVENT_READ and not relay.read_output():
+                        sel.unregister(relay.master)
+                        continue
+                    sel.modify(relay.master, selectors.EVENT_READ
+                               | (selectors.EVENT_WRITE if relay.input_pending else 0))
+                elif relay is not None and fd == relay.keyboard:
+                    if not relay.read_keyboard():
+                        sel.unregister(relay.keyboard)
+                    elif relay.input_pending and relay.master in sel.get_map():
+                        sel.modify(relay.master, selectors.EVENT_READ | selectors.EVENT_WRITE)
+    except BaseException:
+        _kill(proc)
+        raise
+    finally:
+        sel.close()
+        os.close(pidfd)
+
+
+def _read_status(fd: int, run: _Run) -> bool:
+    """Read the confiner's report; False at its end."""
+    data = os.read(fd, 4096)
+    if not data:
+        return False
+    run.status_buffer = (run.status_buffer + data)[-4096:]
+    *lines, run.status_buffer = run.status_buffer.split(b"\n")
+    for line in lines:
+        kind, _, rest = line.decode("utf-8", "replace").partition(" ")
+        if kind in ("exit", "signal") and rest.isdigit():
+            run.ended = (kind, int(rest))
+        elif kind == "stop":
+            run.stopped = True
+        elif kind == "error":
+            run.error = rest
+    return True
+
+
+def _signals(received: bytes, relay: TerminalRelay | None, tell) -> None:
+    for sig in received:
+        if sig in _TO_GROUP:
+            tell("g", sig)
+        elif sig in _TO_PROGRAM:
+            tell("p", sig)
+        elif sig == signal.SIGWINCH:
+            if relay is not None:
+                relay.resize()  # (the kernel signals the pty's foreground group)
+            else:
+                tell("g", sig)
+        elif sig == signal.SIGTSTP:
+            tell("g", sig)  # the program stops, then so do we (see ``_stop_here``)
+        elif sig == signal.SIGCONT:
+            if relay is not None:
+                relay.raw()
+                relay.resize()
+            tell("g", sig)
+
+
+def _stop_here(relay: TerminalRelay | None, tell) -> None:
+    """The program stopped (Ctrl-Z, a SIGTSTP relayed, SIGSTOP): stop as it did, so the shell
+    takes the terminal back; when continued (``fg``), continue the program too."""
+    if relay is not None:
+        relay.restore()
+    os.kill(os.getpid(), signal.SIGSTOP)
+    # Continued: the SIGCONT that woke us is also on its way to the loop, which relays it.
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """The sandbox and everything in it: its first process's group (bubblewrap, or the
+    confiner and every descendant without it); bubblewrap's death ends its namespace."""
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        proc.kill()
+
+
+def _result(run: _Run, duration: float, timeout: float | None, grace: float,
+            cgroups: ScriptCgroups | None) -> ScriptResult:
+    memory = cgroups is not None and cgroups.oom_killed()
+    if run.error:
+        return ScriptResult("failed", 125, None, duration, run.error)
+    if run.timed_out:
+        how = (f"killed after the {grace:g} s grace" if run.killed else "stopped by SIGTERM")
+        return ScriptResult("timeout", 124, None, duration,
+                            f"the script ran past its --timeout of {timeout:g} s: {how}")
+    if run.ended is None:
+        said = bytes(run.diagnostics).decode("utf-8", "replace").strip().splitlines()
+        if memory:
+            return ScriptResult("killed", 128 + signal.SIGKILL, signal.SIGKILL, duration,
+                                "the sandbox was killed: over its memory limit (--memory)")
+        return ScriptResult("failed", 125, None, duration,
+                            "the sandbox failed to run the script" + (f": {said[-1]}" if said else ""))
+    kind, number = run.ended
+    if kind == "exit":
+        return ScriptResult("ok" if number == 0 else "error", number, None, duration)
+    if memory and number == signal.SIGKILL:
+        return ScriptResult("killed", 128 + number, number, duration,
+                            "the script was killed: over its memory limit (--memory)")
+    return ScriptResult("died", 128 + number, number, duration)
+
+
+def exit_as(result: ScriptResult) -> None:
+    """End this process as the script ended: its exit status, or death by its signal (core
+    dumps off); never returns."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if result.status in ("died", "killed") and result.signal is not None:
+        sig = result.signal
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        with contextlib.suppress(OSError, ValueError):  # (SIGKILL has no disposition to reset)
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+        os.kill(os.getpid(), sig)
+    os._exit(result.exit_code & 0xFF)
+
+
+def _isatty(fd: int) -> bool:
+    try:
+        return os.isatty(fd)
+    except OSError:
+        return False
+
+
+def _usable(fd: int) -> int | None:
+    """``fd`` if it is open (a closed stdin is passed on closed, as python would have it)."""
+    try:
+        os.fstat(fd)
+    except OSError:
+        return None
+    return fd
+
+
+def _encoding() -> str:
+    import locale
+
+    return locale.getpreferredencoding(False) or "utf-8"
