@@ -22,7 +22,6 @@ import fcntl
 import os
 import struct
 import termios
-import tty
 
 from .inert import InertStream
 
@@ -61,7 +60,7 @@ class TerminalRelay:
             return
         with contextlib.suppress(termios.error):
             self._saved = termios.tcgetattr(self.keyboard)
-            tty.setraw(self.keyboard, termios.TCSANOW)
+            termios.tcsetattr(self.keyboard, termios.TCSANOW, _raw(self._saved))
         self._sink_mode()
 
     def restore(self) -> None:
@@ -175,6 +174,19 @@ class TerminalRelay:
         """The sandbox holds the slave now: once it ends, the master reads EIO."""
         with contextlib.suppress(OSError):
             os.close(self.slave)
+
+
+def _raw(mode: list) -> list:
+    """``mode`` made raw, as ``cfmakeraw`` makes it: bytes pass as typed, nothing is echoed or
+    converted, no key makes a signal."""
+    iflag, oflag, cflag, lflag, ispeed, ospeed, cc = mode
+    iflag &= ~(termios.BRKINT | termios.ICRNL | termios.INPCK | termios.ISTRIP | termios.IXON)
+    oflag &= ~termios.OPOST
+    cflag = (cflag & ~(termios.CSIZE | termios.PARENB)) | termios.CS8
+    lflag &= ~(termios.ECHO | termios.ICANON | termios.IEXTEN | termios.ISIG)
+    cc = list(cc)
+    cc[termios.VMIN], cc[termios.VTIME] = 1, 0
+    return [iflag, oflag, cflag, lflag, ispeed, ospeed, cc]
 
 
 def _foreground(fd: int) -> bool:

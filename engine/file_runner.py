@@ -137,20 +137,14 @@ def run_script(plan: ScriptPlan, program: list[str], env: dict[str, str], *, pyt
     ``ignored``: the signals the program starts with ignored (``inherited_ignored``)."""
     started = time.monotonic()
     sources = {0: 0, 1: stdout, 2: 2}
-    terminals = [fd for fd in (1, 2, 0) if _isatty(sources[fd])]
-    relay = None
-    if terminals:
-        sink = next(sources[fd] for fd in terminals)
-        keyboard = 0 if 0 in terminals else None
-        relay = TerminalRelay(sink, sink, keyboard, allow_sgr=allow_sgr, encoding=_encoding())
-        relay.raw()  # early: what is typed from now on is echoed once, by the script's pty
-    given = {fd: (relay.slave if fd in terminals else _usable(src)) for fd, src in sources.items()}
+    relays = _relays(sources, allow_sgr)
+    given = {fd: (relays[fd].slave if fd in relays else _usable(src)) for fd, src in sources.items()}
     status_r, status_w = os.pipe()
     control_r, control_w = os.pipe()
     diag_r, diag_w = os.pipe()
     program_err = os.dup(given[2]) if given[2] is not None else os.open(os.devnull, os.O_WRONLY)
     settings = {"confine": plan.confine, "status": status_w, "control": control_r, "stderr": program_err,
-                "tty": next((fd for fd in (0, 1) if fd in terminals), program_err) if relay is not None else None,
+                "tty": next((fd for fd in (0, 1) if fd in relays), program_err) if relays else None,
                 "ignored": list(ignored),
                 "parent": 0 if plan.pid_namespace else os.getpid(), "lc_ctype": env.get("LC_CTYPE")}
     boot = runtime_argv(python, "worker.confiner:main", json.dumps(settings), *program)
@@ -172,14 +166,14 @@ def run_script(plan: ScriptPlan, program: list[str], env: dict[str, str], *, pyt
         finally:
             for fd in (status_w, control_r, diag_w, program_err):
                 os.close(fd)
-            if relay is not None:
+            for relay in set(relays.values()):
                 relay.close_slave()
-        _loop(proc, run, relay, status_r, control_w, diag_r, wake_r, timeout, grace)
+        _loop(proc, run, list(dict.fromkeys(relays.values())), status_r, control_w, diag_r, wake_r, timeout, grace)
     finally:
         signal.set_wakeup_fd(old_wakeup)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if relay is not None:
+        for relay in dict.fromkeys(relays.values()):
             relay.drain()
             relay.close()
         for fd in (status_r, control_w, diag_r, wake_r, wake_w):
@@ -188,21 +182,40 @@ def run_script(plan: ScriptPlan, program: list[str], env: dict[str, str], *, pyt
     return _result(run, time.monotonic() - started, timeout, grace, cgroups)
 
 
+def _relays(sources: dict[int, int], allow_sgr: bool) -> dict[int, TerminalRelay]:
+    """A pty for each terminal among the program's streams (one for the streams that share a
+    terminal, as stdout and stderr at a shell do), by the program's fd."""
+    by_device: dict[int, TerminalRelay] = {}
+    relays = {}
+    for fd in (1, 2, 0):  # (the first stream on a terminal is where that pty's output goes)
+        source = sources[fd]
+        if not _isatty(source):
+            continue
+        device = os.fstat(source).st_rdev
+        if device not in by_device:
+            by_device[device] = TerminalRelay(source, source, None, allow_sgr=allow_sgr, encoding=_encoding())
+        relays[fd] = by_device[device]
+    if 0 in relays:
+        relays[0].keyboard = sources[0]
+        relays[0].raw()  # early: what is typed from now on is echoed once, by the script's pty
+    return relays
+
+
 def _noted(signum, frame) -> None:
     """The handler of a relayed signal: the wakeup descriptor carries it to the loop."""
 
 
-def _loop(proc: subprocess.Popen, run: _Run, relay: TerminalRelay | None, status: int, control: int,
+def _loop(proc: subprocess.Popen, run: _Run, relays: list[TerminalRelay], status: int, control: int,
           diagnostics: int, wake: int, timeout: float | None, grace: float) -> None:
     """Until the sandbox has ended and said all it had to: relay, keep the deadline."""
     sel = selectors.DefaultSelector()
     pidfd = os.pidfd_open(proc.pid)
     for fd in (status, diagnostics, wake, pidfd):
         sel.register(fd, selectors.EVENT_READ)
-    if relay is not None:
-        sel.register(relay.master, selectors.EVENT_READ)
-        if relay.keyboard is not None:
-            sel.register(relay.keyboard, selectors.EVENT_READ)
+    masters = {relay.master: relay for relay in relays}
+    keyboards = {relay.keyboard: relay for relay in relays if relay.keyboard is not None}
+    for fd in (*masters, *keyboards):
+        sel.register(fd, selectors.EVENT_READ)
     open_pipes = {status, diagnostics}
     deadline = None if timeout is None else time.monotonic() + timeout
     kill_at = None
@@ -233,7 +246,7 @@ def _loop(proc: subprocess.Popen, run: _Run, relay: TerminalRelay | None, status
                         open_pipes.discard(status)
                         sel.unregister(status)
                     if run.stopped:
-                        _stop_here(relay, tell)
+                        _stop_here(relays)
                         run.stopped = False
                 elif fd == diagnostics:
                     data = os.read(diagnostics, 4096)
@@ -243,19 +256,21 @@ def _loop(proc: subprocess.Popen, run: _Run, relay: TerminalRelay | None, status
                     run.diagnostics += data
                     del run.diagnostics[:-_DIAGNOSTICS_LIMIT]
                 elif fd == wake:
-                    _signals(os.read(wake, 256), relay, tell)
-                elif relay is not None and fd == relay.master:
+                    _signals(os.read(wake, 256), relays, tell)
+                elif fd in masters:
+                    relay = masters[fd]
                     if events & selectors.EVENT_WRITE:
                         relay.write_input()
                     if events & selectors.EVENT_READ and not relay.read_output():
-                        sel.unregister(relay.master)
+                        sel.unregister(fd)
+                        del masters[fd]
                         continue
-                    sel.modify(relay.master, selectors.EVENT_READ
-                               | (selectors.EVENT_WRITE if relay.input_pending else 0))
-                elif relay is not None and fd == relay.keyboard:
+                    sel.modify(fd, selectors.EVENT_READ | (selectors.EVENT_WRITE if relay.input_pending else 0))
+                elif fd in keyboards:
+                    relay = keyboards[fd]
                     if not relay.read_keyboard():
-                        sel.unregister(relay.keyboard)
-                    elif relay.input_pending and relay.master in sel.get_map():
+                        sel.unregister(fd)
+                    elif relay.input_pending and relay.master in masters:
                         sel.modify(relay.master, selectors.EVENT_READ | selectors.EVENT_WRITE)
     except BaseException:
         _kill(proc)
@@ -283,30 +298,30 @@ def _read_status(fd: int, run: _Run) -> bool:
     return True
 
 
-def _signals(received: bytes, relay: TerminalRelay | None, tell) -> None:
+def _signals(received: bytes, relays: list[TerminalRelay], tell) -> None:
     for sig in received:
         if sig in _TO_GROUP:
             tell("g", sig)
         elif sig in _TO_PROGRAM:
             tell("p", sig)
         elif sig == signal.SIGWINCH:
-            if relay is not None:
+            for relay in relays:
                 relay.resize()  # (the kernel signals the pty's foreground group)
-            else:
+            if not relays:
                 tell("g", sig)
         elif sig == signal.SIGTSTP:
             tell("g", sig)  # the program stops, then so do we (see ``_stop_here``)
         elif sig == signal.SIGCONT:
-            if relay is not None:
+            for relay in relays:
                 relay.raw()
                 relay.resize()
             tell("g", sig)
 
 
-def _stop_here(relay: TerminalRelay | None, tell) -> None:
+def _stop_here(relays: list[TerminalRelay]) -> None:
     """The program stopped (Ctrl-Z, a SIGTSTP relayed, SIGSTOP): stop as it did, so the shell
     takes the terminal back; when continued (``fg``), continue the program too."""
-    if relay is not None:
+    for relay in relays:
         relay.restore()
     os.kill(os.getpid(), signal.SIGSTOP)
     # Continued: the SIGCONT that woke us is also on its way to the loop, which relays it.

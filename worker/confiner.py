@@ -86,11 +86,15 @@ def main() -> None:
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # (set before the fork: a quick exit is not missed)
-    for sig in _RELAYED:
-        signal.signal(sig, signal.SIG_IGN)
+    # Blocked across the fork: one relayed before the child has its dispositions waits for them
+    # (pending), instead of meeting this process's "ignore".
+    signal.pthread_sigmask(signal.SIG_BLOCK, _RELAYED)
     pid = os.fork()
     if pid == 0:
         _become(program, stderr, status, ignored, bool(settings.get("parent")))
+    for sig in _RELAYED:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _RELAYED)
     os.close(stderr)
     code = _supervise(pid, status, control, wake_r)
     _end(settings)
@@ -121,7 +125,7 @@ def _become(program: list[str], stderr: int, status: int, ignored: set[int], orp
         for sig in range(1, signal.NSIG):
             with contextlib.suppress(OSError, ValueError):
                 signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_SETMASK, ())
+        signal.pthread_sigmask(signal.SIG_SETMASK, ())  # (what was relayed meanwhile lands now)
         if orphan_guard:  # without a PID namespace nothing else ends the program with this process
             _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         os.dup2(stderr, 2)
