@@ -38,6 +38,7 @@ from ._shared_fork import RunForkServer, SharedForkServer
 from ._tree import remove_tree
 from ._zygote import Zygote
 from .errors import ConfigError, WorkerStartError
+from .file_sandbox import kept_read_only
 
 #: Variables a worker inherits from the coordinator's environment, if set.  Everything else
 #: (API keys, cloud credentials, tokens) stays behind.
@@ -163,6 +164,8 @@ class Launcher:
         self._spares: SpareGroups | None = None  # cgroups made ahead for its fork server's spare inits
         self._outputs = 0
         self._first_plan: tuple[Path, _sandbox.LaunchPlan] | None = None
+        #: What stays read-only in the workspace (``file_sandbox.kept_read_only``), found when it opens.
+        self.protected: tuple[str, ...] = ()
 
     @property
     def opened(self) -> bool:
@@ -178,6 +181,7 @@ class Launcher:
         try:
             self._made_workspace = not self.workspace.exists()
             self.workspace.mkdir(parents=True, exist_ok=True)
+            self.protected = kept_read_only(self.workspace.resolve(), self.python)
             self.output_dir.mkdir(parents=True, exist_ok=True)
             os.chmod(self.run_dir, 0o700)
             if self.keep_output:
@@ -193,7 +197,8 @@ class Launcher:
         except OSError as exc:
             raise ConfigError(f"cannot create the run's directories: {exc}; "
                               "choose another --workspace or check permissions") from exc
-        if self.sandbox.mode != "none" and os.geteuid() == 0 and self.sandbox.worker_uid is None:
+        if (self.sandbox.mode != "none" and os.geteuid() == 0 and self.sandbox.worker_uid is None
+                and not self.sandbox.as_caller):
             self._uid_claimed = True
             _uids.claim(str(self.workspace))  # the run's uid, its own while it lives
         if self.shared is not None and self.sock_root.parent == self.shared.socket_root:
@@ -288,7 +293,7 @@ class Launcher:
             plan = _sandbox.plan(self.sandbox, socket_dir=sock_dir, workspace=self.workspace,
                                  cwd=self.cwd, output_dir=self.output_dir, python=self.python,
                                  memory_cgroup=self.memory_cgroups is not None,
-                                 pids_cgroup=self.pids_cgroups is not None)
+                                 pids_cgroup=self.pids_cgroups is not None, protected=self.protected)
             if first is None and sock_dir.parent == self.sock_root:
                 self._first_plan = (sock_dir, plan)
             return plan

@@ -26,18 +26,16 @@ variables the sandbox needs on top (HOME, TMPDIR).
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import shutil
-import stat
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from engine import _uids, interpreter
+from engine import _uid0, _uids, interpreter
 from engine._bwrap import View, _beneath, _bwrap_flags, _outermost, _parents, bwrap_argv
 from engine._tree import TreeError, disk_usage
 from engine.errors import ConfigError, SandboxError
@@ -339,25 +337,17 @@ def _tasks_of(uid: int) -> int:
 
 
 def plan(policy: SandboxPolicy, *, socket_dir: Path | None, workspace: Path, cwd: Path,
-         output_dir: Path | None, python: str, memory_cgroup: bool = False,
-         pids_cgroup: bool = False, protected: tuple[str, ...] = (),
-         shown: tuple[Path, ...] = ()) -> LaunchPlan:
+         output_dir: Path | None, python: str, memory_cgroup: bool = False, pids_cgroup: bool = False,
+         protected: tuple[str, ...] = (), shown: tuple[Path, ...] = ()) -> LaunchPlan:
     """The launch plan for one worker under `policy` on this machine.
 
     `memory_cgroup`: the coordinator puts the worker in a memory cgroup of its own (see
     `engine._cgroup`); without one, the shared memory that escapes RLIMIT_DATA is refused.
     `pids_cgroup`: its process count is bounded by a cgroup of its own (``pids.max``), so a
     root coordinator's workers, who share the run's uid, need no RLIMIT_NPROC on that uid.
-    `protected`: paths in the workspace to keep read-only: bound so under bubblewrap (the
-    plan then has a PID namespace), else a note says they are not.  `shown`: more paths shown
-    read-only (a script's own directory).  `socket_dir` and `output_dir` may be None (a
-    script run by ``exec`` has neither).
-
-    `policy.as_caller`: the code runs as the user running agentloop, so what it writes is
-    theirs and no directory's owner or mode is changed; for root that is uid 0 without any
-    capability, which needs bubblewrap or Landlock to confine its writes, and gets the
-    hardening of ``_root_hardening``.  Otherwise a root coordinator's code runs as the run's
-    own unprivileged uid, and the workspace is shared with that uid (``_share_with_run``).
+    `protected` / `shown`: paths of the workspace kept read-only / more paths shown read-only.
+    `policy.as_caller`: code runs as the user running agentloop (root: uid 0 without any
+    capability, ``engine._uid0``), no owner or mode changes, `socket_dir` and `output_dir` may be None.
 
     Four steps: choose the layers (`_layers`), decide the view and, for root, set the run's
     directories up for its uid (the only side effects, with creating `workspace`, `socket_dir`
@@ -369,16 +359,14 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path | None, workspace: Path, cwd
     if policy.mode == "none":
         return LaunchPlan([], False, {}, ["sandbox: none — worker code runs with your privileges"])
 
-    workspace, cwd = (Path(os.path.realpath(p)) for p in (workspace, cwd))
-    socket_dir, output_dir = (Path(os.path.realpath(p)) if p is not None else None for p in (socket_dir, output_dir))
-    for d in (workspace, socket_dir, output_dir):
-        if d is not None:
-            d.mkdir(parents=True, exist_ok=True)
+    workspace, socket_dir, output_dir, cwd = (p and Path(os.path.realpath(p))
+                                              for p in (workspace, socket_dir, output_dir, cwd))
+    for d in filter(None, (workspace, socket_dir, output_dir)):
+        d.mkdir(parents=True, exist_ok=True)
     host = host_support()
     use_bwrap, notes = _layers(policy, host)
-    if host.root and policy.as_caller and not use_bwrap and host.landlock_abi < 1:
-        raise SandboxError("code run as root needs bubblewrap or Landlock to keep its writes in the workspace, "
-                           f"and this machine has neither. {_INSTALL_HINT}")
+    if host.root and policy.as_caller and not use_bwrap and host.landlock_abi < 1:  # (uid 0 would write anything)
+        raise SandboxError(f"code run as root needs bubblewrap or Landlock, and this machine has neither. {_INSTALL_HINT}")
     # A current directory that is the workspace (a batch run's) is shown as such, read-write.
     in_workspace = cwd == workspace and policy.share_cwd is not False
     share_cwd, why = (True, "") if in_workspace else _shareable_cwd(cwd, policy.share_cwd)
@@ -398,14 +386,11 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path | None, workspace: Path, cwd
                                          "chmod o+rx it to share it")
     notes += [why] if why else []
     system, links = _system_paths()
-    as_root = host.root and uid is None  # code that keeps uid 0, without capabilities
     view = View(tuple(system), tuple(links), python_paths(python), workspace, socket_dir, output_dir,
                 cwd if share_cwd else None, tuple(protected) if use_bwrap else (), tuple(shown),
-                _root_proc() if as_root and use_bwrap else ())
+                _uid0.root_proc() if host.root and uid is None and use_bwrap else ())  # (uid 0 kept)
     start_dir = str(view.cwd or workspace)
     confine, more = _confinement(policy, host, use_bwrap, uid, view, memory_cgroup, pids_cgroup)
-    if as_root and "seccomp" in confine:
-        confine["seccomp"]["set_id_modes"] = False
     notes += more
     env = {"HOME": tmp, "TMPDIR": tmp}
     if not use_bwrap:
@@ -448,8 +433,7 @@ def _confinement(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid:
             # The mount namespace already shows only what may be seen: read all of it.
             ro, dev = ["/"], [*_DEV_FILES, "/dev/pts"]
         else:
-            ro = [*view.system, *view.python, *(str(p) for p in (view.cwd, view.output_dir, view.socket_dir,
-                                                                  *view.shown) if p is not None)]
+            ro = [*view.system, *view.python, *(str(p) for p in (view.cwd, view.output_dir, view.socket_dir, *view.shown) if p)]
             dev = list(_DEV_FILES)
         confine["landlock"] = {"ro": ro, "rw": rw, "dev": dev, "scope": True,
                                "deny_tcp": not use_bwrap and not policy.network}
@@ -466,7 +450,7 @@ def _confinement(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid:
             families += [_AF_INET, _AF_INET6]  # in a network namespace: its own loopback only
         # Without a PID namespace the coordinator kills the process group: keep everyone in it.
         confine["seccomp"] = {"socket_families": families, "lock_session": not use_bwrap,
-                              "shared_memory": memory_cgroup}
+                              "shared_memory": memory_cgroup, "set_id_modes": not (host.root and uid is None)}
         if not memory_cgroup:
             notes.append("sandbox: no memory cgroup here (it needs root or a delegated cgroup) — "
                          "the memory limit is per process, and memfd_create, SysV shared memory "
@@ -498,7 +482,7 @@ def tools_argv(root: str, python: str) -> list[str]:
     return argv + ["--remount-ro", "/", "--chdir", "/", "--"]
 
 
-def _share_with_run(uid: int, workspaces: list[Path], output_dir: Path | None, socket_dir: Path | None) -> None:
+def _share_with_run(uid: int, workspaces: list[Path], output_dir: Path, socket_dir: Path) -> None:
     """Root only: make the run's directories usable by its workers' uid (and group), without
     handing them over.
 
@@ -510,10 +494,8 @@ def _share_with_run(uid: int, workspaces: list[Path], output_dir: Path | None, s
     searchable (the socket itself is the worker's, see `LaunchPlan.grant`)."""
     for d in workspaces:
         _set_dir(d, uid, 0o3770)
-    if output_dir is not None:
-        _set_dir(output_dir, uid, 0o750)
-    if socket_dir is not None:
-        _set_dir(socket_dir, None, 0o711)
+    _set_dir(output_dir, uid, 0o750)
+    _set_dir(socket_dir, None, 0o711)
 
 
 def _set_dir(path: Path, gid: int | None, mode: int) -> None:
@@ -538,7 +520,7 @@ def _set_dir(path: Path, gid: int | None, mode: int) -> None:
 
 
 def _root_worker(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, python: str,
-                 workspace: Path, socket_dir: Path | None) -> tuple[int | None, str]:
+                 workspace: Path, socket_dir: Path) -> tuple[int | None, str]:
     """(uid, note) for a worker started by root.
 
     Root is exempt from RLIMIT_NPROC and reads whatever its files' owner may (root owns
@@ -549,7 +531,7 @@ def _root_worker(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, pyth
     uid = _worker_uid(policy, workspace)
     blocked = root_blocker(python, use_bwrap)
     if not use_bwrap:
-        for d in (d for d in (workspace, socket_dir) if d is not None):  # reachable through their parents?
+        for d in (workspace, socket_dir):  # reachable through their parents?
             if blocked is None and not all(os.stat(a).st_mode & 0o001 for a in d.parents):
                 blocked = f"a parent of {d}"
     if blocked is None:
@@ -557,24 +539,6 @@ def _root_worker(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, pyth
     return None, (f"sandbox: {blocked} is not readable by other users — the worker keeps uid 0 "
                   "(without capabilities) and its process count is not bounded; make it "
                   "readable (chmod o+rX) or use a Python installed elsewhere")
-
-
-def _root_proc() -> tuple[str, ...]:
-    """The files directly in ``/proc`` that only root may read or write (``kpageflags``,
-    ``slabinfo``, ``sysrq-trigger``, ``mtrr``, ...), for code that keeps uid 0 without
-    capabilities: their modes would let it, as their owner, read the kernel's page flags or
-    write a sysrq command.  What the sandbox's ``/proc`` will hold is what the host's holds."""
-    found = []
-    with contextlib.suppress(OSError), os.scandir("/proc") as entries:
-        for entry in entries:
-            if entry.name.isdigit() or entry.is_symlink():
-                continue
-            with contextlib.suppress(OSError):
-                st = entry.stat(follow_symlinks=False)
-                if stat.S_ISREG(st.st_mode) and st.st_uid == 0 and (not st.st_mode & 0o004
-                                                                    or st.st_mode & 0o200):
-                    found.append(entry.path)
-    return tuple(sorted(found))
 
 
 def _rlimits(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid: int | None,

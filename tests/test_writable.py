@@ -58,3 +58,27 @@ def test_batch_runs_have_files_too(tmp_path):
     record = json.loads((tmp_path / "out.jsonl").read_text())
     assert (Path(record["workspace"]) / "files" / "r.txt").read_text() == "r"
     assert "Files: write in the current directory" in system and "./files is there too" in system
+
+
+def test_run_with_write_cwd_writes_the_current_directory_as_the_user(tmp_path):
+    # The flag the other way: model code writes the project (not its .git), as the user, and the
+    # directory's owner and mode stay as they were.
+    project = tmp_path / "project"
+    (project / ".git").mkdir(parents=True)
+    (project / ".git" / "config").write_text("[core]\n")
+    before = project.stat()
+    code = ("import os\nopen('made.txt', 'w').write('m')\n"
+            "try:\n    open('.git/config', 'a').write('evil')\nexcept OSError as e:\n    print('git', e.errno)\n")
+    script = {"*": [f"<run_code>\n{code}\n</run_code>", "done"]}
+    with ScriptedServer(script) as server:
+        proc = _agentloop(project, tmp_path / "state", "run", "write", "-q", "--write-cwd", LLM_URL=server.url)
+        system = server.requests[0]["messages"][0]["content"]
+        result = server.requests[1]["messages"][-1]["content"]
+    assert proc.returncode == 0, proc.stderr
+    assert f"Files: write in the current directory {project} (the workspace) and $TMPDIR" in system
+    assert "git 30" in result  # EROFS
+    assert (project / "made.txt").read_text() == "m" and (project / "made.txt").stat().st_uid == os.geteuid()
+    assert (project / ".git" / "config").read_text() == "[core]\n"
+    after = project.stat()
+    assert (after.st_mode, after.st_uid, after.st_gid) == (before.st_mode, before.st_uid, before.st_gid)
+    assert sorted(os.listdir(project)) == [".git", "made.txt"]

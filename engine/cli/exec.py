@@ -26,20 +26,13 @@ from .options import (
     fail,
     worker_options,
     worker_settings,
+    write_options,
 )
 
 log = logging.getLogger("agentloop")
 
 #: What ``--redo`` may name with ``--jsonl``.
 SAMPLE_REDO = ("error", "timeout", "killed", "died")
-
-#: Where a script may write, in the words ``--help`` and the README use.
-WRITE_HELP = ("Where the script may write.  --write-cwd (the default): the current directory, but its .git, "
-              "agentloop.toml, virtual environments (directories holding pyvenv.cfg), the interpreter and "
-              "agentloop's own code stay read-only.  --read-only: the current directory is read-only, and the "
-              "script writes only to the workspace (./files, or --workspace DIR).  Either way $TMPDIR is a "
-              "private /tmp.")
-
 
 class _ExecCommand(click.Command):
     """Usage errors of ``exec`` are agentloop's own errors: one line, exit status 125."""
@@ -58,7 +51,7 @@ class _ExecCommand(click.Command):
 @click.option("--timeout", type=Duration(), default=None,
               help="A deadline, as timeout(1) keeps one: SIGTERM to the script, SIGKILL after a 5 s grace, exit "
                    "124.  250ms, 30s, 5m, 1h or plain seconds.  Default: none (with --jsonl: 10s a sample).")
-@click.option("--write-cwd/--read-only", "write_cwd", default=True, help=WRITE_HELP)
+@write_options(write_cwd=True)
 @click.option("--env", "env_names", multiple=True, metavar="NAME[=VALUE]",
               help="Pass this variable to the script although its name looks like a secret (*KEY*, *SECRET*, "
                    "*TOKEN*, *PASSWORD*, *PASSWD*, *CREDENTIAL*, the models' API key variables: those are "
@@ -86,8 +79,7 @@ class _ExecCommand(click.Command):
               help="With --jsonl: run the samples on a Ray cluster (pip install 'agentloop[ray]'), in chunks, one "
                    "agent_slot each; see `agentloop batch --help`.")
 @worker_options
-def exec_cmd(file: str | None, args: tuple[str, ...], timeout: float | None, write_cwd: bool,
-             env_names: tuple[str, ...], as_json: bool, allow_sgr: bool, samples: Path | None, output: Path | None,
+def exec_cmd(file: str | None, args: tuple[str, ...], timeout: float | None, env_names: tuple[str, ...], as_json: bool, allow_sgr: bool, samples: Path | None, output: Path | None,
              parallel: int | None, redo: tuple[str, ...], skip_invalid: bool, progress: str,
              ray_address: str | None) -> None:
     """Run FILE (or - for stdin) as `python FILE ARGS` runs it, in a sandbox: the same
@@ -106,8 +98,10 @@ def exec_cmd(file: str | None, args: tuple[str, ...], timeout: float | None, wri
     stderr, duration, peak memory) is appended to RESULTS as it ends; resume, Ctrl-C and the
     progress bar are `agentloop batch`'s."""
     if samples is not None:
-        if args or env_names or not write_cwd:
-            fail("--jsonl SAMPLES takes neither FILE nor --env nor --read-only")
+        if args or env_names or worker_settings().write_cwd is not True:
+            fail("--jsonl SAMPLES takes neither FILE nor --env nor --read-only: each sample writes a workspace "
+                 "of its own")
+        worker_settings().write_cwd = None  # (samples: a workspace each)
         _run_samples(samples, output, file, as_json, timeout if timeout is not None else DEFAULT_BLOCK_TIMEOUT,
                      parallel, redo, skip_invalid, progress, ray_address)
         return
@@ -115,11 +109,11 @@ def exec_cmd(file: str | None, args: tuple[str, ...], timeout: float | None, wri
         fail("exec needs FILE (or - for stdin), or --jsonl SAMPLES -o RESULTS")
     if output is not None or parallel is not None or redo or skip_invalid or ray_address is not None:
         fail("-o, --parallel, --redo, --skip-invalid and --ray go with --jsonl")
-    _run_file(file, list(args), timeout, write_cwd, env_names, as_json, allow_sgr)
+    _run_file(file, list(args), timeout, env_names, as_json, allow_sgr)
 
 
-def _run_file(file: str, args: list[str], timeout: float | None, write_cwd: bool, env_names: tuple[str, ...],
-              as_json: bool, allow_sgr: bool) -> None:
+def _run_file(file: str, args: list[str], timeout: float | None, env_names: tuple[str, ...], as_json: bool,
+              allow_sgr: bool) -> None:
     """``exec FILE``: plan, run, and end as the script ended."""
     from ..file_runner import ScriptCgroups, exit_as, inherited_ignored, run_script
     from ..file_sandbox import plan_script, script_environment
@@ -127,6 +121,7 @@ def _run_file(file: str, args: list[str], timeout: float | None, write_cwd: bool
 
     ignored = inherited_ignored()  # before any handler of ours
     settings = worker_settings()
+    write_cwd = bool(settings.write_cwd)
     if settings.preload:
         fail("--preload is for workers and --jsonl samples: a script imports what it imports")
     if settings.keep_output:

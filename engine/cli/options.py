@@ -83,21 +83,30 @@ class WorkerSettings:
     python: str | None = None
     keep_output: bool = False
     limits: dict = field(default_factory=dict)
+    #: ``--write-cwd``: code writes the current directory (``write_options``); None: the command's default.
+    write_cwd: bool | None = None
 
     def policy(self) -> SandboxPolicy:
-        """The sandbox policy (mode, network, limits); warns once on stderr for ``--sandbox none``."""
+        """The sandbox policy (mode, network, limits); warns once on stderr for ``--sandbox none``.
+        Code that writes the current directory runs as the user (``SandboxPolicy.as_caller``)."""
         if self.sandbox == "none":
             click.echo("agentloop: warning: --sandbox none runs model code with your privileges", err=True)
-        return SandboxPolicy(mode=self.sandbox, network=self.network, **self.limits)
+        return SandboxPolicy(mode=self.sandbox, network=self.network, as_caller=bool(self.write_cwd), **self.limits)
 
     def engine_options(self) -> dict:
         """``Engine`` keyword arguments for these settings (the interpreter chosen as
-        ``engine.interpreter.choose_python`` says; a bad choice ends the command in one line)."""
+        ``engine.interpreter.choose_python`` says; a bad choice ends the command in one line).
+        With ``--write-cwd`` the current directory is the workspace."""
+        workspace = self.workspace
+        if self.write_cwd:
+            if workspace is not None:
+                fail("--workspace DIR goes with --read-only: with --write-cwd code writes the current directory")
+            workspace = Path.cwd()
         try:
-            python = choose_python(self.python, workspace=self.workspace or Path("files"))
+            python = choose_python(self.python, workspace=workspace or Path("files"))
         except AgentloopError as exc:
             fail(str(exc))
-        return {"sandbox": self.policy(), "workspace": self.workspace, "preload": self.preload, "python": python,
+        return {"sandbox": self.policy(), "workspace": workspace, "preload": self.preload, "python": python,
                 "keep_output": self.keep_output}
 
 
@@ -168,6 +177,22 @@ def worker_options(f):
                         "Show workers the current directory (read-only) even when it is /, a home directory "
                         "or holds homes / never show it (default: only a project directory)."),
     ])
+
+
+#: Where code may write, in the words of ``--help`` (and of the README's table).
+WRITE_HELP = ("Where code may write.  --write-cwd: the current directory, but its .git, agentloop.toml, virtual "
+              "environments (directories holding pyvenv.cfg), the interpreter and agentloop's own code stay "
+              "read-only; code runs as you (as root: uid 0 without capabilities).  --read-only: the current "
+              "directory is read-only, and code writes only to the workspace (./files, or --workspace DIR).  "
+              "Either way $TMPDIR is a private /tmp.")
+
+
+def write_options(write_cwd: bool):
+    """``--write-cwd/--read-only``, with the command's default (``exec``: the current
+    directory; ``run`` and ``chat``, whose code a model wrote: the workspace)."""
+    default = "--write-cwd" if write_cwd else "--read-only"
+    return click.option("--write-cwd/--read-only", "write_cwd", default=write_cwd, expose_value=False,
+                        callback=_setting("write_cwd"), help=f"{WRITE_HELP}  Default: {default}.")
 
 
 def _subagent_limit(ctx, param, value):
@@ -305,7 +330,7 @@ def terminated(signum: int, frame) -> None:
         raise KeyboardInterrupt
 
 
-__all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OWN", "EXIT_TIMEOUT", "Duration", "Size", "WorkerSettings",
-           "agent_options", "apply_max_tokens", "apply_options", "close_display", "ending", "fail",
+__all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OWN", "EXIT_TIMEOUT", "WRITE_HELP", "Duration", "Size",
+           "WorkerSettings", "agent_options", "apply_max_tokens", "apply_options", "close_display", "ending", "fail",
            "host_functions", "load_registry", "make_display", "max_tokens_option", "modules", "run_until_done",
-           "same_terminal", "terminated", "worker_options", "worker_settings"]
+           "same_terminal", "terminated", "worker_options", "worker_settings", "write_options"]
