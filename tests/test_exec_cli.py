@@ -238,6 +238,15 @@ def test_sigterm_reaches_the_script_and_agentloop_dies_as_it_did(tmp_path):
         proc.wait()
 
 
+def _clean_up(proc: subprocess.Popen, token: str) -> None:
+    """Whatever a failed test left: the command, and every process carrying ``token``."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for pid in processes_with(token):
+        os.kill(pid, signal.SIGKILL)
+
+
 def test_a_sigkilled_exec_leaves_no_process_behind(tmp_path):
     token = f"77{os.getpid()}{int(time.time()) % 100000}"
     script = tmp_path / "daemon.py"
@@ -255,11 +264,7 @@ def test_a_sigkilled_exec_leaves_no_process_behind(tmp_path):
             before -= set(processes_with(token))
         assert wait_until(lambda: not [p for p in before if _alive(p)], 10), "the sandbox outlived agentloop"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for pid in processes_with(token):
-            os.kill(pid, signal.SIGKILL)
+        _clean_up(proc, token)
 
 
 COORDINATOR = """
@@ -302,11 +307,7 @@ def test_coordinator_sigkill_leaves_no_process_behind(tmp_path):
         assert wait_until(lambda: not [p for p in before if _alive(p)], 5), "workers survived the coordinator"
         assert time.monotonic() - started < 5
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for pid in processes_with(token):
-            os.kill(pid, signal.SIGKILL)
+        _clean_up(proc, token)
 
 
 # -- at a terminal ------------------------------------------------------------------------------
