@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._cgroup import WorkerCgroups
+from ._process import kill_tree
 from ._terminal import TerminalRelay
 from .file_sandbox import ScriptPlan
 from .sandbox import SandboxPolicy, runtime_argv
@@ -328,10 +329,9 @@ def _stop_here(relays: list[TerminalRelay]) -> None:
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    """The sandbox and everything in it: its first process's group (bubblewrap, or the
-    confiner and every descendant without it); bubblewrap's death ends its namespace."""
-    with contextlib.suppress(OSError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    """The sandbox and everything in it: bubblewrap, whose death ends its namespace, or without
+    it the confiner and every process below it."""
+    kill_tree(proc.pid)
     with contextlib.suppress(OSError):
         proc.kill()
 

@@ -56,8 +56,9 @@ class ScriptPlan:
     """How to start the sandbox of one script: the sandbox's command line up to its first
     process (``[]`` without bubblewrap), the spec that process applies to itself, where it
     starts, one-line notes, and ``tmpdir``: a ``$TMPDIR`` to give the script where the
-    sandbox has no private ``/tmp`` (None: ``/tmp`` is its own).  ``made``: a workspace this
-    plan created, to remove again when the script left it empty."""
+    sandbox has no private ``/tmp`` (None: ``/tmp`` is its own).  ``made``: the directories
+    this plan created (the workspace, that ``$TMPDIR``), deepest first, to remove again when
+    the script left them empty."""
 
     argv_prefix: list[str]
     pid_namespace: bool
@@ -66,7 +67,7 @@ class ScriptPlan:
     notes: list[str]
     tmpdir: str | None
     writable: str
-    made: str | None = None
+    made: tuple[str, ...] = ()
 
 
 def secret_names(environ: Mapping[str, str], configured: Iterable[str] = ()) -> set[str]:
@@ -104,7 +105,6 @@ def plan_script(policy: sandbox.SandboxPolicy, *, python: str, cwd: Path, script
     without bubblewrap, one holding the interpreter or agentloop's code (nothing could keep
     them read-only)."""
     cwd = Path(os.path.realpath(cwd))
-    made = None
     if write_cwd:
         if workspace is not None:
             raise ConfigError("--workspace DIR goes with --read-only: with --write-cwd the script writes the "
@@ -119,7 +119,7 @@ def plan_script(policy: sandbox.SandboxPolicy, *, python: str, cwd: Path, script
         target = cwd
     else:
         target = Path(os.path.realpath(workspace or cwd / "files"))
-        made = None if target.exists() else str(target)
+    made = tuple(str(d) for d in (target / ".tmp", target) if not d.exists())  # (.tmp: TMPDIR without bubblewrap)
     _refuse_inside_installation(target, python)
     kept = kept_read_only(target, python)
     policy = dataclasses.replace(policy, as_caller=True)
@@ -139,8 +139,13 @@ def plan_script(policy: sandbox.SandboxPolicy, *, python: str, cwd: Path, script
     confine = plan.confine
     if "landlock" in confine:
         confine["landlock"]["dev"].append("/dev/tty")  # (getpass and curses open the terminal by name)
+    if "seccomp" in confine:
+        # Sessions and process groups as under python (a child with start_new_session): without a
+        # PID namespace the confiner, a subreaper, and the runner find what is left by its tree.
+        confine["seccomp"]["lock_session"] = False
     tmpdir = None if plan.pid_namespace else plan.env.get("TMPDIR")
-    return ScriptPlan(argv, plan.pid_namespace, confine, plan.cwd or str(cwd), notes, tmpdir, str(target), made)
+    return ScriptPlan(argv, plan.pid_namespace, confine, plan.cwd or str(cwd), notes, tmpdir, str(target),
+                      tuple(d for d in made if os.path.isdir(d)))
 
 
 def kept_read_only(directory: Path, python: str) -> tuple[str, ...]:

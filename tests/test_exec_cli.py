@@ -394,3 +394,45 @@ def test_a_progress_bar_redraws_its_line(tmp_path):
     direct, ours = _both_at_a_terminal(tmp_path, code)
     assert direct == (b"\r0/2 []\b\r1/2 [#]\b\r2/2 [##]\b\r\n", 0)
     assert ours == direct
+
+
+def test_without_bubblewrap_the_script_runs_and_leaves_nothing_of_the_sandbox(tmp_path):
+    # Landlock alone: no private /tmp, so $TMPDIR is a .tmp in the directory, gone again after.
+    from engine.sandbox import host_support as support
+
+    if support().landlock_abi < 1:
+        pytest.skip("no Landlock here")
+    (tmp_path / "w.py").write_text("import os, tempfile\nopen('out.txt', 'w').write('x')\n"
+                                   "print(tempfile.gettempdir() == os.path.abspath('.tmp'), os.getpid() > 2)\n"
+                                   "raise SystemExit(4)\n")
+    proc = subprocess.run([*AGENTLOOP, "exec", "--sandbox", "landlock", "w.py"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (4, "True True\n", "")
+    assert sorted(os.listdir(tmp_path)) == ["out.txt", "w.py"]
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rsplit(b")", 1)[1].split()[0].decode()
+
+
+def test_a_stopped_script_stops_agentloop_and_fg_continues_both(tmp_path):
+    # Ctrl-Z at a shell (SIGTSTP to the job): the script stops, then agentloop, as the job's
+    # one process would; SIGCONT (fg) continues both, and the script goes on to its end.
+    (tmp_path / "go.py").write_text("import os, time\nprint(os.getpid(), flush=True)\n"
+                                    "while not os.path.exists('go'):\n    time.sleep(0.05)\nprint('went')\n")
+    proc = subprocess.Popen([*AGENTLOOP, "exec", "go.py"], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        assert read_line(proc.stdout, 60) == "2\n"  # (its PID in its namespace)
+        script = next(p for p in descendants(proc.pid) if open(f"/proc/{p}/cmdline").read().split("\0")[1] == "go.py")
+        proc.send_signal(signal.SIGTSTP)
+        assert wait_until(lambda: _state(script) == "T" and _state(proc.pid) == "T", 30)
+        (tmp_path / "go").touch()
+        time.sleep(0.3)  # (not a synchronisation: stopped, it must not have seen the file go by)
+        assert _state(script) == "T"
+        proc.send_signal(signal.SIGCONT)
+        assert proc.wait(60) == 0
+        assert proc.stdout.read() == "went\n"
+    finally:
+        proc.kill()
+        proc.wait()

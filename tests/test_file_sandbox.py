@@ -73,5 +73,6 @@ def test_what_write_cwd_refuses(tmp_path, kwargs, words):
 
 def test_read_only_writes_the_workspace_it_makes(tmp_path):
     plan = _plan(tmp_path, write_cwd=False)
-    assert plan.writable == str(tmp_path / "files") and plan.made == str(tmp_path / "files")
-    os.rmdir(plan.made)
+    assert plan.writable == str(tmp_path / "files") and plan.made[-1] == str(tmp_path / "files")
+    for made in plan.made:
+        os.rmdir(made)

@@ -15,12 +15,12 @@ init (``--as-pid-1``).  Python as PID 1 would ignore every signal it has no hand
 signal N from ``exit(128 + N)``.  This one reaps orphans, delivers the signals the coordinator
 relays, and reports the program's wait status exactly.  When the program ends, it reports and
 exits, and the kernel ends whatever the program left running with the namespace.  Without
-bubblewrap it is a subreaper instead, and kills its process group (every descendant: the
-seccomp filter keeps them in it) on its way out.
+bubblewrap it is a subreaper instead, and kills every process below it on its way out.
 
-It ignores the signals it relays, and the ones a terminal sends to its foreground group (the
-program shares its process group); the child restores every disposition before ``execve``,
-but those the coordinator itself inherited as ignored (``nohup``), as a shell would pass them.
+The program gets a process group of its own, as a shell gives a job (the terminal's foreground
+group, when there is one); this process ignores the signals it relays; the child restores
+every disposition before ``execve``, but those the coordinator itself inherited as ignored
+(``nohup``), as a shell would pass them.
 
 The settings (JSON, one argument): ``confine`` (the spec), the descriptors ``status``,
 ``control`` and ``stderr`` (the program's fd 2; this process's own fd 2 goes to the
@@ -37,11 +37,15 @@ or ``error TEXT`` when the program could not be started.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import select
 import signal
 import sys
+import termios
+
+from . import _confine
 
 __all__ = ["main"]
 
@@ -71,8 +75,6 @@ def main() -> None:
         os.set_inheritable(fd, False)
     try:
         _prepare(settings)
-        from . import _confine
-
         _confine.apply(settings.get("confine") or {})
         _prctl(_PR_SET_DUMPABLE, 0)  # the program, of the same uid, cannot read this process's memory
     except Exception as exc:  # noqa: BLE001 - a half-applied sandbox must not run code
@@ -82,7 +84,6 @@ def main() -> None:
         os.environ.pop("LC_CTYPE", None)
     else:
         os.environ["LC_CTYPE"] = settings["lc_ctype"]
-    ignored = {int(n) for n in settings.get("ignored", ())}
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # (set before the fork: a quick exit is not missed)
@@ -91,13 +92,15 @@ def main() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, _RELAYED)
     pid = os.fork()
     if pid == 0:
-        _become(program, stderr, status, ignored, bool(settings.get("parent")))
+        _become(program, settings)
+    with contextlib.suppress(OSError):  # (the child does it too: whichever comes first)
+        os.setpgid(pid, pid)
     for sig in _RELAYED:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _RELAYED)
     os.close(stderr)
     code = _supervise(pid, status, control, wake_r)
-    _end(settings)
+    _end(pid)
     os._exit(code)
 
 
@@ -112,23 +115,31 @@ def _prepare(settings: dict) -> None:
     if os.getsid(0) != os.getpid():
         os.setsid()
     if settings.get("tty") is not None:
-        import fcntl
-        import termios
-
         fcntl.ioctl(int(settings["tty"]), termios.TIOCSCTTY, 0)
 
 
-def _become(program: list[str], stderr: int, status: int, ignored: set[int], orphan_guard: bool) -> None:
-    """In the child: the dispositions a shell would give, fd 2, then ``execve``; never returns."""
+def _become(program: list[str], settings: dict) -> None:
+    """In the child (confined as this process is: in its Landlock domain, so that this process
+    may signal it): a process group of its own (the terminal's foreground one), the
+    dispositions a shell would give, fd 2, then ``execve``; never returns.
+
+    Its own group, in this process's session, is what a shell gives a job: a group whose
+    parent is in another group of the session is not orphaned, so the kernel stops it for a
+    SIGTSTP (Ctrl-Z included) instead of dropping the signal."""
+    status = settings["status"]
     try:
+        os.setpgid(0, 0)
+        if settings.get("tty") is not None:
+            os.tcsetpgrp(int(settings["tty"]), os.getpgrp())  # (SIGTTOU is blocked meanwhile)
         signal.set_wakeup_fd(-1)
+        ignored = {int(n) for n in settings.get("ignored", ())}
         for sig in range(1, signal.NSIG):
             with contextlib.suppress(OSError, ValueError):
                 signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_SETMASK, ())  # (what was relayed meanwhile lands now)
-        if orphan_guard:  # without a PID namespace nothing else ends the program with this process
+        if settings.get("parent"):  # without a PID namespace nothing else ends the program with us
             _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        os.dup2(stderr, 2)
+        signal.pthread_sigmask(signal.SIG_SETMASK, ())  # (what was relayed meanwhile lands now)
+        os.dup2(settings["stderr"], 2)
         os.execv(program[0], program)
     except OSError as exc:
         _say(status, f"error cannot run {program[0]}: {exc.strerror or exc}")
@@ -192,14 +203,43 @@ def _command(line: bytes, pid: int) -> None:
         return
     with contextlib.suppress(OSError):
         if target == "g":
-            os.killpg(os.getpgrp(), sig)  # (this process ignores what it relays)
+            os.killpg(pid, sig)  # the program's process group (its pid)
         elif target == "p":
             os.kill(pid, sig)
 
 
-def _end(settings: dict) -> None:
+def _end(pid: int) -> None:
     """What the program left running ends here: as PID 1 by exiting (the kernel kills the rest
-    of the namespace); otherwise every process of this group, this one last."""
-    if os.getpid() != 1:
-        with contextlib.suppress(OSError):
-            os.killpg(os.getpgrp(), signal.SIGKILL)
+    of the namespace); otherwise every process below this one, which, a subreaper, inherits
+    whatever the program's descendants orphaned."""
+    if os.getpid() == 1:
+        return
+    for _ in range(50):  # (a process forking as it is killed shows up in the next round)
+        below = _descendants(os.getpid())
+        if not below:
+            return
+        for child in below:
+            with contextlib.suppress(OSError):
+                os.kill(child, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+
+
+def _descendants(root: int) -> list[int]:
+    found, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    children = [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found

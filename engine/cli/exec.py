@@ -188,14 +188,14 @@ def _key_variables() -> set[str]:
     return {"LLM_API_KEY", *(registry.get(alias).api_key_env for alias in registry.aliases())}
 
 
-def _remove_if_left_empty(made: str | None) -> None:
-    """A workspace ``--read-only`` made (``./files``) goes again when the script left it empty."""
-    if made is not None:
-        for leftover in (os.path.join(made, ".tmp"), made):  # (.tmp: $TMPDIR without bubblewrap)
-            try:
-                os.rmdir(leftover)
-            except OSError:
-                pass
+def _remove_if_left_empty(made: tuple[str, ...]) -> None:
+    """What the sandbox made for the script (``./files`` of ``--read-only``, the ``.tmp`` that
+    is its ``$TMPDIR`` without bubblewrap) goes again when the script left it empty."""
+    for leftover in made:
+        try:
+            os.rmdir(leftover)
+        except OSError:
+            pass
 
 
 def _run_samples(samples: Path, output: Path | None, file, as_json: bool, timeout: float, parallel: int | None,
