@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+__all__ = ["View", "beneath", "bwrap_argv", "make_parents", "namespace_flags", "outermost"]
 
-def _bwrap_flags(root: bool, network: bool) -> list[str]:
+
+def namespace_flags(root: bool, network: bool) -> list[str]:
     flags = ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     if not network:
         flags.append("--unshare-net")
@@ -26,22 +28,20 @@ def _bwrap_flags(root: bool, network: bool) -> list[str]:
     return flags + ["--die-with-parent", "--new-session"]
 
 
-
-
-def _outermost(paths: list[str]) -> tuple[str, ...]:
+def outermost(paths: list[str]) -> tuple[str, ...]:
     """Drop paths that lie beneath another path of the list."""
     out: list[str] = []
     for p in sorted(set(paths), key=lambda s: (s.count("/"), s)):
-        if not any(_beneath(p, q) for q in out):
+        if not any(beneath(p, q) for q in out):
             out.append(p)
     return tuple(out)
 
 
-def _beneath(path: str, top: str) -> bool:
+def beneath(path: str, top: str) -> bool:
     return path == top or path.startswith(top.rstrip("/") + "/")
 
 
-def _parents(path: str, made: set[str]) -> list[str]:
+def make_parents(path: str, made: set[str]) -> list[str]:
     """bwrap options creating the missing ancestors of a bind target as mode 0755: bwrap would
     make them 0700, which the worker's uid could not traverse (/root/.pyenv/... for one)."""
     out: list[str] = []
@@ -61,8 +61,9 @@ class View:
     of a merged /usr), its Python, the current directory when shown, the run's output and
     socket directories (read-only) and the workspace (read-write), in which ``protected``
     stay read-only.  A fork server shared by the runs of a batch is shown the batch's runs
-    directory as its workspace and no output directory (``engine._shared_fork``); a script
-    run by ``exec`` has no socket or output directory, and ``shown`` holds its own directory.
+    directory as its workspace and no output directory (``engine.shared_fork_server``); a
+    script run by ``exec`` has no socket or output directory, and ``shown`` holds its own
+    directory.
 
     ``shown``: more paths shown read-only where nothing above them is shown already.
     ``root_proc``: for code that keeps uid 0 (without capabilities), the files of ``/proc``
@@ -85,7 +86,7 @@ def bwrap_argv(bwrap: str, *, root: bool, network: bool, tmp_bytes: int, view: V
                start_dir: str) -> list[str]:
     """The bubblewrap command line (up to and including ``--``) that builds `view`.  Pure: the
     same arguments give the same list, which the tests compare argument for argument."""
-    argv = [bwrap, *_bwrap_flags(root, network), "--hostname", "agentloop"]
+    argv = [bwrap, *namespace_flags(root, network), "--hostname", "agentloop"]
     made = {"/", "/tmp", "/dev", "/proc"}
     size = str(tmp_bytes)
     # The private /tmp first: a Python installed beneath /tmp (a checkout there) is bound on top
@@ -99,8 +100,8 @@ def bwrap_argv(bwrap: str, *, root: bool, network: bool, tmp_bytes: int, view: V
         argv += ["--ro-bind", "/proc/sys", "/proc/sys"]
         for path in view.root_proc:
             argv += ["--ro-bind", "/dev/null", path]
-    for path in _outermost([*view.system, *view.python]):
-        argv += [*_parents(path, made), "--ro-bind", path, path]
+    for path in outermost([*view.system, *view.python]):
+        argv += [*make_parents(path, made), "--ro-bind", path, path]
     for target, link in view.links:
         argv += ["--symlink", target, link]
     # Host directories last, shallowest first, so a deeper (more specific) bind wins and none
@@ -108,12 +109,12 @@ def bwrap_argv(bwrap: str, *, root: bool, network: bool, tmp_bytes: int, view: V
     # needs no write access to its directory, and nothing else belongs there.
     binds = [("--bind", view.workspace)]
     binds += [("--ro-bind", d) for d in (view.socket_dir, view.output_dir) if d is not None]
-    if view.cwd is not None and not _beneath(str(view.cwd), str(view.workspace)):
+    if view.cwd is not None and not beneath(str(view.cwd), str(view.workspace)):
         binds.append(("--ro-bind", view.cwd))  # (beneath the workspace it is visible, writable)
     seen = [*view.system, *view.python, str(view.workspace), *([str(view.cwd)] if view.cwd is not None else [])]
-    binds += [("--ro-bind", p) for p in view.shown if not any(_beneath(str(p), s) for s in seen)]
+    binds += [("--ro-bind", p) for p in view.shown if not any(beneath(str(p), s) for s in seen)]
     for kind, path in sorted(binds, key=lambda b: (len(b[1].parts), b[0] == "--bind")):
-        argv += [*_parents(str(path), made), kind, str(path), str(path)]
+        argv += [*make_parents(str(path), made), kind, str(path), str(path)]
     # Last, over the workspace: what stays read-only in it.  Each exists there (its parents
     # with it), so no directory is made for it.
     for path in view.protected:

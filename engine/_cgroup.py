@@ -165,6 +165,26 @@ class WorkerCgroups:
                     return int(value)
         return 0
 
+    def held(self, group: Path, within: int = 0) -> int | None:
+        """Bytes of memory charged to ``group`` that reclaim cannot free (all of it but the
+        page cache of files: anonymous and shared memory, tmpfs, socket buffers, kernel
+        objects); None for a ``pids`` group or where it cannot be read.  A charge of at most
+        ``within`` bytes in all is returned as it is, without reading what of it is cache (read
+        after every code sample: one small read, most times)."""
+        if self.controller != "memory":
+            return None
+        try:
+            used = int(_read(group / ("memory.usage_in_bytes" if self.v1 else "memory.current")))
+            if used <= within:
+                return used
+            for line in _read(group / "memory.stat").splitlines():
+                key, _, value = line.partition(b" ")
+                if key in (b"active_file", b"inactive_file"):
+                    used -= int(value)
+        except (OSError, ValueError):
+            return None
+        return used
+
     @staticmethod
     def remove(group: Path) -> None:
         _rmdir(group)
@@ -204,6 +224,14 @@ def _remove_stale(own: Path) -> None:
                 _rmdir(entry)
 
 
+def _read(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 1 << 16)
+    finally:
+        os.close(fd)
+
+
 def _rmdir(path: Path) -> None:
     with contextlib.suppress(OSError):
         path.rmdir()
@@ -211,7 +239,7 @@ def _rmdir(path: Path) -> None:
 
 class SpareGroups:
     """Cgroups made and entered ahead, for a fork server's spare namespace inits (made before
-    the request they serve: ``worker.zygote._Init``).  The worker forked from one is born in
+    the request they serve: ``worker.fork_server._Init``).  The worker forked from one is born in
     its cgroups, so its start waits for no move (each waits out an RCU grace period: from 1 to
     over 10 ms on a busy machine).  ``cgroups``: the parents to make them in, each with the
     limit a worker gets there."""

@@ -2,20 +2,14 @@
 
 A worker on this machine (``ipc://``) writes its output into FIFOs that the coordinator makes
 in the worker's socket directory before the worker starts, and whose read ends it opens then
-(``OutputPipes``): it never opens a path a worker could have touched.  The worker's side and
-the reason are in ``worker/_outpipe.py``:
+(``OutputPipes``): it never opens a path a worker could have touched.  What the pipes carry is
+``worker.contract.output``: ``out`` the output frames, ``fd1`` and ``fd2`` the pipes behind the
+worker's fd 1 and 2, which the coordinator reads only once the worker is dead (``leftovers``),
+for what its pump had not moved into ``out`` yet.
 
-- ``out`` carries the output frames: a 4-byte big-endian length, then one msgpack ``out``
-  message; one that says ``raw: [stream, n]`` is followed by ``n`` bytes of fd-level output
-  that the worker moved there from its capture pipe.
-- ``fd1`` and ``fd2`` are the pipes behind the worker's fd 1 and 2.  Its pump moves what comes
-  into ``out``; the coordinator reads them only once the worker is dead (``leftovers``), for
-  what the pump had not moved yet.
-
-Nothing read here is trusted: a length over ``wire.MAX_FRAME``, a frame that does not decode, a
-message that is not ``out`` or a malformed ``raw`` is an ``OutputError`` (the session ends the
-worker), and every read is bounded.  A frame cut by the worker's death is dropped; of a moved
-chunk, what arrived is delivered.
+Nothing read here is trusted: whatever ``contract.output.OutputReader`` refuses is an
+``OutputError`` (the session ends the worker), and every read is bounded.  A frame cut by the
+worker's death is dropped; of a moved chunk, what arrived is delivered.
 """
 
 from __future__ import annotations
@@ -27,15 +21,17 @@ import sys
 import termios
 from pathlib import Path
 
-from worker import wire
-from worker._outpipe import HEADER
+from worker.contract.framing import FrameError
+from worker.contract.limits import STDERR, STDOUT
+from worker.contract.output import NAMES, OutputReader
+from worker.contract.schema import ContractError
+from worker.contract.wire import Out
 
 #: Size ``out`` grows to once the worker fills half of it (the kernel may give less): room for
 #: a few output batches, so a worker that streams seldom waits for the coordinator to read.
 #: Only then: pipe memory counts against a per-user quota (``/proc/sys/fs/pipe-user-pages-*``)
 #: past which every new pipe of that user gets one of 8 KiB, and most workers print little.
 OUT_PIPE_BYTES = 512 * 1024  # (larger ones stream no faster here, and 2 MiB streams slower)
-_NAMES = ("out", "fd1", "fd2")
 _READ_END = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
@@ -57,19 +53,18 @@ class OutputPipes:
         self.directory = directory
         self.fds: dict[str, int] = {}
         try:
-            for name in _NAMES:
+            for name in NAMES:
                 os.mkfifo(directory / name, 0o600)
                 self.fds[name] = os.open(directory / name, _READ_END)
         except OSError:
             self.close()
             raise
-        self.out = self.fds["out"]
+        self.out = self.fds[NAMES[0]]
         #: What ``out`` holds at most: reading this much is reading all that waits in it.
         self.capacity = 65536
         self._grown = False
         self.ended = False  # ``out`` reached its end: no writer is left
-        self._buf = bytearray()
-        self._raw: tuple[object, int, int] | None = None  # (block, stream, bytes to come) of a moved chunk
+        self._reader = OutputReader()
 
     def read(self, budget: int, probe: bool = False) -> int:
         """Read what waits in ``out`` now, at most ``budget`` bytes; how many were read.
@@ -89,7 +84,7 @@ class OutputPipes:
         if not data:
             self.ended = True
             return 0
-        self._buf += data
+        self._reader.feed(data)
         return len(data)
 
     def _grow(self) -> None:
@@ -99,54 +94,19 @@ class OutputPipes:
         with contextlib.suppress(OSError, AttributeError):
             self.capacity = max(self.capacity, fcntl.fcntl(self.out, fcntl.F_GETPIPE_SZ))
 
-    def next(self) -> dict | None:
-        """The next whole message read from ``out`` (an ``out`` message, a moved chunk as one),
-        or None until more is read.  Raises OutputError."""
-        buf = self._buf
-        while True:
-            if self._raw is not None:
-                block, stream, rest = self._raw
-                take = min(rest, len(buf))
-                if not take:
-                    return None
-                with memoryview(buf) as view:
-                    data = bytes(view[:take])
-                del buf[:take]
-                self._raw = (block, stream, rest - take) if rest > take else None
-                return wire.out(block, [[stream, data]])  # type: ignore[arg-type]
-            if len(buf) < HEADER.size:
-                return None
-            size = HEADER.unpack_from(buf)[0]
-            if not 0 < size <= wire.MAX_FRAME:
-                raise OutputError(f"it wrote an output frame of {size} bytes")
-            end = HEADER.size + size
-            if len(buf) < end:
-                return None
-            view = memoryview(buf)
-            try:
-                frame = view[HEADER.size:end]
-                msg = wire.decode(frame)
-                frame.release()
-            except wire.WireError as exc:
-                raise OutputError(f"it wrote an output frame that does not decode ({exc})") from None
-            finally:
-                view.release()
-            del buf[:end]
-            if msg["t"] != "out":
-                raise OutputError(f"it wrote a {msg['t'][:40]!r} message to its output pipe")
-            raw = msg.get("raw")
-            if raw is None:
-                return msg
-            if not (isinstance(raw, list) and len(raw) == 2 and raw[0] in (wire.STDOUT, wire.STDERR)
-                    and type(raw[1]) is int and 0 < raw[1] <= wire.MAX_CHUNK):
-                raise OutputError("it wrote a malformed moved chunk")
-            self._raw = (msg.get("id"), raw[0], raw[1])
+    def next(self) -> Out | None:
+        """The next whole message read from ``out`` (a moved chunk as one), or None until more
+        is read.  Raises OutputError."""
+        try:
+            return self._reader.next()
+        except (ContractError, FrameError) as exc:
+            raise OutputError(str(exc)) from None
 
     def leftovers(self, limit: int) -> list[tuple[int, bytes]]:
         """After the worker died: what waits in ``fd1`` and ``fd2``, which its pump had not
         moved, at most ``limit`` bytes of each (a subprocess that outlived it may still write)."""
         found = []
-        for stream, name in ((wire.STDOUT, "fd1"), (wire.STDERR, "fd2")):
+        for stream, name in zip((STDOUT, STDERR), NAMES[1:], strict=True):
             fd = self.fds.get(name)
             pieces: list[bytes] = []
             got = 0
@@ -165,7 +125,7 @@ class OutputPipes:
 
     def unlink(self) -> None:
         """Remove the FIFOs' names once the worker has opened them: nobody can open them again."""
-        for name in _NAMES:
+        for name in NAMES:
             with contextlib.suppress(OSError):
                 os.unlink(self.directory / name)
 
@@ -174,4 +134,4 @@ class OutputPipes:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self.fds = {}
-        self._buf = bytearray()
+        self._reader = OutputReader()

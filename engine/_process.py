@@ -27,13 +27,24 @@ STDERR_TAIL = 4096
 
 @dataclass
 class Launch:
-    """Everything needed to start one worker process."""
+    """Everything needed to start one sandboxed process: ``prefix``, the sandbox's command line
+    (bubblewrap's; empty without it), then ``command``, what runs inside it (agentloop's
+    runtime, started by ``sandbox.runtime_argv``).  ``endpoint``: where the process connects;
+    ``serves_blocks``: it is a worker (a fork server's child can serve in place), else its
+    ``command`` is executed (a sample slot)."""
 
-    argv: list[str]
+    prefix: list[str]
+    command: list[str]
+    endpoint: str
     env: dict[str, str]
     cwd: Path
     pid_namespace: bool
     notes: list[str]
+    serves_blocks: bool = True
+
+    @property
+    def argv(self) -> list[str]:
+        return [*self.prefix, *self.command]
 
 
 class Process:
@@ -102,7 +113,7 @@ class Process:
             # of the namespace with it.  The outer one is killed too, and the inner one
             # directly: it may not have armed its parent-death signal yet.
             for pid in [*descendants(self.pid), self.pid]:
-                _signal(pid, signal.SIGKILL)
+                signal_quietly(pid, signal.SIGKILL)
         else:
             kill_tree(self.pid)
         try:
@@ -160,7 +171,8 @@ async def spawn(argv: Sequence[str], *, env: dict[str, str], cwd: Path,
     return Process(proc, pid_namespace)
 
 
-def _signal(pid: int, sig: int) -> None:
+def signal_quietly(pid: int, sig: int) -> None:
+    """Send ``sig`` to ``pid``; a process already gone, or not ours to signal, is no error."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
 
@@ -219,17 +231,17 @@ def kill_tree(root: int, *, include_root: bool = True, rounds: int = 50) -> None
     """Freeze the tree below ``root`` until it stops changing, then SIGKILL all of it."""
     frozen: set[int] = set()
     if include_root:
-        _signal(root, signal.SIGSTOP)
+        signal_quietly(root, signal.SIGSTOP)
         frozen.add(root)
     for _ in range(rounds):
         found = set(descendants(root)) - frozen
         if not found:
             break
         for pid in found:
-            _signal(pid, signal.SIGSTOP)
+            signal_quietly(pid, signal.SIGSTOP)
         frozen |= found
     for pid in frozen:
-        _signal(pid, signal.SIGKILL)
+        signal_quietly(pid, signal.SIGKILL)
     if include_root:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(root, signal.SIGKILL)  # the worker's session leader group, if still there

@@ -8,7 +8,7 @@ decoded without unpickling, and only the peer that completed the handshake is he
 The handshaken peer that breaks the protocol (a message of several frames, a frame that
 does not decode, a malformed or unknown message, or a connection cut by ZeroMQ itself for an
 oversized frame or bytes that are not ZeroMQ) is not argued with: the session stops reading
-it and has it killed at once (``Owner._on_broken``), so no block waits for its deadline on a
+it and has it killed at once (``Owner.broken``), so no block waits for its deadline on a
 worker that cannot talk any more.  Frames of any other sender are dropped.  Messages are
 received frame by frame, so a message of a million frames is never held as a list.
 
@@ -39,15 +39,19 @@ import os
 import secrets
 import struct
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import zmq
 
-from worker import wire
+from worker.contract import wire
+from worker.contract.framing import FrameError, encode
+from worker.contract.limits import MAX_FRAME
+from worker.contract.schema import ContractError
 
 from ._outpipe import OutputError, OutputPipes
-from ._process import Process, descendants, spawn
+from ._process import Process
 from .errors import WorkerStartError
 from .results import describe_exit
 
@@ -63,16 +67,21 @@ _READ_BATCH = 64  # messages read per callback before other work gets a turn
 _DRAIN_BATCH = 1024  # frames of a stranger's multi-frame message discarded per turn
 _AFTER_DEATH = 4 * 1024 * 1024  # bytes of ``out`` read once the worker is dead, at most (it holds 512 KiB)
 _LEFTOVER_BYTES = 4 * 1024 * 1024  # bytes of each of fd 1 and 2 read then, at most
+MAX_HELLO = 4096  # a stranger's frame is decoded only this far before it is dropped
 
 
-class Owner(Protocol):
+@dataclass(frozen=True)
+class Owner:
+    """Who a session's events go to: the ``Worker`` that took it, as callbacks handed down (a
+    session never calls up into its owner otherwise).  ``message``: a parsed message from the
+    process, returning an awaitable when the consumer is behind (reading waits for it);
+    ``exited``: the process died on its own, with its status; ``broken``: it broke the
+    protocol, in words."""
+
     name: str
-
-    def _dispatch(self, session: Session, msg: dict) -> Awaitable[None] | None: ...
-
-    async def _on_exit(self, session: Session, returncode: int) -> None: ...
-
-    async def _on_broken(self, session: Session, why: str) -> None: ...
+    message: Callable[[Session, wire.Message], Awaitable[None] | None]
+    exited: Callable[[Session, int], Awaitable[None]]
+    broken: Callable[[Session, str], Awaitable[None]]
 
 
 class Session:
@@ -97,10 +106,10 @@ class Session:
         self._out_watched = False
         # The message that waits for the output written before it (at most one: the reading
         # stops while it waits).
-        self._held: dict | None = None
+        self._held: wire.Message | None = None
         self.cgroups: list[Path] = []  # its memory and process-count cgroups, where the run has them
         self._loop = asyncio.get_running_loop()
-        self._hello: asyncio.Future[dict] = self._loop.create_future()
+        self._hello: asyncio.Future[wire.Hello] = self._loop.create_future()
         self._reading = False
         self._paused: asyncio.Task | None = None  # the owner's backpressure: reading waits for it
         self._watcher: asyncio.Task | None = None
@@ -137,12 +146,13 @@ class Session:
         self._watch_out(True)
         sock = self.sock = launcher.socket()
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
         sock.setsockopt(zmq.RCVHWM, 4)  # with MAX_FRAME: what a worker can make us hold unread
         sock.bind(endpoint)
         endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        if launcher.connect_host and endpoint.startswith("tcp://"):
-            endpoint = f"tcp://{launcher.connect_host}:{endpoint.rsplit(':', 1)[1]}"
+        connect_host = launcher.settings.connect_host
+        if connect_host and endpoint.startswith("tcp://"):
+            endpoint = f"tcp://{connect_host}:{endpoint.rsplit(':', 1)[1]}"
         self._loop.add_reader(sock.getsockopt(zmq.FD), self._readable)
         self._reading = True
         # A peer whose frame ZeroMQ refuses (over MAXMSGSIZE, or bytes that are not ZMTP) is
@@ -153,67 +163,15 @@ class Session:
         self._monitor_readable()  # ZeroMQ signals only a reader that found the queue empty
         launch = launcher.launch(endpoint, self.sock_dir, self.token, output=self.pipes is not None)
         self.notes = launch.notes
-        pid_ns = launch.pid_namespace
-        # Its memory and process cgroups are made and entered while the worker starts (a move
-        # costs milliseconds), from the moment its tree has a root: for a forked worker, as
-        # soon as the fork server made the namespace's init, whose children are then born
-        # inside.  They are checked again once it has said hello: before it runs any code.
-        moved: dict[Path, set[int]] = {}
-        adopting: asyncio.Future | None = None
-
-        def adopt(root: int) -> None:
-            nonlocal adopting
-            if adopting is None:
-                adopting = asyncio.ensure_future(asyncio.to_thread(self._enter_cgroups, root, moved))
-
         try:
-            zygote = launcher.fork_server(launch)
-            if zygote is not None:
-                self.proc = await zygote.spawn(launch, on_forked=adopt)
-            else:
-                self.proc = await spawn(launch.argv, env=launch.env, cwd=launch.cwd, pid_namespace=pid_ns)
-        except BaseException as exc:
-            if adopting is not None:  # its thread is done with the cgroups before they go
-                with contextlib.suppress(BaseException):
-                    await asyncio.shield(asyncio.gather(adopting, return_exceptions=True))
-            if not isinstance(exc, asyncio.CancelledError):  # (a cancelled start is killed by its caller)
-                await self.discard()
-            if isinstance(exc, OSError):
-                raise WorkerStartError(f"could not start a worker ({launch.argv[0]}): {exc}") from exc
+            self.proc, self.cgroups, _ = await launcher.start_process(launch, self.number, self._hello, "worker")
+        except BaseException:
+            await asyncio.shield(self.discard())
             raise
-        exited = asyncio.ensure_future(self.proc.wait())
-        adopt(self.proc.pid)
-        assert adopting is not None
-        try:
-            done, _ = await asyncio.wait({self._hello, exited}, timeout=launcher.start_timeout,
-                                         return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            exited.cancel()
-        try:
-            await adopting
-            if self._hello in done and not self._hello.exception() and self.cgroups:
-                tree = {self.proc.pid, *descendants(self.proc.pid)}
-                if any(not tree <= moved.get(group, set()) for group in self.cgroups):  # (a move waits)
-                    await asyncio.to_thread(launcher.adopt, self.cgroups, self.proc.pid, moved)
-        except WorkerStartError:
-            await self.proc.kill()
-            await self.discard()
-            raise
-        if self._hello not in done or self._hello.exception():
-            await self.proc.kill()  # waits for the exit status too, wherever it comes from
-            await self.discard()
-            said = self.proc.stderr_tail.decode("utf-8", "replace").strip()
-            if self._hello.done() and self._hello.exception():
-                reason = str(self._hello.exception())
-            elif self.proc.returncode is not None:
-                reason = describe_exit(self.proc.returncode, via_namespace=pid_ns)[0]
-            else:
-                reason = f"no handshake within {launcher.start_timeout:.0f} s"
-            raise WorkerStartError(f"worker failed to start: {reason}" + (f"\n{said}" if said else ""))
         self._watcher = self._loop.create_task(self._watch())
 
-    def send(self, msg: dict) -> None:
-        self.send_frame(wire.encode(msg))
+    def send(self, msg: wire.Message) -> None:
+        self.send_frame(encode(msg))
 
     def send_frame(self, frame: bytes) -> None:
         """Send now (never waits); a frame the worker's queue has no room for is dropped."""
@@ -241,7 +199,7 @@ class Session:
         """Ask the worker to exit, then kill whatever did not."""
         if self.proc is not None and self.proc.returncode is None and self.peer is not None:
             with contextlib.suppress(Exception):
-                self.send(wire.shutdown())
+                self.send(wire.Shutdown())
                 await asyncio.wait_for(asyncio.shield(self.proc.wait()), timeout)
         await self.kill()
 
@@ -272,11 +230,6 @@ class Session:
         groups, self.cgroups, sock_dir, self.sock_dir = self.cgroups, [], self.sock_dir, None
         await self.launcher.release(groups, sock_dir)
 
-    def _enter_cgroups(self, root: int, moved: dict[Path, set[int]]) -> None:
-        """(In a thread.) Make this worker's cgroups and move the tree of ``root`` in."""
-        self.cgroups = self.launcher.worker_groups(self.number, root)
-        self.launcher.adopt(self.cgroups, root, moved)
-
     def over_memory_limit(self) -> bool:
         """Whether the kernel killed a process of this worker for its memory cgroup's limit."""
         return bool(self.cgroups) and self.launcher.memory_exceeded(self.cgroups)
@@ -287,7 +240,7 @@ class Session:
         if self.killing:
             return
         if self.owner is not None:
-            await self.owner._on_exit(self, rc)
+            await self.owner.exited(self, rc)
         else:
             log.info("idle worker %s exited (%s)", self.name, describe_exit(rc, via_namespace=True)[0])
             if self.on_lost is not None:
@@ -487,31 +440,36 @@ class Session:
             with contextlib.suppress(zmq.ZMQError):
                 fd = frame.get(zmq.SRCFD)
             frame = frame.bytes
-        try:
-            msg = wire.decode(frame)
-        except wire.WireError as exc:
-            self._reject(ident, str(exc))
-            return None
         if self.peer is None:
-            self._handshake(ident, msg, fd)
-        elif ident != self.peer:
+            self._handshake(ident, frame, fd)
+            return None
+        if ident != self.peer:
             self.drop("sender is not this worker")
-        elif self.owner is None:
-            self.drop(f"{msg['t']!r} from an idle worker")
+            return None
+        try:
+            msg = wire.decode_message(frame, wire.TO_COORDINATOR)
+        except FrameError as exc:
+            self.violation(str(exc))
+            return None
+        except ContractError as exc:
+            self.violation(f"it sent a malformed message: {exc}")
+            return None
+        if self.owner is None:
+            self.drop(f"{msg.kind!r} from an idle worker")
         elif self.pipes is not None and not self._drain_out():
             self._held = msg  # after the output before it, once the reading resumes
         else:
             return self._deliver(msg)
         return None
 
-    def _deliver(self, msg: dict) -> Awaitable[None] | None:
+    def _deliver(self, msg: wire.Message) -> Awaitable[None] | None:
         if self.owner is None:
-            self.drop(f"{msg['t']!r} from an idle worker")
+            self.drop(f"{msg.kind!r} from an idle worker")
             return None
         try:
-            return self.owner._dispatch(self, msg)
-        except Exception as exc:  # noqa: BLE001 - a hostile message must not stop the reading
-            self.violation(f"it sent a malformed {msg.get('t')!r} message ({type(exc).__name__})")
+            return self.owner.message(self, msg)
+        except Exception as exc:  # noqa: BLE001 - a bug must not stop the reading
+            self.violation(f"its {msg.kind!r} message could not be handled ({type(exc).__name__}: {exc})")
         return None
 
     def violation(self, why: str) -> None:
@@ -531,7 +489,7 @@ class Session:
 
     async def _end_broken(self, why: str) -> None:
         if self.owner is not None:
-            await self.owner._on_broken(self, why)
+            await self.owner.broken(self, why)
         else:
             if self.on_lost is not None:
                 self.on_lost(self)
@@ -558,7 +516,7 @@ class Session:
         # give the death watch the time to report it with its cause first.
         if self.proc is not None and not self.killing:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self.proc.wait()), self.launcher.grace)
+                await asyncio.wait_for(asyncio.shield(self.proc.wait()), self.launcher.settings.grace)
         if self.proc is not None and self.proc.returncode is None:
             self.violation("its connection was cut: a frame over the size limit, bytes that are not "
                            "ZeroMQ, or its socket closed")
@@ -574,21 +532,24 @@ class Session:
         if self.pipes is not None:
             self.pipes.unlink()  # opened by the worker before its hello: no one opens them again
 
-    def _handshake(self, ident: bytes, msg: dict, fd: int | None) -> None:
-        token = msg.get("token")
-        if msg.get("t") != "hello" or not isinstance(token, str) or \
-                not hmac.compare_digest(token.encode(), self.token.encode()):
+    def _handshake(self, ident: bytes, frame: bytes, fd: int | None) -> None:
+        try:
+            msg = wire.decode_message(frame, wire.TO_COORDINATOR, MAX_HELLO)
+        except (ContractError, FrameError):
             self.drop("not a valid hello")
             return
-        if msg.get("v") != wire.PROTOCOL_VERSION:
+        if not isinstance(msg, wire.Hello) or not hmac.compare_digest(msg.token.encode(), self.token.encode()):
+            self.drop("not a valid hello")
+            return
+        if msg.v != wire.PROTOCOL_VERSION:
             if not self._hello.done():
                 self._hello.set_exception(WorkerStartError(
-                    f"worker speaks protocol {msg.get('v')!r}, coordinator {wire.PROTOCOL_VERSION}: "
+                    f"worker speaks protocol {msg.v!r}, coordinator {wire.PROTOCOL_VERSION}: "
                     "reinstall agentloop so both sides match"))
             return
         self.peer = ident
         self._peer_fd = fd
         self._close_door()
-        self.send(wire.welcome())
+        self.send(wire.Welcome())
         if not self._hello.done():
             self._hello.set_result(msg)

@@ -2,7 +2,7 @@
 
 What it guarantees: a request never holds the coordinator longer than its deadline (the
 process is SIGKILLed past it, and started afresh by the next request); a reply is read in
-bounded frames (``MAX_REPLY``), so whatever the tools meet costs the coordinator at most one
+bounded frames (``contract.tools.MAX_REPLY``), so whatever the tools meet costs the coordinator at most one
 such frame of memory; no process is left behind — ``close()``, the garbage collector and the
 coordinator's exit (a ``weakref.finalize``) kill it, and its PR_SET_PDEATHSIG kills it when
 the coordinator dies.
@@ -24,14 +24,41 @@ import threading
 import time
 import weakref
 
+from engine.interpreter import RUNTIME_ROOT
 from engine.sandbox import tools_argv
-from worker.tool_server import HEADER, MAX_REPLY, FrameError, command, pack, unpack
+from worker.contract import tools
+from worker.contract.confinement import Confinement, Landlock, Seccomp, landlock_abi, seccomp_supported
+from worker.contract.framing import HEADER, FrameError, decode_json, encode_json, frame
+from worker.contract.schema import ContractError
 
 #: Seconds a fresh tool process may take to start and confine itself.
 STARTUP_TIMEOUT = 20.0
 #: The tool process's CPU limit (seconds, its whole life); it is replaced before its requests'
 #: wall time, an upper bound of the CPU it used, could reach it.
 CPU_SECONDS = 600
+#: Limits of the tool process.  DATA bounds what a request can make it allocate; NOFILE
+#: leaves room for a walk's descriptors; FSIZE 0: it writes no file, ever.
+MEMORY_BYTES = 512 << 20
+OPEN_FILES = 256
+
+
+def command(python: str | None = None) -> list[str]:
+    """The argv that starts the tool process: isolated (-I), without site (-S), importing the
+    runtime by its absolute location (appended to sys.path, so it never shadows the stdlib)."""
+    code = (f"import sys; sys.path.append({RUNTIME_ROOT!r}); "
+            "from worker.tool_server import main; main()")
+    return [python or sys.executable, "-I", "-S", "-c", code]
+
+
+def confinement(root: str, cpu_seconds: int = CPU_SECONDS) -> Confinement:
+    """What the tool process applies to itself: read-only beneath ``root``, no network, no
+    privilege; Landlock and seccomp where this kernel has them."""
+    return Confinement(
+        rlimits=(("DATA", MEMORY_BYTES, MEMORY_BYTES), ("CPU", cpu_seconds, cpu_seconds + 1),
+                 ("FSIZE", 0, 0), ("NOFILE", OPEN_FILES, OPEN_FILES), ("CORE", 0, 0)),
+        drop_caps=True, no_new_privs=True,
+        landlock=Landlock(ro=(root,), scope=True, deny_tcp=True) if landlock_abi() >= 1 else None,
+        seccomp=Seccomp(socket_families=(), lock_session=True) if seccomp_supported() else None)
 
 
 class ToolTimeout(Exception):
@@ -80,7 +107,7 @@ class ToolProcess:
         proc = self._proc
         return proc.pid if proc is not None and proc.poll() is None else None
 
-    def request(self, msg: dict, timeout: float) -> dict:
+    def request(self, msg: tools.Request, timeout: float) -> tools.Message:
         """Send ``msg`` and return the reply.  Raises ToolTimeout past ``timeout`` seconds (the
         process is then killed), ToolCrash when the process dies or misbehaves, ToolBusy when
         the lock was not free within ``queue_wait``, ToolClosed after ``close()``."""
@@ -96,7 +123,7 @@ class ToolProcess:
                 self._start()
             started = time.monotonic()
             try:
-                self._send(pack(msg), started + timeout)
+                self._send(frame(encode_json(msg)), started + timeout)
                 return self._receive(started + timeout)
             except ToolTimeout:
                 self._stop()
@@ -147,17 +174,18 @@ class ToolProcess:
         deadline = time.monotonic() + STARTUP_TIMEOUT
         try:
             # Inside bubblewrap's PID namespace the parent is its init; bwrap dies with us.
-            self._send(pack({"root": self.root, "exclude": self.exclude,
-                             "parent": 0 if self._view else os.getpid(),
-                             "cpu_seconds": CPU_SECONDS}), deadline)
+            init = tools.Init(self.root, tuple(tuple(e) for e in self.exclude), 0 if self._view else os.getpid(),
+                              confinement(self.root).to_json())
+            self._send(frame(encode_json(init)), deadline)
             reply = self._receive(deadline)
         except (ToolTimeout, ToolCrash) as exc:
             why = self._stop()
             raise ToolCrash(f"the tool process could not start: {exc}{why}") from None
-        if "ready" not in reply:
+        if not isinstance(reply, tools.Ready):
             self._stop()
-            raise ToolCrash(f"the tool process could not confine itself: {reply.get('fatal', reply)}")
-        self.layers = list(reply["ready"])
+            said = reply.error if isinstance(reply, tools.Fatal) else f"it said {reply.kind!r}"
+            raise ToolCrash(f"the tool process could not confine itself: {said}")
+        self.layers = list(reply.layers)
 
     def _stop(self) -> str:
         """Kill and reap the process; returns what it said on stderr, as '' or ' (how: text)'."""
@@ -193,16 +221,16 @@ class ToolProcess:
             except OSError as exc:  # EPIPE: it died
                 raise ToolCrash(f"the tool process is gone ({exc.strerror})") from None
 
-    def _receive(self, deadline: float) -> dict:
+    def _receive(self, deadline: float) -> tools.Message:
         proc = self._proc
         assert proc is not None and proc.stdout is not None
         fd = proc.stdout.fileno()
         (size,) = HEADER.unpack(_read_exact(fd, HEADER.size, deadline))
-        if size > MAX_REPLY:
-            raise ToolCrash(f"the tool process sent a reply of {size} bytes (at most {MAX_REPLY})")
+        if size > tools.MAX_REPLY:
+            raise ToolCrash(f"the tool process sent a reply of {size} bytes (at most {tools.MAX_REPLY})")
         try:
-            return unpack(_read_exact(fd, size, deadline))
-        except FrameError as exc:
+            return tools.TO_COORDINATOR.parse(decode_json(_read_exact(fd, size, deadline), tools.MAX_REPLY))
+        except (ContractError, FrameError) as exc:
             raise ToolCrash(f"the tool process sent a malformed reply: {exc}") from None
 
 

@@ -41,6 +41,7 @@ from typing import Any
 from . import tags
 from .code_task import (
     HEARTBEAT_FLOOR,
+    BlockHost,
     CodeTask,
     heartbeat_interval,
     host_spec,
@@ -54,8 +55,13 @@ from .errors import AgentError, ConfigError
 from .llm import Chat
 from .model_server import ServerInfo, connect
 from .models import ModelConfig, ModelRegistry
-from .subagents import SubagentSlots, subagent_limit
+from .subagents import SubagentBudget, subagent_limit
 from .worker import Worker
+
+__all__ = [
+    "Agent", "DEFAULT_REMIND_AT", "EMPTY_REPLY_NOTE", "MAX_CUT_REPLIES", "MAX_EMPTY_REPLIES",
+    "STOP_SEQUENCES"
+]
 
 #: Stop sequences: a model starting a result tag on a new line is inventing output.
 #: Only at a line start, so code that merely mentions a tag is not cut by the server.
@@ -78,7 +84,7 @@ class Agent:
                  depth: int = 0, max_depth: int = 3, name: str = "main", context: str = "",
                  max_messages: int = 200, handed: dict | None = None,
                  chat_factory: Callable[..., Chat] | None = None, protocol: str | None = None,
-                 max_subagents: int | None = None, subagent_slots: SubagentSlots | None = None,
+                 max_subagents: int | None = None, subagent_budget: SubagentBudget | None = None,
                  agent_factory: Callable[..., Agent] | None = None) -> None:
         self.engine = engine
         self.models = models
@@ -109,7 +115,7 @@ class Agent:
         self._reports: dict[Hashable, str | Callable[[], str]] = {}
         self._last_message = time.monotonic()  # when the last message to the model was made
         #: Shared with every sub-agent below: the run's limit on sub-agents working at once.
-        self.subagent_slots = subagent_slots or SubagentSlots(
+        self.subagent_budget = subagent_budget or SubagentBudget(
             subagent_limit.get() if max_subagents is None else max_subagents)
         self.wake = asyncio.Event()
         self.task: asyncio.Task | None = None
@@ -172,7 +178,7 @@ class Agent:
     def writable_places(self) -> str:
         """Where this agent's code may write, in one line (the system prompt's ``Files:``)."""
         engine = self.engine
-        return tags.writable_places(str(engine.cwd), str(engine.workspace), engine.sandbox.mode != "none")
+        return tags.writable_places(str(engine.cwd), str(engine.workspace), engine.settings.sandbox.mode != "none")
 
     def adapt(self, server: ServerInfo) -> None:
         """Take in what the endpoint reported: its context window where the configuration sets
@@ -242,7 +248,9 @@ class Agent:
             self._event("failed", message=f"id={block_id} already running, not restarted")
             self.inbox.append(tags.format_already_running(block_id))
             return
-        block = CodeTask(self, request, block_id)
+        host = BlockHost(self.worker, self._event, lambda report, key: self.on_heartbeat(report, key=key),
+                         self.writable_places, self.engine.settings.sandbox, self.engine.workspace)
+        block = CodeTask(host, request, block_id)
         self._event("launched", id=block_id, timeout=request.timeout, heartbeat=block.interval,
                     code=request.code)
         self.blocks.append(block)
@@ -386,8 +394,8 @@ class Agent:
         if self.depth >= self.max_depth:
             raise AgentError(f"max delegation depth {self.max_depth} reached — do this part yourself "
                              "instead of delegating")
-        self.subagent_slots.check()  # before any work for it; start_task takes the slot
-        await self.subagent_slots.make_room()
+        self.subagent_budget.check()  # before any work for it; start_task takes the slot
+        await self.subagent_budget.make_room()
         if namespace_names:
             assert self.worker is not None
             exported = await self.worker.request("export", {"names": namespace_names})
@@ -412,7 +420,7 @@ class Agent:
                            display=self.display, depth=self.depth + 1, max_depth=self.max_depth,
                            name=self._unique_name(name or "sub"), context=context,
                            max_messages=self.max_messages, handed=handed, chat_factory=self._chat_factory,
-                           protocol=self._protocol_override, subagent_slots=self.subagent_slots,
+                           protocol=self._protocol_override, subagent_budget=self.subagent_budget,
                            agent_factory=self._agent_factory)
         child.start_task(task, heartbeat, self.on_heartbeat, supervisor=self)
         self.children[child.name] = child
@@ -424,14 +432,14 @@ class Agent:
                    supervisor: Agent | None = None) -> Agent:
         """Run this agent in the background as a sub-agent; returns self as the handle.  Raises
         AgentError when its run already has as many sub-agents working as it may."""
-        self.subagent_slots.check()
+        self.subagent_budget.check()
         self.supervisor = supervisor or self.supervisor
         self.start_time = time.monotonic()
         self.heartbeat_interval = heartbeat_interval(heartbeat)
         self._parent_on_heartbeat = on_heartbeat
         self.result_value = None
         self.task = asyncio.ensure_future(self.run_as_subagent(task, self.heartbeat_interval, on_heartbeat))
-        self.subagent_slots.take(self, self.task)
+        self.subagent_budget.take(self, self.task)
         return self
 
     async def run_as_subagent(self, task: str, heartbeat: float | None,
@@ -483,7 +491,7 @@ class Agent:
             raise AgentError(f"sub-agent '{self.name}' is still working; wait for its result before new_task")
         if self.released:
             raise AgentError(f"sub-agent '{self.name}' was closed to make room for newer ones (a run keeps "
-                             f"at most {self.subagent_slots.limit}); start a new sub-agent with what it needs")
+                             f"at most {self.subagent_budget.limit}); start a new sub-agent with what it needs")
         assert self._parent_on_heartbeat is not None and self.supervisor is not None
         supervisor = self.supervisor
         if self in supervisor.sub_agents and self.task is not None:

@@ -54,6 +54,11 @@ from .repo_tools import MAX_RESULT, TOOL_SCHEMAS, RepoTools, execute_tool_call_a
 from .tags import strip_think
 from .tool_protocol import embedded_calls
 
+__all__ = [
+    "ARGS_SHOWN", "Answer", "AnswerStream", "Assistant", "ClientEvents", "EXIT_FAILED", "PROMPT",
+    "STOPPED", "SYSTEM"
+]
+
 log = logging.getLogger("agentloop.ask")
 
 #: The seed's system prompt, word for word; ``{root}`` is the resolved root.
@@ -178,7 +183,7 @@ class Answer:
     streamed: bool = False
 
 
-class _Events:
+class ClientEvents:
     """The client's events: recorded, deltas streamed, retries noted on a terminal."""
 
     def __init__(self, recorder: Any, stream: AnswerStream | None, note: Callable[[str], None] | None) -> None:

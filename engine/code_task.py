@@ -5,14 +5,21 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from pathlib import Path
 
 from . import tags
 from .errors import AgentloopError
 from .results import BlockResult, OutputChunk
-from .sandbox import workspace_excess
+from .sandbox import SandboxPolicy, workspace_excess
+from .worker import Worker
+
+__all__ = [
+    "BlockHost", "CodeTask", "DISPLAY_LINE_BYTES", "HEARTBEAT_FLOOR", "OUTPUT_BUDGET",
+    "heartbeat_interval", "host_spec", "task_text", "words"
+]
 
 #: Bytes of a block's output the model sees in one result (head and tail, the rest counted).
 OUTPUT_BUDGET = 16_000
@@ -67,12 +74,26 @@ def host_spec(name: str, fn: Callable) -> dict:
             "is_async": inspect.iscoroutinefunction(fn)}
 
 
-class CodeTask:
-    """One ``<run_code>`` block running in the agent's worker, with its heartbeats.  ``agent``
-    is the ``engine.agent.Agent`` that asked for it (which imports this module)."""
+@dataclass(frozen=True)
+class BlockHost:
+    """What a block needs of the agent that asked for it, handed down (a block never reaches
+    into its agent): the ``worker`` it runs in, ``emit`` for display events, ``heartbeat`` to
+    queue a report for the model (``report``, ``key``), ``writable`` for the words on where code
+    may write, and the sandbox policy and workspace whose size is checked between blocks."""
 
-    def __init__(self, agent: Any, request: tags.CodeRequest, block_id: str) -> None:
-        self.agent = agent
+    worker: Worker
+    emit: Callable[..., None]
+    heartbeat: Callable[[Callable[[], str], Hashable], None]
+    writable: Callable[[], str]
+    sandbox: SandboxPolicy
+    workspace: Path
+
+
+class CodeTask:
+    """One ``<run_code>`` block running in the agent's worker, with its heartbeats."""
+
+    def __init__(self, host: BlockHost, request: tags.CodeRequest, block_id: str) -> None:
+        self.host = host
         self.request = request
         self.id = block_id
         self.started = time.monotonic()
@@ -98,23 +119,22 @@ class CodeTask:
                 del self._fresh[:cut]
         shown = self._shown(chunk.stream, data)
         if shown:
-            self.agent._event("output", id=self.id, stream=chunk.stream,
-                              text=shown.decode("utf-8", "replace"))
+            self.host.emit("output", id=self.id, stream=chunk.stream, text=shown.decode("utf-8", "replace"))
 
     def is_running(self) -> bool:
         return not self.task.done()
 
     async def _run(self) -> str:
-        agent, req = self.agent, self.request
-        self._work = asyncio.ensure_future(agent.worker.run(
+        host, req = self.host, self.request
+        self._work = asyncio.ensure_future(host.worker.run(
             req.code, timeout=req.timeout, block_id=self.id, on_output=self._on_output, budget=OUTPUT_BUDGET))
         try:
             while not self._work.done():
                 await asyncio.wait([self._work], timeout=self.interval)
                 if not self._work.done() and self.interval:
-                    agent._event("progress", id=self.id, current=time.monotonic() - self.started,
-                                 output=bytes(self._fresh).decode("utf-8", "replace"))
-                    agent.on_heartbeat(self._report, key=("run_code", self.id))
+                    host.emit("progress", id=self.id, current=time.monotonic() - self.started,
+                              output=bytes(self._fresh).decode("utf-8", "replace"))
+                    host.heartbeat(self._report, ("run_code", self.id))
         except asyncio.CancelledError:
             self._work.cancel()
             await asyncio.wait([self._work])
@@ -124,19 +144,18 @@ class CodeTask:
             body = result.text()
             status = result.status
             if result.refused_write():
-                body += f"[note: {agent.writable_places()}]"
+                body += f"[note: {host.writable()}]"
         except asyncio.CancelledError:
             body, status = "[cancelled]", "cancelled"
         except AgentloopError as exc:  # the worker could not even be started again
             body, status = f"[failed] {exc}", "error"
         # The workspace is a bind mount that no quota caps: its size is checked between blocks.
-        engine = agent.engine
-        excess = await asyncio.to_thread(workspace_excess, engine.sandbox, engine.workspace)
+        excess = await asyncio.to_thread(workspace_excess, host.sandbox, host.workspace)
         if excess:
             body += f"[{excess}]"
         duration = time.monotonic() - self.started
-        agent._event("finished", id=self.id, duration=duration, cancelled=status != "ok" and status != "error",
-                     output=body, status=status)
+        host.emit("finished", id=self.id, duration=duration, cancelled=status != "ok" and status != "error",
+                  output=body, status=status)
         return tags.format_code_result(self.id, duration, body)
 
     def _report(self) -> str:

@@ -38,6 +38,8 @@ from engine.durations import format_duration
 from engine.inert import InertText, inert
 from engine.tags import HALLUCINATION_STOPS, cut_hallucinated, find_tags
 
+__all__ = ["ConsoleDisplay"]
+
 _SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 _NOTE_CHARS = 200  # characters of an <error> note shown on its one line
 
@@ -107,7 +109,7 @@ class _Thought:
 
 
 @dataclass
-class _Block:
+class _ShownBlock:
     live: bool = False  # output arrives as `output` chunks; cumulative `progress` output is then ignored
     shown_chars: int = 0  # how much of the cumulative progress output has been shown
     partial: dict[str, str] = field(default_factory=dict)  # unterminated line per stream
@@ -137,7 +139,7 @@ class ConsoleDisplay(DispatchDisplay):
         self._thoughts: dict[str, _Thought] = {}  # per agent: the reasoning of its current reply
         self._streamed: set[str] = set()  # agents whose current reply arrived as deltas
         self._replies: dict[str, InertText] = {}  # per agent: its streamed reply, filtered as it arrives
-        self._blocks: dict[tuple[str, str], _Block] = {}
+        self._blocks: dict[tuple[str, str], _ShownBlock] = {}
         self._raw: dict[str, str] = {}  # per agent: its streamed reply so far, unfiltered
         self._shown: dict[str, int] = {}  # per agent: how much of it went to the screen
         self._cut: set[str] = set()  # agents whose current reply was cut at an invented result
@@ -348,12 +350,12 @@ class ConsoleDisplay(DispatchDisplay):
 
     # ------------------------------------------------------------ code blocks
 
-    def _block(self, name: str, id: Any) -> _Block:
-        return self._blocks.setdefault((name, str(id)), _Block())
+    def _block(self, name: str, id: Any) -> _ShownBlock:
+        return self._blocks.setdefault((name, str(id)), _ShownBlock())
 
     def launched(self, name: str = "?", id: Any = "?", timeout: Any = None, heartbeat: Any = None,
                  code: str = "") -> None:
-        self._blocks[(name, str(id))] = _Block()
+        self._blocks[(name, str(id))] = _ShownBlock()
         limits = []
         if isinstance(timeout, (int, float)):
             limits.append(f"timeout {format_duration(timeout)}")
@@ -369,7 +371,7 @@ class ConsoleDisplay(DispatchDisplay):
         if len(lines) > len(shown):
             self._line(name, (f"    ┆ … {len(lines) - len(shown)} more lines", "dim"))
 
-    def _feed(self, name: str, id: Any, block: _Block, stream: str, text: str) -> None:
+    def _feed(self, name: str, id: Any, block: _ShownBlock, stream: str, text: str) -> None:
         if stream not in block.filters:
             block.filters[stream] = InertText(carriage_returns=True)
         text = block.partial.pop(stream, "") + block.filters[stream].feed(str(text))
@@ -381,7 +383,7 @@ class ConsoleDisplay(DispatchDisplay):
         for line in complete:
             self._output_line(name, id, block, stream, _terminal_line(line))
 
-    def _output_line(self, name: str, id: Any, block: _Block, stream: str, line: str) -> None:
+    def _output_line(self, name: str, id: Any, block: _ShownBlock, stream: str, line: str) -> None:
         if not self.verbose and block.lines >= self.output_lines:
             block.hidden += 1
             return
@@ -403,7 +405,7 @@ class ConsoleDisplay(DispatchDisplay):
 
     def finished(self, name: str = "?", id: Any = "?", duration: Any = None, cancelled: Any = False,
                  output: Any = None, status: str | None = None) -> None:
-        block = self._blocks.pop((name, str(id)), None) or _Block()
+        block = self._blocks.pop((name, str(id)), None) or _ShownBlock()
         if not block.live and isinstance(output, str):
             self._feed(name, id, block, "stdout", output[block.shown_chars:])
         for stream, rest in list(block.partial.items()):

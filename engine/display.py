@@ -16,6 +16,11 @@ from typing import Any
 
 from engine.errors import ConfigError
 
+__all__ = [
+    "AgentDisplay", "DispatchDisplay", "FanoutDisplay", "JsonlRecorder", "accepted_kwargs",
+    "read_recording", "replay"
+]
+
 
 class AgentDisplay:
     """Everything an agent reports flows through one method: ``event(type, **fields)``. The base is a no-op.

@@ -16,6 +16,8 @@ from pathlib import Path
 from engine._cgroup import WorkerCgroups
 from engine.sandbox import HostSupport, SandboxPolicy, host_support, root_blocker
 
+__all__ = ["Layer", "report"]
+
 
 @dataclass(frozen=True)
 class Layer:

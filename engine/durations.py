@@ -11,6 +11,8 @@ import re
 
 from engine.errors import ConfigError
 
+__all__ = ["DEFAULT_BLOCK_TIMEOUT", "format_duration", "parse_duration"]
+
 #: A block's deadline, in seconds, when neither the model nor the caller names one.
 DEFAULT_BLOCK_TIMEOUT = 10.0
 

@@ -18,69 +18,52 @@ import asyncio
 import contextlib
 import logging
 import os
-import sys
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
+from typing import Any
 
-from . import sandbox as _sandbox
 from ._session import Session
-from ._shared_fork import SharedForkServer
 from .durations import DEFAULT_BLOCK_TIMEOUT
-from .errors import AgentloopError, ConfigError
+from .errors import AgentloopError, ConfigError, WorkerError
 from .launcher import ENV_ALLOWLIST, Launch, Launcher
 from .samples import OUTPUT_BYTES, Sample, SampleResult, SampleRunner, map_samples
-from .worker import Worker
+from .settings import WorkerSettings
+from .shared_fork_server import SharedForkServer
+from .worker import Worker, WorkerState
 
 __all__ = ["ENV_ALLOWLIST", "Engine", "Launch"]
 
 log = logging.getLogger("agentloop")
 
+
 class Engine:
     """Starts, supervises and shuts down the workers of one run.
 
-    A block's output beyond what is kept in memory goes to a file under ``run_dir`` (in
-    ``state_dir``, default ``~/.local/state/agentloop/runs/``); the run's directory is removed at
-    shutdown unless ``keep_output``.  The workspace (default ``./files``) is made when missing
-    and removed again at shutdown if nothing was written to it.  ``fork_server``: a fork server
-    shared with other runs (a batch's, ``engine._shared_fork``) that forks this run's workers,
-    each shown this run's directories only; where it cannot serve the run, they start cold."""
+    ``settings`` (``engine.settings.WorkerSettings``) say how every worker is started and
+    contained; keyword ``options`` are its fields, for short (``Engine(python=..., preload=...)``
+    is ``Engine(WorkerSettings(python=..., preload=...))``).  The run's directories are the
+    engine's: ``cwd`` (default the current directory) and ``workspace`` (default ``./files``,
+    made when missing and removed again at shutdown if nothing was written to it).  A block's
+    output beyond what is kept in memory goes to a file under ``run_dir`` (in the settings'
+    ``state_dir``), removed at shutdown unless ``keep_output``.  ``pool``: idle workers kept
+    started.  ``max_workers``: live workers at most (None: no bound); ``start_worker`` refuses
+    beyond it in words a model can read.  ``shared_fork_server``: a fork server shared with
+    other runs (a batch's) that forks this run's workers, each shown this run's directories
+    only; where it cannot serve the run, they start cold."""
 
-    def __init__(
-        self,
-        *,
-        cwd: str | Path | None = None,
-        workspace: str | Path | None = None,
-        sandbox: _sandbox.SandboxPolicy | None = None,
-        transport: str = "ipc",
-        tcp_bind: str = "127.0.0.1",
-        connect_host: str | None = None,
-        state_dir: str | Path | None = None,
-        start_timeout: float = 30.0,
-        grace: float = 0.5,
-        env_allow: Iterable[str] = (),
-        python: str | None = None,
-        output_file_cap: int = 256 * 1024 * 1024,
-        pool: int = 1,
-        pool_idle: float = 60.0,
-        zygote: bool | None = None,
-        preload: Iterable[str] = (),
-        keep_output: bool = False,
-        own_workspaces: bool = False,
-        tty: Iterable[int] = (),
-        fork_server: SharedForkServer | None = None,
-    ) -> None:
-        if not 0 < grace <= 1.0:
-            raise ConfigError("grace must be in (0, 1] seconds")
+    def __init__(self, settings: WorkerSettings | None = None, *, cwd: str | Path | None = None,
+                 workspace: str | Path | None = None, pool: int = 1, pool_idle: float = 60.0,
+                 max_workers: int | None = None, shared_fork_server: SharedForkServer | None = None,
+                 own_workspaces: bool = False, **options: Any) -> None:
+        settings = settings or WorkerSettings()
+        if options:
+            settings = settings.replace(**options)
         cwd = Path(cwd or os.getcwd()).resolve()
-        self.launcher = Launcher(
-            cwd=cwd, workspace=Path(workspace).resolve() if workspace else cwd / "files",
-            sandbox=sandbox or _sandbox.SandboxPolicy(), python=python or sys.executable,
-            transport=transport, tcp_bind=tcp_bind, connect_host=connect_host, state_dir=state_dir,
-            start_timeout=start_timeout, grace=grace, env_allow=env_allow,
-            output_file_cap=output_file_cap, zygote=zygote, preload=preload,
-            keep_output=keep_output, own_workspaces=own_workspaces, tty=tty, fork_server=fork_server)
+        self.launcher = Launcher(settings, cwd=cwd, workspace=Path(workspace).resolve() if workspace else cwd / "files",
+                                 own_workspaces=own_workspaces, shared=shared_fork_server)
         self.pool_size = max(0, pool)
         self.pool_idle = pool_idle
+        self.max_workers = max_workers
         self._pool: list[Session] = []
         self._pool_filling: asyncio.Task | None = None
         self._pool_shrink: asyncio.TimerHandle | None = None
@@ -88,13 +71,10 @@ class Engine:
         self._samples: SampleRunner | None = None
         self._closed = False
 
-    # What the run is, as its launcher holds it.
+    # The run, as its launcher holds it.
+    settings = property(lambda self: self.launcher.settings)
     cwd = property(lambda self: self.launcher.cwd)
     workspace = property(lambda self: self.launcher.workspace)
-    sandbox = property(lambda self: self.launcher.sandbox)
-    python = property(lambda self: self.launcher.python)
-    grace = property(lambda self: self.launcher.grace)
-    preload = property(lambda self: self.launcher.preload)
     run_id = property(lambda self: self.launcher.run_id)
     run_dir = property(lambda self: self.launcher.run_dir)
     output_dir = property(lambda self: self.launcher.output_dir)
@@ -111,9 +91,15 @@ class Engine:
         self.launcher.open()
 
     async def start_worker(self, name: str = "worker") -> Worker:
-        """Start a worker and wait until it is ready to run code."""
+        """Start a worker and wait until it is ready to run code.  WorkerError, in words a
+        model can act on, beyond ``max_workers`` live ones."""
         if self._closed:
             raise ConfigError("this engine was shut down; create a new Engine")
+        if self.max_workers is not None:
+            live = sum(1 for w in self.workers if w.state is not WorkerState.CLOSED)
+            if live >= self.max_workers:
+                raise WorkerError(f"this run already holds {live} workers, its limit; wait for a sub-agent "
+                                  "to finish, or do the work yourself, before starting another")
         self.open()
         worker = Worker(self.launcher, name, take_idle=self._pool_take)
         self.workers.append(worker)
@@ -141,20 +127,34 @@ class Engine:
     def map(self, samples: Iterable[Sample], *, concurrency: int | None = None,
             timeout: float = DEFAULT_BLOCK_TIMEOUT, output_bytes: int = OUTPUT_BYTES) -> AsyncIterator[SampleResult]:
         """Run code samples, ``concurrency`` at once (default: twice the usable CPUs), each as
-        ``agentloop exec`` runs a file, in a fresh worker with namespaces, ``/tmp`` and workspace of
-        its own that is killed after; an async iterator of ``SampleResult``, in the order they
-        complete.  ``timeout``: the deadline of a sample that names none.  Leaving the iteration
-        early kills the samples still running.  See ``engine.samples``::
+        ``agentloop exec`` runs a file, in a sandbox of its own that is killed after; an async
+        iterator of ``SampleResult`` in the order of ``samples``, as ``Executor.map`` (see
+        ``as_completed`` for the order they end in).  ``timeout``: the deadline of a sample that
+        names none.  Leaving the iteration early kills the samples still running.  See
+        ``engine.samples`` (what a sample may carry) and ``engine.sample_status`` (what its
+        status means)::
 
             async for result in engine.map([Sample("a", "print(1)"), Sample("b", "1/0")]):
                 print(result.id, result.status, result.exit_code)
         """
+        return map_samples(self._sample_runner(), samples, concurrency=concurrency, timeout=timeout,
+                           output_bytes=output_bytes)
+
+    def as_completed(self, samples: Iterable[Sample], *, concurrency: int | None = None,
+                     timeout: float = DEFAULT_BLOCK_TIMEOUT,
+                     output_bytes: int = OUTPUT_BYTES) -> AsyncIterator[SampleResult]:
+        """``map``, yielding each result as soon as its sample ends (an RL trainer's rewards, a
+        results file written as they come)."""
+        return map_samples(self._sample_runner(), samples, concurrency=concurrency, timeout=timeout,
+                           output_bytes=output_bytes, ordered=False)
+
+    def _sample_runner(self) -> SampleRunner:
         if self._closed:
             raise ConfigError("this engine was shut down; create a new Engine")
         if self._samples is None:
-            self._samples = SampleRunner(self, Engine)
-        return map_samples(self._samples, samples, concurrency=concurrency, timeout=timeout,
-                           output_bytes=output_bytes)
+            self.open()
+            self._samples = SampleRunner(self.launcher)
+        return self._samples
 
     # -- the warm pool ---------------------------------------------------------------------------
     @property

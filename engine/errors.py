@@ -21,6 +21,12 @@ from __future__ import annotations
 
 import signal
 
+__all__ = [
+    "AgentError", "AgentloopError", "ConfigError", "EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OWN",
+    "EXIT_TIMEOUT", "ModelError", "ModelResponseError", "ModelUnreachable", "SandboxError", "WorkerClosed",
+    "WorkerError", "WorkerStartError"
+]
+
 #: Exit statuses of the command line (``exec`` adds 128+N for a worker killed by signal N).
 EXIT_ERROR = 1
 EXIT_TIMEOUT = 124  # as timeout(1)

@@ -36,7 +36,8 @@ from ._cgroup import WorkerCgroups
 from ._process import kill_tree
 from ._terminal import TerminalRelay
 from .file_sandbox import ScriptPlan
-from .sandbox import SandboxPolicy, runtime_argv
+from .interpreter import runtime_argv
+from .sandbox import SandboxPolicy
 
 __all__ = ["ScriptCgroups", "ScriptResult", "inherited_ignored", "run_script"]
 
@@ -144,7 +145,7 @@ def run_script(plan: ScriptPlan, program: list[str], env: dict[str, str], *, pyt
     control_r, control_w = os.pipe()
     diag_r, diag_w = os.pipe()
     program_err = os.dup(given[2]) if given[2] is not None else os.open(os.devnull, os.O_WRONLY)
-    settings = {"confine": plan.confine, "status": status_w, "control": control_r, "stderr": program_err,
+    settings = {"confine": plan.confine.to_json(), "status": status_w, "control": control_r, "stderr": program_err,
                 "tty": next((fd for fd in (0, 1) if fd in relays), program_err) if relays else None,
                 "ignored": list(ignored),
                 "parent": 0 if plan.pid_namespace else os.getpid(), "lc_ctype": env.get("LC_CTYPE")}

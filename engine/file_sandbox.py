@@ -37,8 +37,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from worker.contract.confinement import Confinement
+
 from . import interpreter, sandbox
-from ._bwrap import _beneath
+from ._bwrap import beneath
 from .errors import ConfigError
 
 __all__ = ["SECRET_PATTERNS", "ScriptPlan", "kept_read_only", "plan_script", "script_environment", "secret_names"]
@@ -62,7 +64,7 @@ class ScriptPlan:
 
     argv_prefix: list[str]
     pid_namespace: bool
-    confine: dict
+    confine: Confinement
     cwd: str
     notes: list[str]
     tmpdir: str | None
@@ -112,7 +114,7 @@ def plan_script(policy: sandbox.SandboxPolicy, *, python: str, cwd: Path, script
         if policy.share_cwd is False:
             raise ConfigError("--no-share-cwd goes with --read-only: with --write-cwd the script writes the "
                               "current directory")
-        shown, why = sandbox._shareable_cwd(cwd, policy.share_cwd)
+        shown, why = sandbox.shareable_cwd(cwd, policy.share_cwd)
         if not shown:
             raise ConfigError(why.removeprefix("sandbox: ").replace("is not shown to workers", "is not shown to scripts")
                               + ", or --read-only")
@@ -137,12 +139,12 @@ def plan_script(policy: sandbox.SandboxPolicy, *, python: str, cwd: Path, script
         at = argv.index("--hostname")
         del argv[at:at + 2]
     confine = plan.confine
-    if "landlock" in confine:
-        confine["landlock"]["dev"].append("/dev/tty")  # (getpass and curses open the terminal by name)
-    if "seccomp" in confine:
+    if confine.landlock is not None:  # (getpass and curses open the terminal by name)
+        confine = confine.replace(landlock=dataclasses.replace(confine.landlock, dev=(*confine.landlock.dev, "/dev/tty")))
+    if confine.seccomp is not None:
         # Sessions and process groups as under python (a child with start_new_session): without a
         # PID namespace the confiner, a subreaper, and the runner find what is left by its tree.
-        confine["seccomp"]["lock_session"] = False
+        confine = confine.replace(seccomp=dataclasses.replace(confine.seccomp, lock_session=False))
     tmpdir = None if plan.pid_namespace else plan.env.get("TMPDIR")
     return ScriptPlan(argv, plan.pid_namespace, confine, plan.cwd or str(cwd), notes, tmpdir, str(target),
                       tuple(d for d in made if os.path.isdir(d)))
@@ -166,14 +168,14 @@ def kept_read_only(directory: Path, python: str) -> tuple[str, ...]:
                     found.add(entry.path)
     except OSError:
         pass
-    found |= {p for p in _installation(python) if _beneath(p, top) and p != top}
+    found |= {p for p in _installation(python) if beneath(p, top) and p != top}
     kept = [p for p in found if os.path.lexists(p) and not os.path.islink(p)]
     return tuple(sorted(kept, key=lambda p: (p.count("/"), p)))
 
 
 def _installation(python: str) -> list[str]:
     """The directories of the interpreter (its prefixes too) and of agentloop's own code, resolved."""
-    return [*(os.path.realpath(p) for p in sandbox.python_paths(python)), *_import_path(python)]
+    return [*(os.path.realpath(p) for p in interpreter.python_paths(python)), *_import_path(python)]
 
 
 def _import_path(python: str) -> list[str]:
@@ -186,7 +188,7 @@ def _import_path(python: str) -> list[str]:
     venvs = [p for p in info.paths[:4] if os.path.isfile(os.path.join(p, "pyvenv.cfg"))]
     ours = [p for p in sys.path if p and os.path.isabs(p) and os.path.realpath(p) != here]
     places = [*info.paths[4:], *venvs, *interpreter.runtime_dirs(python), *ours,
-              os.path.join(sandbox.RUNTIME_ROOT, "worker"), os.path.join(sandbox.RUNTIME_ROOT, "engine")]
+              os.path.join(interpreter.RUNTIME_ROOT, "worker"), os.path.join(interpreter.RUNTIME_ROOT, "engine")]
     return [os.path.realpath(p) for p in places if os.path.isdir(p)]
 
 
@@ -194,7 +196,7 @@ def _refuse_inside_installation(target: Path, python: str) -> None:
     """A directory inside a Python installation or agentloop's code is never written: a module
     put there would be imported by whoever runs that Python next."""
     for place in _import_path(python):
-        if place != "/" and _beneath(str(target), place):
+        if place != "/" and beneath(str(target), place):
             raise ConfigError(f"{target} lies inside {place}, from which Python imports modules: run from "
                               "another directory, or pass --read-only")
 
@@ -202,7 +204,7 @@ def _refuse_inside_installation(target: Path, python: str) -> None:
 def _unkept(kept: tuple[str, ...], target: Path, python: str) -> str:
     """Without bubblewrap nothing can be bound read-only: refuse where the interpreter or
     agentloop's code would be writable, else the note saying what is not kept."""
-    code = [p for p in kept if any(_beneath(p, i) or _beneath(i, p) for i in _installation(python))]
+    code = [p for p in kept if any(beneath(p, i) or beneath(i, p) for i in _installation(python))]
     if code:
         raise ConfigError(f"without bubblewrap {code[0]} could not be kept read-only in {target}, and Python runs "
                           "code from there: pass --read-only, or install bubblewrap")
@@ -239,4 +241,4 @@ def _shown(script: str | None, python: str, environ: Mapping[str, str]) -> list[
 
 def _showable(directory: Path) -> bool:
     """Whether ``directory`` may be shown whole: not ``/``, a home directory or one above a home."""
-    return sandbox._shareable_cwd(directory, None)[0]
+    return sandbox.shareable_cwd(directory, None)[0]

@@ -30,6 +30,8 @@ from __future__ import annotations
 import codecs
 import re
 
+__all__ = ["InertStream", "InertText", "MAX_CSI", "MAX_STRING", "inert"]
+
 #: Characters of an OSC/DCS/SOS/PM/APC string dropped before it is abandoned as unterminated.
 MAX_STRING = 64 * 1024
 #: Parameter characters of a CSI kept to decide whether it is a colour (SGR) sequence.

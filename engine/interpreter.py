@@ -26,8 +26,17 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+import worker.contract
+
+from ._bwrap import beneath, outermost
 from ._uids import UID_BASE, UID_SPAN
 from .errors import ConfigError, SandboxError
+
+__all__ = [
+    "Interpreter", "RUNTIME_INSTALL", "RUNTIME_PACKAGES", "RUNTIME_ROOT", "check_workspace",
+    "choose_python", "not_importable", "probe", "python_paths", "refuse_untrusted", "runtime_argv",
+    "runtime_dirs", "runtime_packages"
+]
 
 #: Third-party packages the worker runtime imports, by import name (distribution in brackets
 #: of ``RUNTIME_INSTALL``).
@@ -191,3 +200,70 @@ def not_importable(python: str, modules: tuple[str, ...]) -> list[str]:
     except (OSError, subprocess.SubprocessError) as exc:
         raise SandboxError(f"cannot start the worker's python {python}: {exc}") from exc
     return out.split()
+
+
+# -- how agentloop's runtime starts in it ----------------------------------------------------------
+
+#: The directory holding the ``worker`` package (and ``engine``): put on a runtime's path by
+#: its absolute name, never found through the directory a process starts in.
+RUNTIME_ROOT = str(Path(worker.contract.__file__).resolve().parent.parent.parent)
+
+
+def runtime_argv(python: str, entry: str, *args: str, packages: dict[str, str] | None = None) -> list[str]:
+    """The command line that runs ``entry`` (``"module:function"``) of agentloop's runtime.
+
+    ``-I`` (isolated mode) leaves the current directory, ``PYTHON*`` variables and the user's
+    site directory off ``sys.path``, and the runtime is found by its absolute path: a process
+    that starts with privileges (a worker before it confines itself, the fork server) imports
+    nothing from a directory a worker can write, whatever directory it starts in.  ``-B``: the
+    runtime never writes bytecode next to its sources.  ``packages`` (``interpreter.
+    runtime_packages``): runtime packages that ``python`` lacks, by name, with the directory
+    of agentloop's copy; an import hook finds those names, and only those, there."""
+    module, _, function = entry.partition(":")
+    if not (module.replace(".", "").replace("_", "").isalnum() and function.isidentifier()):
+        raise ValueError(f"not a runtime entry point: {entry!r}")
+    boot = f"import sys; sys.path.insert(0, {RUNTIME_ROOT!r}); "
+    if packages:
+        # The package's own directory, not its parent's: under Landlock alone a worker may
+        # read the package but not list the site-packages around it.
+        boot += ("import importlib.util\n"
+                 "class _RuntimePackages:\n"
+                 f"    at = {dict(packages)!r}\n"
+                 "    spec = staticmethod(importlib.util.spec_from_file_location)\n"
+                 "    @classmethod\n"
+                 "    def find_spec(cls, name, path=None, target=None):\n"
+                 "        where = cls.at.get(name)\n"
+                 "        return cls.spec(name, where + '/__init__.py', submodule_search_locations=[where]) "
+                 "if where else None\n"
+                 "sys.meta_path.append(_RuntimePackages)\n")
+    boot += f"from {module} import {function}; {function}()"
+    return [python, "-I", "-B", "-c", boot, *args]
+
+
+@lru_cache(maxsize=8)
+def python_paths(python: str) -> tuple[str, ...]:
+    """Directories the interpreter `python` needs read-only: its prefixes and every sys.path
+    entry it starts with (site-packages, editable installs, PYTHONPATH), agentloop's copies of
+    the runtime packages it lacks, plus this project's packages.  Asked of the interpreter
+    itself (once), not taken from ours: the coordinator's own sys.path[0] may be any directory,
+    a home among them."""
+    info = [*probe(python).paths, *runtime_dirs(python)]
+    # The worker imports `worker` (and may import `engine`) from wherever this project lives;
+    # an editable install maps them to the source tree without a sys.path entry.
+    info += [str(Path(RUNTIME_ROOT) / "worker"), str(Path(RUNTIME_ROOT) / "engine")]
+    # (``-I`` above: the paths of the interpreter itself, not of whatever the directory adds.)
+    paths = [os.path.normpath(p) for p in info
+             if p and os.path.isabs(p) and os.path.exists(p) and os.path.normpath(p) != "/"]
+    return outermost(paths)
+
+
+def check_workspace(workspace: Path, python: str) -> None:
+    """Refuse a workspace that is, or holds, a directory on the import path of the coordinator
+    or of the workers' Python: workers write the workspace, and a module planted there would
+    run in a process with privileges (the coordinator, a worker before it confines itself)."""
+    ws = os.path.realpath(workspace)
+    ours = (os.path.realpath(p) for p in sys.path if p and os.path.isabs(p) and os.path.isdir(p))
+    for path in sorted({*python_paths(python), *ours}):
+        if beneath(path, ws):
+            raise ConfigError(f"the workspace {ws} holds {path}, from which Python imports "
+                              "agentloop's code: choose another --workspace")

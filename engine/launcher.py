@@ -1,14 +1,16 @@
-"""The launcher: everything that touches the operating system to start a worker.
+"""The launcher: everything that touches the operating system to start a run's processes.
 
-``Engine`` decides (the pool, shutdown, how many workers); the launcher acts: it owns the
-run's directories, the ZeroMQ context and the endpoints, the sandbox plan, the worker's
-environment, the cgroups, the cold start and the fork server.  Sessions, workers and the fork
-server are handed a launcher and call only its public methods; nothing here calls back up.
+``Engine`` decides (the pool, shutdown, how many workers); the launcher acts: from the run's
+``WorkerSettings`` it owns the run's directories, the ZeroMQ context and the endpoints, the
+sandbox plan, the processes' environment, the cgroups, and the provisioner that starts them
+(``engine.provision``: cold, the run's fork server, or a batch's), chosen once, here.
+Sessions, workers and slots are handed a launcher and call only its public methods; nothing
+here calls back up.
 
 A run owns a private socket directory (mode 0700, one sub-directory per worker process, with
 its socket and its output pipes, so a sandbox can expose exactly one worker's) and an output
 directory for block outputs too large to keep in memory.  A run of a batch may be handed the
-batch's fork server (``engine._shared_fork``): its socket directory then lies beneath that
+batch's fork server (``engine.shared_fork_server``): its socket directory then lies beneath that
 server's socket root, and its workers are forked there, each shown its own run's directories
 only.  Workers get an environment built from an allowlist, never a copy of the coordinator's:
 API keys set for the coordinator do not reach model code.
@@ -19,26 +21,40 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import os
 import secrets
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import TypeVar
 
 import zmq
+
+from worker.contract.sample import SlotSettings
+from worker.contract.start import StartSpec
 
 from . import _uids, interpreter
 from . import sandbox as _sandbox
 from ._cgroup import SpareGroups, WorkerCgroups
 from ._outpipe import OutputPipes
-from ._process import Launch
-from ._shared_fork import RunForkServer, SharedForkServer
+from ._process import Launch, Process, descendants
 from ._tree import remove_tree
-from ._zygote import Zygote
 from .errors import ConfigError, WorkerStartError
 from .file_sandbox import kept_read_only
+from .fork_server import ForkServer
+from .provision import ColdStart, Provisioner, fork_server_refusal, insisted
+from .results import describe_exit
+from .settings import WorkerSettings
+from .shared_fork_server import RunView, SharedForkServer
+
+__all__ = ["ENV_ALLOWLIST", "Launcher", "SLOT", "WORKER"]
+
+T = TypeVar("T")
+
+#: The runtime entry points a launch starts: a worker, or a sample slot.
+WORKER = "worker.__main__:main"
+SLOT = "worker.slot:main"
 
 #: Variables a worker inherits from the coordinator's environment, if set.  Everything else
 #: (API keys, cloud credentials, tokens) stays behind.
@@ -92,78 +108,39 @@ def _private_dir(path: Path) -> Path:
 
 
 class Launcher:
-    """Starts worker processes for one run: directories, sockets, sandbox, cgroups, fork server.
+    """Starts the processes of one run from its ``settings``: directories, sockets, sandbox,
+    cgroups and the provisioner.  ``cwd`` and ``workspace``: the run's directories;
+    ``own_workspaces``: each process sees an empty workspace of its own instead of the shared
+    one (a tmpfs the fork server mounts there: code samples); ``shared``: a fork server shared
+    with other runs (a batch's), which forks this run's workers where it can serve it.
 
-    ``open`` is idempotent and ``close`` removes everything the run made (the fork server and
-    every worker it forked included); what a worker wrote to the workspace stays."""
+    ``open`` is idempotent and ``close`` removes everything the run made (its fork server and
+    every process it forked included); what a worker wrote to the workspace stays."""
 
-    def __init__(
-        self,
-        *,
-        cwd: Path,
-        workspace: Path,
-        sandbox: _sandbox.SandboxPolicy,
-        python: str,
-        transport: str = "ipc",
-        tcp_bind: str = "127.0.0.1",
-        connect_host: str | None = None,
-        state_dir: str | Path | None = None,
-        start_timeout: float = 30.0,
-        grace: float = 0.5,
-        env_allow: Iterable[str] = (),
-        output_file_cap: int = 256 * 1024 * 1024,
-        zygote: bool | None = None,
-        preload: Iterable[str] = (),
-        keep_output: bool = False,
-        own_workspaces: bool = False,
-        tty: Iterable[int] = (),
-        fork_server: SharedForkServer | None = None,
-    ) -> None:
-        if transport not in ("ipc", "tcp"):
-            raise ConfigError(f"transport must be 'ipc' or 'tcp', not {transport!r}")
+    def __init__(self, settings: WorkerSettings, *, cwd: Path, workspace: Path, own_workspaces: bool = False,
+                 shared: SharedForkServer | None = None) -> None:
+        self.settings = settings
         self.cwd = cwd
         self.workspace = workspace
-        self.sandbox = sandbox
-        self.python = python
-        self.transport = transport
-        self.tcp_bind = tcp_bind
-        self.connect_host = connect_host
-        self.start_timeout = start_timeout
-        #: Seconds a block or process that was asked to stop is given before the hard kill.
-        self.grace = grace
-        self.env_allow = tuple(env_allow)
-        self.output_file_cap = output_file_cap
-        self.zygote = zygote
-        self.preload = tuple(preload)
-        #: Keep the run's directory (block outputs too large for memory) after ``close``.
-        self.keep_output = keep_output
-        #: Each worker sees an empty workspace of its own instead of the shared one (a tmpfs the
-        #: fork server mounts there; code samples).  Needs the fork server.
         self.own_workspaces = own_workspaces
-        #: The workers' fds (1, 2) that are a terminal (a pty of their own, with the size of the
-        #: coordinator's terminal) instead of a pipe: what ``exec`` gives a script on a terminal.
-        self.tty = tuple(fd for fd in tty if fd in (1, 2))
-        #: A fork server shared with other runs (a batch's).  Where it serves this run, the
-        #: run's workers are forked there; where it refuses, they start cold: a run handed one
-        #: never starts a server of its own.
-        self.shared = fork_server
-        self._shared_view: RunForkServer | None = None
+        self.shared = shared
+        self._provisioner: Provisioner | None = None
         self._made_workspace = False  # made by this run: removed again when nothing was written
         self._uid_claimed = False
         #: Runtime packages the workers' Python lacks, loaded from agentloop's own copies.
         self.runtime_packages: dict[str, str] = {}
         # The pid in the name lets a later start remove what a killed coordinator left.
         self.run_id = time.strftime("%Y%m%d-%H%M%S-") + f"{os.getpid()}-{secrets.token_hex(3)}"
-        self.run_dir = Path(state_dir or _state_home()) / "runs" / self.run_id
+        self.run_dir = Path(settings.state_dir or _state_home()) / "runs" / self.run_id
         self.output_dir = self.run_dir / "outputs"
         self.sock_root: Path | None = None
         self.memory_cgroups: WorkerCgroups | None = None  # each worker's memory limit
         self.pids_cgroups: WorkerCgroups | None = None  # each worker's process limit
         self._ctx: zmq.Context | None = None
-        self._zygote: Zygote | None = None
         self._spares: SpareGroups | None = None  # cgroups made ahead for its fork server's spare inits
         self._outputs = 0
         self._first_plan: tuple[Path, _sandbox.LaunchPlan] | None = None
+        self._shared_view: RunView | None = None
         #: What stays read-only in the workspace (``file_sandbox.kept_read_only``), found when it opens.
         self.protected: tuple[str, ...] = ()
 
@@ -175,21 +152,23 @@ class Launcher:
         """Create the run's directories and the ZeroMQ context (idempotent)."""
         if self._ctx is not None:
             return
+        settings = self.settings
         self.check_python()
-        if self.sandbox.mode != "none":
-            _sandbox.check_workspace(self.workspace, self.python)
+        if settings.sandbox.mode != "none":
+            interpreter.check_workspace(self.workspace, settings.python)
         try:
             self._made_workspace = not self.workspace.exists()
             self.workspace.mkdir(parents=True, exist_ok=True)
-            self.protected = kept_read_only(self.workspace.resolve(), self.python)
+            self.protected = kept_read_only(self.workspace.resolve(), settings.python)
             self.output_dir.mkdir(parents=True, exist_ok=True)
             os.chmod(self.run_dir, 0o700)
-            if self.keep_output:
+            if settings.keep_output:
                 (self.run_dir / ".kept").touch()
             _remove_stale_runs(self.run_dir.parent)
             runtime = _private_dir(_runtime_home())
             _remove_stale_runs(runtime)
-            if self.shared is not None and self.shared.refuses(self) is None:
+            if self._served_by_shared():
+                assert self.shared is not None
                 self.sock_root = self.shared.run_sockets(runtime)
             else:
                 self.sock_root = runtime / self.run_id
@@ -197,40 +176,42 @@ class Launcher:
         except OSError as exc:
             raise ConfigError(f"cannot create the run's directories: {exc}; "
                               "choose another --workspace or check permissions") from exc
-        if (self.sandbox.mode != "none" and os.geteuid() == 0 and self.sandbox.worker_uid is None
-                and not self.sandbox.as_caller):
+        if (settings.sandbox.mode != "none" and os.geteuid() == 0 and settings.sandbox.worker_uid is None
+                and not settings.sandbox.as_caller):
             self._uid_claimed = True
             _uids.claim(str(self.workspace))  # the run's uid, its own while it lives
         if self.shared is not None and self.sock_root.parent == self.shared.socket_root:
-            self._shared_view = self.shared.for_run(self)
+            self._shared_view = self.shared.for_run(self.workspace, self.output_dir, self.env(StartSpec(), None),
+                                                    self.runtime_packages)
         self._ctx = zmq.Context()
         # Each worker costs three ZeroMQ sockets (its channel, a monitor and the monitor's peer);
         # the default cap of 1023 would stop an engine at about 340 workers.
         self._ctx.set(zmq.MAX_SOCKETS, 16384)
         if self._shared_view is not None:  # its workers' cgroups lie beside the other runs' (see close)
             self.memory_cgroups, self.pids_cgroups = self.shared.cgroups()
-        elif self.sandbox.mode != "none":
+        elif settings.sandbox.mode != "none":
             self.memory_cgroups = WorkerCgroups.find(self.run_id.rsplit("-", 1)[-1])
             self.pids_cgroups = WorkerCgroups.find(self.run_id.rsplit("-", 1)[-1], "pids")
 
     def check_python(self) -> None:
         """ConfigError, in one line, unless the workers' Python starts, can run agentloop's
         runtime and imports every ``preload`` module; nor one a worker could have written."""
-        interpreter.refuse_untrusted(self.python, self.workspace)
-        self.runtime_packages = interpreter.runtime_packages(self.python)
-        missing = interpreter.not_importable(self.python, self.preload)
+        python = self.settings.python
+        interpreter.refuse_untrusted(python, self.workspace)
+        self.runtime_packages = interpreter.runtime_packages(python)
+        missing = interpreter.not_importable(python, self.settings.preload)
         if missing:
             raise ConfigError(f"--preload: {', '.join(missing)} cannot be imported by the workers' Python "
-                              f"{self.python}; install {'it' if len(missing) == 1 else 'them'} there "
-                              f"({self.python} -m pip install ...) or choose that interpreter with --python")
+                              f"{python}; install {'it' if len(missing) == 1 else 'them'} there "
+                              f"({python} -m pip install ...) or choose that interpreter with --python")
 
     async def close(self) -> None:
         """Kill the fork server, destroy the context, remove the sockets, the cgroups and the
         run's directory (unless ``keep_output``; then only when empty), and the workspace when
         this run made it and nothing was written there.  Workers are closed by their owners
         before this."""
-        if self._zygote is not None:
-            await self._zygote.close()
+        if self._provisioner is not None and self._provisioner is not self._shared_view:
+            await self._provisioner.close()
         if self._spares is not None:
             await asyncio.to_thread(self._spares.close)
         if self._ctx is not None:
@@ -243,7 +224,7 @@ class Launcher:
         if self._uid_claimed:
             self._uid_claimed = False
             _uids.release(str(self.workspace))
-        if not self.keep_output:
+        if not self.settings.keep_output:
             await asyncio.to_thread(remove_tree, self.run_dir)
         with contextlib.suppress(OSError):
             self.output_dir.rmdir()  # only if no block needed a file
@@ -265,15 +246,15 @@ class Launcher:
         assert self.sock_root is not None, "open() the launcher first"
         sock_dir = self.sock_root / f"w{number}"
         sock_dir.mkdir(mode=0o700)
-        if self.transport == "tcp":
-            return f"tcp://{self.tcp_bind}:*", sock_dir
+        if self.settings.transport == "tcp":
+            return f"tcp://{self.settings.tcp_bind}:*", sock_dir
         return f"ipc://{sock_dir}/sock", sock_dir
 
     def output_pipes(self, sock_dir: Path) -> OutputPipes | None:
         """The output pipes of the worker whose socket directory is ``sock_dir``, made (with
         the coordinator's read ends open) before it starts; None for a worker that may run on
         another machine (``tcp``), whose output comes over its socket."""
-        return OutputPipes(sock_dir) if self.transport == "ipc" else None
+        return OutputPipes(sock_dir) if self.settings.transport == "ipc" else None
 
     def output_path(self, index: int, block_id: str) -> Path:
         """A file name of its own for one block's output: a sequence number makes it unique
@@ -290,8 +271,8 @@ class Launcher:
         naming their own directory, made searchable by the run's uid as the full one would."""
         first = self._first_plan
         if first is None or sock_dir.parent != first[0].parent:
-            plan = _sandbox.plan(self.sandbox, socket_dir=sock_dir, workspace=self.workspace,
-                                 cwd=self.cwd, output_dir=self.output_dir, python=self.python,
+            plan = _sandbox.plan(self.settings.sandbox, socket_dir=sock_dir, workspace=self.workspace,
+                                 cwd=self.cwd, output_dir=self.output_dir, python=self.settings.python,
                                  memory_cgroup=self.memory_cgroups is not None,
                                  pids_cgroup=self.pids_cgroups is not None, protected=self.protected)
             if first is None and sock_dir.parent == self.sock_root:
@@ -302,71 +283,182 @@ class Launcher:
             os.chmod(sock_dir, 0o711)  # as ``sandbox._share_with_run`` leaves a worker's directory
         return dataclasses.replace(plan, argv_prefix=[str(sock_dir) if a == str(old) else a
                                                       for a in plan.argv_prefix],
-                                   confine=json.loads(json.dumps(plan.confine)), notes=list(plan.notes),
+                                   notes=list(plan.notes),
                                    env=dict(plan.env))
 
-    def env(self, token: str, plan: _sandbox.LaunchPlan) -> dict[str, str]:
-        """A worker's whole environment: the allowlist, the sandbox's needs, the handshake token."""
-        env = {k: os.environ[k] for k in (*ENV_ALLOWLIST, *self.env_allow) if k in os.environ}
+    def run_uid(self) -> int | None:
+        """The uid (and gid) this run's workers switch to: a root coordinator's run has one of
+        its own; None where they keep the coordinator's (not root, ``--sandbox none``, or a
+        Python other users may not read).  The run is open."""
+        assert self.sock_root is not None, "open() the launcher first"
+        return self.plan(self.sock_root).uid
+
+    def env(self, start: StartSpec, plan: _sandbox.LaunchPlan | None) -> dict[str, str]:
+        """A process's whole environment: the allowlist, the sandbox's needs, and ``start``
+        (its token, confinement, ...: ``contract.start``) with what the plan decides of it.
+        Without a plan: the environment a fork server passes on (it confines nothing itself)."""
+        env = {k: os.environ[k] for k in (*ENV_ALLOWLIST, *self.settings.env_allow) if k in os.environ}
         env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
         env["HOME"] = str(self.workspace)
         env["TMPDIR"] = "/tmp"
+        if plan is None:
+            env.update(start.to_env())
+            return env
         env.update(plan.env)  # what the sandbox needs (a private TMPDIR without bubblewrap)
         env["PYTHONDONTWRITEBYTECODE"] = "1"  # for the Pythons user code starts (``-B`` is ours)
-        env["AGENTLOOP_TOKEN"] = token
-        if not plan.pid_namespace:  # inside a PID namespace our parent is the namespace's init
-            env["AGENTLOOP_PARENT"] = str(os.getpid())
-        if plan.confine:
-            env["AGENTLOOP_CONFINE"] = json.dumps(plan.confine)
-        if self.tty and token:
+        tty = ""
+        if self.settings.tty and start.token:
             size = shutil.get_terminal_size()
-            env["AGENTLOOP_TTY"] = f"{','.join(map(str, self.tty))}:{size.lines}x{size.columns}"
+            tty = f"{','.join(map(str, self.settings.tty))}:{size.lines}x{size.columns}"
+        # Inside a PID namespace the process's parent is the namespace's init, not us.
+        start = dataclasses.replace(start, confine=plan.confine, tty=start.tty or tty,
+                                    parent=0 if plan.pid_namespace else os.getpid())
+        env.update(start.to_env())
         return env
 
-    def launch(self, endpoint: str, sock_dir: Path, token: str, *, output: bool = False) -> Launch:
-        """How to start one worker process whose socket lives in ``sock_dir``; ``output``: its
-        output pipes are there too (``output_pipes``).  The worker opens them before it
-        confines itself (while it has the coordinator's uid, or root's), so they stay 0600."""
+    def launch(self, endpoint: str, sock_dir: Path, token: str, *, entry: str = WORKER, output: bool = False,
+               slot: SlotSettings | None = None, uid: int | None = None) -> Launch:
+        """How to start one process (``entry``: a worker, or a sample slot) whose socket lives
+        in ``sock_dir``; ``output``: its output pipes are there too (``output_pipes``).  The
+        process opens them before it confines itself (while it has the coordinator's uid, or
+        root's), so they stay 0600.  ``uid`` (``own_uid``): where the run's workers switch uid,
+        this process switches to ``uid`` instead of the run's."""
         plan = self.plan(sock_dir)
+        if uid is not None and plan.uid is not None:  # (a copy: the first plan is kept)
+            plan = dataclasses.replace(plan, uid=uid, confine=plan.confine.replace(uid=(uid, uid)))
         if endpoint.startswith("ipc://"):
             plan.grant(Path(endpoint[len("ipc://"):]))
-        argv = [*plan.argv_prefix, *_sandbox.runtime_argv(self.python, "worker.__main__:main", endpoint,
-                                                          packages=self.runtime_packages)]
-        env = self.env(token, plan)
-        if output:
-            env["AGENTLOOP_OUTPUT"] = str(sock_dir)
-        return Launch(argv, env, Path(plan.cwd) if plan.cwd else self.cwd, plan.pid_namespace, plan.notes)
+        # A slot is told its endpoint in its settings, not on its command line (every sample
+        # could read that).
+        args = (endpoint,) if entry == WORKER else ()
+        command = interpreter.runtime_argv(self.settings.python, entry, *args, packages=self.runtime_packages)
+        env = self.env(StartSpec(token=token, output=str(sock_dir) if output else "", slot=slot), plan)
+        return Launch(plan.argv_prefix, command, endpoint, env, Path(plan.cwd) if plan.cwd else self.cwd,
+                      plan.pid_namespace, plan.notes, serves_blocks=entry == WORKER)
 
-    def fork_server(self, launch: Launch) -> Zygote | RunForkServer | None:
-        """The fork server to start ``launch`` with, or None to start it cold.
-
-        ``zygote=None`` (the default) uses one where it can give the same isolation: a root
-        coordinator with bubblewrap.  A run handed a shared server uses that one or none."""
-        usable = self.zygote is not False and launch.pid_namespace and Zygote.usable(launch.argv)
-        if not usable or (self.shared is not None and self._shared_view is None):
-            if self.zygote or self.own_workspaces:
-                why = self.shared.refuses(self) if self.shared is not None and usable else None
-                raise ConfigError(why or "the fork server needs bubblewrap and a coordinator running as root")
+    def own_uid(self, name: str) -> int | None:
+        """A uid of its own for one process of this run (a sample slot: samples that run at
+        once then share no per-user kernel quota, terminal or file), claimed under ``name``
+        (unique to the process) until ``release_uid(name)``; None where workers do not switch
+        uid (an unprivileged coordinator, ``--sandbox none``, a ``worker_uid`` chosen)."""
+        sandbox = self.settings.sandbox
+        if sandbox.mode == "none" or os.geteuid() != 0 or sandbox.worker_uid is not None:
             return None
+        return _uids.claim(name)
+
+    @staticmethod
+    def release_uid(name: str) -> None:
+        """Give back the uid ``own_uid(name)`` claimed, once no process runs as it."""
+        _uids.release(name)
+
+    def _served_by_shared(self) -> bool:
+        return (self.shared is not None and fork_server_refusal(self.settings) is None
+                and self.shared.refuses(self.settings, cwd=self.cwd, workspace=self.workspace,
+                                        output_dir=self.output_dir, own_workspaces=self.own_workspaces) is None)
+
+    def provisioner(self) -> Provisioner:
+        """What starts this run's processes, chosen once (the run is open).
+
+        A fork server where it gives the isolation of a cold start (``fork_server_refusal``):
+        the batch's shared one when it serves this run, else the run's own; otherwise a cold
+        start — or, where the run insists (``fork_server=True``, code samples), ConfigError."""
+        if self._provisioner is not None:
+            return self._provisioner
+        assert self.sock_root is not None, "open() the launcher first"
         if self._shared_view is not None:
-            return self._shared_view
-        if self._zygote is None:
-            assert self.sock_root is not None
-            plan = self.plan(self.sock_root)
-            self._zygote = Zygote(plan, self.env("", plan), python=self.python, packages=self.runtime_packages,
-                                  cwd=self.cwd, sandbox=self.sandbox, start_timeout=self.start_timeout,
-                                  preload=self.preload)
-            if self.own_workspaces:
-                self._zygote.own_workspace = str(self.workspace)
-            self._spares = SpareGroups(self.group_limits())
-            self._zygote.on_spare = self._spares.prepare
-        return self._zygote
+            self._provisioner = self._shared_view
+            return self._provisioner
+        why = fork_server_refusal(self.settings)
+        if why is None and self.shared is not None:
+            why = self.shared.refuses(self.settings, cwd=self.cwd, workspace=self.workspace,
+                                      output_dir=self.output_dir, own_workspaces=self.own_workspaces) \
+                or "this run opened before the batch's fork server could serve it"
+        if why is not None:
+            insisted(self.settings, self.own_workspaces, why)
+            self._provisioner = ColdStart()
+            return self._provisioner
+        plan = self.plan(self.sock_root)
+        server = ForkServer(plan, self.env(StartSpec(), None), settings=self.settings, cwd=self.cwd,
+                            packages=self.runtime_packages,
+                            own_workspace=str(self.workspace) if self.own_workspaces else None)
+        self._spares = SpareGroups(self.group_limits())
+        server.on_spare = self._spares.prepare
+        self._provisioner = server
+        return server
+
+    async def start_process(self, launch: Launch, number: int, greeting: Awaitable[T],
+                            what: str = "worker") -> tuple[Process, list[Path], T]:
+        """Start ``launch`` (process ``number`` of the launcher's run, a ``what``) and wait for
+        ``greeting``: the process, the cgroups it is in, and what the greeting gave.
+
+        Its memory and process cgroups are made and entered while it starts, from the moment its
+        tree has a root (for a forked process, the namespace's init, whose children are then born
+        inside), and checked again once it has said hello: before it runs any code.  On failure —
+        the greeting raising, the process exiting, ``start_timeout`` passing, a cgroup refused —
+        the process is killed, its cgroups released and WorkerStartError says why, with the end of
+        what it wrote on stderr.  Cancelled half-way, it leaves nothing running."""
+        provisioner = self.provisioner()
+        moved: dict[Path, set[int]] = {}
+        groups: list[Path] = []
+        adopting: asyncio.Future | None = None
+
+        def enter(root: int) -> None:
+            groups.extend(self.worker_groups(number, root))
+            self.adopt(groups, root, moved)
+
+        def on_root(root: int) -> None:
+            nonlocal adopting
+            if adopting is None:
+                adopting = asyncio.ensure_future(asyncio.to_thread(enter, root))
+
+        greeted = asyncio.ensure_future(greeting)
+        proc: Process | None = None
+        try:
+            try:
+                proc = await provisioner.spawn(launch, on_root)
+            except OSError as exc:
+                raise WorkerStartError(f"could not start a process ({launch.argv[0]}): {exc}") from exc
+            on_root(proc.pid)
+            exited = asyncio.ensure_future(proc.wait())
+            try:
+                done, _ = await asyncio.wait({greeted, exited}, timeout=self.settings.start_timeout,
+                                             return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                exited.cancel()
+            assert adopting is not None
+            await adopting
+            if greeted in done and not greeted.exception() and groups:
+                tree = {proc.pid, *descendants(proc.pid)}
+                if any(not tree <= moved.get(group, set()) for group in groups):  # (a move waits)
+                    await asyncio.to_thread(self.adopt, groups, proc.pid, moved)
+            if greeted not in done or greeted.exception():
+                died = exited in done
+                await proc.kill()  # waits for the exit status too, wherever it comes from
+                if greeted.done() and greeted.exception():
+                    reason = str(greeted.exception())
+                elif died:
+                    reason = describe_exit(proc.returncode or 0, via_namespace=launch.pid_namespace)[0]
+                else:
+                    reason = f"no handshake within {self.settings.start_timeout:g} s"
+                said = proc.stderr_tail.decode("utf-8", "replace").strip()
+                raise WorkerStartError(f"{what} failed to start: {reason}" + (f"\n{said}" if said else ""))
+            return proc, groups, greeted.result()
+        except BaseException:
+            greeted.cancel()
+            if adopting is not None:  # its thread is done with the cgroups before they go
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(asyncio.gather(adopting, return_exceptions=True))
+            if proc is not None:
+                await asyncio.shield(proc.kill())
+            self.release_groups(groups)
+            raise
 
     # -- cgroups ----------------------------------------------------------------------------------
     def group_limits(self) -> list[tuple[WorkerCgroups, int]]:
         """The run's cgroup parents, each with the limit a worker gets there."""
-        return [(cgroups, limit) for cgroups, limit in ((self.memory_cgroups, self.sandbox.memory_bytes),
-                                                        (self.pids_cgroups, self.sandbox.max_processes))
+        sandbox = self.settings.sandbox
+        return [(cgroups, limit) for cgroups, limit in ((self.memory_cgroups, sandbox.memory_bytes),
+                                                        (self.pids_cgroups, sandbox.max_processes))
                 if cgroups is not None]
 
     def worker_groups(self, number: int, root: int | None = None) -> list[Path]:
@@ -413,6 +505,14 @@ class Launcher:
         """Whether the kernel killed a process in one of ``groups`` for its memory limit."""
         cgroups = self.memory_cgroups
         return cgroups is not None and any(g.parent == cgroups.base and cgroups.oom_killed(g) for g in groups)
+
+    def memory_held(self, groups: list[Path], within: int = 0) -> int | None:
+        """Bytes charged to the memory cgroup among ``groups`` that reclaim cannot free
+        (``WorkerCgroups.held``, ``within`` included), None without one."""
+        cgroups = self.memory_cgroups
+        if cgroups is None:
+            return None
+        return next((cgroups.held(g, within) for g in groups if g.parent == cgroups.base), None)
 
     def oom_kills(self, groups: list[Path]) -> int:
         """How many processes of ``groups`` the kernel killed for their memory limit so far."""

@@ -32,6 +32,11 @@ from engine.models import ModelConfig
 from engine.reasoning import ThinkSplitter, reasoning_of
 from engine.tags import strip_think
 
+__all__ = [
+    "Chat", "Display", "MIN_REPLY_TOKENS", "auth_headers", "nobody_listens", "open_client", "start_hint",
+    "transport_reason"
+]
+
 _RETRY_STATUS = {408, 429}
 _BODY_PREVIEW = 400
 #: The smallest reply cap sent when the context window leaves less room than the configured cap.

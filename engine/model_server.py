@@ -32,6 +32,8 @@ import httpx
 from engine.llm import auth_headers, nobody_listens, open_client, transport_reason
 from engine.models import ModelConfig
 
+__all__ = ["NO_SERVER", "PROBE_TIMEOUT", "ServerInfo", "connect", "forget", "probe", "root_of"]
+
 #: Seconds one probe may take, connection included; they run concurrently.
 PROBE_TIMEOUT = 2.0
 

@@ -38,6 +38,11 @@ from typing import Any
 
 from engine.errors import ConfigError
 
+__all__ = [
+    "CONFIG_FILE", "DEFAULT_ALIAS", "DEFAULT_MAX_TOKENS", "DEFAULT_MODEL_ID", "DEFAULT_TIMEOUT",
+    "DEFAULT_URL", "ModelConfig", "ModelRegistry", "PROTOCOLS", "load_models", "which_wins"
+]
+
 DEFAULT_URL = "http://127.0.0.1:8080/v1"
 DEFAULT_MODEL_ID = "qwen3-coder"
 DEFAULT_TIMEOUT = 300.0

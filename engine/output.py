@@ -12,6 +12,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+__all__ = ["FILE_CAP", "HEAD_BYTES", "OutputSink", "TAIL_BYTES"]
+
 HEAD_BYTES = 64 * 1024
 TAIL_BYTES = 64 * 1024
 FILE_CAP = 256 * 1024 * 1024

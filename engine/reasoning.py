@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+__all__ = ["CLOSE", "OPEN", "REASONING_FIELDS", "ThinkSplitter", "reasoning_of"]
+
 OPEN = "<think>"
 CLOSE = "</think>"
 #: Fields of a delta or a message that carry reasoning, in the order they are looked for.

@@ -31,7 +31,8 @@ from typing import Any
 
 from engine._tool_process import ToolBusy, ToolClosed, ToolCrash, ToolProcess, ToolTimeout
 from engine.errors import ConfigError
-from worker.repo_tools import (  # noqa: F401 - the tools' bounds, re-exported
+from worker.contract import tools
+from worker.contract.tools import (  # noqa: F401 - the tools' bounds, re-exported
     MAX_MATCHES,
     MAX_READ_LIMIT,
     MAX_RESULT,
@@ -39,6 +40,11 @@ from worker.repo_tools import (  # noqa: F401 - the tools' bounds, re-exported
     SKIP_DIRS,
     truncate,
 )
+
+__all__ = [
+    "MAX_ARG_CHARS", "RepoTools", "TOOL_SCHEMAS", "TOOL_TIMEOUT", "ToolError", "execute_tool_call",
+    "execute_tool_call_async", "parse_arguments", "schema_for"
+]
 
 #: Seconds one tool call may take before its process is killed.
 TOOL_TIMEOUT = 10.0
@@ -204,7 +210,7 @@ class RepoTools:
     def _call(self, op: str, **args: Any) -> str:
         """One request to the tool process, its reply as text or ToolError words."""
         try:
-            reply = self._process.request({"op": op, **args, "max_result": self.max_result}, self.timeout)
+            reply = self._process.request(tools.Request(op, args, min(self.max_result, tools.MAX_TEXT)), self.timeout)
         except ToolTimeout:
             raise ToolError(_TIMED_OUT[op].format(t=self.timeout)) from None
         except ToolBusy:
@@ -213,11 +219,11 @@ class RepoTools:
             raise ToolError(f"{op}: the repository tools were closed") from None
         except ToolCrash as exc:
             raise ToolError(f"{op} failed: {exc}; the next call starts the tools afresh") from None
-        if "ok" in reply:
-            return truncate(str(reply["ok"]), self.max_result)
-        if "refused" in reply:
-            raise ToolError(str(reply["refused"]))
-        raise ToolError(f"{op} failed: {reply.get('failed', reply)}")
+        if isinstance(reply, tools.Ok):
+            return truncate(reply.text, self.max_result)
+        if isinstance(reply, tools.Refused):
+            raise ToolError(reply.error)
+        raise ToolError(f"{op} failed: {reply.error if isinstance(reply, tools.Failed) else reply.kind}")
 
     def functions(self) -> dict[str, Callable[..., str]]:
         """The three tools as plain functions bound to this root, for use as host functions.

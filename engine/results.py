@@ -6,6 +6,8 @@ import signal as _signal
 from dataclasses import dataclass, field
 from typing import Literal
 
+__all__ = ["BlockResult", "OutputChunk", "Status", "describe_exit"]
+
 Status = Literal["ok", "error", "timeout", "cancelled", "died", "killed"]
 
 
@@ -31,7 +33,8 @@ class BlockResult:
     stop is killed, and ``message`` says which it was.  A ``SystemExit`` is ok (status
     0) or error, with ``exit_code`` set (``exited``).  ``message`` says in words what
     happened whenever the status is not ok; ``lost_vars`` names the variables a worker
-    kill took with it.
+    kill took with it; ``over_memory``: the worker died because the kernel killed it for its
+    memory limit (status died).
     """
 
     id: str
@@ -47,6 +50,7 @@ class BlockResult:
     exit_code: int | None = None
     worker_killed: bool = False
     lost_vars: list[str] = field(default_factory=list)
+    over_memory: bool = False
 
     @property
     def ok(self) -> bool:

@@ -21,6 +21,8 @@ from .llm import Chat
 from .models import ModelConfig, ModelRegistry
 from .tool_protocol import ToolAgent
 
+__all__ = ["RunResult", "make_agent", "run_task"]
+
 
 @dataclass
 class RunResult:

@@ -15,7 +15,13 @@ Guarantees, for every sample:
   endless loop, a sample that kills its process group or fills ``/tmp`` costs its own result
   only.  Where the fork server cannot run (it needs root and bubblewrap) each sample gets an
   engine of its own instead: the same isolation, started cold (~100 ms a sample).
-- It runs as ``python sample.py ARGS`` would (``engine.script``): ``sys.argv``, ``__file__``,
+- Samples that run at once cannot reach each other: each has its own terminals (a devpts
+  instance), ``/proc`` (its own processes only), PID and network namespaces, and, under a root
+  coordinator, a uid of its own (each slot's), so no per-user kernel quota (inotify instances,
+  fanotify groups, pipe buffer pages, pending signals) is shared.  An unprivileged coordinator
+  has one uid to give: its concurrent samples share its per-user quotas (and with its other
+  processes), the rest holds.
+- It runs as ``python sample.py ARGS`` would (``engine.script_run``): ``sys.argv``, ``__file__``,
   ``__name__ == "__main__"``, ``stdin`` on ``sys.stdin``, ``SystemExit`` as the exit status,
   tracebacks on stderr, threads waited for and ``atexit`` handlers run.
 - Exactly one ``SampleResult`` comes back (``status``: ``ok``, ``error``, ``timeout``,
@@ -27,28 +33,29 @@ Guarantees, for every sample:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from worker.slot import HeadTail
+from worker.contract.limits import HeadTail
 
 from ._process import descendants
 from ._tree import remove_tree
 from .durations import DEFAULT_BLOCK_TIMEOUT
 from .errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OWN, EXIT_TIMEOUT, ConfigError
+from .launcher import Launcher
+from .provision import fork_server_refusal
 from .results import BlockResult, OutputChunk
-from .sandbox import host_support
-from .script import Script
+from .sample_status import STATUSES, Ending, cancelled_outcome, classify
+from .script_run import ScriptRun
 from .slots import SlotPool
-
-#: An ``engine.Engine`` (not imported: the engine imports this module).
-Engine = Any
+from .worker import Worker
 
 #: Bytes of each stream kept at the head and at the tail of a result (the middle is counted).
 OUTPUT_BYTES = 8 * 1024
@@ -56,8 +63,6 @@ OUTPUT_BYTES = 8 * 1024
 SCRIPT_NAME = "sample.py"
 #: Bytes of ``files`` one sample may carry (they travel in one message to the worker).
 FILES_CAP = 8 * 1024 * 1024
-STATUSES = ("ok", "error", "timeout", "killed", "died", "cancelled")
-_MEMORY_WORDS = "over its memory limit"  # what ``engine.worker`` says of a worker the cgroup killed
 
 
 @dataclass(frozen=True)
@@ -109,25 +114,6 @@ class SampleResult:
                 "message": self.message}
 
 
-class Stream(HeadTail):
-    """Head and tail of one output stream, with the exact count of what lies between."""
-
-    @classmethod
-    def of(cls, parts: tuple[bytes, bytes, int], keep: int) -> Stream:
-        """The stream a sample slot kept: (head, tail, total bytes)."""
-        stream = cls(keep)
-        stream.head, stream.tail, stream.total = bytearray(parts[0]), bytearray(parts[1]), parts[2]
-        return stream
-
-    def text(self) -> tuple[str, int]:
-        tail = bytes(self.tail[-self.keep:]) if self.tail else b""
-        cut = self.total - len(self.head) - len(tail)
-        if not cut:
-            return (bytes(self.head) + tail).decode("utf-8", "replace"), 0
-        return (bytes(self.head).decode("utf-8", "replace") + f"\n[... {cut} bytes cut ...]\n"
-                + tail.decode("utf-8", "replace")), cut
-
-
 def exit_code(result: BlockResult) -> int:
     """The exit status ``agentloop exec`` gives a block's result (see ``engine.cli.exec``)."""
     if result.exited:  # SystemExit: its status, as Python exits with it
@@ -145,28 +131,14 @@ def exit_code(result: BlockResult) -> int:
     return EXIT_ERROR
 
 
-def _status(result: BlockResult, code: int) -> str:
-    if result.status in ("ok", "error"):
-        return "ok" if code == 0 else "error"
+def _ending(result: BlockResult) -> Ending:
+    """How a sample's worker block ended, as ``sample_status.classify`` takes it."""
+    if result.status == "timeout":
+        return Ending(timed_out=True, killed=result.worker_killed)
     if result.status == "died":  # by its own hand (a signal it sent, os._exit), or by a limit
-        if _MEMORY_WORDS in result.message:
-            return "killed"
-        if not result.signal:  # os._exit(N): an exit status, as a slot (and the shell) sees it
-            return "ok" if code == 0 else "error"
-        return "died"
-    return result.status  # timeout, cancelled, killed
-
-
-def _words(status: str, result: BlockResult, timeout: float) -> str:
-    """What happened, in words, when it is not what the exit code says alone."""
-    if status == "timeout":
-        return f"its deadline ({timeout:g} s) passed" + (
-            ", and it was killed: the interrupt did not stop it" if result.worker_killed else "")
-    if status == "killed":
-        return result.message.split(";")[0]  # the memory limit, as the engine words it
-    if status == "died":
-        return f"it died of signal {result.signal}"
-    return "cancelled" if status == "cancelled" else ""
+        return Ending(code=None if result.signal else exit_code(result), signal=result.signal,
+                      over_memory=result.over_memory)
+    return Ending(code=exit_code(result))
 
 
 def _prelude(sample: Sample, workspace: str) -> str | None:
@@ -206,23 +178,24 @@ def peak_rss_mb(root: int | None) -> float | None:
     return round(peak / 1024, 1) if peak else None
 
 
-async def run_sample(engine: Engine, sample: Sample, *, timeout: float = DEFAULT_BLOCK_TIMEOUT,
+async def run_sample(launcher: Launcher, sample: Sample, *, timeout: float = DEFAULT_BLOCK_TIMEOUT,
                      output_bytes: int = OUTPUT_BYTES) -> SampleResult:
-    """Run one sample in a fresh worker of ``engine`` (whose workers must each see a workspace of
-    their own: see ``Engine.map``) and kill it after.  Never raises for what the code did (files
-    that do not fit its workspace are its ``error``, exit code 125); a worker that cannot start
-    raises ``WorkerStartError``, which ends ``map_samples`` too (the machine cannot run samples)."""
+    """Run one sample in a fresh worker of ``launcher`` (an open one, whose workspace is the
+    sample's own) and kill it after.  Never raises for what the code did (files that do not fit
+    its workspace are its ``error``, exit code 125); a worker that cannot start raises
+    ``WorkerStartError``, which ends ``map_samples`` too (the machine cannot run samples)."""
     started = time.monotonic()
-    streams = {"stdout": Stream(output_bytes), "stderr": Stream(output_bytes)}
+    streams = {"stdout": HeadTail(output_bytes), "stderr": HeadTail(output_bytes)}
 
     def collect(chunk: OutputChunk) -> None:
         streams[chunk.stream].add(chunk.data)
 
-    worker = await engine.start_worker(f"sample-{sample.key}"[:60])
+    worker = Worker(launcher, f"sample-{sample.key}"[:60])
     stdin_fd = None
     rss = None
     try:
-        workspace = str(engine.workspace)
+        await worker.start()
+        workspace = str(launcher.workspace)
         prelude = _prelude(sample, workspace)
         if prelude is not None:
             ready = await worker.run(prelude, timeout=30)
@@ -232,7 +205,7 @@ async def run_sample(engine: Engine, sample: Sample, *, timeout: float = DEFAULT
                                     f"its files could not be written to its workspace: {why}")
         if sample.stdin is not None:
             stdin_fd = _stdin_file(sample.stdin)
-        script = Script(os.path.join(workspace, SCRIPT_NAME), [SCRIPT_NAME, *sample.args], stdin_fd)
+        script = ScriptRun(os.path.join(workspace, SCRIPT_NAME), [SCRIPT_NAME, *sample.args], stdin_fd)
         result = await worker.run(sample.code, timeout=sample.timeout or timeout, block_id="main",
                                   on_output=collect, script=script)
         if result.status in ("ok", "error"):  # the process lives (a kill would have replaced it)
@@ -240,15 +213,11 @@ async def run_sample(engine: Engine, sample: Sample, *, timeout: float = DEFAULT
     finally:
         with contextlib.suppress(Exception):
             await asyncio.shield(worker.close())
-        with contextlib.suppress(ValueError):
-            engine.workers.remove(worker)
         if stdin_fd is not None:
             os.close(stdin_fd)
-    code = exit_code(result)
+    status, code, words = classify(_ending(result), sample.timeout or timeout, launcher.settings.sandbox.memory_bytes)
     (out, out_cut), (err, err_cut) = streams["stdout"].text(), streams["stderr"].text()
-    status = _status(result, code)
-    return SampleResult(sample.id, status, code, out, err, out_cut, err_cut, time.monotonic() - started,
-                        rss, _words(status, result, sample.timeout or timeout))
+    return SampleResult(sample.id, status, code, out, err, out_cut, err_cut, time.monotonic() - started, rss, words)
 
 
 def _stdin_file(data: str | bytes) -> int:
@@ -264,107 +233,105 @@ def _stdin_file(data: str | bytes) -> int:
 
 
 def cancelled(sample: Sample, started: float) -> SampleResult:
-    return SampleResult(sample.id, "cancelled", EXIT_INTERRUPTED, "", "", 0, 0, time.monotonic() - started,
-                        None, "cancelled")
+    status, code, words = cancelled_outcome()
+    return SampleResult(sample.id, status, code, "", "", 0, 0, time.monotonic() - started, None, words)
 
 
 async def map_samples(runner: SampleRunner, samples: Iterable[Sample], *, concurrency: int | None = None,
-                      timeout: float = DEFAULT_BLOCK_TIMEOUT,
-                      output_bytes: int = OUTPUT_BYTES) -> AsyncIterator[SampleResult]:
-    """Run ``samples`` (read lazily), ``concurrency`` at once, yielding each result as it
+                      timeout: float = DEFAULT_BLOCK_TIMEOUT, output_bytes: int = OUTPUT_BYTES,
+                      ordered: bool = True) -> AsyncIterator[SampleResult]:
+    """Run ``samples`` (read lazily), ``concurrency`` at once (default: twice the usable CPUs),
+    yielding each result in the order of ``samples`` (``ordered``, as ``Executor.map``; at
+    most four times ``concurrency`` run or wait ahead of the first unfinished one) or as it
     completes.  Leaving the iteration early (or cancelling it) kills the samples still running."""
     concurrency = max(1, concurrency or 2 * len(os.sched_getaffinity(0)))
+    window = 4 * concurrency if ordered else concurrency
     source = iter(samples)
-    running: dict[asyncio.Task, Sample] = {}
+    started: collections.deque[asyncio.Task] = collections.deque()  # in the order of ``samples``
+    running: set[asyncio.Task] = set()
     try:
         while True:
-            while len(running) < concurrency:
+            while len(running) < concurrency and len(started) < window:
                 sample = next(source, None)
                 if sample is None:
                     break
-                running[asyncio.ensure_future(runner.run(sample, timeout=timeout,
-                                                         output_bytes=output_bytes))] = sample
-            if not running:
+                task = asyncio.ensure_future(runner.run(sample, timeout=timeout, output_bytes=output_bytes))
+                running.add(task)
+                started.append(task)
+            if not started:
                 return
+            if ordered and started[0].done():
+                head = started.popleft()
+                running.discard(head)
+                yield head.result()
+                continue
             done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                running.pop(task)
-                yield task.result()
+            running -= done
+            if not ordered:
+                for task in done:
+                    started.remove(task)
+                    yield task.result()
     finally:
-        for task in running:
+        for task in started:
             task.cancel()
-        await asyncio.gather(*running, return_exceptions=True)
+        await asyncio.gather(*started, return_exceptions=True)
 
 
 class SampleRunner:
-    """Runs samples for ``Engine.map``.
+    """Runs samples for ``Engine.map``, with the settings of the engine's launcher (``base``).
 
-    Slots come from one engine of the runner's own, with the base engine's sandbox and
-    interpreter, and are kept from one ``map`` to the next.  Where no fork server can run (it
-    needs root and bubblewrap), each sample gets an engine of its own with a workspace of its
-    own instead: the same isolation, started cold."""
+    Slots come from one launcher of the runner's own, kept from one ``map`` to the next.  Where
+    no fork server can give the isolation of a cold start (``provision.fork_server_refusal``:
+    today it needs root and bubblewrap), each sample gets a launcher and a worker of its own
+    with a workspace of its own instead: the same isolation, started cold."""
 
-    def __init__(self, base: Engine, make_engine: Callable[..., Engine]) -> None:
+    def __init__(self, base: Launcher) -> None:
         self.base = base
-        self.make_engine = make_engine
-        self.shared: Engine | None = None
-        self.slots: SlotPool | None = None
-        self._dirs: list[Path] = []
-
-    def _options(self, workspace: Path, state: Path) -> dict[str, Any]:
-        base = self.base
         # A sample starts in its workspace; the engine's directory (which may hold the results
         # of other samples) is shown only when asked for (``share_cwd=True``, ``--share-cwd``).
-        return {"cwd": base.cwd, "workspace": workspace,
-                "sandbox": replace(base.sandbox, share_cwd=base.sandbox.share_cwd is True),
-                "python": base.python,
-                "state_dir": state, "pool": 0, "preload": base.preload, "env_allow": base.launcher.env_allow}
+        sandbox = base.settings.sandbox
+        self.settings = base.settings.replace(sandbox=replace(sandbox, share_cwd=sandbox.share_cwd is True))
+        self.forked = fork_server_refusal(self.settings) is None
+        self.slots: SlotPool | None = None
+        self._slot_launcher: Launcher | None = None
 
-    def forked(self) -> bool:
-        """Whether samples are forked by a fork server (else each starts cold, alone)."""
-        base = self.base
-        return (os.geteuid() == 0 and base.launcher.zygote is not False and base.sandbox.mode in ("auto", "bwrap")
-                and host_support().bwrap is not None)
+    def _launcher(self, where: Path, **own: Any) -> Launcher:
+        launcher = Launcher(self.settings.replace(state_dir=where / "state", **own), cwd=self.base.cwd,
+                            workspace=where / "workspace", own_workspaces=self.forked)
+        launcher.open()
+        return launcher
 
     async def run(self, sample: Sample, *, timeout: float = DEFAULT_BLOCK_TIMEOUT,
                   output_bytes: int = OUTPUT_BYTES) -> SampleResult:
-        if self.forked():
-            if self.shared is None:
-                self.base.open()
-                where = self.base.run_dir / "samples"
-                self._dirs.append(where)
-                self.shared = self.make_engine(**self._options(where / "workspace", where / "state"),
-                                               own_workspaces=True)
-                self.shared.open()
-                self.slots = SlotPool(self.shared.launcher)
-            assert self.slots is not None
+        if self.forked:
+            if self.slots is None:
+                self._slot_launcher = self._launcher(self.base.run_dir / "samples")
+                self.slots = SlotPool(self._slot_launcher)
             started = time.monotonic()
-            got = await self.slots.run(sample, timeout=sample.timeout or timeout, output_bytes=output_bytes,
-                                       script_name=SCRIPT_NAME)
-            (out, out_cut), (err, err_cut) = (Stream.of(got["out"], output_bytes).text(),
-                                              Stream.of(got["err"], output_bytes).text())
-            return SampleResult(sample.id, got["status"], got["code"], out, err, out_cut, err_cut,
-                                time.monotonic() - started, got["rss_mb"], got["words"])
-        self.base.open()
+            deadline = sample.timeout or timeout
+            ran = await self.slots.run(sample, timeout=deadline, output_bytes=output_bytes, script_name=SCRIPT_NAME)
+            status, code, words = classify(ran.ending, deadline, self.settings.sandbox.memory_bytes)
+            (out, out_cut), (err, err_cut) = (HeadTail.of(ran.out, output_bytes).text(),
+                                              HeadTail.of(ran.err, output_bytes).text())
+            return SampleResult(sample.id, status, code, out, err, out_cut, err_cut,
+                                time.monotonic() - started, ran.rss_mb, words)
         where = Path(tempfile.mkdtemp(prefix="sample-", dir=self.base.run_dir))
+        launcher = self._launcher(where, fork_server=False)
         try:
-            async with self.make_engine(**self._options(where / "workspace", where / "state"),
-                                        zygote=False) as engine:
-                return await run_sample(engine, sample, timeout=timeout, output_bytes=output_bytes)
+            return await run_sample(launcher, sample, timeout=timeout, output_bytes=output_bytes)
         finally:
+            await launcher.close()
             await asyncio.to_thread(remove_tree, where)
 
     async def close(self) -> None:
-        """Shut the runner's engine down and remove its directories."""
+        """Close the runner's slots and remove their directories."""
         if self.slots is not None:
             await self.slots.close()
             self.slots = None
-        if self.shared is not None:
-            await self.shared.shutdown()
-            self.shared = None
-        for where in self._dirs:
-            await asyncio.to_thread(remove_tree, where)
-        self._dirs.clear()
+        if self._slot_launcher is not None:
+            await self._slot_launcher.close()
+            await asyncio.to_thread(remove_tree, self._slot_launcher.workspace.parent)
+            self._slot_launcher = None
 
 
 def check_env(env: Mapping[str, Any], allowed: Iterable[str]) -> dict[str, str]:

@@ -6,7 +6,7 @@ A worker is confined by two cooperating halves:
   read-only system, the worker's Python, the current directory (a project directory only) and
   the run's output and socket directories read-only, the workspace read-write, a private
   size-capped /tmp; new PID, IPC, UTS, cgroup and (unless allowed) network namespaces;
-* inside, `worker._confine.apply(plan.confine)` sets resource limits, drops root to the run's
+* inside, the worker applies `plan.confine` (a `worker.contract.confinement.Confinement`): resource limits, drops root to the run's
   unprivileged uid, clears every capability, sets no_new_privs, installs a Landlock ruleset and
   a seccomp filter before any user code runs.
 
@@ -30,16 +30,21 @@ import errno
 import os
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from engine import _uid0, _uids, interpreter
-from engine._bwrap import View, _beneath, _bwrap_flags, _outermost, _parents, bwrap_argv
+from engine import _uid0, _uids
+from engine._bwrap import View, beneath, bwrap_argv, make_parents, namespace_flags, outermost
 from engine._tree import TreeError, disk_usage
 from engine.errors import ConfigError, SandboxError
-from worker import _confine
+from engine.interpreter import python_paths
+from worker.contract.confinement import Confinement, Landlock, Seccomp, landlock_abi, seccomp_supported
+
+__all__ = [
+    "GiB", "HostSupport", "LaunchPlan", "MODES", "MiB", "SandboxPolicy", "host_support", "plan",
+    "root_blocker", "server_plan", "shareable_cwd", "system_paths", "tools_argv", "workspace_excess"
+]
 
 GiB = 1024**3
 MiB = 1024**2
@@ -80,7 +85,7 @@ class SandboxPolicy:
     tmp_bytes: int = 512 * MiB           # size of the private /tmp (and, separately, /dev/shm)
     workspace_bytes: int | None = 8 * GiB  # checked by the coordinator: `workspace_excess`
     worker_uid: int | None = None        # root only: the uid workers run as; None derives one
-    share_cwd: bool | None = None        # None: only a project directory (see `_shareable_cwd`)
+    share_cwd: bool | None = None        # None: only a project directory (see `shareable_cwd`)
     as_caller: bool = False              # code runs as the user running agentloop (see `plan`)
 
 
@@ -94,7 +99,7 @@ class LaunchPlan:
 
     argv_prefix: list[str]
     pid_namespace: bool
-    confine: dict = field(default_factory=dict)
+    confine: Confinement = field(default_factory=Confinement)
     notes: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
@@ -133,7 +138,7 @@ def host_support() -> HostSupport:
         problem = "bubblewrap not found"
     else:
         true = shutil.which("true") or "/bin/true"
-        argv = [exe, *_bwrap_flags(root, network=False), "--ro-bind", "/", "/", "--proc", "/proc",
+        argv = [exe, *namespace_flags(root, network=False), "--ro-bind", "/", "/", "--proc", "/proc",
                 "--dev", "/dev", "--", true]
         try:
             done = subprocess.run(argv, capture_output=True, timeout=30, stdin=subprocess.DEVNULL)
@@ -143,83 +148,14 @@ def host_support() -> HostSupport:
                 exe = None
         except (OSError, subprocess.TimeoutExpired) as exc:
             problem, exe = f"bubblewrap failed to run ({exc})", None
-    return HostSupport(root, exe, problem, _confine.landlock_abi(), _confine.seccomp_supported())
-
-
-# ---------------------------------------------------------------------------------------------
-# The worker's Python
-# ---------------------------------------------------------------------------------------------
-
-#: The directory holding the ``worker`` package (and ``engine``): put on a runtime's path by
-#: its absolute name, never found through the directory a process starts in.
-RUNTIME_ROOT = str(Path(_confine.__file__).resolve().parent.parent)
-
-
-def runtime_argv(python: str, entry: str, *args: str, packages: dict[str, str] | None = None) -> list[str]:
-    """The command line that runs ``entry`` (``"module:function"``) of agentloop's runtime.
-
-    ``-I`` (isolated mode) leaves the current directory, ``PYTHON*`` variables and the user's
-    site directory off ``sys.path``, and the runtime is found by its absolute path: a process
-    that starts with privileges (a worker before it confines itself, the fork server) imports
-    nothing from a directory a worker can write, whatever directory it starts in.  ``-B``: the
-    runtime never writes bytecode next to its sources.  ``packages`` (``interpreter.
-    runtime_packages``): runtime packages that ``python`` lacks, by name, with the directory
-    of agentloop's copy; an import hook finds those names, and only those, there."""
-    module, _, function = entry.partition(":")
-    if not (module.replace(".", "").replace("_", "").isalnum() and function.isidentifier()):
-        raise ValueError(f"not a runtime entry point: {entry!r}")
-    boot = f"import sys; sys.path.insert(0, {RUNTIME_ROOT!r}); "
-    if packages:
-        # The package's own directory, not its parent's: under Landlock alone a worker may
-        # read the package but not list the site-packages around it.
-        boot += ("import importlib.util\n"
-                 "class _RuntimePackages:\n"
-                 f"    at = {dict(packages)!r}\n"
-                 "    spec = staticmethod(importlib.util.spec_from_file_location)\n"
-                 "    @classmethod\n"
-                 "    def find_spec(cls, name, path=None, target=None):\n"
-                 "        where = cls.at.get(name)\n"
-                 "        return cls.spec(name, where + '/__init__.py', submodule_search_locations=[where]) "
-                 "if where else None\n"
-                 "sys.meta_path.append(_RuntimePackages)\n")
-    boot += f"from {module} import {function}; {function}()"
-    return [python, "-I", "-B", "-c", boot, *args]
-
-
-@lru_cache(maxsize=8)
-def python_paths(python: str) -> tuple[str, ...]:
-    """Directories the interpreter `python` needs read-only: its prefixes and every sys.path
-    entry it starts with (site-packages, editable installs, PYTHONPATH), agentloop's copies of
-    the runtime packages it lacks, plus this project's packages.  Asked of the interpreter
-    itself (once), not taken from ours: the coordinator's own sys.path[0] may be any directory,
-    a home among them."""
-    info = [*interpreter.probe(python).paths, *interpreter.runtime_dirs(python)]
-    # The worker imports `worker` (and may import `engine`) from wherever this project lives;
-    # an editable install maps them to the source tree without a sys.path entry.
-    info += [str(Path(_confine.__file__).resolve().parent), str(Path(__file__).resolve().parent)]
-    # (``-I`` above: the paths of the interpreter itself, not of whatever the directory adds.)
-    paths = [os.path.normpath(p) for p in info
-             if p and os.path.isabs(p) and os.path.exists(p) and os.path.normpath(p) != "/"]
-    return _outermost(paths)
-
-
-def check_workspace(workspace: Path, python: str) -> None:
-    """Refuse a workspace that is, or holds, a directory on the import path of the coordinator
-    or of the workers' Python: workers write the workspace, and a module planted there would
-    run in a process with privileges (the coordinator, a worker before it confines itself)."""
-    ws = os.path.realpath(workspace)
-    ours = (os.path.realpath(p) for p in sys.path if p and os.path.isabs(p) and os.path.isdir(p))
-    for path in sorted({*python_paths(python), *ours}):
-        if _beneath(path, ws):
-            raise ConfigError(f"the workspace {ws} holds {path}, from which Python imports "
-                              "agentloop's code: choose another --workspace")
+    return HostSupport(root, exe, problem, landlock_abi(), seccomp_supported())
 
 
 # ---------------------------------------------------------------------------------------------
 # Plan
 # ---------------------------------------------------------------------------------------------
 
-def _system_paths() -> tuple[list[str], list[tuple[str, str]]]:
+def system_paths() -> tuple[list[str], list[tuple[str, str]]]:
     """(read-only directories/files, symlinks to recreate) that make up the system view."""
     ro = ["/usr"]
     links = []
@@ -250,7 +186,7 @@ def _home_directories() -> set[str]:
     return {os.path.realpath(h) for h in homes if os.path.isdir(h)} - {"/"}
 
 
-def _shareable_cwd(cwd: Path, force: bool | None) -> tuple[bool, str]:
+def shareable_cwd(cwd: Path, force: bool | None) -> tuple[bool, str]:
     """Whether the current directory is shown to workers (read-only), and the note if not.
 
     Only a project directory is: never the filesystem root, a home directory (anyone's, not
@@ -271,7 +207,7 @@ def _shareable_cwd(cwd: Path, force: bool | None) -> tuple[bool, str]:
         for home in sorted(_home_directories()):
             if home == c:
                 why = "it is a home directory"
-            elif _beneath(home, c):
+            elif beneath(home, c):
                 why = f"it holds the home directory {home}"
             if why:
                 break
@@ -307,7 +243,7 @@ def _readable_by_others(path: str, top: str = "/") -> bool:
     searchable if a directory)."""
     p = Path(path)
     for anc in reversed(p.parents):
-        if _beneath(str(anc), top) and not os.stat(anc).st_mode & 0o001:
+        if beneath(str(anc), top) and not os.stat(anc).st_mode & 0o001:
             return False
     mode = os.stat(p).st_mode
     return bool(mode & 0o004) and (not p.is_dir() or bool(mode & 0o001))
@@ -315,7 +251,7 @@ def _readable_by_others(path: str, top: str = "/") -> bool:
 
 def _readable_in_view(path: str, binds: list[str]) -> bool:
     """`_readable_by_others` inside bubblewrap's view, where `path` lies beneath one of `binds`."""
-    top = next((b for b in binds if _beneath(path, b)), "/")
+    top = next((b for b in binds if beneath(path, b)), "/")
     return _readable_by_others(path, top)
 
 
@@ -357,7 +293,7 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path | None, workspace: Path, cwd
     if policy.mode not in MODES:
         raise ConfigError(f"sandbox mode {policy.mode!r} is not one of {', '.join(MODES)}")
     if policy.mode == "none":
-        return LaunchPlan([], False, {}, ["sandbox: none — worker code runs with your privileges"])
+        return LaunchPlan([], False, Confinement(), ["sandbox: none — worker code runs with your privileges"])
 
     workspace, socket_dir, output_dir, cwd = (p and Path(os.path.realpath(p))
                                               for p in (workspace, socket_dir, output_dir, cwd))
@@ -369,7 +305,7 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path | None, workspace: Path, cwd
         raise SandboxError(f"code run as root needs bubblewrap or Landlock, and this machine has neither. {_INSTALL_HINT}")
     # A current directory that is the workspace (a batch run's) is shown as such, read-write.
     in_workspace = cwd == workspace and policy.share_cwd is not False
-    share_cwd, why = (True, "") if in_workspace else _shareable_cwd(cwd, policy.share_cwd)
+    share_cwd, why = (True, "") if in_workspace else shareable_cwd(cwd, policy.share_cwd)
     tmp = "/tmp" if use_bwrap else str(workspace / ".tmp")
     if not use_bwrap and not os.path.lexists(tmp):
         os.mkdir(tmp)  # (a link a worker put in its place is replaced in `_share_with_run`)
@@ -385,7 +321,7 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path | None, workspace: Path, cwd
                                          "(other users may not read it, and workers run as one); "
                                          "chmod o+rx it to share it")
     notes += [why] if why else []
-    system, links = _system_paths()
+    system, links = system_paths()
     view = View(tuple(system), tuple(links), python_paths(python), workspace, socket_dir, output_dir,
                 cwd if share_cwd else None, tuple(protected) if use_bwrap else (), tuple(shown),
                 _uid0.root_proc() if host.root and uid is None and use_bwrap else ())  # (uid 0 kept)
@@ -398,6 +334,20 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path | None, workspace: Path, cwd
     argv = bwrap_argv(host.bwrap, root=host.root, network=policy.network, tmp_bytes=policy.tmp_bytes,
                       view=view, start_dir=start_dir)
     return LaunchPlan(argv, True, confine, notes, env, start_dir, uid)
+
+
+def server_plan(policy: SandboxPolicy, python: str, root: Path, socket_root: Path) -> LaunchPlan:
+    """The plan of a fork server shared by the runs beneath ``root`` (a batch's runs directory:
+    ``engine.shared_fork_server``): a worker's view, with ``root`` as its workspace and
+    ``socket_root`` as its socket directory, started in ``/``; bubblewrap only (the server
+    exists only where it is).  Each process it forks narrows this view to its run's own."""
+    host = host_support()
+    assert host.bwrap is not None
+    system, links = system_paths()
+    view = View(tuple(system), tuple(links), python_paths(python), root, socket_root, None, None)
+    argv = bwrap_argv(host.bwrap, root=host.root, network=policy.network, tmp_bytes=policy.tmp_bytes,
+                      view=view, start_dir="/")
+    return LaunchPlan(argv, True, cwd="/")
 
 
 def _layers(policy: SandboxPolicy, host: HostSupport) -> tuple[bool, list[str]]:
@@ -418,25 +368,20 @@ def _layers(policy: SandboxPolicy, host: HostSupport) -> tuple[bool, list[str]]:
 
 
 def _confinement(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid: int | None,
-                 view: View, memory_cgroup: bool, pids_cgroup: bool = False) -> tuple[dict, list[str]]:
-    """The JSON-able spec `worker._confine.apply` installs, and a note for each layer missing."""
+                 view: View, memory_cgroup: bool, pids_cgroup: bool = False) -> tuple[Confinement, list[str]]:
+    """The spec the worker installs on itself, and a note for each layer missing."""
     notes: list[str] = []
-    confine: dict = {"rlimits": _rlimits(policy, host, use_bwrap, uid, pids_cgroup), "drop_caps": True,
-                     "no_new_privs": True}
-    if uid is not None:
-        confine["uid"] = [uid, uid]
-        confine["umask"] = 0o002
-
-    rw = [str(view.workspace)] + (["/tmp", "/dev/shm"] if use_bwrap else [])
+    rw = (str(view.workspace), *(("/tmp", "/dev/shm") if use_bwrap else ()))
+    landlock = None
     if host.landlock_abi >= 1:
         if use_bwrap:
             # The mount namespace already shows only what may be seen: read all of it.
-            ro, dev = ["/"], [*_DEV_FILES, "/dev/pts"]
+            ro, dev = ("/",), (*_DEV_FILES, "/dev/pts")
         else:
-            ro = [*view.system, *view.python, *(str(p) for p in (view.cwd, view.output_dir, view.socket_dir, *view.shown) if p)]
-            dev = list(_DEV_FILES)
-        confine["landlock"] = {"ro": ro, "rw": rw, "dev": dev, "scope": True,
-                               "deny_tcp": not use_bwrap and not policy.network}
+            ro = (*view.system, *view.python, *(str(p) for p in (view.cwd, view.output_dir, view.socket_dir, *view.shown) if p))
+            dev = _DEV_FILES
+        landlock = Landlock(ro=tuple(ro), rw=rw, dev=tuple(dev), scope=True,
+                            deny_tcp=not use_bwrap and not policy.network)
     elif not use_bwrap:
         notes.append("sandbox: Landlock is unavailable on this kernel and bubblewrap is not used "
                      "— the worker can read and write whatever its user can")
@@ -444,13 +389,14 @@ def _confinement(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid:
         notes.append("sandbox: Landlock is unavailable on this kernel — files are confined by "
                      "the mount namespace alone")
 
+    seccomp = None
     if host.seccomp:
         families = [_AF_UNIX, _AF_NETLINK]
         if use_bwrap or policy.network:
             families += [_AF_INET, _AF_INET6]  # in a network namespace: its own loopback only
         # Without a PID namespace the coordinator kills the process group: keep everyone in it.
-        confine["seccomp"] = {"socket_families": families, "lock_session": not use_bwrap,
-                              "shared_memory": memory_cgroup, "set_id_modes": not (host.root and uid is None)}
+        seccomp = Seccomp(socket_families=tuple(families), lock_session=not use_bwrap, shared_memory=memory_cgroup,
+                          set_id_modes=not (host.root and uid is None))  # (uid 0 kept: engine._uid0)
         if not memory_cgroup:
             notes.append("sandbox: no memory cgroup here (it needs root or a delegated cgroup) — "
                          "the memory limit is per process, and memfd_create, SysV shared memory "
@@ -460,7 +406,10 @@ def _confinement(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid:
                      "dangerous system calls are not filtered")
         if not use_bwrap and not policy.network:
             notes.append("sandbox: without seccomp or a network namespace the worker has network access")
-    return confine, notes
+    rlimits = tuple((name, soft, hard) for name, (soft, hard) in _rlimits(policy, host, use_bwrap, uid, pids_cgroup).items())
+    return Confinement(rlimits=rlimits, drop_caps=True, no_new_privs=True,
+                       uid=(uid, uid) if uid is not None else None, umask=0o002 if uid is not None else None,
+                       landlock=landlock, seccomp=seccomp), notes
 
 
 def tools_argv(root: str, python: str) -> list[str]:
@@ -471,12 +420,12 @@ def tools_argv(root: str, python: str) -> list[str]:
     host = host_support()
     if host.bwrap is None:
         return []
-    system, links = _system_paths()
-    argv = [host.bwrap, *_bwrap_flags(host.root, network=False), "--hostname", "agentloop",
+    system, links = system_paths()
+    argv = [host.bwrap, *namespace_flags(host.root, network=False), "--hostname", "agentloop",
             "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(16 * MiB), "--tmpfs", "/tmp"]
     made = {"/", "/tmp", "/dev", "/proc"}
-    for path in _outermost([*system, *python_paths(python), os.path.realpath(root)]):
-        argv += [*_parents(path, made), "--ro-bind", path, path]
+    for path in outermost([*system, *python_paths(python), os.path.realpath(root)]):
+        argv += [*make_parents(path, made), "--ro-bind", path, path]
     for target, link in links:
         argv += ["--symlink", target, link]
     return argv + ["--remount-ro", "/", "--chdir", "/", "--"]

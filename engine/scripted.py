@@ -51,6 +51,8 @@ from typing import Any
 from .sequence import record_invalid, sequence_problems
 from .turns import EXHAUSTED, Delay, Fail, Script
 
+__all__ = ["CHARS_PER_TOKEN", "Received", "ScriptedServer", "main"]
+
 _MAX_BODY = 64 * 1024 * 1024
 
 

@@ -9,6 +9,8 @@ from typing import Any
 
 from .scripted import Fail, Script, ScriptedServer
 
+__all__ = ["like_llama_server", "like_ollama", "like_vllm"]
+
 # The bodies below are what the real servers answer, trimmed to the fields a client might read.
 
 def like_llama_server(script: Script | Mapping[str, Sequence[Any]] | Sequence[Any], *, n_ctx: int = 4096,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+__all__ = ["record_invalid", "sequence_problems", "take_invalid"]
+
 
 def sequence_problems(messages: Any) -> list[str]:
     """What makes ``messages`` a sequence a strict server refuses, in words; empty when valid.

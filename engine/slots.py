@@ -2,10 +2,28 @@
 
 A slot is started by the run's fork server like a worker (its own PID, network and UTS
 namespaces, cgroups, a socket directory only it sees) and then runs each sample it is given
-in a process with a mount and an IPC namespace of its own, confined as a worker is, with an
-empty ``/tmp``, ``/dev/shm`` and workspace; everything a sample started is killed and reaped
-before the next one begins.  What a sample costs is then a fork of a small interpreter and a
-few mounts, not the start of a worker: the reason slots exist (``agentloop exec --jsonl``).
+in a process with mount, IPC and cgroup namespaces of its own, confined as a worker is, with
+an empty ``/tmp``, ``/dev/shm`` and workspace, terminals of its own and a ``/proc`` of its
+own processes; everything a sample started is killed and reaped before the next one begins.
+What a sample costs is then a fork of a small interpreter and a few mounts, not the start of
+a worker: the reason slots exist (``agentloop exec --jsonl``).
+
+How a sample's sandbox is started, in order: ``SlotPool.run`` takes an idle slot or starts
+one (``Slot.start``: the slot's own uid under a root coordinator, ``Launcher.launch`` with the
+slot entry point, ``Launcher.start_process`` through the run's fork server, the slot's hello
+on its unix socket); the slot (``worker/slot.py``) forks the sample, which takes its
+namespaces, mounts and confinement and runs the code; the slot answers with a ``Result``
+(``worker/contract/sample.py``), and ``engine.sample_status`` says what it means.
+
+Samples that run at once run in different slots, and a root coordinator gives each slot a
+uid of its own (``Launcher.own_uid``): what a uid allows or counts — opening a terminal,
+reading another's ``/proc``, signalling, inotify instances, pipe buffer pages and the other
+per-user kernel quotas — is never shared by two samples that run at once.  A slot is used
+again only when what it hands the next sample was checked: the slot finds no socket left in
+its network namespace (a cycle of unix sockets in flight, which outlives every process) and
+moves to a fresh one when the last sample moved its counters, and the coordinator finds its
+memory cgroup holding no more than the slot did at its start (``Slot.memory_clean``).
+Otherwise it is replaced.
 
 Nothing a slot says is trusted: replies are size-bounded, decoded without unpickling and
 checked field by field; a slot that says anything else, stops answering past the sample's
@@ -18,19 +36,21 @@ import asyncio
 import contextlib
 import hmac
 import itertools
-import json
 import os
 import secrets
 import socket
-import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from worker import wire
-from worker.slot import MAX_REQUEST
+from worker.contract import sample
+from worker.contract.framing import HEADER, FrameError, decode, encode, frame
+from worker.contract.sample import SlotSettings
+from worker.contract.schema import ContractError
 
-from .errors import EXIT_OWN, EXIT_TIMEOUT, WorkerStartError
-from .sandbox import runtime_argv
+from .errors import WorkerStartError
+from .launcher import SLOT
+from .sample_status import Ending
 
 if TYPE_CHECKING:
     from ._process import Process
@@ -42,6 +62,11 @@ _ids = itertools.count(1)
 _MAX_REPLY = 1024 * 1024  # a hello; a result: this, or more where it keeps more output
 #: Seconds a slot may take past a sample's deadline and grace to answer (reaping what it left).
 _SLACK = 10.0
+#: Memory a slot's cgroup may still hold after a sample beyond what the slot held when it
+#: started (its own heap grows a little), in bytes, or as a share of the memory limit when
+#: that is more; and how long the kernel may take to free the rest (an IPC namespace's
+#: segments go a moment after its last process).
+_KEPT_BYTES, _KEPT_SHARE, _FREED_WITHIN = 32 * 2**20, 1 / 32, 1.0
 
 
 class SlotError(Exception):
@@ -58,22 +83,16 @@ class Slot:
         self.sock_dir: Path | None = None
         self.cgroups: list[Path] = []
         self.oom_kills = 0
+        #: What the slot's memory cgroup holds that reclaim cannot free, as the slot started.
+        self.memory_base: int | None = None
+        #: The name of the uid claim of the slot's own (``Launcher.own_uid``), while it holds one.
+        self.uid_name: str | None = None
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 
     async def start(self) -> None:
-        """Fork the slot and wait for its hello; WorkerStartError (after cleaning up) if it fails."""
-        try:
-            await asyncio.wait_for(self._start(), self.launcher.start_timeout)
-        except BaseException as exc:
-            await asyncio.shield(self.close())
-            if isinstance(exc, TimeoutError):
-                raise WorkerStartError(f"a sample slot did not start within {self.launcher.start_timeout:g} s") from exc
-            if isinstance(exc, SlotError):  # it died, or said something else, before its hello
-                raise WorkerStartError(f"a sample slot did not start: {exc}") from exc
-            raise
-
-    async def _start(self) -> None:
+        """Start the slot and wait for its hello (``Launcher.start_process``, as for a
+        worker); WorkerStartError, after cleaning up, if it fails."""
         launcher = self.launcher
         endpoint, self.sock_dir = launcher.endpoint(self.number)
         path = endpoint[len("ipc://"):]
@@ -83,64 +102,101 @@ class Slot:
             listener.listen(1)
             listener.setblocking(False)
             token = secrets.token_hex(16)
-            launch = launcher.launch(endpoint, self.sock_dir, token)
-            os.chown(path, os.getuid(), os.getgid())  # the slot connects as the sandbox's root, not a worker uid
+            settings = launcher.settings
+            # A uid of the slot's own: samples that run at once are in different slots, and
+            # share no terminal, /proc entry, signal or per-user kernel quota through a uid.
+            name = f"{launcher.workspace}#slot{self.number}"
+            uid = launcher.own_uid(name)
+            self.uid_name = name if uid is not None else None
+            # (The endpoint travels in its settings, not in its command line, which every
+            # sample could read.)
+            slot = SlotSettings(str(launcher.workspace), settings.sandbox.tmp_bytes, settings.grace,
+                                str(self.sock_dir), not settings.sandbox.network, settings.preload,
+                                outputs=str(launcher.output_dir), endpoint=endpoint)
+            launch = launcher.launch(endpoint, self.sock_dir, token, entry=SLOT, slot=slot, uid=uid)
+            # After the launch (which hands a worker's socket to the run's uid): the slot connects
+            # as the sandbox's root, not a worker uid.
+            os.chown(path, os.getuid(), os.getgid())
             os.chmod(path, 0o600)
-            launch.env["AGENTLOOP_SLOT"] = json.dumps({
-                "workspace": str(launcher.workspace), "tmp_bytes": launcher.sandbox.tmp_bytes,
-                "grace": launcher.grace, "socket_dir": str(self.sock_dir),
-                "private_net": not launcher.sandbox.network, "preload": list(launcher.preload)})
-            zygote = launcher.fork_server(launch)
-            if zygote is None:
-                raise WorkerStartError("sample slots need the fork server (root and bubblewrap)")
-            argv = runtime_argv(launcher.python, "worker.slot:main", endpoint, packages=launcher.runtime_packages)
-            self.proc = await zygote.spawn(launch, exec_argv=argv)
-            conn, _ = await asyncio.get_running_loop().sock_accept(listener)
+            self.proc, self.cgroups, _ = await launcher.start_process(launch, self.number,
+                                                             self._greet(listener, path, token), "a sample slot")
+        except BaseException:
+            await asyncio.shield(self.close())
+            raise
         finally:
             listener.close()
             with contextlib.suppress(OSError):
                 os.unlink(path)  # nobody else connects
-        self._reader, self._writer = await asyncio.open_unix_connection(sock=conn)
-        hello = await self._read()
-        if hello.get("t") == "failed":
-            raise WorkerStartError(f"a sample slot could not start: {str(hello.get('error'))[:500]}")
-        if hello.get("t") != "hello" or not isinstance(hello.get("token"), str) or \
-                not hmac.compare_digest(hello["token"].encode(), token.encode()):
-            raise WorkerStartError("a sample slot did not say a valid hello")
-        self.cgroups = await asyncio.to_thread(launcher.worker_groups, self.number)
-        await asyncio.to_thread(launcher.adopt, self.cgroups, self.proc.pid, {})
         self.oom_kills = launcher.oom_kills(self.cgroups)
+        self.memory_base = launcher.memory_held(self.cgroups)
 
-    async def _read(self, limit: int = _MAX_REPLY) -> dict:
+    async def _greet(self, listener: socket.socket, path: str, token: str) -> sample.Hello:
+        """The slot's hello: its connection, then its first message."""
+        conn, _ = await asyncio.get_running_loop().sock_accept(listener)
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # nobody else connects
+        self._reader, self._writer = await asyncio.open_unix_connection(sock=conn)
+        try:
+            hello = await self._read()
+        except SlotError as exc:  # it died, or said something else, before its hello
+            raise WorkerStartError(f"it said no hello ({exc})") from exc
+        if isinstance(hello, sample.Failed):
+            raise WorkerStartError(f"it cannot serve: {hello.error[:500]}")
+        if not isinstance(hello, sample.Hello) or not hmac.compare_digest(hello.token.encode(), token.encode()):
+            raise WorkerStartError("it did not say a valid hello")
+        return hello
+
+    async def _read(self, limit: int = _MAX_REPLY) -> sample.Message:
         assert self._reader is not None
         try:
-            size = struct.unpack(">I", await self._reader.readexactly(4))[0]
+            size = HEADER.unpack(await self._reader.readexactly(HEADER.size))[0]
             if size > limit:
                 raise SlotError(f"it sent a {size}-byte message")
-            return wire.decode(await self._reader.readexactly(size), limit)
+            return sample.TO_COORDINATOR.parse(decode(await self._reader.readexactly(size), limit))
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             raise SlotError("it died") from exc
-        except wire.WireError as exc:
-            raise SlotError(f"it sent an undecodable message ({exc})") from exc
+        except (ContractError, FrameError) as exc:
+            raise SlotError(f"it sent a malformed message ({exc})") from exc
 
-    async def run(self, sample: Sample, *, timeout: float, output_bytes: int, script_name: str) -> dict:
-        """Run one sample; the slot's checked reply.  SlotError if the slot is not usable after."""
+    async def run(self, job: Sample, *, timeout: float, output_bytes: int, script_name: str) -> sample.Result:
+        """Run one sample; the slot's result.  SlotError if the slot is not usable after."""
         assert self._writer is not None
-        request = {"t": "run", "id": 1, "code": sample.code, "path": script_name,
-                   "argv": [script_name, *sample.args], "stdin": sample.stdin,
-                   "files": [list(f) for f in sample.files], "env": dict(sample.env),
-                   "timeout": timeout, "keep": output_bytes}
-        data = wire.encode(request)
-        if len(data) > MAX_REQUEST:
-            raise ValueError(f"the sample is {len(data)} bytes with its stdin and files; at most {MAX_REQUEST}")
-        self._writer.write(struct.pack(">I", len(data)) + data)
-        limit = timeout + self.launcher.grace + _SLACK
+        request = sample.RunSample(1, job.code, script_name, (script_name, *job.args), job.stdin,
+                                   tuple(tuple(f) for f in job.files), dict(job.env), timeout, output_bytes)
+        data = encode(request)
+        if len(data) > sample.MAX_REQUEST:
+            raise ValueError(f"the sample is {len(data)} bytes with its stdin and files; at most {sample.MAX_REQUEST}")
+        self._writer.write(frame(data))
+        limit = timeout + self.launcher.settings.grace + _SLACK
         try:
             # Two heads and two tails of ``output_bytes`` at most, and a few words.
             reply = await asyncio.wait_for(self._read(max(_MAX_REPLY, 4 * output_bytes + 65536)), limit)
         except TimeoutError as exc:
             raise SlotError(f"it did not answer within {limit:g} s") from exc
-        return _checked(reply, output_bytes)
+        if not isinstance(reply, sample.Result):
+            raise SlotError(f"it sent {reply.kind!r} instead of a result")
+        try:
+            return reply.within(output_bytes)
+        except ContractError as exc:
+            raise SlotError(f"it sent a malformed result ({exc})") from exc
+
+    async def memory_clean(self) -> bool:
+        """Whether the slot's memory cgroup, now that its sample is gone, holds no more than
+        the slot itself did (within ``_KEPT_BYTES``), waiting up to ``_FREED_WITHIN`` seconds
+        for what the kernel frees late.  Memory the sample left charged there (a memfd in
+        flight, say) would count against every later sample's limit."""
+        if self.memory_base is None:
+            return True
+        limit = self.launcher.settings.sandbox.memory_bytes
+        allowed = self.memory_base + max(_KEPT_BYTES, int(limit * _KEPT_SHARE) if limit else 0)
+        deadline = asyncio.get_running_loop().time() + _FREED_WITHIN
+        while True:
+            held = self.launcher.memory_held(self.cgroups, allowed)
+            if held is None or held <= allowed:
+                return True
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
 
     def memory_killed(self) -> bool:
         """Whether the kernel killed a process of this slot for its memory limit since last asked."""
@@ -159,29 +215,9 @@ class Slot:
             await self.proc.kill()
         groups, self.cgroups, sock_dir, self.sock_dir = self.cgroups, [], self.sock_dir, None
         await self.launcher.release(groups, sock_dir)
-
-
-def _checked(reply: dict, keep: int) -> dict:
-    """The reply if it is a well-formed result (SlotError if not)."""
-    def parts(value) -> tuple[bytes, bytes, int]:
-        if not (isinstance(value, list) and len(value) == 3 and isinstance(value[0], bytes)
-                and isinstance(value[1], bytes) and isinstance(value[2], int)
-                and len(value[0]) <= keep and len(value[1]) <= keep
-                and value[2] >= len(value[0]) + len(value[1])):
-            raise SlotError("it sent a malformed result")
-        return value[0], value[1], value[2]
-
-    if reply.get("t") != "result":
-        raise SlotError(f"it sent {str(reply.get('t'))[:40]!r} instead of a result")
-    status = reply.get("status")
-    if status is not None and not isinstance(status, int):
-        raise SlotError("it sent a malformed result")
-    rss = reply.get("rss_kb")
-    return {"status": status, "timed_out": reply.get("timed_out") is True, "killed": reply.get("killed") is True,
-            "out": parts(reply.get("out")) if status is not None else (b"", b"", 0),
-            "err": parts(reply.get("err")) if status is not None else (b"", b"", 0),
-            "rss_kb": rss if isinstance(rss, int) and rss >= 0 else None,
-            "note": reply.get("note") if isinstance(reply.get("note"), str) else ""}
+        if self.uid_name is not None:  # (no process of the slot is left to run as it)
+            self.launcher.release_uid(self.uid_name)
+            self.uid_name = None
 
 
 class SlotPool:
@@ -213,29 +249,26 @@ class SlotPool:
         self._all.discard(slot)
         await slot.close()
 
-    async def run(self, sample: Sample, *, timeout: float, output_bytes: int, script_name: str) -> dict:
-        """Run ``sample`` in a free slot: exactly one outcome, whatever the sample or the slot
-        did — {status, code, words, out, err (head, tail, total), rss_mb}."""
+    async def run(self, job: Sample, *, timeout: float, output_bytes: int, script_name: str) -> Ran:
+        """Run ``job`` in a free slot: exactly one outcome, whatever the sample or the slot did."""
         slot = await self._take()
         try:
-            reply = await slot.run(sample, timeout=timeout, output_bytes=output_bytes, script_name=script_name)
+            reply = await slot.run(job, timeout=timeout, output_bytes=output_bytes, script_name=script_name)
         except SlotError as exc:
             memory = slot.memory_killed()
             await self._drop(slot)
-            words = ("it went over its memory limit and its sandbox was killed" if memory
-                     else f"its sandbox stopped: {exc}")
-            return {"status": "killed" if memory else "died", "code": 137, "words": words,
-                    "out": (b"", b"", 0), "err": (b"", b"", 0), "rss_mb": None}
+            return Ran(Ending(over_memory=memory, lost="" if memory else str(exc)))
         except BaseException:
             await asyncio.shield(self._drop(slot))
             raise
-        if self._closed:
+        # A slot whose sample left something behind that outlives it (it says so, or its
+        # memory cgroup does) is not used again.
+        if self._closed or reply.retire or not await slot.memory_clean():
             await self._drop(slot)
         else:
             self._idle.append(slot)
-        status, code, words = _outcome(reply, timeout, slot.memory_killed(), self.launcher.sandbox.memory_bytes)
-        return {"status": status, "code": code, "words": words, "out": reply["out"], "err": reply["err"],
-                "rss_mb": round(reply["rss_kb"] / 1024, 1) if reply["rss_kb"] else None}
+        return Ran(_ending(reply, slot.memory_killed()), reply.out, reply.err,
+                   round(reply.rss_kb / 1024, 1) if reply.rss_kb else None)
 
     async def close(self) -> None:
         self._closed = True
@@ -244,22 +277,25 @@ class SlotPool:
         await asyncio.gather(*(s.close() for s in slots), return_exceptions=True)
 
 
-def _outcome(reply: dict, timeout: float, memory: bool, memory_bytes: int | None) -> tuple[str, int, str]:
-    """(status, exit code, words) of a slot's result, as ``agentloop exec`` would give them."""
-    status = reply["status"]
+@dataclass(frozen=True)
+class Ran:
+    """What a slot says of one sample: how it ended, its stdout and stderr as (head, tail,
+    total bytes), and its peak resident memory in MiB."""
+
+    ending: Ending
+    out: tuple[bytes, bytes, int] = (b"", b"", 0)
+    err: tuple[bytes, bytes, int] = (b"", b"", 0)
+    rss_mb: float | None = None
+
+
+def _ending(reply: sample.Result, memory: bool) -> Ending:
+    """How the sample's process ended, from the slot's result (its wait status)."""
+    status = reply.status
     if status is None:
-        return "error", EXIT_OWN, f"it could not be started: {reply['note'][:500]}"
-    if reply["timed_out"]:
-        return "timeout", EXIT_TIMEOUT, f"its deadline ({timeout:g} s) passed" + (
-            ", and it was killed: the interrupt did not stop it" if reply["killed"] else "")
+        return Ending(not_started=reply.note)
     if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        if memory:
-            limit = f" ({memory_bytes / 2**20:.0f} MiB)" if memory_bytes else ""
-            return "killed", 128 + sig, f"it went over its memory limit{limit} and was killed"
-        return "died", 128 + sig, f"it died of signal {sig}"
-    code = os.WEXITSTATUS(status)
-    return ("ok" if code == 0 else "error"), code, ""
+        return Ending(signal=os.WTERMSIG(status), timed_out=reply.timed_out, killed=reply.killed, over_memory=memory)
+    return Ending(code=os.WEXITSTATUS(status), timed_out=reply.timed_out, killed=reply.killed)
 
 
-__all__ = ["Slot", "SlotError", "SlotPool"]
+__all__ = ["Ran", "Slot", "SlotError", "SlotPool"]

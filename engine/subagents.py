@@ -8,6 +8,8 @@ from typing import Any
 
 from .errors import AgentError
 
+__all__ = ["MAX_SUBAGENTS", "SubagentBudget", "subagent_limit"]
+
 #: Sub-agents one run may have working at once, unless ``max_subagents`` says otherwise.
 MAX_SUBAGENTS = 8
 
@@ -17,7 +19,7 @@ subagent_limit: contextvars.ContextVar[int] = contextvars.ContextVar("agentloop_
                                                                      default=MAX_SUBAGENTS)
 
 
-class SubagentSlots:
+class SubagentBudget:
     """The sub-agents of one run: the agent a run starts and every agent below it share one, so
     the limit holds for the whole tree.  At most ``limit`` work at once, and at most ``limit``
     hold a worker, working or finished: a finished one keeps its worker (and namespace) for a

@@ -25,7 +25,15 @@ from datetime import datetime
 
 from engine.durations import DEFAULT_BLOCK_TIMEOUT, parse_duration
 from engine.errors import ConfigError
-from worker.describe import describe_object  # noqa: F401 - re-exported: one implementation
+from worker.contract.describe import describe_object  # noqa: F401 - re-exported: one implementation
+
+__all__ = [
+    "ATTR_RE", "AgentRequest", "CodeRequest", "ENVIRONMENT", "HALLUCINATION_STOPS", "ParsedReply",
+    "SYSTEM", "build_system", "compaction_reminder", "cut_hallucinated", "describe_namespace", "find_tags",
+    "format_agent_result", "format_agent_start_failed", "format_agent_status", "format_already_running",
+    "format_code_result", "format_error", "format_reply_cut", "format_running", "format_status",
+    "format_steer", "format_vars", "parse_attrs", "parse_reply", "strip_think", "wrap", "writable_places"
+]
 
 ATTR_RE = re.compile(r'(\w+)\s*=\s*(?:"([^"]*)"|([^\s>]+))')
 

@@ -41,6 +41,8 @@ from .errors import AgentError, ConfigError
 from .model_server import ServerInfo
 from .repo_tools import MAX_RESULT, execute_tool_call_async, parse_arguments, schema_for
 
+__all__ = ["ENGINE_TOOLS", "GUIDE", "ToolAgent", "embedded_calls"]
+
 GUIDE = """You are an AI agent that solves tasks by running Python code and starting sub-agents through your tools.
 - run_code(code, id?, timeout?, heartbeat?) runs Python in your persistent namespace (variables, imports and functions persist). Only what you print comes back. Several run_code calls in one reply run concurrently. Top-level await works. timeout defaults to 10s; past it the code is killed.
 - A call still running when you are answered returns its status so far (<running id=...>); its final <run_code_result id=...> arrives later by itself. Call wait() to block until something finishes, or reply in plain text to let things keep going.

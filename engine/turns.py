@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+__all__ = ["Delay", "EXHAUSTED", "FALLBACK", "Fail", "Script"]
+
 EXHAUSTED = "(script exhausted)"
 FALLBACK = "*"
 

@@ -7,9 +7,10 @@ worker: at the deadline the block is interrupted (an exception raised inside wha
 on; the namespace is kept); if it has not stopped within ``grace`` seconds, the whole
 process tree is killed with SIGKILL (see ``Worker._supervise``).
 
-Everything a worker sends is checked: frames are size-bounded and decoded without
-unpickling, and messages from a peer that did not complete the handshake are dropped.  A
-worker that breaks the protocol (see ``worker.wire``) is killed at once: its blocks end
+Everything a worker sends is checked: frames are size-bounded, decoded without unpickling
+and parsed into typed messages (``worker.contract.wire``), and messages from a peer that did
+not complete the handshake are dropped.  A worker that breaks the protocol is killed at once:
+its blocks end
 saying so, the next block gets a fresh process, and nothing of it reaches the caller as an
 exception.  Stale messages an honest worker can send (a response to a request that timed
 out) are ignored.
@@ -26,28 +27,27 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from worker import wire
+from worker.contract import wire
+from worker.contract.framing import encode
+from worker.contract.limits import MAX_CHUNK, STDERR, STDOUT
 
-from ._session import Session
+from ._session import Owner, Session
 from .durations import DEFAULT_BLOCK_TIMEOUT
 from .errors import WorkerClosed, WorkerError, WorkerStartError
 from .output import OutputSink
 from .results import BlockResult, OutputChunk, describe_exit
-from .script import Script, forward_stdin
+from .script_run import ScriptRun, forward_stdin
 
 if TYPE_CHECKING:
     from .launcher import Launcher
 
+__all__ = ["Worker", "WorkerState"]
+
 log = logging.getLogger("agentloop")
 
-_STREAMS = {wire.STDOUT: "stdout", wire.STDERR: "stderr"}
-_MAX_ERROR = 64 * 1024
-_MAX_VAR_NAME = 100
-_MAX_VARS = 200
+_STREAMS = {STDOUT: "stdout", STDERR: "stderr"}
 #: Host calls one worker may have running at once; more are refused in words, not queued.
 _MAX_CALLS = 64
-#: Longest words of the worker's on an interrupt (``note``, ``why``) that reach a result.
-_MAX_NOTE = 600
 
 
 class WorkerState(enum.Enum):
@@ -57,7 +57,7 @@ class WorkerState(enum.Enum):
     CLOSED = "closed"  # closed by its owner; every further call raises WorkerClosed
 
 
-class _Block:
+class _RunningBlock:
     """Coordinator-side state of one running block."""
 
     def __init__(self, block_id: str, sink: OutputSink, timeout: float,
@@ -113,7 +113,7 @@ class Worker:
         self._bound_names: set[str] = set()
         self._call_tasks: set[asyncio.Task] = set()
         self._session: Session | None = None
-        self._blocks: dict[str, _Block] = {}
+        self._blocks: dict[str, _RunningBlock] = {}
         self._lock = asyncio.Lock()
         self._block_ids = itertools.count(1)
         self._restarting: asyncio.Task | None = None
@@ -126,6 +126,12 @@ class Worker:
     def pid(self) -> int | None:
         s = self._session
         return s.proc.pid if s and s.proc else None
+
+    @property
+    def session(self) -> Session | None:
+        """The process the worker runs in now (its socket, output pipes, process and cgroups),
+        for inspection; None while none runs.  A kill replaces it."""
+        return self._session
 
     @property
     def running(self) -> list[str]:
@@ -149,7 +155,7 @@ class Worker:
             except WorkerStartError as exc:
                 self.state = WorkerState.DEAD
                 raise WorkerStartError(f"worker {self.name!r}: {exc}") from exc
-        session.owner = self
+        session.owner = Owner(self.name, self._dispatch, self._on_exit, self._on_broken)
         self._session = session
         self.notes = session.notes
         try:
@@ -193,7 +199,7 @@ class Worker:
             await self._kill_locked("worker closed", status="cancelled")
             self.state = WorkerState.CLOSED
 
-    async def _kill_locked(self, why: str, *, status: str = "killed", cause: _Block | None = None,
+    async def _kill_locked(self, why: str, *, status: str = "killed", cause: _RunningBlock | None = None,
                            cause_message: str = "", **extra: Any) -> None:
         """Kill the current process tree (reaping whatever it left) and end every running block
         with words saying why; ``extra`` goes into their results (signal, exit code)."""
@@ -239,40 +245,35 @@ class Worker:
             assert session.proc is not None
             # What it sent before it died is read before its blocks end (its last words), and
             # then what its fd 1 and 2 still held goes where the worker would have sent it.
-            await session.settle(min(0.5, self.launcher.grace))
+            await session.settle(min(0.5, self.launcher.settings.grace))
             block = next(iter(self._blocks.values()), None)  # the first started
             for stream, data in session.leftovers() if block is not None else ():
-                n = wire.MAX_CHUNK
+                n = MAX_CHUNK
                 for start in range(0, len(data), n):
-                    pending = self._dispatch(session, wire.out(block.id, [[stream, data[start:start + n]]]))
+                    pending = self._dispatch(session, wire.Out(block.id, ((stream, data[start:start + n]),)))
                     if pending is not None:
                         await pending
             words, sig = describe_exit(rc, via_namespace=session.proc.pid_namespace)
-            if session.over_memory_limit():
-                words = (f"worker killed: over its memory limit ({self.launcher.sandbox.memory_bytes / 2**20:.0f} MiB, "
-                         "shared memory and /tmp files included)")
-            await self._kill_locked(words, status="died", signal=sig, exit_code=rc)
+            memory = session.over_memory_limit()
+            if memory:
+                words = (f"worker killed: over its memory limit ({self.launcher.settings.sandbox.memory_bytes / 2**20:.0f} "
+                         "MiB, shared memory and /tmp files included)")
+            await self._kill_locked(words, status="died", signal=sig, exit_code=rc, over_memory=memory)
             log.info("worker %s: %s", self.name, words)
 
-    def _dispatch(self, session: Session, msg: dict) -> Awaitable[None] | None:
-        """Act on one message from the worker.  Returns an awaitable only when a consumer of
-        ``stream()`` is behind: the session reads nothing more until it is done."""
-        kind = msg["t"]
-        if kind == "out":
-            chunks = msg.get("o")
-            if not isinstance(chunks, list) or not all(
-                    isinstance(item, list) and len(item) == 2 and item[0] in _STREAMS
-                    and isinstance(item[1], bytes) and len(item[1]) <= wire.MAX_CHUNK for item in chunks):
-                session.violation("it sent malformed output")
-                return None
-            block = self._blocks.get(msg.get("id"))  # type: ignore[arg-type]
+    def _dispatch(self, session: Session, msg: wire.Message) -> Awaitable[None] | None:
+        """Act on one message from the worker (parsed: every field is within its bounds).
+        Returns an awaitable only when a consumer of ``stream()`` is behind: the session reads
+        nothing more until it is done."""
+        if isinstance(msg, wire.Out):
+            block = self._blocks.get(msg.id)
             if block is None:
                 session.drop("output for no running block")
                 return None
             waiting = []
-            for item in chunks:
-                block.sink.add(item[1])
-                chunk = OutputChunk(block.id, _STREAMS[item[0]], item[1])
+            for stream, data in msg.o:
+                block.sink.add(data)
+                chunk = OutputChunk(block.id, _STREAMS[stream], data)
                 if block.on_output is not None:
                     block.on_output(chunk)
                 if block.queue is not None:
@@ -282,85 +283,67 @@ class Worker:
                         block.queue.put_nowait(chunk)
             if waiting and block.queue is not None:
                 return _put_all(block.queue, waiting)
-        elif kind == "done":
-            block = self._blocks.pop(msg.get("id"), None)  # type: ignore[arg-type]
+        elif isinstance(msg, wire.Done):
+            block = self._blocks.pop(msg.id, None)
             if block is None:
                 session.drop("done for no running block")
-                return
-            names = msg.get("vars")
-            if isinstance(names, list):
-                self.var_notes = [n for n in names if isinstance(n, str) and len(n) <= _MAX_VAR_NAME][:_MAX_VARS]
-                self.vars = [n.split(":", 1)[0] for n in self.var_notes]
-            status = msg.get("status")
-            error = msg.get("error") if isinstance(msg.get("error"), str) else ""
-            error = error[:_MAX_ERROR]
-            note = msg.get("note") if isinstance(msg.get("note"), str) else ""
-            note = note[:_MAX_NOTE]
+                return None
+            self.var_notes = list(msg.vars)
+            self.vars = [n.split(":", 1)[0] for n in self.var_notes]
             why = f"timed out after {_secs(block.timeout)}" if block.timed_out else "cancelled"
-            if status == "cancelled":
+            if msg.status == "cancelled":
                 # Interrupted, and the process lives on: say what was raised and that nothing was lost.
-                block.finish("timeout" if block.timed_out else "cancelled", error=error,
-                             message=f"{why}: {note}; the worker and its namespace are kept" if note else why)
-            elif status in ("ok", "error"):
-                block.finish(status, error=error, message=f"{why}: {note}" if note else "")
-            elif status == "exit":
-                code = msg.get("code")
-                code = code if type(code) is int and 0 <= code <= 255 else 1
+                block.finish("timeout" if block.timed_out else "cancelled", error=msg.error,
+                             message=f"{why}: {msg.note}; the worker and its namespace are kept" if msg.note else why)
+            elif msg.status in ("ok", "error"):
+                block.finish(msg.status, error=msg.error, message=f"{why}: {msg.note}" if msg.note else "")
+            else:  # exit: SystemExit
+                code = 1 if msg.code is None else msg.code
                 block.finish("ok" if code == 0 else "error", exit_code=code,
                              message=f"the code exited with {code} (SystemExit); the worker and its namespace "
                                      "are kept")
-            else:
-                block.finish("error", error=error, message=f"worker reported status {status!r}")
-        elif kind in ("stuck", "stopping"):
-            block = self._blocks.get(msg.get("id"))  # type: ignore[arg-type]
-            why = msg.get("why") if isinstance(msg.get("why"), str) else ""
+        elif isinstance(msg, (wire.Stuck, wire.Stopping)):
+            block = self._blocks.get(msg.id)
             if block is not None:  # else stale: the block's done came first, an honest race
                 block.interrupted = True
-                if kind == "stuck":
-                    block.stuck_why = why[:_MAX_NOTE]
+                if isinstance(msg, wire.Stuck):
+                    block.stuck_why = msg.why
                     block.stuck.set()
                 else:
-                    block.stopping_why = why[:_MAX_NOTE]
-        elif kind == "resp":
-            future = self._requests.pop(msg.get("rid"), None)  # type: ignore[arg-type]
+                    block.stopping_why = msg.why
+        elif isinstance(msg, wire.Resp):
+            future = self._requests.pop(msg.rid, None)
             if future is None or future.done():
                 session.drop("response to no request")
-            elif msg.get("ok"):
-                future.set_result(msg.get("value"))
+            elif msg.ok:
+                future.set_result(msg.value)
             else:
-                future.set_exception(WorkerError(str(msg.get("error"))[:_MAX_ERROR]))
-        elif kind == "call":
-            if not isinstance(msg.get("name"), str):
-                session.violation("it sent a host call without a name")
-            elif self.on_call is None:
-                session.send(wire.reply(msg.get("cid"), error="this worker has no host functions"))
+                future.set_exception(WorkerError(msg.error or "the request failed"))
+        elif isinstance(msg, wire.Call):
+            if self.on_call is None:
+                session.send(wire.Reply(msg.cid, False, error="this worker has no host functions"))
             elif len(self._call_tasks) >= _MAX_CALLS:
-                session.send(wire.reply(msg.get("cid"),
+                session.send(wire.Reply(msg.cid, False,
                                         error=f"{_MAX_CALLS} host calls are already running; await some first"))
             else:
                 task = asyncio.get_running_loop().create_task(self._host_call(msg))
                 self._call_tasks.add(task)
                 task.add_done_callback(self._call_tasks.discard)
-        elif kind == "bye":
-            pass
-        else:
-            session.violation(f"it sent a message of unknown type {kind[:40]!r}")
-        return None
+        elif isinstance(msg, wire.Hello):
+            session.violation("it said hello twice")
+        return None  # (bye: the worker is on its way out)
 
-    async def _host_call(self, msg: dict) -> None:
+    async def _host_call(self, msg: wire.Call) -> None:
         """Run one host call for code in the worker and send back its value or error, in words."""
-        cid = msg.get("cid")
-        args = msg.get("args") if isinstance(msg.get("args"), list) else []
-        kwargs = msg.get("kwargs") if isinstance(msg.get("kwargs"), dict) else {}
-        block = msg.get("block") if isinstance(msg.get("block"), str) else None
+        cid = msg.cid
         try:
-            value = await self.on_call(msg["name"], args, kwargs, block)  # type: ignore[misc]
+            value = await self.on_call(msg.name, list(msg.args), msg.kwargs, msg.block)  # type: ignore[misc]
             try:
-                frame = wire.encode(wire.reply(cid, value=value))
+                frame = encode(wire.Reply(cid, True, value))
             except (TypeError, ValueError):
-                frame = wire.encode(wire.reply(cid, value=repr(value)))
+                frame = encode(wire.Reply(cid, True, repr(value)))
         except Exception as exc:  # noqa: BLE001 - the tool's failure goes back to the code as words
-            frame = wire.encode(wire.reply(cid, error=str(exc) or type(exc).__name__))
+            frame = encode(wire.Reply(cid, False, error=str(exc) or type(exc).__name__))
         if self._session is not None:
             self._session.send_frame(frame)
 
@@ -384,14 +367,14 @@ class Worker:
         future = asyncio.get_running_loop().create_future()
         self._requests[rid] = future
         try:
-            session.send(wire.req(rid, op, args))
+            session.send(wire.Req(rid, op, args))
             return await asyncio.wait_for(future, timeout)
         except TimeoutError as exc:
             raise WorkerError(f"worker {self.name!r} did not answer {op!r} within {timeout:g} s") from exc
         finally:
             self._requests.pop(rid, None)
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg: wire.Message) -> None:
         """Send a protocol message to the current process (never waits)."""
         if self._session is not None:
             self._session.send(msg)
@@ -399,7 +382,7 @@ class Worker:
     # -- running blocks -----------------------------------------------------------------------
     async def _submit(self, code: str, timeout: float, block_id: str | None,
                       on_output: Callable[[OutputChunk], None] | None, budget: int | None = None,
-                      script: Script | None = None) -> _Block:
+                      script: ScriptRun | None = None) -> _RunningBlock:
         session = await self._ensure_ready()
         if block_id is None:
             block_id = f"b{next(self._block_ids)}"
@@ -408,22 +391,22 @@ class Worker:
         elif block_id in self._blocks:
             raise ValueError(f"block {block_id!r} is already running")
         sink = OutputSink(lambda: self.launcher.output_path(self.index, block_id),
-                          file_cap=self.launcher.output_file_cap)
-        block = _Block(block_id, sink, timeout, on_output, budget)
+                          file_cap=self.launcher.settings.output_file_cap)
+        block = _RunningBlock(block_id, sink, timeout, on_output, budget)
         self._blocks[block_id] = block
-        session.send(wire.run(block_id, code, script.wire() if script is not None else None))
+        session.send(wire.Run(block_id, code, script.spec() if script is not None else None))
         if script is not None and script.stdin is not None:
             forward_stdin(script.stdin, self.send, block_id, block.future.done)
         return block
 
     async def run(self, code: str, *, timeout: float = DEFAULT_BLOCK_TIMEOUT, block_id: str | None = None,
                   on_output: Callable[[OutputChunk], None] | None = None,
-                  budget: int | None = None, script: Script | None = None) -> BlockResult:
+                  budget: int | None = None, script: ScriptRun | None = None) -> BlockResult:
         """Run one block and return how it ended.  Never raises for what the code did.
 
         ``budget`` caps ``result.output`` in bytes (head and tail, with the count cut between).
         ``script``: run the code as ``python FILE ARGS`` would (``agentloop exec``; see
-        ``engine.script``): then a traceback is part of the output, as Python prints it.
+        ``engine.script_run``): then a traceback is part of the output, as Python prints it.
 
         A ``SystemExit`` ends the block, never the worker: ``exit_code`` holds its status (the
         status is ok for 0, else error) and ``exited`` is true.
@@ -461,7 +444,7 @@ class Worker:
                 with contextlib.suppress(asyncio.CancelledError):
                     await supervisor
 
-    async def _supervise(self, block: _Block) -> BlockResult:
+    async def _supervise(self, block: _RunningBlock) -> BlockResult:
         """Wait for ``block``'s result, keeping its deadline.  The contract, all of it here:
 
         - The deadline is ``timeout`` seconds from when the ``run`` was sent, kept by the
@@ -503,7 +486,7 @@ class Worker:
         finally:
             timer.cancel()
 
-    def _expire(self, block: _Block) -> None:
+    def _expire(self, block: _RunningBlock) -> None:
         if not block.future.done():
             block.timed_out = True
             block.stopping = asyncio.ensure_future(self._stop(block, f"timed out after {_secs(block.timeout)}"))
@@ -515,12 +498,12 @@ class Worker:
             return None
         return await asyncio.shield(self._stop(block, "cancelled"))
 
-    async def _stop(self, block: _Block, why: str) -> BlockResult:
+    async def _stop(self, block: _RunningBlock, why: str) -> BlockResult:
         """The interrupt, then — after ``grace``, or at once when the worker says it cannot
         reach the block — the hard kill of the whole tree, with words saying which it was."""
-        self.send(wire.cancel(block.id, "timeout" if block.timed_out else "cancel", block.timeout,
-                              self.launcher.grace))
-        grace = self.launcher.grace
+        self.send(wire.Cancel(block.id, "timeout" if block.timed_out else "cancel", block.timeout,
+                              self.launcher.settings.grace))
+        grace = self.launcher.settings.grace
         stuck = asyncio.ensure_future(block.stuck.wait())
         try:
             await asyncio.wait([block.future, stuck], timeout=grace, return_when=asyncio.FIRST_COMPLETED)

@@ -587,7 +587,7 @@ async def bench_agentloop(cfg: Config, base: Path) -> dict:
     out: dict = {}
     with _section("agentloop: cold starts"):
         # Cold: a fresh interpreter per worker, no fork server, no pool.
-        async with _engine(base, "cold", zygote=False, **pool_kwargs(0)) as engine:
+        async with _engine(base, "cold", fork_server=False, **pool_kwargs(0)) as engine:
             first: list[float] = []
             out["cold_start"] = stats(await start_times(engine, cfg.starts, first_block=first), 1)
             out["cold_start"]["to_first_block_done_p50"] = _p50(stats(first, 2))
@@ -600,7 +600,7 @@ async def bench_agentloop(cfg: Config, base: Path) -> dict:
             out["forked_start"]["to_first_block_done_p50"] = _p50(stats(first, 2))
     if pool_param() is None:
         out["warm_start"] = None
-        out["warm_note"] = "Engine has no pre-started pool or zygote yet; see pool_param()"
+        out["warm_note"] = "Engine has no pre-started pool or fork server yet; see pool_param()"
     else:
         with _section("agentloop: warm starts"):
             async with _engine(base, "warm", **pool_kwargs(1)) as engine:
@@ -611,7 +611,7 @@ async def bench_agentloop(cfg: Config, base: Path) -> dict:
                             "(the pool is filled by the fork server where one runs)")
     # The rest with Engine's defaults, as a user gets it (the kill's replacement included).
     async with _engine(base, "main") as engine:
-        out["engine_defaults"] = {"grace_s": engine.grace, "pool": getattr(engine, "pool_size", None)}
+        out["engine_defaults"] = {"grace_s": engine.settings.grace, "pool": getattr(engine, "pool_size", None)}
         worker = await engine.start_worker("bench")
         out["sandbox_notes"] = list(dict.fromkeys([*getattr(engine, "notes", []), *getattr(worker, "notes", [])]))
         # The floor right before the round trips: on a busy machine, the same moment matters.
@@ -628,7 +628,7 @@ async def bench_agentloop(cfg: Config, base: Path) -> dict:
         with _section("agentloop: kill to ready"):
             out["kill"] = await kill_cycles(worker, cfg.kills, cfg.kill_deadline)
             out["kill"]["c_loop_total"] = await c_loop_kills(worker, cfg.c_loop_kills, cfg.kill_deadline)
-        out["kill"].update(deadline_s=cfg.kill_deadline, grace_s=engine.grace,
+        out["kill"].update(deadline_s=cfg.kill_deadline, grace_s=engine.settings.grace,
                            pool=getattr(engine, "pool_size", None))
     with _section("agentloop: idle workers"):
         out["max_idle"] = await max_idle(base, cfg.max_workers)
@@ -871,7 +871,7 @@ async def profile_start(cfg: Config, base: Path, cold_auto: dict) -> dict:
 
     plan = make_plan()
     env_plain = {**_worker_env("profile"), **plan.env}
-    env = {**env_plain, "AGENTLOOP_CONFINE": json.dumps(plan.confine)}
+    env = {**env_plain, "AGENTLOOP_CONFINE": plan.confine.to_json()}
     prefix = plan.argv_prefix
     imports = "import worker.__main__, worker.serve, worker._confine"
     phases = {
@@ -883,8 +883,9 @@ async def profile_start(cfg: Config, base: Path, cold_auto: dict) -> dict:
     }
     out["phase_p50_ms"] = {name: _p50(stats(_run_ms(argv, env_plain, str(cwd), n), 1)) if argv else None
                            for name, argv in phases.items()}
-    confine_code = ("import json, os, time\nt0 = time.perf_counter()\nfrom worker import _confine\n"
-                    "_confine.apply(json.loads(os.environ['AGENTLOOP_CONFINE']))\n"
+    confine_code = ("import os, time\nt0 = time.perf_counter()\nfrom worker import _confine\n"
+                    "from worker.contract.confinement import Confinement\n"
+                    "_confine.apply(Confinement.from_json(os.environ['AGENTLOOP_CONFINE']))\n"
                     "print((time.perf_counter() - t0) * 1000)")
     applies = []
     for _ in range(n):
@@ -905,7 +906,7 @@ async def profile_start(cfg: Config, base: Path, cold_auto: dict) -> dict:
     out["coordinator_plan_ms"] = stats(plans, 2)
     out["uncached_worker_modules"] = _uncached_worker_modules()
     out["bare_worker_no_engine"] = rtt_sync_coordinator(base, max(500, cfg.rtt // 2), n)
-    out["zygote_prototype"] = zygote_prototype(base, 20)
+    out["fork_prototype"] = fork_prototype(base, 20)
     return out
 
 
@@ -959,7 +960,7 @@ async def profile_rtt(cfg: Config, base: Path, rtt_auto: dict, tmp: Path) -> dic
 # measures the coordinator's side of a round trip (plus the transport).
 _NULL_WORKER = """
 import os, sys, zmq, msgpack
-from worker import wire
+from worker.contract import wire
 s = zmq.Context().socket(zmq.DEALER)
 s.connect(sys.argv[-1])
 s.send(msgpack.packb({"t": "hello", "v": wire.PROTOCOL_VERSION,
@@ -990,9 +991,10 @@ class _SyncPeer:
     """A blocking ROUTER speaking the coordinator's side of the protocol to one process."""
 
     def __init__(self, endpoint: str) -> None:
-        from worker import wire
+        from worker.contract import framing, wire
 
         self.wire = wire
+        self.framing = framing
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.RCVTIMEO, 30_000)
@@ -1001,13 +1003,13 @@ class _SyncPeer:
 
     def handshake(self) -> None:
         self.peer, frame = self.sock.recv_multipart()
-        assert self.wire.decode(frame)["t"] == "hello"
-        self.sock.send_multipart([self.peer, self.wire.encode({"t": "welcome", "v": self.wire.PROTOCOL_VERSION})])
+        assert self.framing.decode(frame)["t"] == "hello"
+        self.sock.send_multipart([self.peer, self.framing.encode(self.wire.Welcome())])
 
     def run(self, block_id: str, code: str = "pass") -> None:
-        self.sock.send_multipart([self.peer, self.wire.encode({"t": "run", "id": block_id, "code": code})])
+        self.sock.send_multipart([self.peer, self.framing.encode(self.wire.Run(block_id, code))])
         while True:
-            msg = self.wire.decode(self.sock.recv_multipart()[1])
+            msg = self.framing.decode(self.sock.recv_multipart()[1])
             if msg["t"] == "done" and msg["id"] == block_id:
                 return
 
@@ -1015,8 +1017,8 @@ class _SyncPeer:
         """Ask for a polite exit and wait (briefly) for the ``bye``."""
         self.sock.setsockopt(zmq.RCVTIMEO, 2000)
         with contextlib.suppress(zmq.ZMQError):
-            self.sock.send_multipart([self.peer, self.wire.encode({"t": "shutdown"})])
-            while self.wire.decode(self.sock.recv_multipart()[1])["t"] != "bye":
+            self.sock.send_multipart([self.peer, self.framing.encode(self.wire.Shutdown())])
+            while self.framing.decode(self.sock.recv_multipart()[1])["t"] != "bye":
                 pass
 
     def close(self) -> None:
@@ -1077,7 +1079,7 @@ for line in sys.stdin:
 """
 
 
-def zygote_prototype(base: Path, children: int) -> dict:
+def fork_prototype(base: Path, children: int) -> dict:
     """Fork-to-first-block time and per-child memory of workers forked from a warm parent."""
     zyg = subprocess.Popen([sys.executable, "-c", _ZYGOTE], env=_worker_env(""), text=True,
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
@@ -1122,7 +1124,8 @@ def _micro() -> dict:
     """In-process costs of the steps a ``pass`` block takes, each alone."""
     import ast as _ast
 
-    from worker import wire
+    from worker.contract import wire
+    from worker.contract.framing import encode
 
     def per_call(fn: Callable[[], object], n: int = 2000) -> float:
         t0 = time.perf_counter()
@@ -1130,9 +1133,9 @@ def _micro() -> dict:
             fn()
         return round((time.perf_counter() - t0) / n * 1e6, 2)
 
-    run_msg = {"t": "run", "id": "b123", "code": "pass"}
-    done_msg = {"t": "done", "id": "b123", "status": "ok", "error": "", "vars": []}
-    run_frame, done_frame = wire.encode(run_msg), wire.encode(done_msg)
+    run_msg = wire.Run("b123", "pass")
+    done_msg = wire.done("b123", "ok")
+    run_frame, done_frame = encode(run_msg), encode(done_msg)
 
     def thread_start_join() -> None:
         t = threading.Thread(target=lambda: None)
@@ -1181,8 +1184,9 @@ def _micro() -> dict:
         asyncio.run_coroutine_threadsafe(nothing(), loop).result(10)
 
     out = {
-        "wire_encode_decode_run_and_done": per_call(lambda: (wire.decode(wire.encode(run_msg)),
-                                                             wire.decode(wire.encode(done_msg)))),
+        "wire_encode_decode_run_and_done": per_call(lambda: (
+            wire.decode_message(encode(run_msg), wire.TO_WORKER),
+            wire.decode_message(encode(done_msg), wire.TO_COORDINATOR))),
         "frame_bytes_run_done": [len(run_frame), len(done_frame)],
         "compile_pass_top_level_await": per_call(lambda: compile(
             "pass", "<block b1>", "exec", flags=_ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)),

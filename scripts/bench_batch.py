@@ -1,6 +1,6 @@
 """The "batch" section of ``scripts/bench``: what a batch run pays to start its worker, with the
-batch's one fork server (``engine._shared_fork``) and cold (a bubblewrap sandbox and a fresh
-interpreter per worker: ``RunSettings(fork_server=False)``, and every run where the server
+batch's one fork server (``engine.shared_fork_server``) and cold (a bubblewrap sandbox and a fresh
+interpreter per worker: ``RunSettings(worker=WorkerSettings(fork_server=False))``, and every run where the server
 cannot be had).
 
 Each run is the smallest real one: ``engine.batch.run.execute`` against a scripted model
@@ -42,11 +42,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import _section  # noqa: E402 - scripts/_section.py, beside this file
 
 from engine.batch import RunSettings, execute, run_batch  # noqa: E402
-from engine.batch.run import RunEngine  # noqa: E402
 from engine.batch.tasks import TaskSpec  # noqa: E402
+from engine.engine import Engine  # noqa: E402
 from engine.models import load_models  # noqa: E402
 from engine.sandbox import host_support  # noqa: E402
 from engine.scripted import ScriptedServer  # noqa: E402
+from engine.settings import WorkerSettings  # noqa: E402
 
 TARGET_MS = 20.0
 BLOCK = "<run_code>\nprint(6 * 7)\n</run_code>"
@@ -66,7 +67,7 @@ def _stats(values: list[float]) -> dict | None:
 @contextlib.contextmanager
 def _timed_starts(into: list[float]):
     """Record how long each batch run's ``start_worker`` takes (milliseconds)."""
-    original = RunEngine.start_worker
+    original = Engine.start_worker
 
     async def timed(self, name: str = "worker"):
         t0 = time.perf_counter()
@@ -75,11 +76,11 @@ def _timed_starts(into: list[float]):
         finally:
             into.append((time.perf_counter() - t0) * 1000)
 
-    RunEngine.start_worker = timed
+    Engine.start_worker = timed
     try:
         yield
     finally:
-        RunEngine.start_worker = original
+        Engine.start_worker = original
 
 
 async def _sequential(settings: dict[str, RunSettings], count: int) -> dict:
@@ -135,7 +136,8 @@ def measure(quick: bool = False, base: Path | None = None) -> dict:
     with ScriptedServer(script) as server:
         models = load_models(None, env={"LLM_URL": server.url, "LLM_MODEL": "scripted"})
         settings = {mode: RunSettings(models=models, runs_dir=base / f"batch-{mode}.runs",
-                                      fork_server=None if mode == "shared" else False, timeout=60.0)
+                                      worker=WorkerSettings(fork_server=None if mode == "shared" else False),
+                                      timeout=60.0)
                     for mode in ("shared", "cold")}
         seq = asyncio.run(_sequential(settings, count))
         rates = {mode: round(_parallel(s, base, parallel_count, parallel, mode), 1) for mode, s in settings.items()}

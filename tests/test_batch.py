@@ -15,19 +15,20 @@ from pathlib import Path
 import pytest
 
 from engine._process import descendants
-from engine._shared_fork import SharedForkServer
-from engine._zygote import ZygoteProcess
 from engine.batch import ResultsFile, RunSettings, default_parallel, is_infrastructure, read_tasks
-from engine.batch.results import redo_selector
-from engine.batch.run import RunEngine, run_slug
+from engine.batch.results_file import redo_selector
+from engine.batch.run import run_slug
 from engine.display import read_recording
 from engine.engine import Engine
 from engine.errors import ModelError, WorkerError, WorkerStartError
+from engine.fork_server import ForkedProcess
 from engine.llm import Chat
 from engine.models import ModelConfig, load_models
 from engine.runner import RunResult
 from engine.sandbox import GiB, SandboxPolicy, host_support
 from engine.scripted import Delay, Fail, ScriptedServer
+from engine.settings import WorkerSettings
+from engine.shared_fork_server import SharedForkServer
 
 from .conftest import wait_until
 
@@ -446,7 +447,7 @@ def test_default_parallel_follows_cpus_and_memory():
 
 
 async def test_a_run_holds_at_most_its_workers(tmp_path):
-    engine = RunEngine(max_workers=2, cwd=tmp_path, workspace=tmp_path / "ws", state_dir=tmp_path / "state")
+    engine = Engine(max_workers=2, cwd=tmp_path, workspace=tmp_path / "ws", state_dir=tmp_path / "state")
     async with engine:
         first = await engine.start_worker("a")
         await engine.start_worker("b")
@@ -490,11 +491,11 @@ def _parent(pid: int) -> int:
 
 
 def fork_servers_and_workers(root: int) -> tuple[list[int], list[int]]:
-    """Below ``root``: the fork servers (``worker.zygote``'s Python, child of its bubblewrap
+    """Below ``root``: the fork servers (``worker.fork_server``'s Python, child of its bubblewrap
     sandbox) and the workers they forked (each below its namespace's init, ``sleep``)."""
     servers, workers = [], []
     for pid in descendants(root):
-        if "worker.zygote" in _proc_field(pid, "cmdline") and _proc_field(pid, "comm") != "bwrap" \
+        if "worker.fork_server" in _proc_field(pid, "cmdline") and _proc_field(pid, "comm") != "bwrap" \
                 and _proc_field(_parent(pid), "comm") == "bwrap":
             servers.append(pid)
         elif _proc_field(_parent(pid), "comm") == "sleep":
@@ -618,21 +619,21 @@ async def test_a_shared_fork_server_serves_runs_alike_and_restarts(tmp_path):
     policy starts cold; a server that died is started again by the next worker; once it is
     closed, runs start cold."""
     runs = tmp_path / "runs"
-    shared = SharedForkServer(runs, sandbox=SandboxPolicy(), python=sys.executable)
+    shared = SharedForkServer(runs, WorkerSettings())
 
-    def run_engine(name: str, **kwargs) -> RunEngine:
+    def run_engine(name: str, **kwargs) -> Engine:
         ws = runs / name / "workspace"
-        return RunEngine(max_workers=4, cwd=ws, workspace=ws, state_dir=runs / name / "state", pool=0,
-                         fork_server=shared, keep_output=True, **kwargs)
+        return Engine(max_workers=4, cwd=ws, workspace=ws, state_dir=runs / name / "state", pool=0,
+                      shared_fork_server=shared, keep_output=True, **kwargs)
 
     engines = [run_engine("a"), run_engine("b"), run_engine("c", sandbox=SandboxPolicy(tmp_bytes=GiB))]
     try:
         a, b, c = [await e.start_worker("main") for e in engines]
-        assert isinstance(a._session.proc, ZygoteProcess) and isinstance(b._session.proc, ZygoteProcess)
-        assert not isinstance(c._session.proc, ZygoteProcess)  # not alike: its own, cold
-        assert a._session.proc._zygote is b._session.proc._zygote
+        assert isinstance(a.session.proc, ForkedProcess) and isinstance(b.session.proc, ForkedProcess)
+        assert not isinstance(c.session.proc, ForkedProcess)  # not alike: its own, cold
+        assert a.session.proc.server is b.session.proc.server
         first = shared.pid
-        assert first is not None and _below(a._session.proc.pid, first) and _below(b._session.proc.pid, first)
+        assert first is not None and _below(a.session.proc.pid, first) and _below(b.session.proc.pid, first)
         result = await b.run("import os; print(os.getcwd(), sorted(os.listdir('..')))", timeout=10)
         assert result.output.strip() == f"{runs / 'b' / 'workspace'} ['state', 'workspace']", result
         # What a worker writes to its own stderr (its runtime's last words) reaches its own
@@ -643,11 +644,11 @@ async def test_a_shared_fork_server_serves_runs_alike_and_restarts(tmp_path):
                            "    if where.endswith('/stderr'):\n        os.write(fd, b'b-was-here')\n", timeout=10)
         assert said.status == "ok", said
         for _ in range(100):
-            if b"b-was-here" in b._session.proc.stderr_tail:
+            if b"b-was-here" in b.session.proc.stderr_tail:
                 break
             await asyncio.sleep(0.02)
-        assert b"b-was-here" in b._session.proc.stderr_tail
-        assert b"b-was-here" not in a._session.proc.stderr_tail + a._session.proc._zygote.stderr_tail
+        assert b"b-was-here" in b.session.proc.stderr_tail
+        assert b"b-was-here" not in a.session.proc.stderr_tail + a.session.proc.server.stderr_tail
 
         os.kill(first, signal.SIGKILL)  # the server dies, and every worker it forked with it
         for _ in range(200):
@@ -663,11 +664,11 @@ async def test_a_shared_fork_server_serves_runs_alike_and_restarts(tmp_path):
         await shared.close()
     assert shared.pid is None and not shared.socket_root.exists()
     async with run_engine("d") as late:  # a run after the batch's end starts cold
-        assert not isinstance((await late.start_worker("main"))._session.proc, ZygoteProcess)
+        assert not isinstance((await late.start_worker("main")).session.proc, ForkedProcess)
 
 
 def test_the_batchs_fork_server_can_be_turned_off(tmp_path):
     models = load_models(None, env={})
-    assert RunSettings(models=models, runs_dir=tmp_path, fork_server=False).shared_fork_server() is None
+    assert RunSettings(models=models, runs_dir=tmp_path, worker=WorkerSettings(fork_server=False)).shared_fork_server() is None
     shared = RunSettings(models=models, runs_dir=tmp_path).shared_fork_server()
     assert shared is not None and shared.pid is None  # nothing starts before a run needs a worker

@@ -15,7 +15,7 @@ import zmq.asyncio
 from engine.engine import Engine
 from engine.sandbox import SandboxPolicy
 from engine.worker import WorkerState
-from worker import wire
+from worker.contract.framing import encode
 
 from .conftest import processes_with, wait_until
 
@@ -397,7 +397,7 @@ async def test_garbage_frames_are_dropped(run_dir, tmp_path):
     policy = SandboxPolicy(network=True)  # the worker connects over the host's loopback
     async with Engine(cwd=run_dir, state_dir=tmp_path / "state", transport="tcp", sandbox=policy) as engine:
         worker = await engine.start_worker()
-        session = worker._session
+        session = worker.session
         endpoint = session.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         ctx = zmq.asyncio.Context()
         intruder = ctx.socket(zmq.DEALER)
@@ -405,10 +405,10 @@ async def test_garbage_frames_are_dropped(run_dir, tmp_path):
         intruder.connect(endpoint)
         running = asyncio.ensure_future(worker.run("import time; time.sleep(0.5); print('real')", timeout=20,
                                                    block_id="victim"))
-        frames = (b"", b"\xc1garbage", b"\x92\x01\x02", wire.encode({"no": "type"}),
-                  wire.encode({"t": "done", "id": "victim", "status": "ok", "error": ""}),
-                  wire.encode({"t": "out", "id": "victim", "o": [[1, b"injected"]]}),
-                  wire.encode({"t": "hello", "v": 1, "token": "guess", "pid": 1}),
+        frames = (b"", b"\xc1garbage", b"\x92\x01\x02", encode({"no": "type"}),
+                  encode({"t": "done", "id": "victim", "status": "ok", "error": ""}),
+                  encode({"t": "out", "id": "victim", "o": [[1, b"injected"]]}),
+                  encode({"t": "hello", "v": 1, "token": "guess", "pid": 1}),
                   b"\xdd\xff\xff\xff\xff")
         try:
             for frame in frames:
@@ -422,19 +422,19 @@ async def test_garbage_frames_are_dropped(run_dir, tmp_path):
             ctx.term()
         assert result.status == "ok" and result.output == "real\n"
         assert (await worker.run("print(1)")).output == "1\n"
-        assert worker._session is session  # the stranger did not cost the worker anything
+        assert worker.session is session  # the stranger did not cost the worker anything
 
 
 async def test_a_worker_that_breaks_the_protocol_is_stopped(worker):
     # The worker's own code speaks the protocol on its socket: its first invalid message ends it.
     code = ("import gc, zmq\n"
             "socks = [o for o in gc.get_objects() if isinstance(o, zmq.Socket)]\n"
-            "from worker import wire\n"
+            "from worker.contract.framing import encode\n"
             "for s in socks:\n"
-            "    for frame in (b'\\x00\\x01junk', wire.encode({'t': 'out', 'id': 'nope', 'o': [[7, 'x']]}),\n"
-            "                  wire.encode({'t': 'out', 'id': 'me', 'o': [[7, 'x'], 'bad']}),\n"
-            "                  wire.encode({'t': 'done', 'id': 'nope', 'status': 'ok'}),\n"
-            "                  wire.encode({'t': 'weird'}), wire.encode({'t': 'done', 'id': 'me', 'vars': 5})):\n"
+            "    for frame in (b'\\x00\\x01junk', encode({'t': 'out', 'id': 'nope', 'o': [[7, 'x']]}),\n"
+            "                  encode({'t': 'out', 'id': 'me', 'o': [[7, 'x'], 'bad']}),\n"
+            "                  encode({'t': 'done', 'id': 'nope', 'status': 'ok'}),\n"
+            "                  encode({'t': 'weird'}), encode({'t': 'done', 'id': 'me', 'vars': 5})):\n"
             "        s.send(frame)\n"
             "print('sent', len(socks))\n")
     result = await worker.run(code, timeout=20, block_id="me")
@@ -468,7 +468,7 @@ async def test_tcp_transport(run_dir, tmp_path):
     policy = SandboxPolicy(network=True)
     async with Engine(cwd=run_dir, state_dir=tmp_path / "state", transport="tcp", sandbox=policy) as engine:
         worker = await engine.start_worker()
-        assert worker._session.sock.getsockopt_string(zmq.LAST_ENDPOINT).startswith("tcp://127.0.0.1:")
+        assert worker.session.sock.getsockopt_string(zmq.LAST_ENDPOINT).startswith("tcp://127.0.0.1:")
         assert (await worker.run("print('over tcp')")).output == "over tcp\n"
 
 
@@ -507,7 +507,7 @@ async def test_fork_server_preloads_and_isolates(run_dir, tmp_path):
 
     if os.geteuid() != 0 or not host_support().bwrap:
         pytest.skip(reason="the fork server needs a root coordinator with bubblewrap")
-    async with Engine(cwd=run_dir, state_dir=tmp_path / "state", pool=0, zygote=True,
+    async with Engine(cwd=run_dir, state_dir=tmp_path / "state", pool=0, fork_server=True,
                       preload=("decimal",)) as engine:
         a = await engine.start_worker("a")
         b = await engine.start_worker("b")

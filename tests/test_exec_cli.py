@@ -251,12 +251,13 @@ def test_a_sigkilled_exec_leaves_no_process_behind(tmp_path):
     token = f"77{os.getpid()}{int(time.time()) % 100000}"
     script = tmp_path / "daemon.py"
     script.write_text("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-                      f"        os.execvp('sleep', ['sleep', '{token}'])\n    os._exit(0)\n"
+                      f"        os.execvp('sh', ['sh', '-c', 'touch started; exec sleep {token}'])\n    os._exit(0)\n"
+                      "while not os.path.exists('started'):\n    time.sleep(0.05)\n"
                       "print('ready', flush=True)\ntime.sleep(1000)\n")
     proc = subprocess.Popen([*AGENTLOOP, "exec", str(script)], stdout=subprocess.PIPE, cwd=tmp_path, text=True)
     try:
         assert read_line(proc.stdout, 60) == "ready\n"
-        assert wait_until(lambda: processes_with(token), 10)
+        assert wait_until(lambda: processes_with(token), 60)  # (the daemon has started: it exec's sleep)
         before = set(descendants(proc.pid))
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)

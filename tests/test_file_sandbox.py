@@ -57,8 +57,8 @@ def test_a_script_is_its_sandboxs_pid_1s_child_under_the_hosts_name(tmp_path):
     assert plan.pid_namespace and plan.cwd == str(work) and plan.writable == str(work)
     at = plan.argv_prefix.index(str(tools))
     assert plan.argv_prefix[at - 1:at + 2] == ["--ro-bind", str(tools), str(tools)]
-    assert "/dev/tty" in plan.confine["landlock"]["dev"]
-    assert plan.confine.get("uid") is None  # the script runs as the user
+    assert "/dev/tty" in plan.confine.landlock.dev and not plan.confine.seccomp.lock_session
+    assert plan.confine.uid is None  # the script runs as the user
 
 
 @pytest.mark.parametrize("kwargs, words", [

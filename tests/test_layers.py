@@ -1,6 +1,7 @@
-"""The shape of the code: engine/ imports without a circle, lazy imports included; nothing
-below ``Engine`` reaches into its private members; no module outgrows 600 lines; every
-command that starts workers takes the same worker options."""
+"""The shape of the code: engine/ and worker/ import without a circle, lazy imports included;
+nothing below ``Engine`` reaches into its private members; no module uses another's private
+names; no module outgrows 600 lines; every public module says what it exports (``__all__``);
+every command that starts workers takes the same worker options."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE = ROOT / "engine"
+WORKER = ROOT / "worker"
+PACKAGES = (ENGINE, WORKER)
+MODULES = sorted(p for package in PACKAGES for p in package.rglob("*.py"))
 AGENTLOOP = [sys.executable, "-m", "engine.cli"]
 
 
@@ -28,7 +32,7 @@ def _is_module(name: str) -> bool:
 
 
 def _imports(path: Path) -> set[str]:
-    """Every engine module ``path`` imports: at the top, in functions, under TYPE_CHECKING."""
+    """Every module of its package ``path`` imports: at the top, in functions, under TYPE_CHECKING."""
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
@@ -48,12 +52,12 @@ def _imports(path: Path) -> set[str]:
             targets = [node.args[0].value]
         else:
             continue
-        found.update(t for t in targets if t.split(".")[0] == "engine" and t != name)
+        found.update(t for t in targets if t.split(".")[0] == name.split(".")[0] and t != name)
     return found
 
 
-def _graph() -> dict[str, set[str]]:
-    return {_module_name(p): _imports(p) for p in ENGINE.rglob("*.py")}
+def _graph(package: Path = ENGINE) -> dict[str, set[str]]:
+    return {_module_name(p): _imports(p) for p in package.rglob("*.py")}
 
 
 def _lazy_commands() -> list[str]:
@@ -89,6 +93,11 @@ def test_engine_imports_have_no_circle():
     assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+def test_worker_imports_have_no_circle():
+    cycles = _cycles(_graph(WORKER))
+    assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
 def test_the_walk_sees_lazy_imports_and_finds_circles(tmp_path):
     # What the test above relies on: an import inside a function is an edge, and a circle of
     # three is found.
@@ -113,9 +122,72 @@ def test_nothing_below_the_engine_names_its_private_members():
     assert not offenders, offenders
 
 
-@pytest.mark.parametrize("path", sorted(ENGINE.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def _ours(name: str) -> bool:
+    return name.split(".")[0] in ("engine", "worker")
+
+
+def test_no_module_uses_another_modules_private_names():
+    """``from x import _name`` and ``x._name`` across our modules: a private name is its
+    module's alone (a name two modules need is public, in the module that owns it).  Private
+    modules (``engine._process``) are their package's to import."""
+    offenders = []
+    for path in MODULES:
+        name = _module_name(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        tree = ast.parse(path.read_text())
+
+        def origin_of(node: ast.ImportFrom, package: str = package) -> str:
+            if not node.level:
+                return node.module or ""
+            base = package.split(".")
+            return ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else []))
+
+        imported: dict[str, str] = {}  # local name -> the module of ours it is
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and _ours(origin_of(node)):
+                origin = origin_of(node)
+                for alias in node.names:
+                    full = f"{origin}.{alias.name}"
+                    if _is_module(full):
+                        imported[alias.asname or alias.name] = full
+                    elif alias.name.startswith("_") and not alias.name.startswith("__"):
+                        offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: from {origin} import {alias.name}")
+                    elif _is_module(origin):
+                        imported.setdefault(alias.asname or alias.name, "")  # a class or function of ours
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if _ours(alias.name):
+                        imported[alias.asname or alias.name.split(".")[0]] = alias.asname and alias.name or \
+                            alias.name.split(".")[0]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                chain, value = [node.attr], node.value
+                while isinstance(value, ast.Attribute):
+                    chain.append(value.attr)
+                    value = value.value
+                if not isinstance(value, ast.Name) or value.id not in imported:
+                    continue
+                base = imported[value.id]
+                owner = ".".join([base, *reversed(chain[1:])]) if base else ""
+                if base and _is_module(f"{owner}.{node.attr}"):
+                    continue  # a private module of its package
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {value.id}."
+                                 + ".".join(reversed(chain)))
+    assert not offenders, "\n".join(offenders)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_module_is_over_600_lines(path):
     assert len(path.read_text().splitlines()) <= 600, f"{path.relative_to(ROOT)}: split it by what it holds"
+
+
+@pytest.mark.parametrize("path", [p for p in MODULES if not p.name.startswith("_") or p.name == "__init__.py"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_public_module_says_what_it_exports(path):
+    tree = ast.parse(path.read_text())
+    names = {t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+             for t in ([node.target] if not isinstance(node, ast.Assign) else node.targets) if isinstance(t, ast.Name)}
+    assert "__all__" in names, f"{path.relative_to(ROOT)} has no __all__"
 
 
 def _options(command: str) -> set[str]:

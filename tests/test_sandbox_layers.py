@@ -33,6 +33,7 @@ from engine.errors import ConfigError
 from engine.sandbox import LaunchPlan, SandboxPolicy, host_support, plan, workspace_excess
 from tests.conftest import read_line
 from worker._confine import seccomp_program
+from worker.contract.confinement import Confinement, Seccomp
 
 ROOT = Path(__file__).resolve().parents[1]
 NOBODY = 65534
@@ -45,7 +46,8 @@ WAIT = 60  # seconds: the bound on every wait below
 PRELUDE = r'''
 import errno, json, os, sys
 from worker._confine import apply
-print("APPLIED", json.dumps(apply(json.loads(sys.argv[1]))), flush=True)
+from worker.contract.confinement import Confinement
+print("APPLIED", json.dumps(apply(Confinement.from_json(sys.argv[1]))), flush=True)
 ARGS = json.loads(sys.argv[2])
 
 def probe(name, fn):
@@ -128,13 +130,14 @@ class Box:
                   "a = json.loads(sys.argv[1])\n"
                   "p = plan(SandboxPolicy(**a.pop('policy')), python=a.pop('python'),"
                   " **{k: Path(v) for k, v in a.items()})\n"
-                  "print(json.dumps(dataclasses.asdict(p)))\n")
+                  "print(json.dumps({**dataclasses.asdict(p), 'confine': p.confine.to_json()}))\n")
         arg = {"policy": dataclasses.asdict(policy), **{k: str(v) for k, v in kwargs.items()}}
         done = subprocess.run(self._as_user([SYSTEM_PYTHON, "-c", driver, json.dumps(arg)]),
                               cwd=self.cwd, env=self._env({}), capture_output=True, text=True,
                               timeout=WAIT)
         assert done.returncode == 0, done.stderr
-        return LaunchPlan(**json.loads(done.stdout))
+        fields = json.loads(done.stdout)
+        return LaunchPlan(**{**fields, "confine": Confinement.from_json(fields["confine"])})
 
     def _as_user(self, argv: list[str]) -> list[str]:
         if self.user == "self":
@@ -149,7 +152,7 @@ class Box:
 
     def argv(self, code: str, **args) -> list[str]:
         return self._as_user(self.plan.argv_prefix + [self.python, "-c", PRELUDE + code,
-                                                      json.dumps(self.plan.confine), json.dumps(args)])
+                                                      self.plan.confine.to_json(), json.dumps(args)])
 
     def popen(self, code: str, **args) -> subprocess.Popen:
         return subprocess.Popen(self.argv(code, **args), cwd=self.plan.cwd, env=self._env(self.plan.env),
@@ -568,7 +571,7 @@ def test_foreign_syscall_abi_kills_the_process(box: Box) -> None:
 def test_fork_bomb_is_contained_and_the_tree_dies(make_box) -> None:
     limit = 40
     box = make_box(max_processes=limit)
-    if box.plan.confine["rlimits"].get("NPROC") is None:
+    if box.plan.confine.limit("NPROC") is None:
         pytest.skip(reason="root without bubblewrap keeps uid 0 here: no process bound (documented note)")
     marker = f"bomb-{uuid.uuid4().hex}"
     code = r'''
@@ -598,7 +601,7 @@ time.sleep(600)
                 break
         assert line.startswith("saturated"), proc.stderr.read()
         count = len(_marked_pids(marker, python_only=True))
-        nproc = box.plan.confine["rlimits"]["NPROC"][0]
+        nproc = box.plan.confine.limit("NPROC")[0]
         allowed = limit if nproc == limit else nproc  # fallback as nobody: budget on top of the user's count
         assert 1 < count <= allowed, (count, allowed)
     finally:
@@ -668,13 +671,14 @@ def test_cpu_limit_kills(make_box) -> None:
 
 def _run_apply(spec: dict, before: str = "") -> subprocess.CompletedProcess:
     code = (f"import json, sys\n{before}\nfrom worker._confine import apply\n"
-            "apply(json.loads(sys.argv[1]))\nprint('USER CODE RAN')")
+            "from worker.contract.confinement import Confinement\n"
+            "apply(Confinement.from_json(sys.argv[1]))\nprint('USER CODE RAN')")
     return subprocess.run([sys.executable, "-c", code, json.dumps(spec)], capture_output=True,
                           text=True, timeout=WAIT, cwd=ROOT)
 
 
 def test_half_applied_sandbox_refuses_to_run() -> None:
-    done = _run_apply({"rlimits": {"CORE": [0, 0]}, "landlock": {"rw": ["/nonexistent/ws"]}})
+    done = _run_apply({"rlimits": [["CORE", 0, 0]], "landlock": {"rw": ["/nonexistent/ws"]}})
     assert done.returncode != 0 and "USER CODE RAN" not in done.stdout
     assert "ConfinementError" in done.stderr and "/nonexistent/ws" in done.stderr
     done = _run_apply({"landlock": {"ro": ["/"], "min_abi": 999}})
@@ -694,7 +698,8 @@ def test_uid_switch_keeps_the_parent_death_signal() -> None:
     before = ("import ctypes, signal\nlibc = ctypes.CDLL(None, use_errno=True)\n"
               "libc.prctl(1, signal.SIGKILL, 0, 0, 0)\nsig = ctypes.c_int(-1)")
     code = (f"import json, sys\n{before}\nfrom worker._confine import apply\n"
-            "print(apply(json.loads(sys.argv[1])))\n"
+            "from worker.contract.confinement import Confinement\n"
+            "print(apply(Confinement.from_json(sys.argv[1])))\n"
             "libc.prctl(2, ctypes.byref(sig), 0, 0, 0)\nprint('pdeathsig', sig.value)")
     spec = {"uid": [2_111_111_111] * 2, "drop_caps": True}
     done = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], capture_output=True,
@@ -706,7 +711,7 @@ def test_uid_switch_keeps_the_parent_death_signal() -> None:
 def test_mode_none_applies_nothing_and_says_so(tmp_path: Path) -> None:
     p = plan(SandboxPolicy(mode="none"), socket_dir=tmp_path, workspace=tmp_path, cwd=tmp_path,
              output_dir=tmp_path, python=sys.executable)
-    assert p.argv_prefix == [] and p.confine == {} and not p.pid_namespace
+    assert p.argv_prefix == [] and not p.confine and not p.pid_namespace
     assert p.notes and "none" in p.notes[0]
     done = _run_apply({})
     assert done.returncode == 0 and "USER CODE RAN" in done.stdout
@@ -723,7 +728,8 @@ def test_without_bubblewrap_the_plan_falls_back_with_a_note(tmp_path: Path) -> N
     code = ("import json, sys\nfrom pathlib import Path\nfrom engine.errors import SandboxError\n"
             "from engine.sandbox import SandboxPolicy, plan\nt = Path(sys.argv[1])\n"
             "kw = dict(socket_dir=t / 's', workspace=t / 'w', cwd=t, output_dir=t / 'o', python=sys.executable)\n"
-            "p = plan(SandboxPolicy(), **kw)\nprint(json.dumps([p.argv_prefix, p.notes, sorted(p.confine)]))\n"
+            "p = plan(SandboxPolicy(), **kw)\nimport dataclasses\n"
+            "print(json.dumps([p.argv_prefix, p.notes, sorted(k for k, v in dataclasses.asdict(p.confine).items() if v)]))\n"
             "try:\n    plan(SandboxPolicy(mode='bwrap'), **kw)\nexcept SandboxError as e:\n    print('ERR', e)\n")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
                           timeout=WAIT, cwd=ROOT, env={"PATH": "/nonexistent"})
@@ -805,7 +811,7 @@ def _run_bpf(prog: bytes, arch: int, nr: int, args: tuple[int, ...] = ()) -> int
 
 def test_seccomp_program_covers_both_architectures() -> None:
     x86, arm, arm32 = 0xC000003E, 0xC00000B7, 0x40000028
-    prog = seccomp_program(socket_families=[1, 16], lock_session=True)
+    prog = seccomp_program(Seccomp(socket_families=(1, 16), lock_session=True))
     allow, eperm, enosys, kill = 0x7FFF0000, 0x50001, 0x50000 | errno.ENOSYS, 0x80000000
     cases = [
         (x86, 165, (), eperm), (arm, 40, (), eperm),             # mount
@@ -823,14 +829,14 @@ def test_seccomp_program_covers_both_architectures() -> None:
     ]
     for arch, nr, args, expected in cases:
         assert _run_bpf(prog, arch, nr, args) == expected, (hex(arch), nr, args)
-    open_prog = seccomp_program()
+    open_prog = seccomp_program(Seccomp())
     assert _run_bpf(open_prog, x86, 41, (2,)) == allow and _run_bpf(open_prog, x86, 112) == allow
 
 
 def test_without_a_memory_cgroup_shared_memory_is_refused(box: Box) -> None:
     """Planned without a memory cgroup (as for an unprivileged user), the memory RLIMIT_DATA
     does not count is refused, and what multiprocessing and ordinary mmap use still works."""
-    if not box.plan.confine.get("seccomp"):
+    if box.plan.confine.seccomp is None:
         pytest.skip(reason="no seccomp on this host")
     assert any("no memory cgroup" in n for n in box.plan.notes), box.plan.notes
     code = r'''
@@ -862,7 +868,7 @@ probe("shm_open", lambda: multiprocessing.shared_memory.SharedMemory(create=True
 
 
 def test_netlink_is_routing_only(box: Box) -> None:
-    if not box.plan.confine.get("seccomp"):
+    if box.plan.confine.seccomp is None:
         pytest.skip(reason="no seccomp on this host")
     code = r'''
 import socket

@@ -12,7 +12,6 @@ thread started later (ZeroMQ's, the capture pump, user code) inherits it.
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import signal
 import sys
@@ -43,32 +42,35 @@ def main() -> None:
 
 def run_worker(endpoint: str) -> None:
     """Confine this process as the environment says, then serve the coordinator until told to
-    stop.  Never returns.  Used by ``python -m worker`` and by the zygote's forked children."""
-    token = os.environ.pop("AGENTLOOP_TOKEN", "")
-    confine = os.environ.pop("AGENTLOOP_CONFINE", "")
-    parent = int(os.environ.pop("AGENTLOOP_PARENT", "0") or 0)
-    output = os.environ.pop("AGENTLOOP_OUTPUT", "")
-    _guard_parent(parent)
+    stop.  Never returns.  Used by ``python -m worker`` and by the fork server's forked children."""
+    from .contract.start import StartSpec
+
+    try:
+        start = StartSpec.take()
+    except ValueError as exc:  # (a ContractError) nothing may run half-told
+        print(f"agentloop worker: {exc}", file=sys.stderr)
+        os._exit(71)
+    _guard_parent(start.parent)
     from . import _memory
 
     _memory.tune()
     fifos = None
-    if output:
+    if start.output:
         from ._outpipe import open_fifos
 
         # Before the confinement: the FIFOs stay the coordinator's, opened while this process
         # still has its uid (a root coordinator's workers switch to another), and Landlock
         # need not let the code open anything in the socket directory for writing.
         try:
-            fifos = open_fifos(output)
+            fifos = open_fifos(start.output)
         except OSError as exc:  # the socket carries the output then, as for a remote worker
             print(f"agentloop worker: output pipes unusable ({exc}); output goes over the socket",
                   file=sys.stderr)
-    if confine:
+    if start.confine:
         from . import _confine
 
         try:
-            _confine.apply(json.loads(confine))
+            _confine.apply(start.confine)
         except Exception as exc:  # noqa: BLE001 - a half-applied sandbox must not run code
             print(f"agentloop worker: sandbox could not be applied: {exc}", file=sys.stderr)
             os._exit(71)
@@ -79,7 +81,7 @@ def run_worker(endpoint: str) -> None:
     # planted, and it must neither run unconfined nor break the worker's own start.
     sys.path.insert(0, "")
 
-    code = serve(endpoint, token, fifos)
+    code = serve(endpoint, start.token, fifos, start.tty)
     sys.stdout.flush() if hasattr(sys.stdout, "flush") else None
     os._exit(code)  # never wait for threads user code left running
 

@@ -1,6 +1,6 @@
 """Confinement a worker applies to itself before any user code runs.
 
-`apply(spec)` takes the JSON-able spec that `engine.sandbox.plan()` produced and installs, in
+`apply(spec)` takes the spec (`contract.confinement.Confinement`) the coordinator built and installs, in
 order: resource limits, the drop to an unprivileged uid (root only), an empty capability set,
 no_new_privs, a Landlock ruleset and a seccomp-BPF filter.  Either every layer the spec names is
 in place when it returns, or it raises `ConfinementError` and the worker must exit: a half-applied
@@ -18,6 +18,8 @@ import os
 import resource
 import stat
 import struct
+
+from .contract.confinement import Confinement, Landlock, Seccomp, landlock_abi, seccomp_supported
 
 __all__ = ["ConfinementError", "apply", "landlock_abi", "seccomp_supported"]
 
@@ -148,29 +150,8 @@ def _prctl(option: int, a2: int = 0, a3: int = 0, a4: int = 0, a5: int = 0) -> i
 
 
 # ---------------------------------------------------------------------------------------------
-# Probes (used by the coordinator to plan, and here to check)
+# Probes: ``contract.confinement`` (the coordinator asks them to plan; here they are checked)
 # ---------------------------------------------------------------------------------------------
-
-def landlock_abi() -> int:
-    """The Landlock ABI version this kernel offers; 0 when Landlock is absent or disabled."""
-    if _machine() is None:
-        return 0
-    try:
-        return _syscall(_nr("landlock_create_ruleset"), None, 0, 1)  # ..._CREATE_RULESET_VERSION
-    except OSError:
-        return 0
-
-
-def seccomp_supported() -> bool:
-    """Whether seccomp filters can be installed here (kernel support, known architecture)."""
-    if _machine() is None:
-        return False
-    try:
-        _prctl(21)  # PR_GET_SECCOMP: EINVAL when the kernel lacks CONFIG_SECCOMP
-    except OSError:
-        return False
-    return True
-
 
 # ---------------------------------------------------------------------------------------------
 # Layers
@@ -187,8 +168,8 @@ def _single_threaded() -> None:
         raise ConfinementError(f"apply() must run before any thread starts ({len(threads)} running)")
 
 
-def _rlimits(limits: dict) -> None:
-    for name, (soft, hard) in limits.items():
+def _rlimits(limits: tuple[tuple[str, int, int], ...]) -> None:
+    for name, soft, hard in limits:
         kind = getattr(resource, "RLIMIT_" + name, None)
         if kind is None:
             raise ConfinementError(f"unknown resource limit {name}")
@@ -291,13 +272,13 @@ _NET_BIND_TCP, _NET_CONNECT_TCP = 1 << 0, 1 << 1
 _SCOPE_ABSTRACT_UNIX, _SCOPE_SIGNAL = 1 << 0, 1 << 1
 
 
-def _landlock(rules: dict) -> int:
+def _landlock(rules: Landlock) -> int:
     """Read-only beneath `ro`, read-write beneath `rw`, device files in `dev`; nothing else.
     Returns the ABI used.  Rights this kernel does not know are left out (graceful degradation);
     the ABI the spec requires (`min_abi`) is enforced."""
     abi = landlock_abi()
-    if abi < max(1, rules.get("min_abi", 1)):
-        raise ConfinementError(f"Landlock ABI {abi} < required {rules.get('min_abi', 1)}")
+    if abi < max(1, rules.min_abi):
+        raise ConfinementError(f"Landlock ABI {abi} < required {rules.min_abi}")
     handled = (1 << 13) - 1                     # ABI 1: execute .. make_sym
     if abi >= 2:
         handled |= _FS_REFER                    # rename/link across directories
@@ -305,10 +286,10 @@ def _landlock(rules: dict) -> int:
         handled |= _FS_TRUNCATE
     if abi >= 5:
         handled |= _FS_IOCTL_DEV                # ioctls on devices opened later (TIOCSTI &c)
-    net = _NET_BIND_TCP | _NET_CONNECT_TCP if abi >= 4 and rules.get("deny_tcp") else 0
+    net = _NET_BIND_TCP | _NET_CONNECT_TCP if abi >= 4 and rules.deny_tcp else 0
     # Threat (ABI 6): signalling processes outside the sandbox (the coordinator) and reaching
     # abstract unix sockets of the host (they ignore the filesystem view).
-    scoped = _SCOPE_SIGNAL | _SCOPE_ABSTRACT_UNIX if abi >= 6 and rules.get("scope", True) else 0
+    scoped = _SCOPE_SIGNAL | _SCOPE_ABSTRACT_UNIX if abi >= 6 and rules.scope else 0
     size = 8 if abi < 4 else 16 if abi < 6 else 24
     attr = struct.pack("QQQ", handled, net, scoped)[:size]
     try:
@@ -319,8 +300,8 @@ def _landlock(rules: dict) -> int:
     rw = handled & ~(_FS_MAKE_CHAR | _FS_MAKE_BLOCK | _FS_IOCTL_DEV)
     dev = (_FS_READ_FILE | _FS_WRITE_FILE | _FS_TRUNCATE | _FS_IOCTL_DEV) & handled
     try:
-        for key, access, required in (("ro", ro, False), ("rw", rw, True), ("dev", dev, False)):
-            for path in rules.get(key, []):
+        for paths, access, required in ((rules.ro, ro, False), (rules.rw, rw, True), (rules.dev, dev, False)):
+            for path in paths:
                 _landlock_rule(ruleset, path, access, handled, required)
         _syscall(_nr("landlock_restrict_self"), ruleset, 0)
     except OSError as exc:
@@ -360,18 +341,16 @@ def _arg_lo(i: int) -> int:
     return 16 + 8 * i  # low 32 bits of seccomp_data.args[i] (little endian on both arches)
 
 
-_PROGRAMS: dict[tuple, bytes] = {}
+_PROGRAMS: dict[Seccomp, bytes] = {}
 
 
-def seccomp_program(socket_families: list[int] | None = None, lock_session: bool = False,
-                    shared_memory: bool = True, set_id_modes: bool = True) -> bytes:
+def seccomp_program(opts: Seccomp) -> bytes:
     """``_program``, built once per set of options: a sample slot builds it before it forks,
     so its samples install it without building it again."""
-    key = (None if socket_families is None else tuple(socket_families), bool(lock_session), bool(shared_memory),
-           bool(set_id_modes))
-    program = _PROGRAMS.get(key)
+    program = _PROGRAMS.get(opts)
     if program is None:
-        program = _PROGRAMS[key] = _program(socket_families, lock_session, shared_memory, set_id_modes)
+        families = None if opts.socket_families is None else list(opts.socket_families)
+        program = _PROGRAMS[opts] = _program(families, opts.lock_session, opts.shared_memory, opts.set_id_modes)
     return program
 
 
@@ -492,11 +471,10 @@ def _program(socket_families: list[int] | None, lock_session: bool, shared_memor
     return bytes(out)
 
 
-def _seccomp(opts: dict) -> None:
+def _seccomp(opts: Seccomp) -> None:
     import ctypes
 
-    prog = seccomp_program(opts.get("socket_families"), bool(opts.get("lock_session")),
-                           bool(opts.get("shared_memory", True)), bool(opts.get("set_id_modes", True)))
+    prog = seccomp_program(opts)
     buf = ctypes.create_string_buffer(prog, len(prog))
 
     class _Fprog(ctypes.Structure):
@@ -514,7 +492,7 @@ def _seccomp(opts: dict) -> None:
         raise ConfinementError("seccomp filter not active")
 
 
-def apply(spec: dict) -> list[str]:
+def apply(spec: Confinement) -> list[str]:
     """Install every layer `spec` names, strongest last; return the names applied.
 
     Raises ConfinementError when any of them fails: the caller must exit without running
@@ -524,30 +502,27 @@ def apply(spec: dict) -> list[str]:
         return applied
     _single_threaded()
     try:
-        if spec.get("rlimits"):
-            _rlimits(spec["rlimits"])
+        if spec.rlimits:
+            _rlimits(spec.rlimits)
             applied.append("rlimits")
-        if spec.get("keep_caps"):
-            raise ConfinementError("a worker keeps no capability")
-        if spec.get("drop_caps"):
+        if spec.drop_caps:
             _drop_bounding_set()
-        if spec.get("uid") is not None:
-            uid, gid = spec["uid"]
-            _drop_uid(uid, gid)
+        if spec.uid is not None:
+            _drop_uid(*spec.uid)
             applied.append("uid")
-        if spec.get("umask") is not None:
-            os.umask(int(spec["umask"]))  # files in the shared workspace stay group-writable
-        if spec.get("drop_caps") or spec.get("uid") is not None:
+        if spec.umask is not None:
+            os.umask(spec.umask)  # files in the shared workspace stay group-writable
+        if spec.drop_caps or spec.uid is not None:
             _clear_caps()
             applied.append("caps")
-        if spec.get("no_new_privs") or spec.get("landlock") or spec.get("seccomp"):
+        if spec.no_new_privs or spec.landlock or spec.seccomp:
             _no_new_privs()
             applied.append("no_new_privs")
-        if spec.get("landlock"):
-            abi = _landlock(spec["landlock"])
+        if spec.landlock is not None:
+            abi = _landlock(spec.landlock)
             applied.append(f"landlock(abi {abi})")
-        if spec.get("seccomp"):
-            _seccomp(spec["seccomp"] if isinstance(spec["seccomp"], dict) else {})
+        if spec.seccomp is not None:
+            _seccomp(spec.seccomp)
             applied.append("seccomp")
     except ConfinementError:
         raise

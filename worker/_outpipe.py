@@ -4,7 +4,7 @@ A coordinator on the same machine (``ipc://``) makes three FIFOs in the worker's
 directory before it starts the worker, holds their read ends, and names the directory in
 ``AGENTLOOP_OUTPUT``.  The worker opens them (``open_fifos``) before it confines itself:
 
-- ``out``: every output frame (``wire.out``) is written here instead of to the socket, as a
+- ``out``: every output frame (``contract.wire.Out``) is written here instead of to the socket, as a
   4-byte big-endian length and the msgpack frame.  A write to a pipe is in the kernel when
   ``os.write`` returns, so what the code flushed is out of the process before it can die: a
   frame handed to ZeroMQ's I/O thread would die with it under a SIGKILL.
@@ -29,12 +29,11 @@ import contextlib
 import ctypes
 import os
 import stat
-import struct
 import threading
 
-from . import wire
+from .contract.output import NAMES, moved, out_frame
+from .contract.wire import Out
 
-HEADER = struct.Struct(">I")
 _SIG_BLOCK, _SIG_SETMASK = 0, 2
 _SIGSET_BYTES = 128  # glibc's sigset_t
 
@@ -66,8 +65,9 @@ def open_fifos(directory: str) -> Fifos:
         return fd
 
     try:
-        out = fifo("out", os.O_WRONLY)
-        pipes = {fd: (fifo(f"fd{fd}", os.O_RDONLY), fifo(f"fd{fd}", os.O_WRONLY)) for fd in (1, 2)}
+        out_name, *fd_names = NAMES
+        out = fifo(out_name, os.O_WRONLY)
+        pipes = {fd: (fifo(name, os.O_RDONLY), fifo(name, os.O_WRONLY)) for fd, name in zip((1, 2), fd_names, strict=True)}
     except OSError:
         for fd in opened:
             os.close(fd)
@@ -113,17 +113,15 @@ class PipeWriter:
             self._mask = None
         self._splice = hasattr(os, "splice")
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg: Out) -> None:
         """Write one message (an ``out`` frame), whole."""
-        frame = wire.encode(msg)
-        self._write(HEADER.pack(len(frame)) + frame)
+        self._write(out_frame(msg))
 
     def move(self, block_id: str, stream: int, src: int, size: int) -> None:
         """Move ``size`` bytes that wait in pipe ``src`` into ``out``, for ``block_id``: a frame
         saying so (``raw``: [stream, size]), then the bytes themselves, which the kernel moves
         from pipe to pipe.  ``size`` must not exceed what waits in ``src`` (only the pump reads it)."""
-        header = wire.encode(wire.out(block_id, [], [stream, size]))
-        self._write(HEADER.pack(len(header)) + header, src, size)
+        self._write(moved(block_id, stream, size), src, size)
 
     def _write(self, data: bytes, src: int = -1, size: int = 0) -> None:
         mask = self._mask

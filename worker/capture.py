@@ -40,8 +40,14 @@ import threading
 import time
 from collections.abc import Callable
 
-from . import wire
-from .wire import STDERR, STDOUT
+from .contract.limits import STDERR, STDOUT
+from .contract.wire import Out
+
+__all__ = [
+    "FLUSH_INTERVAL", "FdCapture", "MAX_BATCH", "MAX_STRAY", "NoInput", "Router", "SENDING_CODES",
+    "TextStream", "after_send", "current_block", "hide_runtime_threads", "inherit_block_in_threads",
+    "plain_streams_in_children", "queued"
+]
 
 FLUSH_INTERVAL = 0.05
 MAX_BATCH = 256 * 1024
@@ -244,11 +250,16 @@ class Router:
                 batch.append([st, piece])
                 size += len(piece)
                 if size >= MAX_BATCH:
-                    send(wire.out(out.block, batch))
+                    send(Out(out.block, batch))
                     batch, size = [], 0
         if batch:
-            send(wire.out(out.block, batch))
+            send(Out(out.block, batch))
 
+
+
+#: The code objects that send output: an interrupt that lands in one of them would lose what is
+#: on its way out, so the runtime puts it off until they are left (``runtime._put_off``).
+SENDING_CODES = frozenset(f.__code__ for f in (Router.send_out, Router._send_locked, Router.flush_all))
 
 def _join(pieces: list) -> bytes:
     try:

@@ -21,7 +21,10 @@ import time
 
 import zmq
 
-from . import wire
+from .contract.framing import encode
+from .contract.limits import MAX_FRAME
+
+__all__ = ["Channel", "SEND_TIMEOUT_MS"]
 
 # Plain ints: the enum members cost an enum construction per use on the hot path.
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
@@ -38,7 +41,7 @@ class Channel:
         self.ctx = zmq.Context(io_threads=1)
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 2000)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
         self.sock.setsockopt(zmq.SNDHWM, 64)
         self.sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         self.sock.connect(endpoint)
@@ -49,10 +52,10 @@ class Channel:
         self._poll.register(self.sock.getsockopt(zmq.FD), select.POLLIN)
         self._poll.register(self._wake_r, select.POLLIN)
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg) -> None:
         """Encode and send one message; from any thread.  Waits while the coordinator's queue is
         full (that is the backpressure on output)."""
-        self.send_frame(wire.encode(msg))
+        self.send_frame(encode(msg))
 
     def send_frame(self, frame: bytes) -> None:
         with self._lock:

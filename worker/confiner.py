@@ -46,6 +46,7 @@ import sys
 import termios
 
 from . import _confine
+from .contract.confinement import Confinement
 
 __all__ = ["main"]
 
@@ -75,7 +76,7 @@ def main() -> None:
         os.set_inheritable(fd, False)
     try:
         _prepare(settings)
-        _confine.apply(settings.get("confine") or {})
+        _confine.apply(Confinement.from_json(settings.get("confine") or ""))
         _prctl(_PR_SET_DUMPABLE, 0)  # the program, of the same uid, cannot read this process's memory
     except Exception as exc:  # noqa: BLE001 - a half-applied sandbox must not run code
         _say(status, f"error the sandbox could not be applied: {exc}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import platform
 
+__all__ = ["describe_environment"]
+
 _MAX_PACKAGES = 300
 
 

@@ -17,8 +17,11 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from . import wire
 from .capture import current_block
+from .contract.framing import encode
+from .contract.limits import MAX_FRAME
+
+__all__ = ["AgentHandle", "AgentSelf", "Call", "HOST_ATTR", "export", "host_stub", "inject"]
 
 Call = Callable[[str, list, dict, "str | None"], Future]
 
@@ -96,8 +99,8 @@ def export(namespace: dict, names: list[str]) -> tuple[dict, dict]:
                 items[name] = {"kind": "pickle", "data": cloudpickle.dumps(value)}
             except Exception as exc:  # noqa: BLE001 - anything pickling raises is the model's to know
                 errors[name] = f"{name!r} ({type(value).__name__}) cannot be handed over: {exc}"
-    size = len(wire.encode(items)) if items else 0
-    if size > wire.MAX_FRAME // 2:
+    size = len(encode(items)) if items else 0
+    if size > MAX_FRAME // 2:
         errors["*"] = f"the objects to hand over take {size >> 20} MiB; pass less or write a file"
     return items, errors
 

@@ -30,20 +30,28 @@ from collections import deque
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-MAX_RESULT = 8_000  # chars of tool output fed back per call
-MAX_TEXT = 1_000_000  # chars one reply may carry whatever max_result asks (bounds the frame)
-SKIP_DIRS = frozenset({".git", "target", "node_modules", "build", "__pycache__", ".cache"})
-MAX_MATCHES = 100
-MAX_SEARCH_FILE = 2_000_000  # bytes; bigger files are skipped by search
-MAX_READ_LIMIT = 1000  # lines one read_file call may show
+from .contract.tools import (  # noqa: F401 - the channel's bounds, and the note of a cut result
+    MAX_MATCHES,
+    MAX_READ_LIMIT,
+    MAX_RESULT,
+    MAX_SEARCH_FILE,
+    MAX_TEXT,
+    SKIP_DIRS,
+    truncate,
+)
+from .file_lines import read_at_most, scan_lines
+
+__all__ = [
+    "MATCH_LINE_CHARS", "MAX_DEPTH", "MAX_DIR_ENTRIES", "MAX_LINE_BYTES", "MAX_LINK_HOPS",
+    "MAX_WALK_ENTRIES", "Refusal", "Tree"
+]
+
 MATCH_LINE_CHARS = 200  # chars of a matching line shown by search
 MAX_LINE_BYTES = 4_000  # bytes of one line read_file shows; the rest is counted, not kept
 MAX_DEPTH = 128  # directory levels search descends (each holds a descriptor)
 MAX_DIR_ENTRIES = 20_000  # names read from one directory
 MAX_WALK_ENTRIES = 1_000_000  # names one search reads in all
 MAX_LINK_HOPS = 40  # as the kernel's own limit
-MAX_COUNT_BYTES = 1 << 30  # bytes read past read_file's window to count the file's lines
-CHUNK = 1 << 20
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # FIFOs must not block
@@ -63,20 +71,6 @@ class _Hidden(Exception):
 
 class _Changed(Exception):
     """A directory on the path stopped being one while it was walked (a swap for a link)."""
-
-
-def truncate(text: str, max_result: int = MAX_RESULT) -> str:
-    """``text`` cut so that it, with the note saying so, fits in ``max_result`` chars.
-
-    The note is counted inside the limit, so truncating twice changes nothing: a result capped by a
-    tool and then by ``execute_tool_call`` reads the same. (A limit shorter than the note itself
-    leaves just the note.)
-    """
-    if len(text) <= max_result:
-        return text
-    note = (f"\n[agent] truncated — {len(text)} chars total; "
-            "narrow the request (offset/limit, tighter pattern)")
-    return text[:max(0, max_result - len(note))] + note
 
 
 @dataclass
@@ -408,7 +402,7 @@ class Tree:
         if fd is None:
             raise Refusal(f"no such file: {path}")
         try:
-            window, total, exact = _scan_lines(fd, offset, limit, MAX_LINE_BYTES)
+            window, total, exact = scan_lines(fd, offset, limit, MAX_LINE_BYTES)
         finally:
             os.close(fd)
         if total == 0:
@@ -549,7 +543,7 @@ class Tree:
             if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SEARCH_FILE or self._hidden(st):
                 return
             os.set_blocking(fd, True)
-            data = _read_at_most(fd, MAX_SEARCH_FILE + 1)
+            data = read_at_most(fd, MAX_SEARCH_FILE + 1)
         except OSError:
             return
         finally:
@@ -578,79 +572,3 @@ def _names(fd: int, cap: int) -> tuple[list[str], bool]:
                 return names, True
             names.append(entry.name)
     return names, False
-
-
-def _read_at_most(fd: int, size: int) -> bytes:
-    parts = []
-    while size > 0:
-        chunk = os.read(fd, min(CHUNK, size))
-        if not chunk:
-            break
-        parts.append(chunk)
-        size -= len(chunk)
-    return b"".join(parts)
-
-
-def _scan_lines(fd: int, first: int, count: int, cap: int) -> tuple[list[str], int, bool]:
-    """(lines ``first`` .. ``first + count - 1`` as text, line count, whether the count is exact).
-
-    Reads ``fd`` once in CHUNK pieces; lines before the window are counted, not kept, each
-    shown line keeps at most ``cap`` bytes (the rest is counted), and counting past the window
-    stops after MAX_COUNT_BYTES (then the count is a lower bound).  Memory: one chunk plus the
-    window.  A line is what ends in ``\\n``; a ``\\r`` before it is dropped.
-    """
-    stop = first + count
-    shown: list[str] = []
-    head = bytearray()
-    length = 0  # bytes of the current line inside the window, whole
-    lineno = 1  # the line the next byte belongs to
-    partial = False  # bytes seen after the last newline
-    past = 0  # bytes read since the window closed
-    while True:
-        chunk = os.read(fd, CHUNK)
-        if not chunk:
-            break
-        partial = not chunk.endswith(b"\n")
-        pos, n = 0, len(chunk)
-        while pos < n:
-            if lineno < first:
-                newlines = chunk.count(b"\n", pos)
-                if lineno + newlines < first:
-                    lineno += newlines
-                    break
-                while lineno < first:
-                    pos = chunk.index(b"\n", pos) + 1
-                    lineno += 1
-                continue
-            if lineno >= stop:
-                lineno += chunk.count(b"\n", pos)
-                past += n - pos
-                break
-            nl = chunk.find(b"\n", pos)
-            end = n if nl < 0 else nl
-            room = cap - len(head)
-            if room > 0:
-                head += chunk[pos:min(end, pos + room)]
-            length += end - pos
-            if nl < 0:
-                break
-            shown.append(_line(head, length, cap, True))
-            head.clear()
-            length = 0
-            lineno += 1
-            pos = nl + 1
-        if past > MAX_COUNT_BYTES:
-            return shown, lineno - 1, False
-    if partial and first <= lineno < stop:
-        shown.append(_line(head, length, cap, False))
-    return shown, lineno if partial else lineno - 1, True
-
-
-def _line(head: bytearray, length: int, cap: int, ended: bool) -> str:
-    """One shown line: its first ``cap`` bytes decoded, a note when the rest was cut."""
-    text = head.decode("utf-8", "replace")
-    if length > cap:
-        return f"{text}…[agent] line cut at {cap} of {length} bytes\n"
-    if ended:
-        return (text[:-1] if text.endswith("\r") else text) + "\n"
-    return text

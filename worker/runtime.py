@@ -46,7 +46,6 @@ import builtins
 import collections
 import concurrent.futures
 import contextvars
-import ctypes
 import inspect
 import linecache
 import os
@@ -54,31 +53,33 @@ import signal
 import sys
 import threading
 import time
-import traceback
 import types
 from collections.abc import Callable
 
-from . import capture, proxy, script, wire
+from . import capture, proxy, script_run
+from ._running import MAIN, Running, deadline_words, has_signal, interrupt_note, task_status
 from .capture import FdCapture, Router, current_block
+from .contract import wire
+from .contract.limits import INTERRUPT_SIGNAL, MAX_VARS
+from .tracebacks import block_filename, format_user_error
+
+__all__ = ["Runtime"]
 
 _WORKER_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_MAX_VARS = 100
 _KEPT_SOURCES = 1000  # block sources kept for tracebacks; a long session must not grow forever
 
 
-#: The signal that interrupts a block on the main thread: one no library uses, so a handler
-#: the code installs for SIGINT or SIGALRM is never replaced or confused with it.
-INTERRUPT_SIGNAL = signal.SIGRTMIN + 5
-_SIGNAL_BIT = 1 << (INTERRUPT_SIGNAL - 1)
+# ``INTERRUPT_SIGNAL`` interrupts a block on the main thread: one no library uses, so a
+# handler the code installs for SIGINT or SIGALRM is never replaced or confused with it.
 _WINDOW = 0.02  # seconds an interrupt is given before the runtime looks at what it did
-_MAIN = threading.main_thread().ident  # kept by a child the main thread forks (the zygote's)
 
 
 #: Where the runtime sends (output taken off its queue, a ``done``, a host call): an exception
 #: raised there, or in pyzmq below, would lose what is on its way out, so an interrupt waits
 #: until it is left (``Runtime._after_send``, or the next signal ``assess`` sends).
-_SENDING_FILES = frozenset(os.path.join(_WORKER_DIR, n) for n in ("channel.py", "wire.py", "_outpipe.py"))
-_SENDING_CODES = frozenset(f.__code__ for f in (Router.send_out, Router._send_locked, Router.flush_all))
+_SENDING_FILES = frozenset(os.path.join(_WORKER_DIR, n) for n in (
+    "channel.py", "_outpipe.py", "contract/wire.py", "contract/framing.py", "contract/schema.py",
+    "contract/output.py"))
 
 
 def _put_off(frame) -> bool:
@@ -87,148 +88,10 @@ def _put_off(frame) -> bool:
     if frame is not None and frame.f_code.co_filename == __file__:
         return True
     while frame is not None:
-        if frame.f_code in _SENDING_CODES or frame.f_code.co_filename in _SENDING_FILES:
+        if frame.f_code in capture.SENDING_CODES or frame.f_code.co_filename in _SENDING_FILES:
             return True
         frame = frame.f_back
     return False
-
-
-def _deadline_error(deadline: float | None) -> type[TimeoutError]:
-    """A ``TimeoutError`` class whose instances (made without arguments, as an exception raised
-    in another thread is) name the deadline.  It prints as ``TimeoutError``."""
-    text = _deadline_words(deadline)
-
-    def __init__(self, *args) -> None:  # noqa: N807
-        TimeoutError.__init__(self, *(args or (text,)))
-
-    return type("TimeoutError", (TimeoutError,), {"__init__": __init__, "__module__": "builtins"})
-
-
-def _deadline_words(deadline: float | None) -> str:
-    return (f"the block's deadline ({deadline:g} s) passed" if deadline is not None
-            else "the block's deadline passed")
-
-
-class _Running:
-    """A sync block's thread, as far as interrupts are concerned.  An interrupt is given only
-    while the block runs: on the main thread through ``INTERRUPT_SIGNAL`` (whose handler checks
-    ``active`` and ``pending``, both set and read on that thread between bytecodes), elsewhere
-    as an asynchronous exception, of which one that lands late is cleared before the thread
-    does anything else."""
-
-    __slots__ = ("ident", "native_id", "on_main", "lock", "active", "ended", "cancelled", "reason",
-                 "deadline", "pending", "deferred", "given", "exc_type")
-
-    def __init__(self) -> None:
-        self.ident: int | None = None
-        self.native_id: int | None = None
-        self.on_main = False
-        self.lock = threading.Lock()
-        self.active = False
-        self.ended = False
-        self.cancelled = False  # interrupted before it started: it never runs
-        self.reason: str | None = None  # "timeout" or "cancel", once an interrupt was asked for
-        self.deadline: float | None = None
-        self.pending = False  # main thread: the signal's handler has yet to raise
-        self.deferred = False  # main thread: ... because it ran while output was being sent
-        self.given = ""  # main thread: what the handler raised ("its SIGINT handler" if it called that)
-        self.exc_type: type[BaseException] | None = None  # another thread: what was raised there
-
-    def enter(self) -> bool:
-        """The block starts in this thread; False if it was cancelled before it could."""
-        with self.lock:
-            self.ident, self.native_id = threading.get_ident(), threading.get_native_id()
-            self.on_main = self.ident == _MAIN
-            self.active = not self.cancelled
-            return self.active
-
-    def leave(self) -> None:
-        # An interrupt may land anywhere until ``active`` is False: retry until the thread is
-        # out of reach, then clear what was raised but not yet delivered.
-        while True:
-            try:
-                if self.on_main:
-                    self.active = False  # the handler checks it on this very thread
-                    self.pending = False
-                else:
-                    with self.lock:
-                        self.active = False
-                        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.ident), None)
-                self.ended = True
-                return
-            except BaseException:  # noqa: BLE001, S112 - the interrupt, or the code's SIGINT handler's
-                continue
-
-    def interrupt(self, reason: str, deadline: float | None) -> None:
-        with self.lock:
-            if self.reason is None:
-                self.reason, self.deadline = reason, deadline
-            if not self.active:
-                self.cancelled = not self.ended
-                return
-            if self.on_main:
-                self.pending = True
-                signal.pthread_kill(self.ident, INTERRUPT_SIGNAL)
-            elif self.exc_type is None:
-                self.exc_type = KeyboardInterrupt if reason == "cancel" else _deadline_error(deadline)
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                    ctypes.c_ulong(self.ident), ctypes.py_object(self.exc_type))
-
-    def signal_again(self) -> None:
-        """The main thread's handler put the interrupt off (it ran in the runtime's own code):
-        signal again, so that it lands in the block's."""
-        with self.lock:
-            if self.on_main and self.active and self.pending:
-                signal.pthread_kill(self.ident, INTERRUPT_SIGNAL)
-
-    def took(self, exc: BaseException) -> bool:
-        """Whether ``exc``, which ended the block, is (or followed) its interrupt."""
-        if self.reason is None:
-            return False
-        return bool(self.given) or isinstance(exc, (KeyboardInterrupt, TimeoutError))
-
-
-def _note(running: _Running, status: str) -> str:
-    """Words for the coordinator on what an interrupt did to a block that ended with
-    ``status`` ("" when none was asked for, or when it is not known to have landed)."""
-    if running.reason is None:
-        return ""
-    if running.cancelled:
-        return "it was stopped before it started"
-    if running.given == "its SIGINT handler":
-        raised = "its SIGINT handler was called"
-    else:
-        what = running.given or ("KeyboardInterrupt" if running.reason == "cancel" else "TimeoutError")
-        raised = f"{what} was raised in it" + ("" if running.on_main else " (in its thread)")
-    if status == "cancelled":
-        return raised
-    if status == "ok" and running.given:
-        return f"{raised}, and it finished normally after it"
-    return ""
-
-
-def _task_status(native_id: int | None) -> dict[str, str]:
-    """Fields of ``/proc/self/task/TID/status`` (State, SigPnd, SigBlk, ...), {} if unreadable."""
-    fields: dict[str, str] = {}
-    try:
-        with open(f"/proc/self/task/{native_id}/status") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                fields[key] = value.strip()
-        with open("/proc/self/status") as f:  # signals pending for the whole process
-            for line in f:
-                if line.startswith("ShdPnd:"):
-                    fields["ShdPnd"] = line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return fields
-
-
-def _has_signal(fields: dict[str, str], key: str) -> bool:
-    try:
-        return bool(int(fields.get(key, "0"), 16) & _SIGNAL_BIT)
-    except ValueError:
-        return False
 
 
 def _start_loop() -> asyncio.AbstractEventLoop:
@@ -244,43 +107,6 @@ def _start_loop() -> asyncio.AbstractEventLoop:
     threading.Thread(target=run, name="agentloop-user-loop", daemon=True).start()
     ready.wait(10)
     return loop
-
-
-def block_filename(block_id: str) -> str:
-    return f"<block {block_id}>"
-
-
-def _is_user_file(filename: str) -> bool:
-    return not filename.startswith(_WORKER_DIR) and "asyncio" + os.sep not in filename.replace(
-        "/", os.sep)
-
-
-def _is_block(filename: str, block_file: str | None) -> bool:
-    return filename == block_file or filename.startswith("<block ")
-
-
-def _trim(te: traceback.TracebackException, seen: set[int], block_file: str | None) -> None:
-    """Drop the worker's own frames (and asyncio's scaffolding around a task) from a traceback."""
-    if id(te) in seen:
-        return
-    seen.add(id(te))
-    frames = list(te.stack)
-    start = next((i for i, f in enumerate(frames) if _is_block(f.filename, block_file)), 0)
-    te.stack = traceback.StackSummary.from_list(
-        [f for f in frames[start:] if _is_user_file(f.filename)])
-    for nested in (te.__cause__, te.__context__):
-        if nested is not None:
-            _trim(nested, seen, block_file)
-
-
-def format_user_error(exc: BaseException, block_file: str | None = None) -> str:
-    """A traceback of the user's frames only, with the block's own line numbers and source.
-    ``block_file``: the name the block was compiled under, when it is not ``<block ID>``."""
-    if isinstance(exc, SyntaxError) and exc.filename and _is_block(exc.filename, block_file):
-        return "".join(traceback.format_exception_only(exc))  # raised by compile(): no user frames
-    te = traceback.TracebackException.from_exception(exc)
-    _trim(te, set(), block_file)
-    return "".join(te.format())
 
 
 class Runtime:
@@ -310,13 +136,13 @@ class Runtime:
         if namespace:
             self.namespace.update(namespace)
         self.on_main_free: Callable[[], None] = lambda: None
-        self._main = _MAIN
-        self._on_main: _Running | None = None  # the block the main thread runs
+        self._main = MAIN
+        self._on_main: Running | None = None  # the block the main thread runs
         self._base = set(self.namespace)
         self._tasks: dict[str, concurrent.futures.Future] = {}
-        self._threads: dict[str, _Running] = {}
+        self._threads: dict[str, Running] = {}
         self._sources: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._stdin: script.ScriptInput | None = None  # a script run's forwarded stdin
+        self._stdin: script_run.ScriptInput | None = None  # a script run's forwarded stdin
 
     def base_names(self, names: set[str]) -> None:
         """Names injected by the host (tools, ``self``): not reported as the user's variables."""
@@ -333,19 +159,19 @@ class Runtime:
             if isinstance(value, (str, bytes, list, dict, tuple, set)):
                 descr += f"({len(value)})"
             out.append(f"{name}:{descr}")
-            if len(out) >= _MAX_VARS:
+            if len(out) >= MAX_VARS:
                 break
         return out
 
-    def submit(self, block_id: str, code: str, run_as: dict | None = None) -> Callable[[], None] | None:
+    def submit(self, block_id: str, code: str, run_as: wire.ScriptSpec | None = None) -> Callable[[], None] | None:
         """Register a block so that a cancel finds it from now on.  Awaiting code starts on the
         user loop (None is returned); sync code is returned as a function for the caller to run
         in the thread of its choice.  ``run_as``: the ``script`` of a ``run`` message, to run
         the code as ``python FILE ARGS`` would (see ``script``)."""
         filename = block_filename(block_id)
         if run_as is not None:
-            self._stdin = script.ScriptInput(bool(run_as.get("stdin")))
-            filename = script.enter(self.namespace, run_as, self._stdin)
+            self._stdin = script_run.ScriptInput(run_as.stdin)
+            filename = script_run.enter(self.namespace, run_as, self._stdin)
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         self._sources[filename] = None
         self._sources.move_to_end(filename)
@@ -370,7 +196,7 @@ class Runtime:
                                                       self._loop())
             self._tasks[block_id] = future
             return None
-        running = self._threads[block_id] = _Running()
+        running = self._threads[block_id] = Running()
         return lambda: ctx.run(self._run_sync, block_id, compiled, running, run_as, filename)
 
     def feed_stdin(self, data: bytes, eof: bool) -> None:
@@ -379,25 +205,25 @@ class Runtime:
             self._stdin.feed(data, eof)
 
     @staticmethod
-    def _outcome(exc: BaseException, filename: str, running: _Running | None = None
+    def _outcome(exc: BaseException, filename: str, running: Running | None = None
                  ) -> tuple[str, str, int | None]:
         """How a block that raised ``exc`` ended: (status, error, exit code).  A ``SystemExit``
         is an exit, with its message (``sys.exit("msg")``) written to stderr as CPython does;
         an exception that ended an interrupted block is its interrupt ("cancelled"), with the
         traceback, which says where the code was."""
         if isinstance(exc, SystemExit):
-            code, text = script.exit_status(exc)
+            code, text = script_run.exit_status(exc)
             if text is not None:
                 sys.stderr.write(text + "\n")
             return "exit", "", code
         status = "cancelled" if running is not None and running.took(exc) else "error"
         return status, format_user_error(exc, filename), None
 
-    def _ending(self, block_id: str, run_as: dict | None, outcome: tuple[str, str, int | None],
-                running: _Running | None = None, raised: BaseException | None = None
+    def _ending(self, block_id: str, run_as: wire.ScriptSpec | None, outcome: tuple[str, str, int | None],
+                running: Running | None = None, raised: BaseException | None = None
                 ) -> tuple[str, str, int | None]:
         """For a script run, what the interpreter does at the end: the traceback to stderr,
-        then the threads and ``atexit`` handlers (``script.finish``), which run after an
+        then the threads and ``atexit`` handlers (``script_run.finish``), which run after an
         interrupt too (as after a ``KeyboardInterrupt`` in CPython).  A ``KeyboardInterrupt``
         the script raised itself (``raised``; not an interrupt of ours) ends it as CPython
         ends: status 130, as if killed by SIGINT.  Runs in the block's context, so what they
@@ -410,7 +236,7 @@ class Runtime:
         if status == "error" and isinstance(raised, KeyboardInterrupt):
             outcome = ("exit", "", 128 + signal.SIGINT)
         try:
-            script.finish()
+            script_run.finish()
         except BaseException as exc:  # noqa: BLE001 - CPython reports it and exits all the same
             if running is not None and running.took(exc):
                 return "cancelled", error, None
@@ -423,17 +249,17 @@ class Runtime:
                 self._user_loop = _start_loop()
             return self._user_loop
 
-    async def _spawn(self, block_id: str, coro, ctx: contextvars.Context, run_as: dict | None,
+    async def _spawn(self, block_id: str, coro, ctx: contextvars.Context, run_as: wire.ScriptSpec | None,
                      filename: str) -> None:
         # A task of its own on the user loop, in the block's context.
         await asyncio.get_running_loop().create_task(self._run_async(block_id, coro, run_as, filename),
                                                      context=ctx)
 
-    async def _run_async(self, block_id: str, coro, run_as: dict | None, filename: str) -> None:
+    async def _run_async(self, block_id: str, coro, run_as: wire.ScriptSpec | None, filename: str) -> None:
         outcome: tuple[str, str, int | None]
         note = ""
         if run_as is not None:
-            script.like_main_thread()
+            script_run.like_main_thread()
         try:
             await coro
         except asyncio.CancelledError:
@@ -450,11 +276,11 @@ class Runtime:
         self._tasks.pop(block_id, None)
         self._finish(block_id, *outcome, note=note)
 
-    def _run_sync(self, block_id: str, compiled, running: _Running, run_as: dict | None = None,
+    def _run_sync(self, block_id: str, compiled, running: Running, run_as: wire.ScriptSpec | None = None,
                   filename: str = "") -> None:
         outcome: tuple[str, str, int | None] = ("cancelled", "", None)
         if run_as is not None:
-            script.like_main_thread()
+            script_run.like_main_thread()
         if threading.get_ident() == self._main:
             self._on_main = running  # before it can be interrupted: the handler looks here
         try:
@@ -478,7 +304,7 @@ class Runtime:
         if self._fdcap is not None:
             self._fdcap.drain()
         self._threads.pop(block_id, None)
-        self._finish(block_id, *outcome, note=_note(running, outcome[0]))
+        self._finish(block_id, *outcome, note=interrupt_note(running, outcome[0]))
 
     def _finish(self, block_id: str, status: str, error: str, code: int | None = None,
                 note: str = "") -> None:
@@ -522,7 +348,7 @@ class Runtime:
             # SIG_IGN or SIG_DFL: Ctrl-C would be ignored, or end the process; ``assess`` says so
             return
         running.given = "TimeoutError"
-        raise TimeoutError(_deadline_words(running.deadline))
+        raise TimeoutError(deadline_words(running.deadline))
 
     def interrupt(self, block_id: str, reason: str, deadline: float | None = None) -> bool:
         """Ask a block to stop: ``reason`` "timeout" (``TimeoutError`` naming ``deadline``) or
@@ -573,7 +399,7 @@ class Runtime:
                                 "CancelledError, or waits in its cleanup)")
         return None
 
-    def _assess_main(self, running: _Running, at_once: bool = False) -> tuple[str, str] | None:
+    def _assess_main(self, running: Running, at_once: bool = False) -> tuple[str, str] | None:
         """How a block on the main thread stands; ``at_once``: only a verdict of "stuck" that
         needs no waiting (None otherwise)."""
         what = "KeyboardInterrupt" if running.reason == "cancel" else "TimeoutError"
@@ -586,12 +412,12 @@ class Runtime:
         if signal.getsignal(INTERRUPT_SIGNAL) != self._on_signal:
             return ("stuck", f"it replaced the handler of signal {INTERRUPT_SIGNAL} (SIGRTMIN+5), "
                              "which agentloop interrupts blocks with")
-        fields = {} if running.given else _task_status(running.native_id)
-        pending = _has_signal(fields, "SigPnd") or _has_signal(fields, "ShdPnd")
-        if pending and _has_signal(fields, "SigBlk"):
+        fields = {} if running.given else task_status(running.native_id)
+        pending = has_signal(fields, "SigPnd") or has_signal(fields, "ShdPnd")
+        if pending and has_signal(fields, "SigBlk"):
             return ("stuck", "it waits with signals blocked (signal.pthread_sigmask), where no "
                              f"{what} can be raised in it")
-        if _has_signal(fields, "SigIgn"):
+        if has_signal(fields, "SigIgn"):
             return ("stuck", f"it ignores signal {INTERRUPT_SIGNAL}, which agentloop interrupts blocks with")
         if at_once:
             return None
@@ -608,9 +434,9 @@ class Runtime:
                             "can be raised until it does")
 
     @staticmethod
-    def _assess_thread(running: _Running) -> tuple[str, str]:
+    def _assess_thread(running: Running) -> tuple[str, str]:
         what = "KeyboardInterrupt" if running.reason == "cancel" else "TimeoutError"
-        state = _task_status(running.native_id).get("State", "?")[:1]
+        state = task_status(running.native_id).get("State", "?")[:1]
         where = ("waiting in C (a sleep, a lock, a read)" if state in ("S", "D")
                  else "running C code or a loop that catches it")
         return ("stopping", f"it runs in a thread of its own (another block had the main thread), where "
@@ -637,7 +463,7 @@ class Runtime:
             self.base_names(set(names))
             return names
         if op == "describe":
-            from .describe import describe_object
+            from .contract.describe import describe_object
 
             return [describe_object(n, self.namespace[n]) for n in args.get("names", []) if n in self.namespace]
         if op == "env":

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from . import _memory, wire
+from . import _memory
 from ._baton import Baton
 from ._outpipe import Fifos, PipeWriter
 from .capture import (
@@ -37,7 +37,13 @@ from .capture import (
     plain_streams_in_children,
 )
 from .channel import Channel
-from .runtime import INTERRUPT_SIGNAL, Runtime
+from .contract import wire
+from .contract.framing import FrameError, encode
+from .contract.limits import INTERRUPT_SIGNAL, MAX_NOTE, STDERR, STDOUT
+from .contract.schema import ContractError
+from .runtime import Runtime
+
+__all__ = ["Crew", "HANDSHAKE_TIMEOUT", "HostCalls", "HostError", "IDLE_TRIM", "SPIN_AFTER_BLOCK", "serve"]
 
 HANDSHAKE_TIMEOUT = 15.0
 IDLE_TRIM = 1.0  # seconds idle before freed memory goes back to the kernel
@@ -63,9 +69,9 @@ class HostCalls:
         """Ask the coordinator to run host function ``name``; a thread-safe future of its value."""
         cid = next(self._ids)
         future: Future = Future()
-        msg = wire.call(cid, name, args, kwargs, block)
+        msg = wire.Call(cid, name, tuple(args), kwargs, block)
         try:
-            frame = wire.encode(msg)
+            frame = encode(msg)
         except (TypeError, ValueError) as exc:
             future.set_exception(HostError(f"{name}(): arguments must be plain data "
                                            f"(str, numbers, lists, dicts, bytes, None): {exc}"))
@@ -75,14 +81,14 @@ class HostCalls:
         self._channel.send_frame(frame)
         return future
 
-    def resolve(self, msg: dict) -> None:
-        future = self._calls.pop(msg.get("cid"), None)  # type: ignore[arg-type]
+    def resolve(self, msg: wire.Reply) -> None:
+        future = self._calls.pop(msg.cid, None)
         if future is None or future.done():
             return
-        if msg.get("ok"):
-            future.set_result(msg.get("value"))
+        if msg.ok:
+            future.set_result(msg.value)
         else:
-            future.set_exception(HostError(str(msg.get("error") or "host call failed")))
+            future.set_exception(HostError(msg.error or "host call failed"))
 
 
 class Crew:
@@ -158,7 +164,7 @@ class Crew:
         for job in jobs:
             threading.Thread(target=self._safely, args=(job,), name="agentloop-block", daemon=True).start()
 
-    def _listen(self) -> list[dict]:
+    def _listen(self) -> list[wire.Message]:
         """Wait for messages; handle the quick ones here (cancels, replies) and return as soon
         as one that may run user code is among them, with the rest of its batch."""
         while not self.exited.is_set():
@@ -175,7 +181,7 @@ class Crew:
                 msg = _decode(frame)
                 if msg is None:
                     continue
-                if msg["t"] in _HEAVY:
+                if msg.kind in _HEAVY:
                     return [msg, *filter(None, map(_decode, frames[i + 1:]))]
                 self._safely(self._handle, msg)
         return []
@@ -189,38 +195,29 @@ class Crew:
             os.write(self.diag_fd, f"agentloop worker: {type(exc).__name__}: {exc}\n".encode())
         return None
 
-    def _handle(self, msg: dict):
+    def _handle(self, msg: wire.Message):
         """Act on one message; returns a function to run for one that may run user code."""
-        kind = msg["t"]
-        if kind == "run":
-            block_id, code, run_as = msg.get("id"), msg.get("code"), msg.get("script")
-            if isinstance(block_id, str) and isinstance(code, str):
-                return self.runtime.submit(block_id, code, run_as if isinstance(run_as, dict) else None)
-        elif kind == "stdin":
-            data = msg.get("data")
-            if isinstance(data, bytes):
-                self.runtime.feed_stdin(data, bool(msg.get("eof")))
-        elif kind == "req":
+        if isinstance(msg, wire.Run):
+            return self.runtime.submit(msg.id, msg.code, msg.script)
+        if isinstance(msg, wire.Stdin):
+            self.runtime.feed_stdin(msg.data, msg.eof)
+        elif isinstance(msg, wire.Req):
             return lambda: self._answer(msg)
-        elif kind == "cancel":
-            block_id = str(msg.get("id"))
-            reason = "timeout" if msg.get("reason") == "timeout" else "cancel"
-            deadline, grace = msg.get("deadline"), msg.get("grace")
-            deadline = float(deadline) if isinstance(deadline, (int, float)) else None
-            grace = float(grace) if isinstance(grace, (int, float)) else 0.5
-            if self.runtime.interrupt(block_id, reason, deadline):
+        elif isinstance(msg, wire.Cancel):
+            if self.runtime.interrupt(msg.id, msg.reason, msg.after):
+                grace = 0.5 if msg.grace is None else msg.grace
                 try:
-                    threading.Thread(target=self._watch, args=(block_id, grace),
+                    threading.Thread(target=self._watch, args=(msg.id, grace),
                                      name="agentloop-cancel", daemon=True).start()
                 except RuntimeError:  # no thread to be had: the process limit is used up
-                    self.channel.send(wire.stopping(block_id, "it was interrupted, but no thread could be "
-                                                              "started to look at it (the worker's process "
-                                                              "limit is used up)"))
-        elif kind == "reply":
+                    self.channel.send(wire.Stopping(msg.id, "it was interrupted, but no thread could be "
+                                                            "started to look at it (the worker's process "
+                                                            "limit is used up)"))
+        elif isinstance(msg, wire.Reply):
             self.calls.resolve(msg)
-        elif kind == "shutdown":
+        elif isinstance(msg, wire.Shutdown):
             self.router.flush_all()
-            self.channel.send(wire.bye())
+            self.channel.send(wire.Bye())
             self.channel.close()
             self.exit_code = 0
             self.exited.set()
@@ -239,30 +236,32 @@ class Crew:
                 return
             if verdict != said:
                 kind, why = verdict
-                self.channel.send(wire.stuck(block_id, why) if kind == "stuck" else wire.stopping(block_id, why))
+                why = why[:MAX_NOTE]
+                self.channel.send(wire.Stuck(block_id, why) if kind == "stuck" else wire.Stopping(block_id, why))
                 said = verdict
             if verdict[0] == "stuck":
                 return
 
-    def _answer(self, msg: dict) -> None:
+    def _answer(self, msg: wire.Req) -> None:
         """Answer a coordinator request (bind tools, export/inject a namespace, describe)."""
-        rid = msg.get("rid")
+        rid = msg.rid
         try:
-            value = self.runtime.control(str(msg.get("op")), msg.get("args") or {})
-            reply = wire.resp(rid, value=value)
+            value = self.runtime.control(msg.op, msg.args)
+            reply = wire.Resp(rid, True, value)
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator as words
-            reply = wire.resp(rid, error=f"{type(exc).__name__}: {exc}")
+            reply = wire.Resp(rid, False, error=f"{type(exc).__name__}: {exc}")
         try:
-            frame = wire.encode(reply)
+            frame = encode(reply)
         except (TypeError, ValueError) as exc:
-            frame = wire.encode(wire.resp(rid, error=f"unsendable value: {exc}"))
+            frame = encode(wire.Resp(rid, False, error=f"unsendable value: {exc}"))
         self.channel.send_frame(frame)
 
 
-def _decode(frame: bytes) -> dict | None:
+def _decode(frame: bytes) -> wire.Message | None:
+    """A message from the coordinator, or None for a frame that is none (never expected)."""
     try:
-        return wire.decode(frame)
-    except wire.WireError:
+        return wire.decode_message(frame, wire.TO_WORKER)
+    except (ContractError, FrameError):
         return None
 
 
@@ -291,7 +290,7 @@ def _keep_last_words(fdcap: FdCapture, router: Router, channel: Channel) -> Call
     return restore
 
 
-def serve(endpoint: str, token: str, fifos: Fifos | None = None) -> int:
+def serve(endpoint: str, token: str, fifos: Fifos | None = None, tty: str = "") -> int:
     """Handshake with the coordinator at ``endpoint``, then serve until ``shutdown``.  Must run
     on the process's main thread, which runs blocks (see ``runtime``).  ``fifos``: the
     coordinator's output pipes (``_outpipe.open_fifos``), where output goes instead of the
@@ -301,18 +300,18 @@ def serve(endpoint: str, token: str, fifos: Fifos | None = None) -> int:
     writer = PipeWriter(fifos.out, keep=INTERRUPT_SIGNAL) if fifos is not None else None
     router = Router(channel.send) if writer is None else \
         Router(writer.send, move=writer.move, last=channel.send)
-    fdcap = FdCapture(router, os.environ.pop("AGENTLOOP_TTY", ""), fifos.pipes if fifos is not None else None)
+    fdcap = FdCapture(router, tty, fifos.pipes if fifos is not None else None)
     channel.diag_fd = fdcap.diag_fd
     if writer is not None:
         writer.diag_fd = fdcap.diag_fd
     inherit_block_in_threads()
     hide_runtime_threads()
     plain_streams_in_children()
-    sys.stdout = TextStream(router, wire.STDOUT)
-    sys.stderr = TextStream(router, wire.STDERR)
+    sys.stdout = TextStream(router, STDOUT)
+    sys.stderr = TextStream(router, STDERR)
     sys.stdin = NoInput()
 
-    channel.send(wire.hello(token, os.getpid()))
+    channel.send(wire.Hello(token, os.getpid()))
     welcome = None
     early: list[bytes] = []  # frames that came in the welcome's batch
     deadline = time.monotonic() + HANDSHAKE_TIMEOUT
@@ -326,7 +325,7 @@ def serve(endpoint: str, token: str, fifos: Fifos | None = None) -> int:
     if welcome is None:
         os.write(fdcap.diag_fd, b"agentloop worker: no welcome from the coordinator\n")
         return 3
-    if welcome.get("t") != "welcome" or welcome.get("v") != wire.PROTOCOL_VERSION:
+    if not isinstance(welcome, wire.Welcome) or welcome.v != wire.PROTOCOL_VERSION:
         os.write(fdcap.diag_fd, b"agentloop worker: handshake refused (protocol version?)\n")
         return 4
 

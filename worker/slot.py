@@ -1,14 +1,23 @@
 """A sample slot: runs code samples one after another, each in a sandbox of its own.
 
-``python -I -B -c "...; from worker.slot import main; main()" SOCKET`` is what the fork server
+``python -I -B -c "...; from worker.slot import main; main()"`` is what the fork server
 starts in place of a worker (a fresh, small interpreter: forking it costs a third of forking
 the worker runtime).  It keeps its PID and UTS namespaces (and its network one while unused),
-its capabilities and its cgroups from sample to sample, and gives every sample what no later
-sample can see:
+its capabilities, its cgroups and its uid (a root coordinator gives each slot a uid of its
+own: samples that run at once are in different slots, so no per-user kernel quota, terminal
+or file is shared through a uid) from sample to sample.  Its own mount namespace holds no
+layer of the run's sockets, outputs or workspace (``_own_view``), and it gives every sample
+what no later sample can see:
 
-- a process of its own (forked from the slot), in a session of its own, with a mount and an
-  IPC namespace of its own: a fresh ``/tmp``, ``/dev/shm`` and an empty workspace (its
-  current directory), tmpfs that the kernel frees with the namespace;
+- a process of its own (forked from the slot), in a session of its own, with mount, IPC and
+  cgroup namespaces of its own: a fresh ``/tmp``, ``/dev/shm`` and an empty workspace (its
+  current directory), tmpfs that the kernel frees with the namespace; a devpts instance of its
+  own (it sees no other sample's terminal, and holds at most ``PTYS``); a ``/proc`` that shows
+  its own processes only (``hidepid``: the slot and the namespace's init are not there); its
+  cgroup is ``/``; its command line and ``sys.orig_argv`` name no path of the run's (the slot
+  is told its socket in its environment, which no sample may read).  Forked from the slot, a
+  sample's memory is a copy of the slot's: it holds no secret (the token is spent once the
+  hello is accepted), only paths that the sample's view does not show;
 - a network namespace nobody else used: the slot's, unless the sample before it moved any
   of its counters (a packet, a connection tried), in which case the slot moves to a new one
   first (a new namespace costs more than the rest of a sample together, and most samples never
@@ -16,135 +25,122 @@ sample can see:
 - the worker's confinement (uid, Landlock, seccomp, rlimits), applied in that process before
   the code runs; the slot itself runs no code of the sample's;
 - at its end, every process it started is killed (``kill(-1)`` from the slot, which is
-  the sample's subreaper) and reaped before the next sample begins.
+  the sample's subreaper) and reaped before the next sample begins, and what it left that
+  outlives its processes is looked for (``Slot._left_behind``): a slot that finds any asks to
+  be replaced (``retire`` in its result).
 
 A sample runs as ``python sample.py ARGS`` would: ``sys.argv``, ``__file__``, ``__name__ ==
 "__main__"``, stdin, the exit status, tracebacks, threads waited for and ``atexit``
-handlers run (``worker.script``).  At its deadline it gets a ``TimeoutError`` raised in its
+handlers run (``worker.script_run``).  At its deadline it gets a ``TimeoutError`` raised in its
 main thread (signal ``SIGRTMIN+5``, as a worker's block does); ``grace`` seconds later every
 process of it is killed.
 
-Protocol, over one stream socket (4-byte big-endian length, then one msgpack map):
-    slot  -> coordinator  hello  {token, pid}    (or failed {error}: it cannot serve)
-    coordinator -> slot   run    {id, code, path, argv, stdin, files, env, timeout, keep}
-    slot  -> coordinator  result {id, status, timed_out, killed, out, err, rss_kb, seconds, note}
-``status``: the sample process's wait status (None if it could not be started); ``out`` and
-``err``: [head, tail, total bytes], head and tail at most ``keep`` bytes each.  The slot exits
+The channel, one stream socket to the coordinator, is ``contract.sample``.  The slot exits
 when the coordinator closes the socket, and dies with its namespace's init.
 """
 
 from __future__ import annotations
 
 import builtins
-import ctypes
 import gc
-import json
 import os
 import select
 import signal
 import socket
-import struct
 import sys
 import time
 import traceback
 import types
 
-from . import _confine, script, wire
-from .zygote import _bind, _check, _loopback_up, _mount_points_under
+from . import _confine, script_run
+from ._mounts import (
+    MS_NODEV,
+    MS_NOEXEC,
+    MS_NOSUID,
+    NEWCGROUP,
+    NEWIPC,
+    NEWNET,
+    NEWNS,
+    beneath,
+    bind,
+    check,
+    libc,
+    loopback_up,
+    mount_points_under,
+)
+from .contract import sample
+from .contract.confinement import Confinement
+from .contract.framing import FrameBuffer, FrameError, decode, encode, frame
+from .contract.limits import INTERRUPT_SIGNAL, HeadTail
+from .contract.sample import SlotSettings
+from .contract.schema import ContractError
+from .contract.start import StartSpec
 
-_libc = ctypes.CDLL(None, use_errno=True)
+__all__ = ["Slot", "main"]
+
 _PR_SET_CHILD_SUBREAPER = 36
-_NEWNS, _NEWIPC, _NEWNET = 0x00020000, 0x08000000, 0x40000000
-_MS_NOSUID, _MS_NODEV = 2, 4
-INTERRUPT_SIGNAL = signal.SIGRTMIN + 5  # as ``worker.runtime``'s
-MAX_REQUEST = 64 * 1024 * 1024  # code, stdin and files of one sample, checked by the coordinator too
 _READ = 65536
-
-
-class HeadTail:
-    """Head and tail of one output stream, and the count of every byte: what a slot keeps of
-    a sample's output (``engine.samples.Stream`` reads it back), in memory bounded by ``keep``."""
-
-    __slots__ = ("keep", "head", "tail", "total")
-
-    def __init__(self, keep: int) -> None:
-        self.keep = keep
-        self.head = bytearray()
-        self.tail = bytearray()
-        self.total = 0
-
-    def add(self, data: bytes) -> None:
-        self.total += len(data)
-        room = self.keep - len(self.head)
-        if room > 0:
-            self.head += data[:room]
-            data = data[room:]
-        if data:
-            self.tail += data
-            if len(self.tail) > 2 * self.keep:
-                del self.tail[:len(self.tail) - self.keep]
-
-    def parts(self) -> list:
-        return [bytes(self.head), bytes(self.tail[-self.keep:]) if self.keep else b"", self.total]
+_MNT_DETACH = 2
+# The new mount API (Linux 5.2; one number on every architecture).
+_SYS_OPEN_TREE, _SYS_MOVE_MOUNT = 428, 429
+_AT_FDCWD, _OPEN_TREE_CLONE, _MOVE_MOUNT_F_EMPTY_PATH = -100, 1, 4
+#: Terminals a sample may hold at once, in the devpts instance of its own (the kernel's pool of
+#: them is the host's).
+PTYS = 64
 
 
 class Slot:
-    def __init__(self, conn: socket.socket, settings: dict, confine: dict) -> None:
+    def __init__(self, conn: socket.socket, settings: SlotSettings, confine: Confinement) -> None:
         self.conn = conn
-        self.buf = b""
-        self.workspace = str(settings["workspace"])
-        self.tmp_bytes = int(settings["tmp_bytes"])
-        self.grace = float(settings.get("grace", 1.0))
-        self.private_net = bool(settings.get("private_net", True))
+        self.frames = FrameBuffer(sample.MAX_REQUEST)
+        self.workspace = settings.workspace
+        self.tmp_bytes = settings.tmp_bytes
+        self.grace = settings.grace
+        self.private_net = settings.private_net
         self.net_state = _net_state()
         self.confine = confine
-        uid = confine.get("uid")
-        self.owner = tuple(uid) if uid else None
-        own = str(settings.get("socket_dir") or "")
-        # What the sandbox mounted beneath /tmp, to be shown again on each sample's fresh /tmp
-        # (the project, outputs): never the workspace (each sample gets an empty one) nor the
-        # run's sockets.
-        hidden = (self.workspace, os.path.dirname(own) if own else "")
-        self.keep = [(point, ro) for point, ro in _mount_points_under("/tmp")
-                     if not any(h and (point == h or point.startswith(h + "/")) for h in hidden)]
-        self.hide = [d for d in (os.path.dirname(own) if own else "",) if d and not d.startswith("/tmp/")]
+        self.own_sockets: set[bytes] | None = None  # its channel's two ends, once accepted
+        own = settings.socket_dir
+        # Never shown to a sample: the workspace (each gets an empty one), the run's sockets
+        # and its outputs.
+        hidden = [d for d in (self.workspace, os.path.dirname(own) if own else "", settings.outputs) if d]
+        self.keep = _own_view(hidden)
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         os.set_blocking(self.wake_r, False)
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
 
     # -- the channel --------------------------------------------------------------------------
-    def send(self, msg: dict) -> None:
-        data = wire.encode(msg)
-        self.conn.sendall(struct.pack(">I", len(data)) + data)
+    def send(self, msg: sample.Message) -> None:
+        self.conn.sendall(frame(encode(msg)))
 
-    def receive(self) -> dict | None:
+    def receive(self) -> sample.RunSample | None:
+        """The next request; None when the coordinator closed the socket (or broke the contract,
+        which only a bug of its own can: the slot then ends, and the coordinator starts another)."""
         while True:
-            if len(self.buf) >= 4:
-                size = struct.unpack(">I", self.buf[:4])[0]
-                if size > MAX_REQUEST:
-                    return None
-                if len(self.buf) >= 4 + size:
-                    frame, self.buf = self.buf[4:4 + size], self.buf[4 + size:]
-                    return wire.decode(frame, MAX_REQUEST)
+            try:
+                body = self.frames.next()
+                if body is not None:
+                    return sample.TO_SLOT.parse(decode(body, sample.MAX_REQUEST))  # type: ignore[return-value]
+            except (ContractError, FrameError):
+                return None
             try:
                 chunk = self.conn.recv(1 << 20)
             except InterruptedError:
                 continue
             if not chunk:
                 return None
-            self.buf += chunk
+            self.frames.feed(chunk)
 
     def serve(self) -> None:
-        while True:
-            request = self.receive()
-            if request is None or request.get("t") != "run":
-                return
+        while (request := self.receive()) is not None:
+            if self.own_sockets is None:  # (the coordinator has accepted: its end has an inode)
+                self.own_sockets = _unix_sockets()
             self.send(self.run(request))
 
     # -- one sample ---------------------------------------------------------------------------
-    def run(self, req: dict) -> dict:
-        keep = int(req.get("keep", 8192))
+    def run(self, req: sample.RunSample) -> sample.Result:
+        keep = req.keep
         streams = {}
         reads = {}
         started = time.monotonic()
@@ -154,13 +150,13 @@ class Slot:
                 r, w = os.pipe2(os.O_CLOEXEC)
                 fds.append(w)
                 reads[r] = streams[fd] = HeadTail(keep)
-            stdin = self._stdin(req.get("stdin"))
+            stdin = self._stdin(req.stdin)
             fds.append(stdin)
             pid = os.fork()
         except OSError as exc:
             for fd in [*fds, *reads]:
                 os.close(fd)
-            return {"t": "result", "id": req.get("id"), "status": None, "note": f"could not start it: {exc}"}
+            return sample.Result(req.id, None, note=f"could not start it: {exc}"[:2000])
         if pid == 0:
             self._sample(req, stdin, fds[0], fds[1])  # never returns
         for fd in fds:
@@ -168,10 +164,9 @@ class Slot:
         status, rusage, timed_out, killed = self._watch(pid, req, reads, started)
         for r in reads:
             os.close(r)
-        return {"t": "result", "id": req.get("id"), "status": status, "timed_out": timed_out,
-                "killed": killed, "out": streams[1].parts(), "err": streams[2].parts(),
-                "rss_kb": rusage.ru_maxrss if rusage is not None else None,
-                "seconds": time.monotonic() - started, "note": ""}
+        return sample.Result(req.id, status, timed_out, killed, streams[1].parts(), streams[2].parts(),
+                             rusage.ru_maxrss if rusage is not None else None, time.monotonic() - started,
+                             retire=self._left_behind())
 
     @staticmethod
     def _stdin(data) -> int:
@@ -184,11 +179,10 @@ class Slot:
         os.lseek(fd, 0, os.SEEK_SET)
         return fd
 
-    def _watch(self, pid: int, req: dict, reads: dict, started: float):
+    def _watch(self, pid: int, req: sample.RunSample, reads: dict, started: float):
         """Collect the sample's output until it exits (interrupting it at its deadline, killing
         it ``grace`` s later), then kill and reap every process it left."""
-        timeout = float(req.get("timeout") or 60.0)
-        deadline, kill_at = started + timeout, None
+        deadline, kill_at = started + req.timeout, None
         status = rusage = None
         timed_out = killed = False
         open_reads = list(reads)
@@ -219,17 +213,39 @@ class Slot:
             while data := os.read(fd, _READ):
                 reads[fd].add(data)
         self._reap()
-        if self.private_net and _net_state() != self.net_state:
-            self._fresh_network()
         return status, rusage, timed_out, killed
 
+    def _left_behind(self) -> bool:
+        """Once every process of the sample is dead, look for what it left that outlives them;
+        True when the slot must be replaced before the next sample.
+
+        Descriptors passed by ``SCM_RIGHTS`` into a cycle of unix sockets that no process holds
+        live until the kernel's unix-socket garbage collection (run when some unix socket
+        closes): sockets and their ports, memfds charged to the slot's cgroup, inotify
+        instances charged to its uid.  Such a cycle shows as unix sockets in the slot's network
+        namespace that are not the slot's own: the collection is started and the slot is
+        replaced.  A namespace whose counters moved (a packet, a connection tried, a socket in
+        TIME_WAIT) is replaced by a fresh one, which costs more than the rest of a sample
+        together; one whose counters and sockets are as they were is kept.  (The IPC namespace
+        was the sample's own.)  On the host's network nothing tells the sample's sockets from
+        the host's: the collection is started after every sample, and the coordinator's memory
+        check stands."""
+        if not self.private_net:
+            _collect_unix_garbage()
+            return False
+        if _unix_sockets() - (self.own_sockets or set()):
+            _collect_unix_garbage()
+            return True
+        if _net_state() != self.net_state:
+            self._fresh_network()
+        return False
+
     def _fresh_network(self) -> None:
-        """The sample used the network: the next one gets a namespace nobody has used.  (One
-        that left the counters of every interface and protocol as they were, and no socket,
-        since its processes are all dead, left nothing there to see: the namespace is kept.)"""
-        _check(_libc.unshare(_NEWNET), "unshare")
-        _loopback_up()
+        """A network namespace nobody has used, for the next sample."""
+        check(libc.unshare(NEWNET), "unshare")
+        loopback_up()
         self.net_state = _net_state()
+        self.own_sockets = _unix_sockets()
 
     def _reap(self) -> None:
         """Wait until no process of the sample is left (the slot is the subreaper of them all)."""
@@ -245,9 +261,10 @@ class Slot:
             _drain(self.wake_r)
         os._exit(75)  # something would not die: the coordinator starts a fresh slot
 
-    def _sample(self, req: dict, stdin: int, out: int, err: int) -> None:
+    def _sample(self, req: sample.RunSample, stdin: int, out: int, err: int) -> None:
         """The sample's process: its own namespaces and confinement, then the code.  Never returns."""
         status = 1
+        said = err  # where a failure is said: the stderr pipe, fd 2 once it is there
         try:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -257,39 +274,83 @@ class Slot:
             self._own_mounts()
             for fd, target in ((stdin, 0), (out, 1), (err, 2)):
                 os.dup2(fd, target)
+            said = 2
             os.closerange(3, 1 << 16)
             os.chdir(self.workspace)
             _confine.apply(self.confine)
-            os.environ.update({str(k): str(v) for k, v in (req.get("env") or {}).items()})
+            os.environ.update(req.env)
             time.tzset()  # (confined first: TZ may name a file)
             sys.stdin = sys.__stdin__ = _text(0, "r", "strict", False)
             sys.stdout = sys.__stdout__ = _text(1, "w", "strict", False)
             sys.stderr = sys.__stderr__ = _text(2, "w", "backslashreplace", True)
         except BaseException as exc:  # noqa: BLE001 - the sample never runs half-confined
-            os.write(err, f"agentloop: the sample's sandbox could not be made: {exc}\n".encode())
-            os._exit(125)
+            try:
+                os.write(said, f"agentloop: the sample's sandbox could not be made: {exc}\n".encode())
+            finally:
+                os._exit(125)
         try:
             status = _run_script(req, self.workspace)
         finally:
             os._exit(status)
 
     def _own_mounts(self) -> None:
-        """Mount and IPC namespaces of the sample's own, with empty /tmp, /dev/shm and workspace."""
-        _check(_libc.unshare(_NEWNS | _NEWIPC), "unshare")
+        """Mount, IPC and cgroup namespaces of the sample's own: empty /tmp, /dev/shm and
+        workspace; a devpts instance of its own (no other sample's terminal exists for it);
+        a /proc that shows its own processes only (``hidepid``: the slot and the namespace's
+        init, root's, are not there); its cgroup is ``/``."""
+        check(libc.unshare(NEWNS | NEWIPC | NEWCGROUP), "unshare")
         # Opened in the new namespace (a bind's source must be a mount of the caller's own),
         # before the fresh /tmp hides them.
         keep = [(point, read_only, os.open(point, os.O_PATH)) for point, read_only in self.keep]
         size = f"size={self.tmp_bytes},mode=1777".encode()
-        _check(_libc.mount(b"tmpfs", b"/tmp", b"tmpfs", _MS_NOSUID | _MS_NODEV, size), "/tmp")
+        check(libc.mount(b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, size), "/tmp")
         for point, read_only, fd in keep:
-            _bind(fd, point, read_only)
+            bind(fd, point, read_only)
             os.close(fd)
-        for where in self.hide:
-            _check(_libc.mount(b"tmpfs", where.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"size=1m,mode=0755"), where)
         os.makedirs(self.workspace, exist_ok=True)
-        _check(_libc.mount(b"tmpfs", self.workspace.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, size), "workspace")
+        check(libc.mount(b"tmpfs", self.workspace.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, size), "workspace")
         if os.path.isdir("/dev/shm"):
-            _check(_libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", _MS_NOSUID | _MS_NODEV, size), "/dev/shm")
+            check(libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", MS_NOSUID | MS_NODEV, size), "/dev/shm")
+        if os.path.isdir("/dev/pts"):  # (/dev/ptmx is bubblewrap's link to pts/ptmx)
+            options = f"newinstance,ptmxmode=0666,mode=0620,max={PTYS}".encode()
+            check(libc.mount(b"devpts", b"/dev/pts", b"devpts", MS_NOSUID | MS_NOEXEC, options), "/dev/pts")
+        check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, b"hidepid=invisible"),
+              "/proc")
+
+
+def _own_view(hidden: list[str]) -> list[tuple[str, bool]]:
+    """Give the slot a mount namespace of its own holding nothing a sample may not see, since
+    each sample's is a copy of it and a covered mount still shows in ``/proc/self/mountinfo``:
+    every layer of ``/tmp``, ``/dev/shm`` and of the ``hidden`` directories (the paths of the
+    run's sockets, outputs and workspace) is detached, and what the sandbox mounted beneath
+    ``/tmp`` outside them (the project, the interpreter) is mounted again on a fresh ``/tmp``,
+    from copies made before (a detached mount cannot be bound).  Returns those mounts,
+    shallowest first: (mount point, read-only), for each sample's ``/tmp``."""
+    check(libc.unshare(NEWNS), "unshare")
+    os.chdir("/")  # (not in a mount about to go)
+    shown: dict[str, bool] = {}
+    for point, read_only in mount_points_under("/tmp"):  # (the topmost of a point comes last)
+        if not any(beneath(point, h) for h in hidden):
+            shown[point] = read_only
+    keep = sorted(shown.items(), key=lambda item: item[0].count("/"))
+    copies = [_copy_mount(point) for point, _ in keep]
+    for top in ("/tmp", "/dev/shm", *hidden):
+        while libc.umount2(top.encode(), _MNT_DETACH) == 0:  # every layer, until none is left
+            pass
+    check(libc.mount(b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,mode=0755"), "/tmp")
+    for (point, _), fd in zip(keep, copies, strict=True):
+        os.makedirs(point, exist_ok=True)
+        check(libc.syscall(_SYS_MOVE_MOUNT, fd, b"", _AT_FDCWD, point.encode(), _MOVE_MOUNT_F_EMPTY_PATH), point)
+        os.close(fd)
+    return keep
+
+
+def _copy_mount(point: str) -> int:
+    """A descriptor of a detached copy of the mount at ``point`` (``open_tree``), flags and all."""
+    fd = libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, point.encode(), _OPEN_TREE_CLONE | os.O_CLOEXEC)
+    if fd < 0:
+        check(fd, point)
+    return fd
 
 
 #: Per network namespace: every interface's counters and every protocol's (a packet sent, a
@@ -308,6 +369,21 @@ def _net_state() -> bytes:
     return b"\0".join(state)
 
 
+def _unix_sockets() -> set[bytes]:
+    """The inodes of the unix sockets of this network namespace (its processes' and those in
+    flight), from ``/proc/net/unix``."""
+    with open("/proc/net/unix", "rb") as f:
+        return {line.split()[6] for line in f.readlines()[1:] if len(line.split()) > 6}
+
+
+def _collect_unix_garbage() -> None:
+    """Start the kernel's unix-socket garbage collection: closing a unix socket does, while
+    any descriptor is in flight."""
+    a, b = socket.socketpair()
+    a.close()
+    b.close()
+
+
 def _text(fd: int, mode: str, errors: str, line_buffering: bool):
     """A standard stream as CPython makes it for a pipe (UTF-8, buffered; stderr by lines)."""
     import io
@@ -317,24 +393,25 @@ def _text(fd: int, mode: str, errors: str, line_buffering: bool):
     return io.TextIOWrapper(buffered, encoding="utf-8", errors=errors, line_buffering=line_buffering)
 
 
-def _run_script(req: dict, workspace: str) -> int:
+def _run_script(req: sample.RunSample, workspace: str) -> int:
     """Write the sample's files, then run its code as ``python FILE ARGS`` would; the exit status."""
-    for path, content, mode in req.get("files") or ():
+    for path, content, mode in req.files:
         full = os.path.join(workspace, path)
         os.makedirs(os.path.dirname(full), exist_ok=True)
         with open(full, "wb") as f:
             f.write(content)
         os.chmod(full, mode)
-    path = os.path.join(workspace, str(req.get("path") or "sample.py"))
-    code = str(req.get("code", ""))
+    path = os.path.join(workspace, req.path)
+    code = req.code
     with open(path, "w", encoding="utf-8") as f:  # a script is a file: tracebacks quote it, spawn re-reads it
         f.write(code)
     main = types.ModuleType("__main__")
     main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins)
     sys.modules["__main__"] = main
-    sys.argv = [str(a) for a in req.get("argv") or [path]]
+    sys.argv = list(req.argv) or [path]
+    sys.orig_argv = [sys.executable, *sys.argv]  # as ``python sample.py ARGS`` has it, not the slot's
     sys.path[0:0] = [workspace]
-    timeout = float(req.get("timeout") or 60.0)
+    timeout = req.timeout
 
     def interrupt(signum, frame):
         raise TimeoutError(f"the deadline ({timeout:g} s) passed")
@@ -344,7 +421,7 @@ def _run_script(req: dict, workspace: str) -> int:
     try:
         exec(compile(code, path, "exec"), main.__dict__)
     except SystemExit as exc:
-        status, text = script.exit_status(exc)
+        status, text = script_run.exit_status(exc)
         if text is not None:
             _flush(sys.stdout)
             print(text, file=sys.stderr)
@@ -357,9 +434,9 @@ def _run_script(req: dict, workspace: str) -> int:
             traceback.print_exception(type(exc), exc, tb)
         status = -signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
     try:
-        script.finish()
+        script_run.finish()
     except SystemExit as exc:
-        status = script.exit_status(exc)[0]
+        status = script_run.exit_status(exc)[0]
     except BaseException:  # noqa: BLE001
         traceback.print_exc()
     for stream in (sys.stdout, sys.stderr):
@@ -417,41 +494,28 @@ def _drain(fd: int) -> None:
 
 
 def main() -> None:
-    token = os.environ.pop("AGENTLOOP_TOKEN", "")
-    confine = json.loads(os.environ.pop("AGENTLOOP_CONFINE", "") or "{}")
-    settings = json.loads(os.environ.pop("AGENTLOOP_SLOT", "") or "{}")
-    os.environ.pop("AGENTLOOP_PARENT", None)
-    _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    endpoint = sys.argv[1]
+    start = StartSpec.take()
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    endpoint = start.slot.endpoint if start.slot is not None else ""
     path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else endpoint
-    settings.setdefault("socket_dir", os.path.dirname(path))
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
     try:
-        for name in settings.get("preload") or ():  # --preload: imported once, shared by every sample
-            __import__(str(name))
-        slot = Slot(conn, settings, confine)
-        _confine.seccomp_program(**_seccomp_args(confine))  # built once here, reused by each sample
+        if start.slot is None:
+            raise ContractError("no slot settings")
+        for name in start.slot.preload:  # --preload: imported once, shared by every sample
+            __import__(name)
+        slot = Slot(conn, start.slot, start.confine)
+        if start.confine.seccomp is not None:
+            _confine.seccomp_program(start.confine.seccomp)  # built once here, reused by each sample
     except BaseException as exc:  # noqa: BLE001 - said to the coordinator; the slot is not used
-        conn.sendall(_framed({"t": "failed", "error": f"{type(exc).__name__}: {exc}"}))
+        conn.sendall(frame(encode(sample.Failed(f"{type(exc).__name__}: {exc}"[:2000]))))
         os._exit(72)
     gc.collect()
     gc.freeze()  # the pages shared with each sample's process stay shared
-    conn.sendall(_framed({"t": "hello", "token": token, "pid": os.getpid()}))
+    conn.sendall(frame(encode(sample.Hello(start.token, os.getpid()))))
     slot.serve()
     os._exit(0)
-
-
-def _seccomp_args(confine: dict) -> dict:
-    opts = confine.get("seccomp")
-    opts = opts if isinstance(opts, dict) else {}
-    return {"socket_families": opts.get("socket_families"), "lock_session": bool(opts.get("lock_session")),
-            "shared_memory": bool(opts.get("shared_memory", True))}
-
-
-def _framed(msg: dict) -> bytes:
-    data = wire.encode(msg)
-    return struct.pack(">I", len(data)) + data
 
 
 if __name__ == "__main__":

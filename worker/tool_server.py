@@ -8,59 +8,31 @@ it dies with its parent (PR_SET_PDEATHSIG), opens the root, then confines itself
 dropped; no_new_privs; Landlock read-only beneath the root and nothing else; a seccomp filter
 that refuses sockets), so that what a bug or a hostile tree could make it do is read the root.
 
-Frames, both ways: a 4-byte big-endian length, then one JSON object (ASCII, so lone
-surrogates of undecodable file names travel too).  The coordinator sends ``init`` {root,
-exclude, parent, cpu_seconds}, this process answers {ready: [layers]} or {fatal: words};
-then each request {op, ..., max_result} gets one reply: {ok: text} | {refused: words} |
-{failed: words}.  Requests are bounded by MAX_REQUEST, replies by MAX_REPLY (the text is cut
-to ``repo_tools.MAX_TEXT`` chars, whatever max_result asks).  EOF on stdin ends the process.
+The channel is ``contract.tools``: ``init`` (with the confinement to apply, built by the
+coordinator), then one reply per request; the text is cut to ``repo_tools.MAX_TEXT``
+characters, whatever ``max_result`` asks.  EOF on stdin ends the process.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import struct
 import sys
 import unicodedata  # noqa: F401 - for \N{...} in patterns: nothing is importable once Landlock is on
 import warnings
 
 from . import _confine
+from .contract import tools
+from .contract.confinement import Confinement
+from .contract.framing import FrameError, decode_json, encode_json, frame, read_frame, write_all
+from .contract.schema import ContractError
 from .repo_tools import MAX_TEXT, Refusal, Tree, truncate
 
-HEADER = struct.Struct(">I")
-MAX_REQUEST = 4 << 20
-MAX_REPLY = 16 << 20
-#: Limits of the tool process.  DATA bounds what a request can make it allocate; NOFILE
-#: leaves room for a walk's MAX_DEPTH descriptors; FSIZE 0: it writes no file, ever.
-MEMORY_BYTES = 512 << 20
-OPEN_FILES = 256
+__all__ = ["command", "handle", "main"]
 
 _PR_SET_PDEATHSIG = 1
 _EXIT_PARENT_GONE = 70
 _EXIT_CONFINE = 71
-
-
-class FrameError(ValueError):
-    """A frame that breaks the protocol: too big, not JSON, not an object."""
-
-
-def pack(obj: dict) -> bytes:
-    """One frame holding ``obj``."""
-    data = json.dumps(obj, ensure_ascii=True, separators=(",", ":")).encode("ascii")
-    return HEADER.pack(len(data)) + data
-
-
-def unpack(data: bytes) -> dict:
-    """The object of one frame's body; FrameError when it is not a JSON object."""
-    try:
-        obj = json.loads(data)
-    except ValueError as exc:
-        raise FrameError(f"not JSON: {exc}") from None
-    if not isinstance(obj, dict):
-        raise FrameError("not a JSON object")
-    return obj
 
 
 def command(python: str | None = None) -> list[str]:
@@ -72,49 +44,14 @@ def command(python: str | None = None) -> list[str]:
     return [python or sys.executable, "-I", "-S", "-c", code]
 
 
-def confinement(root: str, cpu_seconds: int) -> dict:
-    """The ``_confine.apply`` spec of the tool process: read-only beneath ``root``, no network,
-    no privilege; Landlock and seccomp where this kernel has them."""
-    spec: dict = {
-        "rlimits": {"DATA": [MEMORY_BYTES] * 2, "CPU": [cpu_seconds, cpu_seconds + 1],
-                    "FSIZE": [0, 0], "NOFILE": [OPEN_FILES] * 2, "CORE": [0, 0]},
-        "drop_caps": True,
-        "no_new_privs": True,
-    }
-    if _confine.landlock_abi() >= 1:
-        spec["landlock"] = {"ro": [root], "rw": [], "dev": [], "scope": True, "deny_tcp": True}
-    if _confine.seccomp_supported():
-        spec["seccomp"] = {"socket_families": [], "lock_session": True}
-    return spec
+def _read_request() -> tools.Message | None:
+    """The next message from the coordinator, or None at EOF (it closed the pipe or died)."""
+    body = read_frame(0, tools.MAX_REQUEST)
+    return None if body is None else tools.TO_TOOLS.parse(decode_json(body, tools.MAX_REQUEST))
 
 
-def _read_exact(n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = os.read(0, n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
-
-
-def _read_frame() -> dict | None:
-    """The next request, or None at EOF (the coordinator closed the pipe or died)."""
-    head = _read_exact(HEADER.size)
-    if head is None:
-        return None
-    (size,) = HEADER.unpack(head)
-    if size > MAX_REQUEST:
-        raise FrameError(f"request of {size} bytes exceeds {MAX_REQUEST}")
-    body = _read_exact(size)
-    return None if body is None else unpack(body)
-
-
-def _write_frame(obj: dict) -> None:
-    data = pack(obj)
-    view = memoryview(data)
-    while view:
-        view = view[os.write(1, view):]
+def _write(msg: tools.Message) -> None:
+    write_all(1, frame(encode_json(msg)))
 
 
 def _die_with_parent() -> None:
@@ -127,29 +64,29 @@ def _die_with_parent() -> None:
         pass
 
 
-def handle(tree: Tree, req: dict) -> dict:
+def handle(tree: Tree, req: tools.Request) -> tools.Message:
     """One request's reply; never raises for anything a request can cause."""
-    op = req.get("op")
-    max_result = min(int(req.get("max_result") or MAX_TEXT), MAX_TEXT)
+    args = req.args
+    max_result = min(req.max_result or MAX_TEXT, MAX_TEXT)
     try:
         tree.refresh()
-        if op == "list_dir":
-            text = tree.list_dir(str(req["path"]))
-        elif op == "read_file":
-            text = tree.read_file(str(req["path"]), int(req["offset"]), int(req["limit"]))
-        elif op == "search":
-            text = tree.search(str(req["pattern"]), str(req["path"]))
+        if req.op == "list_dir":
+            text = tree.list_dir(str(args["path"]))
+        elif req.op == "read_file":
+            text = tree.read_file(str(args["path"]), int(args["offset"]), int(args["limit"]))
+        elif req.op == "search":
+            text = tree.search(str(args["pattern"]), str(args["path"]))
         else:
-            return {"failed": f"unknown request {op!r}"}
+            return tools.Failed(f"unknown request {req.op!r}")
     except Refusal as exc:
-        return {"refused": str(exc)}
+        return tools.Refused(str(exc))
     except MemoryError:
-        return {"failed": "out of memory: the request needs more than the tools may use"}
+        return tools.Failed("out of memory: the request needs more than the tools may use")
     except OSError as exc:
-        return {"failed": str(exc)}
+        return tools.Failed(str(exc))
     except Exception as exc:  # noqa: BLE001 - a bug must come back as words, not end the process
-        return {"failed": f"{type(exc).__name__}: {exc}"}
-    return {"ok": truncate(text, max_result)}
+        return tools.Failed(f"{type(exc).__name__}: {exc}")
+    return tools.Ok(truncate(text, max_result))
 
 
 def main() -> None:
@@ -158,30 +95,34 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the coordinator's to handle
     warnings.simplefilter("ignore")  # "possible nested set" &c: the model reads results, not these
     try:
-        init = _read_frame()
+        init = _read_request()
         if init is None:
             os._exit(0)
-        if init.get("parent") and os.getppid() != init.get("parent"):  # the coordinator died first
+        if not isinstance(init, tools.Init):
+            raise ContractError(f"{init.kind} before init")
+        if init.parent and os.getppid() != init.parent:  # the coordinator died first
             os._exit(_EXIT_PARENT_GONE)
-        root = str(init["root"])
-        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        root_fd = os.open(init.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         devnull = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)  # Landlock would refuse it later
-        tree = Tree(root_fd, root, [list(map(str, e)) for e in init.get("exclude", [])])
-        layers = _confine.apply(confinement(root, int(init["cpu_seconds"])))
+        tree = Tree(root_fd, init.root, [list(e) for e in init.exclude])
+        layers = _confine.apply(Confinement.from_json(init.confine))
     except Exception as exc:  # noqa: BLE001 - a half-confined tool process must not serve
-        _write_frame({"fatal": f"{type(exc).__name__}: {exc}"})
+        _write(tools.Fatal(f"{type(exc).__name__}: {exc}"))
         os._exit(_EXIT_CONFINE)
-    _write_frame({"ready": layers})
+    _write(tools.Ready(tuple(layers)))
     # Nothing drains stderr while this process serves: a write there (a warning about a
     # pattern) could fill the pipe and stall a request.  Startup failures were said above.
     os.dup2(devnull, 2)
     os.close(devnull)
     while True:
         try:
-            req = _read_frame()
-        except FrameError as exc:
-            _write_frame({"failed": f"bad request: {exc}"})
+            req = _read_request()
+        except (ContractError, FrameError) as exc:
+            _write(tools.Failed(f"bad request: {exc}"))
             os._exit(2)  # the stream is out of step: start afresh
         if req is None:
             os._exit(0)
-        _write_frame(handle(tree, req))
+        if not isinstance(req, tools.Request):
+            _write(tools.Failed(f"a second {req.kind}"))
+            os._exit(2)
+        _write(handle(tree, req))

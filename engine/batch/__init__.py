@@ -45,7 +45,7 @@ endpoint reaches the terminal) and never as rich markup; RESULTS.jsonl keeps the
 from .capacity import default_parallel
 from .local import BatchOutcome, run_batch
 from .progress import BarView, Tally, print_summary
-from .results import ResultsFile
+from .results_file import ResultsFile
 from .run import RunSettings, execute, is_infrastructure, make_record
 from .tasks import TaskSpec, read_tasks
 

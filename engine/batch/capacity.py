@@ -9,6 +9,8 @@ from pathlib import Path
 
 from ..sandbox import GiB
 
+__all__ = ["MAX_DEFAULT_PARALLEL", "MEMORY_PER_RUN", "available_memory", "default_parallel", "usable_cpus"]
+
 #: Upper bound of the default --parallel; more needs saying so.
 MAX_DEFAULT_PARALLEL = 64
 #: Memory budgeted per run when choosing the default --parallel.

@@ -7,17 +7,19 @@ import asyncio
 import os
 import signal
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import EXIT_INTERRUPTED, AgentloopError
 from .capacity import default_parallel
 from .progress import LinesView, Meter, Tally, make_view, short
-from .results import ResultsFile, lock_runs_dir, open_results
+from .results_file import ResultsFile, lock_runs_dir, open_results
 from .run import RunSettings, execute
 from .stopping import Stopper, infra_threshold
 from .tasks import TaskSpec, read_tasks, refuse_invalid
+
+__all__ = ["BatchOutcome", "EXIT_STOPPED", "drive", "run_batch"]
 
 EXIT_STOPPED = 1
 
@@ -97,6 +99,34 @@ async def _run_local(pending: list[TaskSpec], settings: RunSettings, results: Re
             await fork_server.close()
 
 
+def drive(noun: str, specs: list, results: ResultsFile, done: set[str], lock: int, *, header: str,
+          progress: str, tally: Callable[[int, int], Tally], run: Callable[[list, Tally, LinesView, Stopper], None]
+          ) -> BatchOutcome:
+    """What every batch (of ``noun``: "tasks", "samples") does around its runs: what is left
+    after a resume (ids in ``done`` are skipped), one line saying so (``header`` ends it), the
+    ``tally`` (made of the total and those done before) and its view, a stopper for Ctrl-C and
+    for giving up, and ``run`` (the local or the
+    Ray scheduler) for what is pending.  The results file and the ``lock`` are closed after."""
+    try:
+        pending = [s for s in specs if s.key not in done]
+        before = len(specs) - len(pending)
+        print(f"agentloop: {len(specs)} {noun}, {before} done before, {len(pending)} to run, {header}",
+              file=sys.stderr, flush=True)
+        counts = tally(len(specs), before)
+        view = make_view(progress, counts)
+        stopper = Stopper()
+        view.start()
+        try:
+            if pending:
+                run(pending, counts, view, stopper)
+        finally:
+            view.stop()
+        return BatchOutcome(counts, stopper.reason)
+    finally:
+        results.close()
+        os.close(lock)
+
+
 def run_batch(tasks_path: str | Path, output: str | Path, settings: RunSettings, *,
               parallel: int | None = None, progress: str = "auto", skip_invalid: bool = False,
               redo: Iterable[str] = (), ray_address: str | None = None) -> BatchOutcome:
@@ -110,29 +140,18 @@ def run_batch(tasks_path: str | Path, output: str | Path, settings: RunSettings,
     refuse_invalid(tasks_path, problems, skip_invalid)
     lock = lock_runs_dir(settings.runs_dir)
     results, resumed = open_results(output, redo, lock=lock)
-    try:
-        pending = [s for s in specs if s.key not in resumed.done]
-        before = len(specs) - len(pending)
-        if ray_address is None:
-            parallel = parallel or default_parallel()
-        where = f"on Ray at {ray_address}" if ray_address else f"{parallel} at once"
-        print(f"agentloop: {len(specs)} tasks, {before} done before, {len(pending)} to run, {where}; "
-              f"results in {output}, runs in {settings.runs_dir}", file=sys.stderr, flush=True)
-        tally = Tally(len(specs), before)
-        view = make_view(progress, tally)
-        stopper = Stopper()
-        view.start()
-        try:
-            if ray_address is not None and pending:
-                from . import on_ray
+    if ray_address is None:
+        parallel = parallel or default_parallel()
+    where = f"on Ray at {ray_address}" if ray_address else f"{parallel} at once"
 
-                on_ray.run_on_ray(ray_address, pending, settings, results=results, tally=tally, view=view,
-                                      parallel=parallel, stopper=stopper)
-            elif pending:
-                asyncio.run(_run_local(pending, settings, results, tally, view, parallel, stopper))
-        finally:
-            view.stop()
-        return BatchOutcome(tally, stopper.reason)
-    finally:
-        results.close()
-        os.close(lock)
+    def run(pending: list, tally: Tally, view: LinesView, stopper: Stopper) -> None:
+        if ray_address is not None:
+            from . import on_ray
+
+            on_ray.run_on_ray(ray_address, pending, settings, results=results, tally=tally, view=view,
+                              parallel=parallel, stopper=stopper)
+        else:
+            asyncio.run(_run_local(pending, settings, results, tally, view, parallel, stopper))
+
+    return drive("tasks", specs, results, resumed.done, lock, progress=progress, tally=Tally, run=run,
+                 header=f"{where}; results in {output}, runs in {settings.runs_dir}")

@@ -54,15 +54,21 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import AgentloopError
 from .progress import LinesView, Tally, short
-from .results import ResultsFile
+from .results_file import ResultsFile
 from .run import RunSettings, execute, make_record, pack_files
 from .stopping import Stopper, infra_threshold
 from .tasks import TaskSpec
+
+__all__ = [
+    "GRACE", "NODE_RETRIES", "SLOTS_EVERY", "agent_slots", "connect", "import_ray", "on_cluster", "run_on_node",
+    "run_on_ray"
+]
 
 #: Re-executions Ray allows a task whose node or worker process died.
 NODE_RETRIES = 3
@@ -172,6 +178,25 @@ def connect(ray: Any, address: str, env: dict[str, str]) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def on_cluster(address: str, env: dict[str, str], stopper: Stopper) -> Iterator[Any]:
+    """Ray, joined to the cluster at ``address`` (``env`` forwarded to its tasks) while the
+    block runs, with SIGINT and SIGTERM only flagging ``stopper`` (no Ray call is made from a
+    signal handler); both undone after, whatever happens."""
+    ray = import_ray()
+    connected = connect(ray, address, env)
+    handlers: dict[int, Any] = {}
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            handlers[sig] = signal.signal(sig, lambda *_: stopper.interrupt())
+        yield ray
+    finally:
+        for sig, previous in handlers.items():
+            signal.signal(sig, previous)
+        if connected:
+            ray.shutdown()
+
+
 def agent_slots(ray: Any) -> int:
     return int(ray.cluster_resources().get("agent_slot", 0))
 
@@ -205,18 +230,13 @@ def run_on_ray(address: str, pending: list[TaskSpec], settings: RunSettings, *,
                results: ResultsFile, tally: Tally, view: LinesView, parallel: int | None,
                stopper: Stopper) -> None:
     """Run ``pending`` on the cluster at ``address``, writing each record as it comes."""
-    ray = import_ray()
-    connected = connect(ray, address, _forwarded_env(settings))
-    handlers: dict[int, Any] = {}
-    try:
+    with on_cluster(address, _forwarded_env(settings), stopper) as ray:
         slots = agent_slots(ray)
         if slots < 1:
             raise AgentloopError("no node of the Ray cluster offers the agent_slot resource; start nodes "
                                  "with --resources='{\"agent_slot\": N}' (N: runs the node may hold)")
         remote = ray.remote(num_cpus=0, resources={"agent_slot": 1}, max_retries=NODE_RETRIES,
                             retry_exceptions=False)(run_on_node)
-        for sig in (signal.SIGINT, signal.SIGTERM):  # a flag only: ray calls are not made from a handler
-            handlers[sig] = signal.signal(sig, lambda *_: stopper.interrupt())
         inflight: dict[Any, _Flight] = {}
         queue = iter(pending)
         slots_seen = time.monotonic()
@@ -255,8 +275,3 @@ def run_on_ray(address: str, pending: list[TaskSpec], settings: RunSettings, *,
             for flight in inflight.values():
                 flight.check(ray, now)
             view.tick()
-    finally:
-        for sig, previous in handlers.items():
-            signal.signal(sig, previous)
-        if connected:
-            ray.shutdown()

@@ -10,7 +10,9 @@ from typing import Any
 
 from ..display import AgentDisplay
 from ..inert import inert
-from .results import STATUSES
+from .results_file import STATUSES
+
+__all__ = ["BarView", "LinesView", "Meter", "QuietView", "Tally", "make_view", "print_summary", "short"]
 
 
 class Meter(AgentDisplay):

@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import stat
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -18,18 +17,21 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .._shared_fork import SharedForkServer
 from .._tree import copy_tree, remove_tree, walk
 from ..display import AgentDisplay, FanoutDisplay, JsonlRecorder
 from ..engine import Engine
-from ..errors import ConfigError, WorkerError
+from ..errors import ConfigError
 from ..models import ModelRegistry
 from ..repo_tools import RepoTools
 from ..runner import RunResult, run_task
-from ..sandbox import SandboxPolicy
-from ..worker import Worker, WorkerState
-from .results import read_all
+from ..settings import WorkerSettings
+from ..shared_fork_server import SharedForkServer
+from .results_file import read_all
 from .tasks import TaskSpec
+
+__all__ = [
+    "BACKOFF_MAX", "RunSettings", "execute", "is_infrastructure", "make_record", "pack_files", "run_slug"
+]
 
 #: Longest wait between two attempts of a run.
 BACKOFF_MAX = 60.0
@@ -47,18 +49,16 @@ class RunSettings:
     timeout: float | None = 3600.0
     tools: str = "none"
     root: str = "."
-    sandbox: SandboxPolicy = field(default_factory=SandboxPolicy)
-    preload: tuple[str, ...] = ()
-    python: str | None = None  # the workers' interpreter (default: the coordinator's)
+    #: How every run's workers are started and contained.  Its ``fork_server``: None forks the
+    #: runs' workers from one fork server for the batch where it gives the isolation of a cold
+    #: start (see ``shared_fork_server``); False: every worker starts cold; True: insist (a run
+    #: fails, as for its infrastructure, without).
+    worker: WorkerSettings = field(default_factory=WorkerSettings)
     retries: int = 0
     retry_backoff: float = 2.0
     max_workers: int = 16
     #: What the repository tools never show a run: the batch's runs directory and results file.
     exclude: tuple[Path, ...] = ()
-    #: None: the runs' workers are forked by one fork server for the batch where it gives the
-    #: isolation of a cold start (root with bubblewrap; see ``shared_fork_server``); False:
-    #: every worker starts cold; True: insist (a run fails, as for its infrastructure, without).
-    fork_server: bool | None = None
 
     def backoff(self, attempt: int) -> float:
         """Seconds to wait after failed attempt ``attempt`` (1-based): doubling, capped."""
@@ -68,10 +68,9 @@ class RunSettings:
         """The fork server the runs of one batch (one machine) share, or None when the
         workers start cold.  Nothing starts until a run needs a worker; the caller closes it
         once the batch's runs are over."""
-        if self.fork_server is False:
+        if self.worker.fork_server is False:
             return None
-        return SharedForkServer(self.runs_dir, sandbox=self.sandbox, python=self.python or sys.executable,
-                                preload=self.preload)
+        return SharedForkServer(self.runs_dir, self.worker)
 
     def deadline(self, spec: TaskSpec) -> float | None:
         """Seconds after which a run, all attempts included, is surely hung (None: no cap)."""
@@ -82,41 +81,14 @@ class RunSettings:
         return (timeout + 60.0) * (self.retries + 1) + waits
 
 
-class RunEngine(Engine):
-    """The Engine of one batch run.
-
-    It refuses a worker beyond ``max_workers`` live ones: the per-run cap that bounds the
-    workers of a whole batch (the refusal reaches the model as words; it only happens when
-    starting a sub-agent).  And it hands the files placed in the workspace (``placed``) to the
-    run once a worker has started (see ``_give_to_run``), so the model can change them, not only
-    read them."""
-
-    def __init__(self, *, max_workers: int, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.max_workers = max_workers
-        self.placed: list[Path] = []
-
-    async def start_worker(self, name: str = "worker") -> Worker:
-        live = sum(1 for w in self.workers if w.state is not WorkerState.CLOSED)
-        if live >= self.max_workers:
-            raise WorkerError(f"this run already holds {live} workers, its limit; wait for a sub-agent "
-                              "to finish, or do the work yourself, before starting another")
-        worker = await super().start_worker(name)
-        placed, self.placed = self.placed, []
-        if placed:
-            await asyncio.to_thread(_give_to_run, self.workspace, placed)
-        return worker
-
-
-def _give_to_run(workspace: Path, paths: list[Path]) -> None:
-    """Give ``paths`` to the run's workers.  A root coordinator runs them as the run's uid and
-    keeps the workspace its own (in the run's group, sticky: see ``engine.sandbox``), so files
-    it placed there would be read-only to them; the task's files are the run's copies, not the
-    user's originals, so they become the run's uid's and group-writable."""
-    ws = workspace.stat()
-    if os.geteuid() != 0 or not ws.st_mode & stat.S_ISVTX or ws.st_gid == 0:
+def _give_to_run(paths: list[Path], run: int | None) -> None:
+    """Give ``paths`` to the run's workers, whose uid (and gid: one number) is ``run`` (None:
+    they keep the coordinator's).  A root coordinator runs them as the run's uid and keeps the
+    workspace its own (in the run's group, sticky: see ``engine.sandbox``), so files it placed
+    there would be read-only to them; the task's files are the run's copies, not the user's
+    originals, so they become the run's uid's and group-writable."""
+    if run is None or os.geteuid() != 0:
         return
-    run = ws.st_gid  # the run's uid and gid are one number
 
     def give(name: str | Path, mode: int, dir_fd: int | None = None) -> None:
         os.chown(name, run, run, dir_fd=dir_fd, follow_symlinks=False)
@@ -278,15 +250,16 @@ async def _attempt(spec: TaskSpec, settings: RunSettings, attempt: int, display:
     # them (~10 ms instead of ~120 ms cold), each worker shown its own run's workspace, outputs
     # and socket only, with its run's uid, confinement and cgroups.  Without one (non-root, no
     # bubblewrap, Ray, ``fork_server=False``) they start cold.
-    engine = RunEngine(max_workers=settings.max_workers, cwd=workspace, workspace=workspace,
-                       sandbox=settings.sandbox, state_dir=run_dir / "state", pool=0,
-                       zygote=settings.fork_server if fork_server is not None else False,
-                       fork_server=fork_server, preload=settings.preload, python=settings.python,
-                       keep_output=True)
+    worker = settings.worker.replace(state_dir=run_dir / "state", keep_output=True,
+                                     fork_server=settings.worker.fork_server if fork_server is not None else False)
+    engine = Engine(worker, cwd=workspace, workspace=workspace, pool=0, max_workers=settings.max_workers,
+                    shared_fork_server=fork_server)
     infrastructure = False
     tools = None
     try:
-        engine.placed = await asyncio.to_thread(_place_files, workspace, spec, packed)
+        placed = await asyncio.to_thread(_place_files, workspace, spec, packed)
+        engine.open()
+        await asyncio.to_thread(_give_to_run, placed, engine.launcher.run_uid())
         if settings.tools == "repo":  # other runs' directories and results are not this run's to read
             tools = RepoTools(settings.root, exclude=settings.exclude)
         result = await run_task(spec.task, models=settings.models, model=spec.model or settings.model,

@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 from ..errors import EXIT_INTERRUPTED
 
+__all__ = ["Stopper", "infra_threshold"]
+
 
 class Stopper:
     """Interrupts: the first stops starting runs and calls ``on_stop`` (cancel the running

@@ -14,6 +14,8 @@ from ..errors import ConfigError
 from ..inert import inert
 from ..models import ModelRegistry
 
+__all__ = ["TaskSpec", "read_lines", "read_tasks", "refuse_invalid", "task_files"]
+
 
 @dataclass(frozen=True)
 class TaskSpec:

@@ -14,13 +14,15 @@ from typing import Any
 
 import click
 
-from ..ask import EXIT_FAILED, PROMPT, SYSTEM, Answer, AnswerStream, Assistant, _Events
+from ..ask import EXIT_FAILED, PROMPT, SYSTEM, Answer, AnswerStream, Assistant, ClientEvents
 from ..errors import AgentloopError, ModelError
 from ..inert import inert
 from ..llm import Chat
 from ..repo_tools import RepoTools
 from .options import EXIT_INTERRUPTED, fail, load_registry
 from .options import terminated as stop_like_ctrl_c
+
+__all__ = ["ask"]
 
 # ---------------------------------------------------------------------------------- terminal
 
@@ -203,5 +205,5 @@ def ask(question: tuple[str, ...], root: Path | None, max_turns: int, model: str
     sys.exit(code)
 
 
-def _events(recorder: Any, stream: AnswerStream | None) -> _Events:
-    return _Events(recorder, stream, (lambda text: _err(f"agentloop: {text}")) if _isatty(sys.stderr) else None)
+def _events(recorder: Any, stream: AnswerStream | None) -> ClientEvents:
+    return ClientEvents(recorder, stream, (lambda text: _err(f"agentloop: {text}")) if _isatty(sys.stderr) else None)

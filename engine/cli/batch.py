@@ -21,6 +21,8 @@ from .options import (
     worker_settings,
 )
 
+__all__ = ["batch"]
+
 
 @click.command("batch")
 @click.argument("tasks_file", type=click.Path(dir_okay=False, exists=True, path_type=Path))
@@ -82,14 +84,12 @@ def batch(tasks_file: Path, output: Path, parallel: int | None, retries: int, re
     workers = worker_settings()
     if workers.workspace is not None:
         fail("batch gives each run a workspace of its own (under --runs-dir); --workspace does not apply")
-    engine_options = workers.engine_options()
     output = output.absolute()
     runs_dir = (runs_dir or output.with_name(output.stem + ".runs")).absolute()
     settings = RunSettings(
         models=registry, runs_dir=runs_dir, exclude=(runs_dir, output),
         model=model, protocol=protocol, max_messages=max_messages, timeout=timeout, tools=tools,
-        root=str(root.resolve()), sandbox=engine_options["sandbox"], preload=workers.preload,
-        python=engine_options["python"], retries=retries,
+        root=str(root.resolve()), worker=workers.settings(), retries=retries,
         retry_backoff=retry_backoff, max_workers=max_workers_per_run)
     try:
         outcome = run_batch(tasks_file, output, settings, parallel=parallel, progress=progress,

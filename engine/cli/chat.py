@@ -57,6 +57,8 @@ from .options import (
     write_options,
 )
 
+__all__ = ["DOUBLE_INTERRUPT_S", "PROMPT", "STEER", "chat"]
+
 PROMPT = "you> "
 STEER = "/steer"
 #: Two Ctrl-C at the prompt within this many seconds leave the chat.
@@ -286,13 +288,13 @@ def chat(model, models_file, max_messages, record, tools, root, quiet, protocol)
     except AgentloopError as exc:
         fail(str(exc))
     functions = host_functions(tools, root)
-    options = worker_settings().engine_options()
+    options = worker_settings()
     display = make_display(record, quiet)
     interactive = os.isatty(sys.stdin.fileno())
 
     async def go() -> int:
         loop = asyncio.get_running_loop()
-        async with Engine(**options) as engine:
+        async with Engine(options.settings(), workspace=options.workspace) as engine:
             if not quiet:
                 click.echo(_banner(config, engine, interactive), err=True)
             agent = make_agent(engine=engine, models=registry, model=config, functions=functions,

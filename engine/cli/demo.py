@@ -27,6 +27,11 @@ from ..scripted import ScriptedServer
 from ..tags import find_tags
 from .options import ending, make_display, run_until_done, worker_options, worker_settings
 
+__all__ = [
+    "COMPLETE", "DEMO_SCRIPT", "DEMO_TASK", "HELPER_TASK", "NOTICE", "OFF_SCRIPT", "demo", "demo_registry",
+    "helper_turn", "main_turn"
+]
+
 DEMO_TASK = ("Show me what agentloop can do: run blocks at once, report progress while one works, "
              "survive a block stuck in C, and hand work to a sub-agent.")
 HELPER_TASK = ("Use collatz(n) to find the starting number below 1000 with the longest Collatz chain; "
@@ -243,13 +248,13 @@ def demo(record: Path | None, quiet: bool) -> None:
     server.  Exits 0 when every step happened as scripted.
     """
     display = make_display(record, quiet)
-    options = worker_settings().engine_options()
+    options = worker_settings()
 
     async def go():
         with ScriptedServer(DEMO_SCRIPT) as server:
             display.event("note", name="demo", message=NOTICE)
             display.event("note", name="demo", message=f"task: {DEMO_TASK}")
-            async with Engine(**options) as engine:
+            async with Engine(options.settings(), workspace=options.workspace) as engine:
                 return await run_task(DEMO_TASK, models=demo_registry(server.url), engine=engine,
                                       display=display, timeout=120)
 

@@ -14,6 +14,8 @@ from ..errors import AgentloopError
 from ..inert import inert
 from .options import fail, load_registry, worker_options, worker_settings
 
+__all__ = ["doctor_cmd"]
+
 
 @click.command("doctor")
 @click.option("--models", "models_file", type=click.Path(dir_okay=False, path_type=Path), default=None)
@@ -22,8 +24,8 @@ from .options import fail, load_registry, worker_options, worker_settings
 def doctor_cmd(models_file, model) -> None:
     """Which sandbox layers are available and active here, whether a sandboxed worker really
     starts, and whether the model endpoint answers.  Exit 1 when something does not work."""
-    options = worker_settings().engine_options()
-    policy = options["sandbox"]
+    options = worker_settings()
+    policy = options.policy()
     healthy = True
     try:
         layers = report(policy)
@@ -36,7 +38,7 @@ def doctor_cmd(models_file, model) -> None:
                    f"{'yes' if layer.active else 'no ':>3}  {layer.reason}")
 
     async def try_worker():
-        async with Engine(**options, pool=0) as engine:
+        async with Engine(options.settings(), workspace=options.workspace, pool=0) as engine:
             worker = await engine.start_worker("doctor")
             result = await worker.run("import os; print(os.getuid(), os.getpid())", timeout=20)
             return worker.notes, result

@@ -29,10 +29,12 @@ from .options import (
     write_options,
 )
 
+__all__ = ["SAMPLE_REDO", "exec_cmd"]
+
 log = logging.getLogger("agentloop")
 
 #: What ``--redo`` may name with ``--jsonl``.
-SAMPLE_REDO = ("error", "timeout", "killed", "died")
+SAMPLE_REDO = ("error", "timeout", "oom", "died")
 
 class _ExecCommand(click.Command):
     """Usage errors of ``exec`` are agentloop's own errors: one line, exit status 125."""
@@ -200,9 +202,9 @@ def _remove_if_left_empty(made: tuple[str, ...]) -> None:
 
 def _run_samples(samples: Path, output: Path | None, file, as_json: bool, timeout: float, parallel: int | None,
                  redo: tuple[str, ...], skip_invalid: bool, progress: str, ray_address: str | None) -> None:
-    """``exec --jsonl``: every sample of the file, to the results file (``engine.batch.samples``)."""
+    """``exec --jsonl``: every sample of the file, to the results file (``engine.batch.sample_file``)."""
     from ..batch.progress import print_summary
-    from ..batch.samples import run_samples
+    from ..batch.sample_file import run_samples
 
     if file is not None or output is None or as_json:
         fail("--jsonl SAMPLES takes -o RESULTS, and neither FILE nor --json")
@@ -213,7 +215,7 @@ def _run_samples(samples: Path, output: Path | None, file, as_json: bool, timeou
     settings.limits.setdefault("share_cwd", False)
     output = output.absolute()
     try:
-        outcome = run_samples(samples, output, settings.engine_options(), parallel=parallel, timeout=timeout,
+        outcome = run_samples(samples, output, settings.settings(), parallel=parallel, timeout=timeout,
                               progress=progress, skip_invalid=skip_invalid, redo=redo, ray_address=ray_address)
     except AgentloopError as exc:
         fail(str(exc))

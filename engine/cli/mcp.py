@@ -14,6 +14,8 @@ import click
 from ..errors import AgentloopError
 from .options import Duration, fail, worker_options, worker_settings
 
+__all__ = ["mcp"]
+
 
 @click.command("mcp")
 @click.option("--http", "http", metavar="HOST:PORT", default=None,
@@ -47,12 +49,10 @@ def mcp(http: str | None, idle_timeout: float, max_sessions: int) -> None:
         if address[0] not in ("127.0.0.1", "localhost", "::1"):
             click.echo(f"agentloop: warning: anyone who reaches {http} can run code in the sandbox "
                        "(the MCP transport carries no authentication here)", err=True)
-    settings = worker_settings()
-    engine = settings.engine_options()  # the interpreter chosen, the policy (warning for --sandbox none)
+    options = worker_settings()
     config = server.ServerConfig(
-        workspace=(settings.workspace or Path("files")).resolve(), policy=engine["sandbox"],
-        cwd=Path(os.getcwd()).resolve(), idle_timeout=idle_timeout, max_sessions=max_sessions,
-        python=engine["python"], preload=tuple(engine["preload"]))
+        workspace=(options.workspace or Path("files")).resolve(), settings=options.settings(),
+        cwd=Path(os.getcwd()).resolve(), idle_timeout=idle_timeout, max_sessions=max_sessions)
 
     def announce(url: str) -> None:
         click.echo(f"agentloop: serving MCP at {url}", err=True)

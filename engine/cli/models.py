@@ -10,6 +10,8 @@ import click
 from ..inert import inert
 from .options import load_registry
 
+__all__ = ["models_cmd"]
+
 
 @click.command("models")
 @click.option("--models", "models_file", type=click.Path(dir_okay=False, path_type=Path), default=None,

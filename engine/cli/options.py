@@ -2,7 +2,8 @@
 
 Every command that starts workers takes ``worker_options`` (one decorator, so ``--help`` of
 each lists the same sandbox, limit and interpreter options) and reads them back with
-``worker_settings()``; the options never become parameters of the command functions.
+``worker_settings()``, which builds the command's ``engine.settings.WorkerSettings`` once; the
+options never become parameters of the command functions.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OWN, EXIT_TIMEOUT, Agent
 from ..inert import inert
 from ..interpreter import choose_python
 from ..sandbox import SandboxPolicy
+from ..settings import WorkerSettings
 
 
 class Duration(click.ParamType):
@@ -73,7 +75,7 @@ class Size(click.ParamType):
 
 
 @dataclass
-class WorkerSettings:
+class _WorkerOptions:
     """The worker options of the current command, as ``worker_options`` collected them."""
 
     sandbox: str = "auto"
@@ -85,37 +87,41 @@ class WorkerSettings:
     limits: dict = field(default_factory=dict)
     #: ``--write-cwd``: code writes the current directory (``write_options``); None: the command's default.
     write_cwd: bool | None = None
+    _built: WorkerSettings | None = None
 
     def policy(self) -> SandboxPolicy:
-        """The sandbox policy (mode, network, limits); warns once on stderr for ``--sandbox none``.
-        Code that writes the current directory runs as the user (``SandboxPolicy.as_caller``)."""
-        if self.sandbox == "none":
-            click.echo("agentloop: warning: --sandbox none runs model code with your privileges", err=True)
+        """The sandbox policy (mode, network, limits).  Code that writes the current directory
+        runs as the user (``SandboxPolicy.as_caller``)."""
         return SandboxPolicy(mode=self.sandbox, network=self.network, as_caller=bool(self.write_cwd), **self.limits)
 
-    def engine_options(self) -> dict:
-        """``Engine`` keyword arguments for these settings (the interpreter chosen as
-        ``engine.interpreter.choose_python`` says; a bad choice ends the command in one line).
-        With ``--write-cwd`` the current directory is the workspace."""
-        workspace = self.workspace
-        if self.write_cwd:
-            if workspace is not None:
-                fail("--workspace DIR goes with --read-only: with --write-cwd code writes the current directory")
-            workspace = Path.cwd()
-        try:
-            python = choose_python(self.python, workspace=workspace or Path("files"))
-        except AgentloopError as exc:
-            fail(str(exc))
-        return {"sandbox": self.policy(), "workspace": workspace, "preload": self.preload, "python": python,
-                "keep_output": self.keep_output}
+    def settings(self) -> WorkerSettings:
+        """The command's worker settings, built once: the policy (a warning on stderr for
+        ``--sandbox none``) and the interpreter ``engine.interpreter.choose_python`` chooses;
+        a bad choice ends the command in one line.  With ``--write-cwd`` the current directory
+        becomes ``workspace``."""
+        if self._built is None:
+            if self.sandbox == "none":
+                click.echo("agentloop: warning: --sandbox none runs model code with your privileges", err=True)
+            if self.write_cwd:
+                if self.workspace is not None:
+                    fail("--workspace DIR goes with --read-only: with --write-cwd code writes the current directory")
+                self.workspace = Path.cwd()
+            try:
+                python = choose_python(self.python, workspace=self.workspace or Path("files"))
+            except AgentloopError as exc:
+                fail(str(exc))
+            self._built = WorkerSettings(sandbox=self.policy(), python=python, preload=self.preload,
+                                         keep_output=self.keep_output)
+        return self._built
 
 
-def worker_settings() -> WorkerSettings:
-    """The current command's worker options (defaults outside a command)."""
+def worker_settings() -> _WorkerOptions:
+    """The current command's worker options (defaults outside a command); ``.settings()`` is
+    what its engines are given, ``.workspace`` where its workers write."""
     ctx = click.get_current_context(silent=True)
     if ctx is None:
-        return WorkerSettings()
-    return ctx.meta.setdefault("agentloop.worker", WorkerSettings())  # one ``meta`` per command line
+        return _WorkerOptions()
+    return ctx.meta.setdefault("agentloop.worker", _WorkerOptions())  # one ``meta`` per command line
 
 
 def _setting(name: str):
@@ -331,6 +337,6 @@ def terminated(signum: int, frame) -> None:
 
 
 __all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OWN", "EXIT_TIMEOUT", "WRITE_HELP", "Duration", "Size",
-           "WorkerSettings", "agent_options", "apply_max_tokens", "apply_options", "close_display", "ending", "fail",
+           "agent_options", "apply_max_tokens", "apply_options", "close_display", "ending", "fail",
            "host_functions", "load_registry", "make_display", "max_tokens_option", "modules", "run_until_done",
            "same_terminal", "terminated", "worker_options", "worker_settings", "write_options"]

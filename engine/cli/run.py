@@ -27,6 +27,8 @@ from .options import (
     write_options,
 )
 
+__all__ = ["run_cmd"]
+
 _RUN_EXIT = {"answered": 0, "failed": 1, "timed_out": EXIT_TIMEOUT, "cancelled": EXIT_INTERRUPTED}
 
 
@@ -53,10 +55,10 @@ def run_cmd(task: str, model, models_file, max_messages, record, tools, root, qu
         fail(str(exc))
     display = make_display(record, quiet)
     functions = host_functions(tools, root)
-    options = worker_settings().engine_options()
+    options = worker_settings()
 
     async def go():
-        async with Engine(**options) as engine:
+        async with Engine(options.settings(), workspace=options.workspace) as engine:
             return await run_task(task, models=registry, model=model, engine=engine, functions=functions,
                                   display=display, max_messages=max_messages, timeout=timeout,
                                   protocol=protocol)

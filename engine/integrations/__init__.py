@@ -7,3 +7,5 @@
 Nothing here is imported by the engine itself: without the extra, only the module that needs it
 fails to import, with a message that names the extra to install.
 """
+
+__all__: list[str] = []

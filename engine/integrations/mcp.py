@@ -59,9 +59,15 @@ from ..durations import format_duration, parse_duration
 from ..engine import Engine
 from ..errors import AgentloopError
 from ..results import BlockResult, OutputChunk
-from ..sandbox import SandboxPolicy
+from ..settings import WorkerSettings
 from ..worker import Worker
 from .workspace_files import MAX_LISTED_FILES, list_files, mime_type, parse_uri, read_file, resource_uri
+
+__all__ = [
+    "AgentloopMCP", "CLOSE_TIMEOUT", "DEFAULT_SESSION", "DEFAULT_TIMEOUT", "PROGRESS_INTERVAL",
+    "PROGRESS_TEXT", "Progress", "SCHEME", "SESSION_NAME", "ServerConfig", "Session", "Sessions",
+    "CallRefused", "check_name", "result_data", "result_text", "tool_definitions"
+]
 
 log = logging.getLogger("agentloop")
 
@@ -78,7 +84,7 @@ DEFAULT_TIMEOUT = "30s"
 SCHEME = "agentloop"
 
 
-class ToolError(Exception):
+class CallRefused(Exception):
     """A tool call that cannot be done as asked; its message goes back to the client as the
     tool's result, with ``is_error`` set."""
 
@@ -88,13 +94,10 @@ class ServerConfig:
     """What the command line decided for every session of one server."""
 
     workspace: Path  # a session's files are workspace/SESSION
-    policy: SandboxPolicy = field(default_factory=SandboxPolicy)
+    settings: WorkerSettings = field(default_factory=WorkerSettings)  # every session's workers'
     cwd: Path = field(default_factory=Path.cwd)
     idle_timeout: float = 30 * 60.0
     max_sessions: int = 8
-    python: str | None = None  # the interpreter workers run; None: the engine's default
-    preload: tuple[str, ...] = ()  # modules each session's fork server imports once
-    state_dir: Path | None = None  # the engines' run directories; None: the engine's default
 
 
 class Session:
@@ -161,14 +164,14 @@ class Sessions:
     async def _acquire(self, name: str) -> tuple[Session, bool]:
         check_name(name)
         if self._closed:
-            raise ToolError("the server is shutting down")
+            raise CallRefused("the server is shutting down")
         session = self._open.get(name)
         started = False
         if session is None:
             task = self._starting.get(name)
             if task is None:
                 if len(self._open) + len(self._starting) >= self.config.max_sessions:
-                    raise ToolError(
+                    raise CallRefused(
                         f"{self.config.max_sessions} sessions are open ({', '.join(self.names)}), the most this "
                         f"server allows (--max-sessions); use one of them, or end one with reset_session; "
                         f"sessions idle for {format_duration(self.config.idle_timeout)} close by themselves")
@@ -193,20 +196,19 @@ class Sessions:
 
     async def _start(self, name: str) -> Session:
         config = self.config
-        engine = Engine(cwd=config.cwd, workspace=config.workspace / name, sandbox=config.policy, pool=0,
-                        python=config.python, preload=config.preload, state_dir=config.state_dir)
+        engine = Engine(config.settings, cwd=config.cwd, workspace=config.workspace / name, pool=0)
         try:
             worker = await engine.start_worker(name)
         except AgentloopError as exc:
             await engine.shutdown()
-            raise ToolError(f"session {name!r} could not start: {exc}") from exc
+            raise CallRefused(f"session {name!r} could not start: {exc}") from exc
         except BaseException:
             await asyncio.shield(engine.shutdown())
             raise
         session = Session(name, engine, worker)
         if self._closed:  # the server began to stop while this one started
             await engine.shutdown()
-            raise ToolError("the server is shutting down")
+            raise CallRefused("the server is shutting down")
         self._open[name] = session
         self._seen.add(name)
         log.info("session %s started (workspace %s)", name, session.workspace)
@@ -237,7 +239,7 @@ class Sessions:
         check_name(name)
         task = self._starting.get(name)
         if task is not None:
-            with contextlib.suppress(ToolError):
+            with contextlib.suppress(CallRefused):
                 await asyncio.shield(task)
         session = self._open.pop(name, None)
         if session is None:
@@ -272,9 +274,9 @@ class Sessions:
 
 
 def check_name(name: Any) -> str:
-    """``name`` if it can name a session (and its workspace directory), else a ToolError."""
+    """``name`` if it can name a session (and its workspace directory), else a CallRefused."""
     if not isinstance(name, str) or not SESSION_NAME.fullmatch(name):
-        raise ToolError(f"a session name is 1 to 64 letters, digits, '_', '-' or '.', not starting with "
+        raise CallRefused(f"a session name is 1 to 64 letters, digits, '_', '-' or '.', not starting with "
                         f"'.' or '-'; got {name!r}")
     return name
 
@@ -377,7 +379,7 @@ def _text(text: str, *, error: bool = False, data: dict | None = None) -> types.
 def tool_definitions(config: ServerConfig) -> list[types.Tool]:
     """The three tools, described for the client's model."""
     where = f"{config.workspace}/SESSION"
-    network = "with the host's network" if config.policy.network else "without network"
+    network = "with the host's network" if config.settings.sandbox.network else "without network"
     return [
         types.Tool(
             name="run_python",
@@ -404,7 +406,7 @@ def tool_definitions(config: ServerConfig) -> list[types.Tool]:
                 "required": ["code"],
             },
             annotations=types.ToolAnnotations(title="Run Python", read_only_hint=False, destructive_hint=False,
-                                              open_world_hint=config.policy.network),
+                                              open_world_hint=config.settings.sandbox.network),
         ),
         types.Tool(
             name="reset_session",
@@ -459,7 +461,7 @@ class AgentloopMCP:
                 return self.list_sessions()
             names = ", ".join(t.name for t in self.tools)
             return _text(f"no tool named {params.name!r}; the tools are {names}", error=True)
-        except ToolError as exc:
+        except CallRefused as exc:
             return _text(str(exc), error=True)
         except Exception as exc:  # noqa: BLE001 - the edge: a bug of ours is a tool error, not a dead client
             log.exception("tool %s failed", params.name)
@@ -470,12 +472,12 @@ class AgentloopMCP:
         """Run ``args['code']`` in session ``args['session']``; progress goes to ``report``."""
         code = args.get("code")
         if not isinstance(code, str):
-            raise ToolError("run_python needs `code`, the Python source to run, as a string")
+            raise CallRefused("run_python needs `code`, the Python source to run, as a string")
         name = args.get("session", DEFAULT_SESSION) or DEFAULT_SESSION
         try:
             timeout = parse_duration(args.get("timeout") or DEFAULT_TIMEOUT)
         except AgentloopError as exc:
-            raise ToolError(f"timeout: {exc}") from exc
+            raise CallRefused(f"timeout: {exc}") from exc
         async with self.sessions.use(name) as (session, started):
             progress = Progress(lambda total, text: report(total, None, text)) if report is not None else None
             notes = [*session.worker.notes, f"session {name!r} started; its files go in {session.workspace}"] \
@@ -484,7 +486,7 @@ class AgentloopMCP:
                 result = await session.worker.run(code, timeout=timeout, budget=OUTPUT_BUDGET,
                                                   on_output=progress.add if progress else None)
             except AgentloopError as exc:  # the worker could not be started again, or was closed
-                raise ToolError(f"session {name!r}: {exc}") from exc
+                raise CallRefused(f"session {name!r}: {exc}") from exc
             finally:
                 if progress is not None:
                     await progress.close()
@@ -542,7 +544,7 @@ class AgentloopMCP:
             name, relative = parse_uri(uri)
             root = self.sessions.workspace_of(name)
             data = await asyncio.to_thread(read_file, root, relative)
-        except (ValueError, ToolError, OSError) as exc:
+        except (ValueError, CallRefused, OSError) as exc:
             raise MCPError(types.INVALID_PARAMS, f"cannot read {uri}: {_reason(exc)}") from exc
         mime = mime_type(relative)
         try:

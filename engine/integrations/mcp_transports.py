@@ -21,6 +21,8 @@ except ImportError as exc:  # the optional extra: say which one
 from ..errors import AgentloopError
 from .mcp import CLOSE_TIMEOUT, AgentloopMCP, ServerConfig
 
+__all__ = ["MAX_MESSAGE", "parse_address", "run", "serve_http", "serve_stdio"]
+
 log = logging.getLogger("agentloop")
 
 

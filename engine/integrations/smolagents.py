@@ -57,6 +57,8 @@ from ..results import BlockResult
 from ..sandbox import SandboxPolicy
 from ..worker import Worker
 
+__all__ = ["AgentloopExecutor", "CodeFailed", "MAX_REPR", "is_plain", "with_last_value"]
+
 log = logging.getLogger("agentloop")
 
 #: Characters of a last expression's repr that are kept.

@@ -10,6 +10,11 @@ import stat
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
 
+__all__ = [
+    "MAX_LISTED_DEPTH", "MAX_LISTED_FILES", "MAX_RESOURCE_BYTES", "SCHEME", "list_files", "mime_type",
+    "parse_uri", "read_file", "resource_uri"
+]
+
 log = logging.getLogger("agentloop")
 
 #: The largest file a resource read returns.

@@ -8,16 +8,15 @@ import json
 import os
 import secrets
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from engine._shared_fork import SharedForkServer
-from engine.batch.run import RunEngine
-from engine.sandbox import SandboxPolicy
+from engine.engine import Engine
 from engine.scripted import ScriptedServer
+from engine.settings import WorkerSettings
+from engine.shared_fork_server import SharedForkServer
 
 from ..test_batch import CODE, echo_last, records, run_batch, write_tasks
 from .harness import ABSENT, WAIT, assert_still_works, attack, needs_namespaces
@@ -96,18 +95,18 @@ async def test_runs_sharing_the_batchs_fork_server_reach_nothing_of_each_other(b
     if os.geteuid() != 0:
         pytest.skip(reason="the fork server needs root")
     runs = batch_dirs
-    shared = SharedForkServer(runs, sandbox=SandboxPolicy(), python=sys.executable)
+    shared = SharedForkServer(runs, WorkerSettings())
     engines = []
     for name in ("a", "b"):
         ws = runs / name / "workspace"
-        engines.append(RunEngine(max_workers=4, cwd=ws, workspace=ws, state_dir=runs / name / "state", pool=0,
-                                 fork_server=shared, keep_output=True))
+        engines.append(Engine(max_workers=4, cwd=ws, workspace=ws, state_dir=runs / name / "state", pool=0,
+                              shared_fork_server=shared, keep_output=True))
     secret = "run-a-secret-" + secrets.token_hex(8)
     try:
         a, b = [await e.start_worker("main") for e in engines]
         await a.run(f"open('secret.txt', 'w').write({secret!r})", timeout=WAIT)
         a_ws, a_out = engines[0].workspace, engines[0].output_dir
-        a_sock = a._session.sock_dir
+        a_sock = a.session.sock_dir
         assert (a_ws / "secret.txt").exists() and a_out.is_dir() and (a_sock / "stderr").exists()
         got = await attack(b, f'''
 A_WS, A_OUT, A_SOCK, RUNS = {str(a_ws)!r}, {str(a_out)!r}, {str(a_sock)!r}, {str(runs)!r}

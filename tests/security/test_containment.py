@@ -42,7 +42,7 @@ if _f["Uid"].split()[0] == "0" or int(_f["CapEff"], 16) or _f["Seccomp"].strip()
             pass
 '''
 
-_PLANTS = ("worker/__init__.py", "worker/__main__.py", "worker/zygote.py", "zmq/__init__.py",
+_PLANTS = ("worker/__init__.py", "worker/__main__.py", "worker/fork_server.py", "zmq/__init__.py",
            "msgpack/__init__.py", "sitecustomize.py", "usercustomize.py", "encodings/__init__.py",
            "cloudpickle/__init__.py", "evil.pth")
 
@@ -70,7 +70,7 @@ async def test_planted_modules_never_run_with_privileges(tmp_path: Path):
     ws.mkdir()
     targets = [str(ws), "/tmp", "/dev/shm"]
     code = _plant_code(targets, [str(ws)])
-    zygote = ROOT and host_support().bwrap is not None
+    forked = ROOT and host_support().bwrap is not None
     async with Engine(cwd=ws, workspace=ws, state_dir=tmp_path / "state", pool=0) as engine:
         worker = await engine.start_worker("planter")
         got = await worker.run(code, timeout=WAIT)
@@ -80,9 +80,9 @@ async def test_planted_modules_never_run_with_privileges(tmp_path: Path):
         await assert_still_works(worker)  # the replacement worker
         sub = await worker.run("import importlib, sys; print(sys.path[0] == '')", timeout=WAIT)
         assert sub.output.strip() == "True", sub  # user code still imports from its directory
-    for use_zygote in ([True, False] if zygote else [False]):
+    for fork_server in ([True, False] if forked else [False]):
         async with Engine(cwd=ws, workspace=ws, state_dir=tmp_path / "state", pool=0,
-                          zygote=use_zygote) as engine:  # a new run: fork server or cold start
+                          fork_server=fork_server) as engine:  # a new run: fork server or cold start
             await assert_still_works(await engine.start_worker("next"))
     assert not sorted(p.name for p in ws.iterdir() if p.name.startswith("PLANTED-RAN")), \
         [p.read_text()[:400] for p in ws.iterdir() if p.name.startswith("PLANTED-RAN")]
@@ -183,7 +183,7 @@ probe("ifaces", lambda: len(socket.if_nameindex()) >= 1)
 async def test_socket_directory_is_not_writable(worker):
     """The worker's socket lives in a directory on the host's disk: it may connect to the
     socket but write nothing beside it (a place outside the workspace and /tmp caps)."""
-    sock_dir = worker._session.sock_dir
+    sock_dir = worker.session.sock_dir
     got = await attack(worker, f'''
 import os
 d = {str(sock_dir)!r}
@@ -200,7 +200,7 @@ probe("replant_socket", lambda: open(os.path.join(d, "sock"), "w"))
 async def test_no_second_connection_to_the_coordinator(worker):
     """Each connection to the coordinator's socket gets queues of its own, which ZeroMQ fills
     before anything is read: once the worker is in, its socket's file is gone."""
-    sock = worker._session.sock_dir / "sock"
+    sock = worker.session.sock_dir / "sock"
     got = await attack(worker, f'''
 import socket
 s = socket.socket(socket.AF_UNIX)
@@ -240,9 +240,10 @@ async def test_directories_of_homes_are_not_shown(where: str, tmp_path: Path):
     if cwd is None or not os.path.isdir(cwd):
         pytest.skip(reason="this machine has no such directory")
     # What the view holds beneath cwd anyway: the system and the Python the worker runs.
-    from engine.sandbox import _system_paths, python_paths
+    from engine.interpreter import python_paths
+    from engine.sandbox import system_paths
 
-    needed = [*_system_paths()[0], *python_paths(sys.executable)]
+    needed = [*system_paths()[0], *python_paths(sys.executable)]
     allowed = {os.path.relpath(p, cwd).split("/")[0] for p in needed if p.startswith(cwd.rstrip("/") + "/")}
     async with Engine(cwd=cwd, workspace=tmp_path / "ws", state_dir=tmp_path / "state", pool=0) as engine:
         worker = await engine.start_worker("w")

@@ -75,7 +75,7 @@ async def test_deep_workspace_tree_is_measured_removed_and_cleared_by_batch(engi
     got = await attack(worker, deep_tree(str(host.workspace), host.outside))
     assert got.result.ok and "built 2000" in got.result.output, got.result
     # The workspace size check between blocks, and the measure of the tree, at full depth.
-    assert await asyncio.to_thread(workspace_excess, engine.sandbox, host.workspace) is None
+    assert await asyncio.to_thread(workspace_excess, engine.settings.sandbox, host.workspace) is None
     assert await asyncio.to_thread(disk_usage, host.workspace) > 0
     await assert_still_works(worker)
     await engine.shutdown()  # the fixture's shutdown then does nothing
@@ -87,7 +87,7 @@ async def test_deep_workspace_tree_is_measured_removed_and_cleared_by_batch(engi
 
 async def test_deep_tree_in_the_socket_directory_is_removed_with_the_worker(engine: Engine, worker, host: Host):
     keep = _plant(host.outside)
-    sock_dir = worker._session.sock_dir
+    sock_dir = worker.session.sock_dir
     code = ("import gc, zmq\n"
             "ch = next(o for o in gc.get_objects() if type(o).__name__ == 'Channel')\n"
             "sock_dir = _os.path.dirname(ch.sock.getsockopt_string(zmq.LAST_ENDPOINT)[len('ipc://'):])\n"
@@ -400,7 +400,7 @@ PIPE_GARBAGE = {
 
 @pytest.mark.parametrize("kind", list(PIPE_GARBAGE))
 async def test_garbage_in_the_own_output_pipe_stops_the_worker_at_once(worker, kind: str):
-    if worker._session.pipes is None:
+    if worker.session.pipes is None:
         pytest.skip(reason="this worker sends its output over its socket")
     await worker.run("canary = 1", timeout=WAIT)
     await _stopped_for_the_protocol(worker, FIND_PIPE + PIPE_GARBAGE[kind] + '\ntime.sleep(120)\n')

@@ -40,7 +40,7 @@ def _socket_paths(engine: Engine) -> list[str]:
 
 def _own_socket(worker) -> str:
     """The socket the coordinator bound for this worker's current process."""
-    return str(worker._session.sock_dir / "sock")
+    return str(worker.session.sock_dir / "sock")
 
 
 async def test_other_workers_and_runs_sockets_are_unreachable(engine, worker, host: Host):

@@ -27,7 +27,7 @@ import pytest
 
 from engine.repo_tools import RepoTools, ToolError, execute_tool_call, execute_tool_call_async
 from tests.conftest import wait_until
-from worker import _confine
+from worker.contract import confinement as _confine
 
 pytestmark = pytest.mark.attack
 

@@ -1,14 +1,15 @@
-"""The coordinator's side of the fork server (see ``worker/zygote.py``).
+"""The coordinator's side of the fork server (see ``worker/fork_server.py``).
 
-One zygote per run (its launcher), or one for all the runs of a batch (``engine._shared_fork``),
-started on first use inside the run's sandbox with two extra capabilities (CAP_SYS_ADMIN and
-CAP_NET_ADMIN, inside bubblewrap's namespaces) so that each forked worker can get namespaces, a
-/proc, a /tmp and a loopback of its own; the worker drops them with every other privilege
-before user code runs.  It is started by
-``engine.sandbox.runtime_argv`` (isolated mode, runtime by absolute path): it holds those
-capabilities, so nothing a worker wrote may be on its import path.  Offered where the
-coordinator is root and bubblewrap is in use; elsewhere workers start cold (the warm pool
-still hides that cost).
+One fork server per run (its launcher), or one for all the runs of a batch
+(``engine.shared_fork_server``), started on first use inside the run's sandbox with two extra
+capabilities (CAP_SYS_ADMIN and CAP_NET_ADMIN, inside bubblewrap's namespaces) so that each
+forked worker can get namespaces, a /proc, a /tmp and a loopback of its own; the worker drops
+them with every other privilege before user code runs.  It is started by
+``interpreter.runtime_argv`` (isolated mode, runtime by absolute path): it holds those
+capabilities, so nothing a worker wrote may be on its import path.  A provisioner
+(``engine.provision``), offered where ``provision.fork_server_refusal`` finds nothing against
+it; elsewhere workers start cold (the warm pool still hides that cost).  Its channel is
+``worker.contract.fork``.
 """
 
 from __future__ import annotations
@@ -18,32 +19,38 @@ import contextlib
 import itertools
 import logging
 import os
-import struct
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import msgpack
+from worker.contract import fork
+from worker.contract.framing import HEADER, FrameError, decode, encode, frame
+from worker.contract.schema import ContractError
+from worker.contract.start import NAMES as START_NAMES
+from worker.contract.start import StartSpec
 
-from ._process import STDERR_TAIL, Launch, Process, _signal, descendants, watch_exit
+from ._process import STDERR_TAIL, Launch, Process, descendants, signal_quietly, watch_exit
 from .errors import WorkerStartError
-from .sandbox import LaunchPlan, SandboxPolicy, runtime_argv
+from .interpreter import runtime_argv
+from .sandbox import LaunchPlan
+from .settings import WorkerSettings
+
+__all__ = ["ForkServer", "ForkedProcess"]
 
 log = logging.getLogger("agentloop")
 _READY_TIMEOUT = 30.0
-_MAX_REPLY = 1024 * 1024
 
 
-class ZygoteProcess(Process):
-    """A worker forked by the zygote: ``pid`` is its namespace's init (what a kill targets, the
+class ForkedProcess(Process):
+    """A worker forked by the fork server: ``pid`` is its namespace's init (what a kill targets, the
     root of its tree); the worker below it is what is watched.  The init reaps nothing, so the
     worker's exit status is read from its zombie.
 
     ``stderr``: the read end of a fifo that is this worker's stderr alone (a server shared by
     several runs); without it the worker shares the server's."""
 
-    def __init__(self, zygote: Zygote, init_pid: int, worker_pid: int, stderr: int | None = None) -> None:
-        self._zygote = zygote
+    def __init__(self, server: ForkServer, init_pid: int, worker_pid: int, stderr: int | None = None) -> None:
+        #: The fork server that forked it.
+        self.server = server
         self.worker_pid = worker_pid
         self._status: int | None = None
         self._init_watch(worker_pid, pid_namespace=True)
@@ -98,7 +105,7 @@ class ZygoteProcess(Process):
 
     @property
     def stderr_tail(self) -> bytes:  # the worker's own, else the server's, which it shares
-        return self._own_tail if self._zygote.private_stderr else self._zygote.stderr_tail
+        return self._own_tail if self.server.private_stderr else self.server.stderr_tail
 
     @stderr_tail.setter
     def stderr_tail(self, value: bytes) -> None:
@@ -133,36 +140,34 @@ def _zombie_status(pid: int) -> int:
     return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-class Zygote:
+class ForkServer:
     """Starts the fork server and asks it for workers.
 
     ``plan`` and ``env`` are the sandbox and environment the server runs in (the run's, with
     no worker's token); each forked worker gets its own environment from its ``Launch``."""
 
-    def __init__(self, plan: LaunchPlan, env: dict[str, str], *, python: str, cwd: Path,
-                 sandbox: SandboxPolicy, start_timeout: float, preload: tuple[str, ...],
-                 packages: dict[str, str] | None = None) -> None:
+    kind = "fork server"
+
+    def __init__(self, plan: LaunchPlan, env: dict[str, str], *, settings: WorkerSettings, cwd: Path,
+                 packages: dict[str, str] | None = None, own_workspace: str | None = None) -> None:
         self.plan = plan
         self.env = env
-        self.python = python
+        self.settings = settings
         self.cwd = cwd
-        self.sandbox = sandbox
-        self.start_timeout = start_timeout
-        self.preload = preload
         self.packages = packages  # see ``runtime_argv``
         #: Where set, each worker gets an empty workspace of its own there, a tmpfs gone with it
         #: (code samples: ``engine.samples``).
-        self.own_workspace: str | None = None
+        self.own_workspace = own_workspace
         #: Each worker's stderr is a fifo of its own (in its socket directory), not the server's:
-        #: set for a server that several runs share (``engine._shared_fork``).
+        #: set for a server that several runs share (``engine.shared_fork_server``).
         self.private_stderr = False
         #: Told the host pid of each namespace init the server makes ahead of its request
         #: (``_cgroup.SpareGroups.prepare``: its cgroups are made and entered meanwhile).
         self.on_spare: Callable[[int], None] | None = None
         self._proc: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task | None = None
-        self._waiting: dict[int, asyncio.Future] = {}
-        self._host_pids: dict[int, int] = {}  # zygote-namespace pid -> host pid
+        self._waiting: dict[int, asyncio.Future[fork.Message]] = {}
+        self._host_pids: dict[int, int] = {}  # server-namespace pid -> host pid
         self._forked: dict[int, Callable[[int], None]] = {}  # request id -> told C's host pid
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
@@ -174,11 +179,6 @@ class Zygote:
         proc = self._proc
         return proc.pid if proc is not None and proc.returncode is None else None
 
-    @staticmethod
-    def usable(argv_prefix: list[str]) -> bool:
-        """Root with bubblewrap: the zygote can be given what its children need."""
-        return os.geteuid() == 0 and "--cap-drop" in argv_prefix and sys.platform == "linux"
-
     async def start(self) -> None:
         plan = self.plan
         argv = list(plan.argv_prefix)
@@ -188,12 +188,11 @@ class Zygote:
             # CAP_KILL: a sample slot kills what its samples (another uid) leave running.  A
             # worker drops every capability before it runs code.
             argv[at:at] = ["--cap-add", "CAP_KILL"]
-        env = dict(self.env)
-        for key in ("AGENTLOOP_TOKEN", "AGENTLOOP_CONFINE", "AGENTLOOP_PARENT"):
-            env.pop(key, None)
-        env["AGENTLOOP_PRELOAD"] = ",".join(self.preload)
+        env = {k: v for k, v in self.env.items() if k not in START_NAMES}  # it confines nothing itself
+        env.update(StartSpec(preload=self.settings.preload).to_env())
         self._proc = await asyncio.create_subprocess_exec(
-            *argv, *runtime_argv(self.python, "worker.zygote:serve", packages=self.packages), stdin=asyncio.subprocess.PIPE,
+            *argv, *runtime_argv(self.settings.python, "worker.fork_server:serve", packages=self.packages),
+            stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
             cwd=plan.cwd or str(self.cwd), start_new_session=True)
         ready = asyncio.get_running_loop().create_future()
@@ -218,12 +217,11 @@ class Zygote:
         stdout = self._proc.stdout
         try:
             while True:
-                size = struct.unpack(">I", await stdout.readexactly(4))[0]
-                if size > _MAX_REPLY:
-                    raise ValueError(f"fork server sent a {size}-byte message")
-                msg = msgpack.unpackb(await stdout.readexactly(size), raw=False)
-                self._dispatch(msg)
-        except (asyncio.IncompleteReadError, ValueError, msgpack.UnpackException) as exc:
+                size = HEADER.unpack(await stdout.readexactly(HEADER.size))[0]
+                if size > fork.MAX_REPORT:
+                    raise FrameError(f"fork server sent a {size}-byte message")
+                self._dispatch(fork.TO_COORDINATOR.parse(decode(await stdout.readexactly(size), fork.MAX_REPORT)))
+        except (asyncio.IncompleteReadError, ContractError) as exc:
             log.info("fork server gone: %s", exc)
         finally:
             for future in self._waiting.values():
@@ -231,63 +229,60 @@ class Zygote:
                     future.set_exception(EOFError("the fork server exited"))
             self._waiting.clear()
 
-    def _dispatch(self, msg: dict) -> None:
-        kind = msg.get("t")
-        if kind == "ready":
+    def _dispatch(self, msg: fork.Message) -> None:
+        if isinstance(msg, fork.Ready):
             future = self._waiting.pop(0, None)
-        elif kind in ("spawned", "failed"):
-            future = self._waiting.pop(msg.get("id"), None)
-        elif kind == "exited":  # a worker's init, reaped: the worker's status was read before
-            self._host_pids.pop(msg.get("pid"), None)
+        elif isinstance(msg, (fork.Spawned, fork.Failed)):
+            future = self._waiting.pop(msg.id, None)
+        elif isinstance(msg, fork.Exited):  # a worker's init, reaped: the worker's status was read before
+            self._host_pids.pop(msg.pid, None)
             return
-        elif kind == "spare":  # the next worker's init, made ahead: its cgroups may be made ahead too
+        elif isinstance(msg, fork.Spare):  # the next worker's init, made ahead: its cgroups may be made ahead too
             if self.on_spare is not None:
-                with contextlib.suppress(WorkerStartError, ValueError, TypeError):
-                    self.on_spare(self._host_pid(int(msg["pid"])))
+                with contextlib.suppress(WorkerStartError):
+                    self.on_spare(self._host_pid(msg.pid))
             return
-        elif kind == "forked":  # a worker's init exists (its setup goes on): whoever asked is told
-            told = self._forked.pop(msg.get("id"), None)
+        else:  # forked: a worker's init exists (its setup goes on): whoever asked is told
+            told = self._forked.pop(msg.id, None)
             if told is not None:
-                with contextlib.suppress(WorkerStartError, ValueError, TypeError):
-                    told(self._host_pid(int(msg["pid"])))
-            return
-        else:
+                with contextlib.suppress(WorkerStartError):
+                    told(self._host_pid(msg.pid))
             return
         if future is not None and not future.done():
             future.set_result(msg)
 
-    async def spawn(self, launch: Launch, exec_argv: list[str] | None = None, *, view: dict | None = None,
-                    on_forked: Callable[[int], None] | None = None) -> ZygoteProcess:
-        """Fork a worker for ``launch`` (its env, cwd and confinement); start the server first
-        if needed.  ``exec_argv``: what the forked process runs instead of the worker runtime
-        (a fresh interpreter: a sample slot, ``worker.slot``).  ``view``: ``hide`` and ``show``
-        for the forked process (see ``worker.zygote._private_tmp``).  ``on_forked``: called
-        with the host pid of the worker's namespace init as soon as it exists, before it forks
-        the worker (so its cgroups can be entered while it sets the namespace up)."""
+    async def spawn(self, launch: Launch, on_root: Callable[[int], None] | None = None, *,
+                    view: dict | None = None) -> ForkedProcess:
+        """Fork a process for ``launch`` (its env, cwd and confinement); start the server first
+        if needed.  A launch that does not serve blocks (a sample slot) has its ``command``
+        executed in the forked process: a fresh interpreter.  ``view``: ``hide`` and ``show``
+        for the forked process (see ``worker.fork_server._private_tmp``).  ``on_root``: called
+        with the host pid of the process's namespace init as soon as it exists, before it forks
+        the process (so its cgroups can be entered while it sets the namespace up)."""
         async with self._lock:
             if self._proc is None or self._proc.returncode is not None:
                 await self.start()
         assert self._proc is not None and self._proc.stdin is not None
         rid = next(self._ids)
-        request = {"t": "spawn", "id": rid, "endpoint": launch.argv[-1], "env": launch.env,
-                   "cwd": str(launch.cwd), "private_net": not self.sandbox.network,
-                   "tmp_bytes": self.sandbox.tmp_bytes, **(view or {})}
-        if self.own_workspace is not None:
-            request["own_workspace"] = self.own_workspace
-        if exec_argv is not None:
-            request["exec"] = list(exec_argv)
-        stderr = self._stderr_fifo(launch, request) if self.private_stderr else None
+        stderr, stderr_path = self._stderr_fifo(launch) if self.private_stderr else (None, None)
+        view = view or {}
+        sandbox = self.settings.sandbox
+        request = fork.Spawn(rid, launch.endpoint, launch.env, str(launch.cwd), not sandbox.network,
+                             sandbox.tmp_bytes, self.own_workspace,
+                             None if launch.serves_blocks else tuple(launch.command),
+                             tuple(view.get("hide", ())), tuple((p, ro) for p, ro in view.get("show", ())),
+                             stderr_path)
         future = asyncio.get_running_loop().create_future()
         self._waiting[rid] = future  # (after the fifo: a failure to make it leaves nothing waiting)
-        if on_forked is not None:
-            self._forked[rid] = on_forked
+        if on_root is not None:
+            self._forked[rid] = on_root
         try:
             reply = await self._ask(request, future)
-            host = self._host_pid(int(reply["pid"]))
-            self._host_pids[int(reply["pid"])] = host
+            host = self._host_pid(reply.pid)
+            self._host_pids[reply.pid] = host
             below = descendants(host)
             if not below:  # the worker died at once; its init is all there is to kill
-                _signal(host, 9)
+                signal_quietly(host, 9)
                 said = self.stderr_tail if stderr is None else _drain(stderr)
                 raise WorkerStartError(f"the forked worker exited at once: {said.decode('utf-8', 'replace').strip()}")
         except BaseException:
@@ -296,31 +291,30 @@ class Zygote:
             raise
         finally:
             self._forked.pop(rid, None)
-        return ZygoteProcess(self, host, below[0], stderr)
+        return ForkedProcess(self, host, below[0], stderr)
 
-    async def _ask(self, request: dict, future: asyncio.Future) -> dict:
+    async def _ask(self, request: fork.Spawn, future: asyncio.Future) -> fork.Spawned:
         """Send one spawn request; the server's ``spawned`` reply."""
         assert self._proc is not None and self._proc.stdin is not None
-        data = msgpack.packb(request, use_bin_type=True)
-        self._proc.stdin.write(struct.pack(">I", len(data)) + data)
+        self._proc.stdin.write(frame(encode(request)))
         try:
-            reply = await asyncio.wait_for(asyncio.shield(future), self.start_timeout)
+            reply = await asyncio.wait_for(asyncio.shield(future), self.settings.start_timeout)
         except (TimeoutError, EOFError, asyncio.CancelledError) as exc:
             # The request stands: a worker forked for it after all would belong to nobody.
             future.add_done_callback(self._unowned)
             if isinstance(exc, asyncio.CancelledError):
                 raise
             raise WorkerStartError(f"the fork server did not fork: {exc}") from exc
-        if reply["t"] == "failed":
-            raise WorkerStartError(f"the fork server could not fork: {reply.get('error')}")
+        if isinstance(reply, fork.Failed):
+            raise WorkerStartError(f"the fork server could not fork: {reply.error}")
         return reply
 
     @staticmethod
-    def _stderr_fifo(launch: Launch, request: dict) -> int:
+    def _stderr_fifo(launch: Launch) -> tuple[int, str]:
         """A fifo in the worker's socket directory (which only it is shown, read-only; the fifo
-        is root's, 0600) to be its stderr; its read end, non-blocking.  Opened before the
-        worker opens the other end, so the worker never waits for a reader."""
-        endpoint = launch.argv[-1]
+        is root's, 0600) to be its stderr: its read end, non-blocking, and its path.  Opened
+        before the worker opens the other end, so the worker never waits for a reader."""
+        endpoint = launch.endpoint
         if not endpoint.startswith("ipc://"):
             raise WorkerStartError("a shared fork server needs ipc:// endpoints")
         path = os.path.join(os.path.dirname(endpoint[len("ipc://"):]), "stderr")
@@ -329,16 +323,15 @@ class Zygote:
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError as exc:
             raise WorkerStartError(f"could not make the worker's stderr fifo {path}: {exc}") from exc
-        request["stderr"] = path
-        return fd
+        return fd, path
 
     def _unowned(self, future: asyncio.Future) -> None:
         """Kill what the server forked for a request nobody waits for any more (its namespace's
         init: the worker goes with it)."""
-        if future.cancelled() or future.exception() is not None or future.result().get("t") != "spawned":
+        if future.cancelled() or future.exception() is not None or not isinstance(future.result(), fork.Spawned):
             return
-        with contextlib.suppress(WorkerStartError, ValueError, TypeError):
-            _signal(self._host_pid(int(future.result()["pid"])), 9)
+        with contextlib.suppress(WorkerStartError):
+            signal_quietly(self._host_pid(future.result().pid), 9)
 
     def _host_pid(self, zpid: int) -> int:
         """The host pid of the server's child ``zpid`` (numbered in the sandbox's namespace)."""
@@ -361,7 +354,7 @@ class Zygote:
         if self._proc is None:
             return
         for pid in [*descendants(self._proc.pid), self._proc.pid]:
-            _signal(pid, 9)
+            signal_quietly(pid, 9)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._proc.wait(), 5)
         if self._reader is not None:

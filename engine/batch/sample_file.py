@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -33,16 +32,19 @@ from ..engine import Engine
 from ..errors import ConfigError
 from ..launcher import ENV_ALLOWLIST
 from ..samples import FILES_CAP, STATUSES, Sample, SampleResult, cancelled, check_env
+from ..settings import WorkerSettings
 from .capacity import default_parallel
-from .local import BatchOutcome
-from .progress import Tally, make_view
-from .results import ResultsFile, lock_file, open_results
+from .local import BatchOutcome, drive
+from .progress import LinesView, Tally
+from .results_file import ResultsFile, lock_file, open_results
 from .run import pack_files
 from .stopping import Stopper
 from .tasks import read_lines, refuse_invalid, task_files
 
+__all__ = ["REDO", "SampleSpec", "read_samples", "run_samples"]
+
 #: What ``--redo`` may name (``cancelled`` samples always run again).
-REDO = ("error", "timeout", "killed", "died")
+REDO = ("error", "timeout", "oom", "died")
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,7 @@ def _files(value: Any, where: str, base: Path) -> tuple[str, ...]:
     return paths
 
 
-async def _run_local(pending: list[SampleSpec], engine_options: dict, results: ResultsFile, tally: Tally,
+async def _run_local(pending: list[SampleSpec], settings: WorkerSettings, results: ResultsFile, tally: Tally,
                      view, parallel: int, stopper: Stopper, timeout: float) -> None:
     loop = asyncio.get_running_loop()
     started: dict[str, tuple[SampleSpec, float]] = {}
@@ -146,8 +148,8 @@ async def _run_local(pending: list[SampleSpec], engine_options: dict, results: R
 
     ticking = asyncio.ensure_future(ticker())
     try:
-        async with Engine(**engine_options) as engine:
-            results_of = engine.map(feed(), concurrency=parallel, timeout=timeout)
+        async with Engine(settings) as engine:
+            results_of = engine.as_completed(feed(), concurrency=parallel, timeout=timeout)
             try:
                 async for result in results_of:
                     record(result)
@@ -164,14 +166,14 @@ async def _run_local(pending: list[SampleSpec], engine_options: dict, results: R
             record(cancelled(Sample(spec.id, ""), at))
 
 
-def run_samples(samples_path: str | Path, output: str | Path, engine_options: dict, *,
+def run_samples(samples_path: str | Path, output: str | Path, settings: WorkerSettings, *,
                 parallel: int | None = None, timeout: float, progress: str = "auto", skip_invalid: bool = False,
                 redo: Iterable[str] = (), ray_address: str | None = None) -> BatchOutcome:
     """Run every sample of ``samples_path`` not yet in ``output``; see the module docstring.
 
-    ``engine_options``: keyword arguments of the ``Engine`` that runs them (sandbox, limits,
-    interpreter).  Raises ConfigError, before anything starts, for invalid lines (unless
-    ``skip_invalid``), a damaged output, or an output another process is writing."""
+    ``settings``: how the workers that run them are started and contained.  Raises
+    ConfigError, before anything starts, for invalid lines (unless ``skip_invalid``), a damaged
+    output, or an output another process is writing."""
     output = Path(output)
     specs, problems = read_samples(samples_path)
     refuse_invalid(samples_path, problems, skip_invalid)
@@ -179,28 +181,20 @@ def run_samples(samples_path: str | Path, output: str | Path, engine_options: di
     lock = lock_file(output.with_name(f".{output.name}.lock"),
                      f"another agentloop is writing {output}; wait for it or stop it")
     results, resumed = open_results(output, redo, "sample", lock=lock)
-    try:
-        pending = [s for s in specs if s.key not in resumed.done]
-        before = len(specs) - len(pending)
-        parallel = parallel or default_parallel()
-        where = f"on Ray at {ray_address}" if ray_address else f"{parallel} at once"
-        print(f"agentloop: {len(specs)} samples, {before} done before, {len(pending)} to run, {where}; "
-              f"results in {output}", file=sys.stderr, flush=True)
-        tally = Tally(len(specs), before, kind="samples", statuses=STATUSES)
-        view = make_view(progress, tally)
-        stopper = Stopper()
-        view.start()
-        try:
-            if ray_address is not None and pending:
-                from . import samples_ray
+    parallel = parallel or default_parallel()
+    where = f"on Ray at {ray_address}" if ray_address else f"{parallel} at once"
 
-                samples_ray.run_on_ray(ray_address, pending, engine_options, results=results, tally=tally,
-                                       view=view, parallel=parallel, stopper=stopper, timeout=timeout)
-            elif pending:
-                asyncio.run(_run_local(pending, engine_options, results, tally, view, parallel, stopper, timeout))
-        finally:
-            view.stop()
-        return BatchOutcome(tally, stopper.reason)
-    finally:
-        results.close()
-        os.close(lock)
+    def run(pending: list, tally: Tally, view: LinesView, stopper: Stopper) -> None:
+        if ray_address is not None:
+            from . import sample_file_ray
+
+            sample_file_ray.run_on_ray(ray_address, pending, settings, results=results, tally=tally, view=view,
+                                       parallel=parallel, stopper=stopper, timeout=timeout)
+        else:
+            asyncio.run(_run_local(pending, settings, results, tally, view, parallel, stopper, timeout))
+
+    def tally(total: int, before: int) -> Tally:
+        return Tally(total, before, kind="samples", statuses=STATUSES)
+
+    return drive("samples", specs, results, resumed.done, lock, progress=progress, tally=tally, run=run,
+                 header=f"{where}; results in {output}")

@@ -1,6 +1,6 @@
 """A block run as ``python FILE ARGS`` runs a script: what ``agentloop exec`` asks of a worker.
 
-The worker side is ``worker.script``.  Here: what the coordinator says (``Script``), and the
+The worker side is ``worker.script_run``.  Here: what the coordinator says (``ScriptRun``), and the
 forwarding of a file descriptor (``exec``'s own stdin) to the code's ``sys.stdin``.
 """
 
@@ -14,7 +14,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from worker import wire
+from worker.contract import wire
+
+__all__ = ["STDIN_CAP", "ScriptRun", "forward_stdin"]
 
 log = logging.getLogger("agentloop")
 
@@ -25,7 +27,7 @@ _CHUNK = 64 * 1024
 
 
 @dataclass(frozen=True)
-class Script:
+class ScriptRun:
     """How to run a block as a script.  ``path``: the file's absolute path (``__file__``, the
     name in tracebacks and warnings), None for code read from stdin (named ``<stdin>``);
     ``argv``: ``sys.argv``, the file as given first; ``stdin``: a file descriptor whose bytes
@@ -38,11 +40,11 @@ class Script:
     argv: list[str] = field(default_factory=list)
     stdin: int | None = None
 
-    def wire(self) -> dict:
-        return {"path": self.path, "argv": list(self.argv), "stdin": self.stdin is not None}
+    def spec(self) -> wire.ScriptSpec:
+        return wire.ScriptSpec(self.path, tuple(self.argv), self.stdin is not None)
 
 
-def forward_stdin(fd: int, send: Callable[[dict], None], block_id: str, done: Callable[[], bool]) -> None:
+def forward_stdin(fd: int, send: Callable[[wire.Message], None], block_id: str, done: Callable[[], bool]) -> None:
     """Read ``fd`` in a daemon thread and send its bytes to the block as ``stdin`` messages, in
     chunks of up to 64 KiB, until its end, ``STDIN_CAP``, or the block's end (``done``).
 
@@ -52,7 +54,7 @@ def forward_stdin(fd: int, send: Callable[[dict], None], block_id: str, done: Ca
     loop = asyncio.get_running_loop()
 
     def post(data: bytes, eof: bool) -> None:
-        loop.call_soon_threadsafe(send, wire.stdin(block_id, data, eof))
+        loop.call_soon_threadsafe(send, wire.Stdin(block_id, data, eof))
 
     def pump() -> None:
         total = 0

@@ -18,6 +18,12 @@ import io
 import os
 import sys
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .contract.wire import ScriptSpec
+
+__all__ = ["ScriptInput", "enter", "exit_status", "finish", "like_main_thread"]
 
 #: How often a reader waiting for stdin wakes, so that a cancel (an exception raised in its
 #: thread, which only lands between bytecodes) reaches it instead of a kill.
@@ -84,11 +90,11 @@ class ScriptInput:
         self._raw.feed(data, eof)
 
 
-def enter(namespace: dict, script: dict, stdin: ScriptInput) -> str:
+def enter(namespace: dict, script: ScriptSpec, stdin: ScriptInput) -> str:
     """Make the process look like ``python FILE ARGS``; returns the code's file name (the
     absolute path, as CPython 3.9+ gives ``__file__``, or ``<stdin>`` for code read from stdin)."""
-    path = script.get("path")
-    argv = [str(a) for a in script.get("argv") or []]
+    path = script.path
+    argv = list(script.argv)
     sys.argv = argv or [path or "-"]
     sys.stdin = stdin.stream
     if path:

@@ -14,53 +14,50 @@ the chunk returned) and exits 130.
 from __future__ import annotations
 
 import asyncio
-import signal
 from typing import Any
 
 from ..engine import Engine
-from .on_ray import NODE_RETRIES, agent_slots, connect, import_ray
+from ..settings import WorkerSettings
+from .on_ray import NODE_RETRIES, agent_slots, on_cluster
 from .progress import LinesView, Tally
-from .results import ResultsFile
+from .results_file import ResultsFile
 from .stopping import Stopper
 
-# The samples are ``engine.batch.samples.SampleSpec``s (not imported: that module imports this one).
+__all__ = ["CHUNK", "run_chunk", "run_on_ray"]
+
+# The samples are ``engine.batch.sample_file.SampleSpec``s (not imported: that module imports this one).
 
 #: Samples per Ray task.
 CHUNK = 32
 
 
-def run_chunk(specs: list[Any], engine_options: dict, parallel: int, timeout: float) -> list[dict]:
+def run_chunk(specs: list[Any], settings: WorkerSettings, parallel: int, timeout: float) -> list[dict]:
     """The Ray task: run ``specs`` on this node; their records, in completion order."""
     import ray
 
     async def main() -> list[dict]:
-        async with Engine(**engine_options) as engine:
-            return [r.record() async for r in engine.map((s.sample() for s in specs), concurrency=parallel,
+        async with Engine(settings) as engine:
+            return [r.record() async for r in engine.as_completed((s.sample() for s in specs), concurrency=parallel,
                                                            timeout=timeout)]
 
     node = ray.util.get_node_ip_address()
     return [{**record, "node": node} for record in asyncio.run(main())]
 
 
-def run_on_ray(address: str, pending: list[Any], engine_options: dict, *, results: ResultsFile,
+def run_on_ray(address: str, pending: list[Any], settings: WorkerSettings, *, results: ResultsFile,
                tally: Tally, view: LinesView, parallel: int, stopper: Stopper, timeout: float) -> None:
     """Run ``pending`` on the cluster at ``address``, writing each chunk's records as it comes."""
-    ray = import_ray()
-    connected = connect(ray, address, {})
-    handlers: dict[int, Any] = {}
-    try:
+    with on_cluster(address, {}, stopper) as ray:
         slots = max(1, agent_slots(ray))
         remote = ray.remote(num_cpus=0, resources={"agent_slot": 1}, max_retries=NODE_RETRIES,
                             retry_exceptions=False)(run_chunk)
-        for sig in (signal.SIGINT, signal.SIGTERM):  # a flag only: ray calls are not made from a handler
-            handlers[sig] = signal.signal(sig, lambda *_: stopper.interrupt())
         chunks = [pending[i:i + CHUNK] for i in range(0, len(pending), CHUNK)]
         inflight: dict[Any, list[Any]] = {}
         cancelled = False
         while chunks or inflight:
             while not stopper.stopping and chunks and len(inflight) < slots:
                 chunk = chunks.pop(0)
-                inflight[remote.remote(chunk, engine_options, parallel, timeout)] = chunk
+                inflight[remote.remote(chunk, settings, parallel, timeout)] = chunk
                 for spec in chunk:
                     tally.start(spec.key)
             if stopper.stopping and not cancelled:
@@ -84,8 +81,3 @@ def run_on_ray(address: str, pending: list[Any], engine_options: dict, *, result
                 for spec in chunk:
                     tally.running.pop(spec.key, None)
             view.tick()
-    finally:
-        for sig, previous in handlers.items():
-            signal.signal(sig, previous)
-        if connected:
-            ray.shutdown()

@@ -13,6 +13,11 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
+__all__ = [
+    "ResultsFile", "Resumed", "STATUSES", "lock_file", "lock_runs_dir", "open_results", "read_all",
+    "redo_selector"
+]
+
 STATUSES = ("answered", "failed", "timed_out", "cancelled")
 
 

@@ -1,13 +1,15 @@
 """How an object in a namespace is described to the model (the system prompt's listing).
 
-Lives in the worker because most objects live there (handed-over functions, values); the
-coordinator uses the same function for host functions, which live on its side.
+Both sides describe: the worker the objects that live there (handed-over functions, values),
+the coordinator its host functions; one function, so the model reads one format.
 """
 
 from __future__ import annotations
 
 import inspect
 from typing import Any
+
+__all__ = ["describe_object"]
 
 
 def _signature(value: Any) -> str:

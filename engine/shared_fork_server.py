@@ -9,11 +9,11 @@ of a server that has already imported the runtime (~10 ms).
 Its sandbox shows what all the runs need: the system and the workers' Python read-only, the
 batch's runs directory read-write (every run's workspace and block outputs lie beneath it) and
 one socket root read-only (every run's socket directories lie beneath it).  No worker is shown
-that.  Each forked worker's namespace init (``worker.zygote._private_tmp``) covers the runs
+that.  Each forked worker's namespace init (``worker.fork_server._private_tmp``) covers the runs
 directory and the socket root with an empty read-only tmpfs and binds back its run's workspace
 (read-write), its run's outputs and its own socket directory (read-only): what a worker of
 the run started cold is shown, and nothing of another run — not its directory, its sockets,
-its outputs nor its transcript.  Its stderr is a fifo of its own (``Zygote.private_stderr``),
+its outputs nor its transcript.  Its stderr is a fifo of its own (``ForkServer.private_stderr``),
 so no run reads another's last words.  Everything else stays the run's: the environment, the
 uid, the Landlock rules and rlimits (all in ``AGENTLOOP_CONFINE``), and a memory and a pids
 cgroup per worker with the run's limits.  Those lie under one pair of parents for the batch
@@ -37,69 +37,53 @@ import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
-from ._bwrap import View, _beneath, bwrap_argv
+from ._bwrap import beneath
 from ._cgroup import SpareGroups, WorkerCgroups
 from ._process import Launch
 from ._tree import remove_tree
-from ._zygote import Zygote, ZygoteProcess
 from .errors import WorkerStartError
-from .sandbox import LaunchPlan, SandboxPolicy, _system_paths, host_support, python_paths
+from .fork_server import ForkedProcess, ForkServer
+from .interpreter import python_paths
+from .sandbox import server_plan, system_paths
+from .settings import WorkerSettings
+
+__all__ = ["RunView", "SharedForkServer"]
 
 
-class Launcher(Protocol):
-    """What the server asks of a run's launcher (``engine.launcher.Launcher``, which imports
-    this module)."""
+class RunView:
+    """The shared server as one run uses it: every process it forks gets the run's view.  A
+    provisioner (``engine.provision``) whose ``close`` leaves the server to the batch."""
 
-    zygote: bool | None
-    own_workspaces: bool
-    transport: str
-    sandbox: SandboxPolicy
-    python: str
-    preload: tuple[str, ...]
-    workspace: Path
-    output_dir: Path
-    cwd: Path
-    sock_root: Path | None
-    runtime_packages: dict[str, str]
+    kind = "shared fork server"
 
-    def env(self, token: str, plan: LaunchPlan) -> dict[str, str]: ...
-
-
-class RunForkServer:
-    """The shared server as one run uses it: every worker it forks gets the run's view."""
-
-    def __init__(self, shared: SharedForkServer, zygote: Zygote, view: dict) -> None:
+    def __init__(self, shared: SharedForkServer, server: ForkServer, view: dict) -> None:
         self.shared = shared
-        self.zygote = zygote
+        self.server = server
         self.view = view
 
-    async def spawn(self, launch: Launch, exec_argv: list[str] | None = None, *,
-                    on_forked: Callable[[int], None] | None = None) -> ZygoteProcess:
+    async def spawn(self, launch: Launch, on_root: Callable[[int], None] | None = None) -> ForkedProcess:
         if self.shared.closed:  # it would start again, with nobody left to close it
             raise WorkerStartError("the batch's fork server was closed")
-        return await self.zygote.spawn(launch, exec_argv, view=self.view, on_forked=on_forked)
+        return await self.server.spawn(launch, on_root, view=self.view)
+
+    async def close(self) -> None:
+        pass  # the batch's, closed with the batch
 
 
 class SharedForkServer:
-    """One fork server for the runs beneath ``root`` (a batch's runs directory).
+    """One fork server for the runs beneath ``root`` (a batch's runs directory), started with
+    the batch's ``settings`` (a run with other settings is not served).  Nothing starts before
+    a run's first worker; ``close`` kills the server and every worker it forked, and removes
+    the socket root."""
 
-    ``sandbox``, ``python`` and ``preload`` are the runs' own (a run with others is not served).
-    Nothing starts before a run's first worker; ``close`` kills the server and every worker it
-    forked, and removes the socket root."""
-
-    def __init__(self, root: str | Path, *, sandbox: SandboxPolicy, python: str, preload: tuple[str, ...] = (),
-                 start_timeout: float = 30.0) -> None:
+    def __init__(self, root: str | Path, settings: WorkerSettings) -> None:
         self.root = Path(os.path.realpath(root))
-        self.sandbox = sandbox
-        self.python = python
-        self.preload = tuple(preload)
-        self.start_timeout = start_timeout
+        self.settings = settings
         #: Where each run's socket directories go (a directory per run), made on first use.
         self.socket_root: Path | None = None
         self._runs = itertools.count(1)
-        self._zygote: Zygote | None = None
+        self._server: ForkServer | None = None
         self._closed = False
         self._holds_python: bool | None = None
         self._cgroups: tuple[WorkerCgroups | None, WorkerCgroups | None] | None = None
@@ -113,27 +97,28 @@ class SharedForkServer:
     @property
     def pid(self) -> int | None:
         """The host pid of the server's sandbox (bubblewrap), while it runs."""
-        return self._zygote.pid if self._zygote is not None else None
+        return self._server.pid if self._server is not None else None
 
-    def refuses(self, launcher: Launcher) -> str | None:
-        """Why this server may not fork ``launcher``'s workers (None: it may)."""
+    def refuses(self, settings: WorkerSettings, *, cwd: Path, workspace: Path, output_dir: Path,
+                own_workspaces: bool = False) -> str | None:
+        """Why this server may not fork the workers of a run with ``settings`` and these
+        directories (None: it may).  The caller has asked ``provision.fork_server_refusal``."""
         if self._closed:
             return "the batch's fork server is closed"
-        if os.geteuid() != 0 or self.sandbox.mode not in ("auto", "bwrap") or host_support().bwrap is None:
-            return "the fork server needs bubblewrap and a coordinator running as root"
-        if launcher.zygote is False or launcher.own_workspaces or launcher.transport != "ipc":
+        if own_workspaces or settings.transport != "ipc":
             return "this run's workers start cold"
-        if (launcher.sandbox, launcher.python, launcher.preload) != (self.sandbox, self.python, self.preload):
+        if (settings.sandbox, settings.python, settings.preload) != \
+                (self.settings.sandbox, self.settings.python, self.settings.preload):
             return "this run's sandbox, Python or preloaded modules differ from the batch's"
         root = str(self.root)
-        workspace = os.path.realpath(launcher.workspace)
-        inside = (workspace, os.path.realpath(launcher.output_dir))
-        if workspace == root or not all(_beneath(p, root) for p in inside) \
-                or not _beneath(os.path.realpath(launcher.cwd), workspace):
+        workspace_path = os.path.realpath(workspace)
+        inside = (workspace_path, os.path.realpath(output_dir))
+        if workspace_path == root or not all(beneath(p, root) for p in inside) \
+                or not beneath(os.path.realpath(cwd), workspace_path):
             return f"this run's directories do not all lie beneath {root}"
         if self._holds_python is None:  # (the same answer for every run: asked once)
-            system, _ = _system_paths()
-            self._holds_python = any(_beneath(p, root) for p in (*system, *python_paths(self.python)))
+            system, _ = system_paths()
+            self._holds_python = any(beneath(p, root) for p in (*system, *python_paths(self.settings.python)))
         if self._holds_python:
             return f"{root} holds a directory the workers' Python needs"
         return None
@@ -158,48 +143,36 @@ class SharedForkServer:
         if self._cgroups is None:
             name = f"batch{secrets.token_hex(3)}"
             self._cgroups = (WorkerCgroups.find(name), WorkerCgroups.find(name, "pids"))
+            sandbox = self.settings.sandbox
             self.spares = SpareGroups([(cgroups, limit) for cgroups, limit in zip(
-                self._cgroups, (self.sandbox.memory_bytes, self.sandbox.max_processes), strict=True) if cgroups])
-            if self._zygote is not None:
-                self._zygote.on_spare = self.spares.prepare
+                self._cgroups, (sandbox.memory_bytes, sandbox.max_processes), strict=True) if cgroups])
+            if self._server is not None:
+                self._server.on_spare = self.spares.prepare
         return self._cgroups
 
-    def for_run(self, launcher: Launcher) -> RunForkServer:
-        """The server as ``launcher`` (one it does not refuse, opened) uses it."""
-        assert self.socket_root is not None and launcher.sock_root is not None
-        if self._zygote is None:
-            plan = self._plan()
-            env = launcher.env("", plan)
-            env["HOME"] = "/"  # (the server's; every worker gets its run's environment)
-            self._zygote = Zygote(plan, env, python=self.python, cwd=Path("/"), sandbox=self.sandbox,
-                                  start_timeout=self.start_timeout, preload=self.preload,
-                                  packages=launcher.runtime_packages)
-            self._zygote.private_stderr = True
-            if self.spares is not None:
-                self._zygote.on_spare = self.spares.prepare
-        view = {"hide": [str(self.root), str(self.socket_root)],
-                "show": [[os.path.realpath(launcher.workspace), False], [os.path.realpath(launcher.output_dir), True]]}
-        return RunForkServer(self, self._zygote, view)
-
-    def _plan(self) -> LaunchPlan:
-        """The server's sandbox: a worker's view, with the runs directory as the workspace and
-        the socket root as the socket directory; it starts in ``/``."""
+    def for_run(self, workspace: Path, output_dir: Path, env: dict[str, str], packages: dict[str, str]) -> RunView:
+        """The server as a run it does not refuse uses it: its processes see the run's
+        ``workspace`` (read-write) and ``output_dir`` (read-only).  ``env`` and ``packages``:
+        the server's environment and runtime packages, the first run's (every run's are alike)."""
         assert self.socket_root is not None
-        host = host_support()
-        assert host.bwrap is not None
-        system, links = _system_paths()
-        view = View(tuple(system), tuple(links), python_paths(self.python), self.root, self.socket_root, None, None)
-        argv = bwrap_argv(host.bwrap, root=host.root, network=self.sandbox.network,
-                          tmp_bytes=self.sandbox.tmp_bytes, view=view, start_dir="/")
-        return LaunchPlan(argv, True, cwd="/")
+        if self._server is None:
+            plan = server_plan(self.settings.sandbox, self.settings.python, self.root, self.socket_root)
+            env = {**env, "HOME": "/"}  # (the server's; every worker gets its run's environment)
+            self._server = ForkServer(plan, env, settings=self.settings, cwd=Path("/"), packages=packages)
+            self._server.private_stderr = True
+            if self.spares is not None:
+                self._server.on_spare = self.spares.prepare
+        view = {"hide": [str(self.root), str(self.socket_root)],
+                "show": [[os.path.realpath(workspace), False], [os.path.realpath(output_dir), True]]}
+        return RunView(self, self._server, view)
 
     async def close(self) -> None:
         """Kill the server (every worker it forked goes with it), remove the cgroups made
         ahead and the socket root.  A run opened afterwards starts its workers cold; one opened
         before gets WorkerStartError."""
         self._closed = True
-        if self._zygote is not None:
-            await self._zygote.close()
+        if self._server is not None:
+            await self._server.close()
         if self.spares is not None:
             await asyncio.to_thread(self.spares.close)
         for cgroups in self._cgroups or ():

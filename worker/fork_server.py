@@ -1,15 +1,15 @@
-"""The fork server: ``python -m worker.zygote``, started once per run inside the run's sandbox.
+"""The fork server: ``python -m worker.fork_server``, started once per run inside the run's sandbox.
 
 It imports the worker runtime (and modules named with ``AGENTLOOP_PRELOAD``) once, then forks
 a worker per request in a few milliseconds instead of starting an interpreter.  It runs no
 user code, holds no threads and no ZeroMQ context (neither survives a fork), and talks to the
-coordinator over its stdin/stdout: 4-byte big-endian length, then one msgpack map.
+coordinator over its stdin/stdout (``contract.fork``).
 
 Each worker gets the isolation of a freshly started one:
 
-    zygote ── B (new PID, network, IPC, UTS and mount namespaces for its children; forks C,
+    server ── B (new PID, network, IPC, UTS and mount namespaces for its children; forks C,
                says C's pid, exits)
-          ── C (re-parented to the zygote; pid 1 of its namespace: mounts its own /proc,
+          ── C (re-parented to the server; pid 1 of its namespace: mounts its own /proc,
                brings its loopback up, waits for its request; then mounts its own /tmp and
                /dev/shm, shows only its worker's directories and socket, forks D, then
                becomes ``sleep infinity``)
@@ -21,27 +21,19 @@ moment after a fork, the next worker's namespaces, /proc and loopback are made, 
 waits only for what depends on it.
 
 Killing C ends every process of that namespace.  C and D are also members of the sandbox's
-PID namespace, so the zygote's death (and the coordinator's, which kills the zygote's
+PID namespace, so the server's death (and the coordinator's, which kills the server's
 sandbox) ends them all.  C reaps nothing: the worker is a child subreaper, so orphans of user
 code go to D, and D's own exit leaves a zombie whose status the coordinator reads before it
 kills C.  As a tiny program instead of a copy of this interpreter, C costs a worker about
-0.1 MB instead of 1.5 MB (and no share of the zygote's pages).
-Requests:  spawn {id, endpoint, env, cwd, private_net, tmp_bytes, own_workspace?, exec?, hide?, show?,
-                  stderr?}
-           (exec: an argv D runs instead of serving as a worker: a sample slot; hide, show: what
-           of the server's view C covers and binds back, see ``_private_tmp``; stderr: a fifo
-           that becomes D's stderr instead of the server's)  ->  spawned {id, pid}  |  failed {id, error}
-           (pid: C's, in the zygote's namespace; D is C's only child)
-Reports:   spare {pid}  a C made ahead (its pid: the coordinator may put it in cgroups ahead);
-           forked {id, pid}  as C is handed its request (C's pid; spawned follows once D exists:
-           the coordinator moves C into the worker's cgroups meanwhile, so D is born inside);
-           exited {id, pid, status}  when a worker's C is reaped (status as a shell's $?).
+0.1 MB instead of 1.5 MB (and no share of the server's pages).
+The channel (requests on stdin, reports on stdout) is ``contract.fork``: ``spawned`` and
+``forked`` name C's pid; D is C's only child.  ``forked`` comes as C is handed its request, so
+the coordinator moves C into the worker's cgroups while C sets up, and D is born inside them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import os
 import select
@@ -51,25 +43,42 @@ import sys
 import time
 from collections.abc import Callable
 
-import msgpack
+from ._mounts import (
+    MS_BIND,
+    MS_NODEV,
+    MS_NOEXEC,
+    MS_NOSUID,
+    MS_PRIVATE,
+    MS_RDONLY,
+    MS_REC,
+    MS_REMOUNT,
+    NEWIPC,
+    NEWNET,
+    NEWNS,
+    NEWPID,
+    NEWUTS,
+    beneath,
+    bind,
+    check,
+    libc,
+    loopback_up,
+    mount_points_under,
+)
+from .contract import fork
+from .contract.framing import FrameBuffer, FrameError, decode, encode, frame, read_frame, write_all
+from .contract.schema import ContractError
 
-_libc = ctypes.CDLL(None, use_errno=True)
+__all__ = ["serve"]
+
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
-_NEW = 0x20000000 | 0x08000000 | 0x04000000 | 0x00020000  # PID IPC UTS NS
-_NEWNET = 0x40000000
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
-_MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
-
-
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
+_NEW = NEWPID | NEWIPC | NEWUTS | NEWNS
+#: What B and C say on the report pipe, inside the server: who (b"C" or b"D") and its pid.
+_REPORT = struct.Struct(">cI")
 
 
 def _die_with_parent(parent: int | None) -> None:
-    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if parent is not None and os.getppid() != parent:
         os._exit(70)  # the parent died before the signal was armed
 
@@ -80,36 +89,12 @@ def _exit_status(status: int) -> int:
     return os.WEXITSTATUS(status)
 
 
-def _mount_points_under(top: str) -> list[tuple[str, bool]]:
-    """(mount point, read-only) of every mount strictly below ``top``, shallowest first."""
-    found = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            point = fields[4].encode().decode("unicode_escape")  # octal escapes such as \040
-            if point.startswith(top.rstrip("/") + "/"):
-                found.append((point, "ro" in fields[5].split(",")))
-    return sorted(found, key=lambda item: item[0].count("/"))
-
-
-def _bind(fd: int, where: str, read_only: bool) -> None:
-    os.makedirs(where, exist_ok=True)
-    _check(_libc.mount(f"/proc/self/fd/{fd}".encode(), where.encode(), None, _MS_BIND, None), where)
-    if read_only:
-        flags = _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV
-        _check(_libc.mount(None, where.encode(), None, flags, None), where)
-
-
-def _beneath(path: str, top: str) -> bool:
-    return path == top or path.startswith(top.rstrip("/") + "/")
-
-
 def _open_dir(path: str) -> int:
     """An O_PATH descriptor of directory ``path``, its last component never a link."""
     return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
 
 
-def _private_tmp(request: dict) -> None:
+def _private_tmp(request: fork.Spawn) -> None:
     """A /tmp and /dev/shm of this worker's own, and a view of the server's directories that
     holds this worker's own and nothing of its neighbours'.
 
@@ -124,31 +109,31 @@ def _private_tmp(request: dict) -> None:
     /tmp (the project, the workspace, ...) is mounted again on top unless hidden, an empty
     read-only tmpfs covers each hidden directory that is still there, and the shown paths are
     bound back in it."""
-    endpoint = str(request.get("endpoint", ""))
+    endpoint = request.endpoint
     own = os.path.dirname(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
-    hide = [str(h) for h in request.get("hide") or ([os.path.dirname(own)] if own else [])]
-    show = [(str(p), bool(ro)) for p, ro in request.get("show") or []] + ([(own, True)] if own else [])
-    shown = [(path, ro, _open_dir(path)) for path, ro in show if any(_beneath(path, h) for h in hide)]
-    keep = [(point, ro, os.open(point, os.O_PATH)) for point, ro in _mount_points_under("/tmp")
-            if not any(_beneath(point, h) for h in hide)]
-    size = f"size={int(request['tmp_bytes'])},mode=1777".encode()
-    _check(_libc.mount(b"tmpfs", b"/tmp", b"tmpfs", _MS_NOSUID | _MS_NODEV, size), "/tmp")
+    hide = list(request.hide or ([os.path.dirname(own)] if own else []))
+    show = list(request.show) + ([(own, True)] if own else [])
+    shown = [(path, ro, _open_dir(path)) for path, ro in show if any(beneath(path, h) for h in hide)]
+    keep = [(point, ro, os.open(point, os.O_PATH)) for point, ro in mount_points_under("/tmp")
+            if not any(beneath(point, h) for h in hide)]
+    size = f"size={request.tmp_bytes},mode=1777".encode()
+    check(libc.mount(b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, size), "/tmp")
     for point, ro, fd in keep:
-        _bind(fd, point, ro)
+        bind(fd, point, ro)
         os.close(fd)
     covered = [h for h in hide if os.path.isdir(h)]  # (one beneath /tmp is gone with the old /tmp)
     for hidden in covered:
-        _check(_libc.mount(b"tmpfs", hidden.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV,
+        check(libc.mount(b"tmpfs", hidden.encode(), b"tmpfs", MS_NOSUID | MS_NODEV,
                            b"size=1m,mode=0755"), hidden)
     for path, ro, fd in sorted(shown, key=lambda item: item[0].count("/")):
-        _bind(fd, path, ro)
+        bind(fd, path, ro)
         os.close(fd)
     for hidden in covered:  # nothing may be written to the cover (the binds keep their own mode)
         if all(path != hidden for path, _, _ in shown):
-            flags = _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV
-            _check(_libc.mount(None, hidden.encode(), None, flags, None), hidden)
+            flags = MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV
+            check(libc.mount(None, hidden.encode(), None, flags, None), hidden)
     if os.path.isdir("/dev/shm"):
-        _check(_libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", _MS_NOSUID | _MS_NODEV, size), "/dev/shm")
+        check(libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", MS_NOSUID | MS_NODEV, size), "/dev/shm")
 
 
 def _own_stderr(path: str) -> None:
@@ -162,17 +147,6 @@ def _own_stderr(path: str) -> None:
         fd = os.open(os.devnull, os.O_WRONLY)
     os.dup2(fd, 2)
     os.close(fd)
-
-
-def _loopback_up() -> None:
-    """A new network namespace starts with its loopback down: servers the code starts on
-    127.0.0.1 should work, as they do in a cold-started worker."""
-    import fcntl
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        flags = 0x1 | 0x8 | 0x40  # IFF_UP | IFF_LOOPBACK | IFF_RUNNING
-        fcntl.ioctl(s, 0x8914, struct.pack("16sH14x", b"lo", flags))  # SIOCSIFFLAGS
 
 
 def _find_sleep() -> str | None:
@@ -196,69 +170,63 @@ def _idle_init(sleep: str | None) -> None:
         signal.pause()
 
 
-def _receive(fd: int) -> dict | None:
-    """The request the server writes to C's pipe (4-byte big-endian length, then msgpack), or
+def _receive(fd: int) -> fork.Spawn | None:
+    """The request the server hands C down its pipe (framed, as the server received it), or
     None at end of file: the server did not need this init after all."""
-    data = b""
-    while len(data) < 4 or len(data) < 4 + struct.unpack(">I", data[:4])[0]:
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            return None
-        data += chunk
-    return msgpack.unpackb(data[4:], raw=False)
+    body = read_frame(fd, fork.MAX_REQUEST)
+    return None if body is None else fork.TO_SERVER.parse(decode(body))  # type: ignore[return-value]
 
 
 def _child(private_net: bool, control: tuple[int, ...], report: int, requests: int, sleep: str | None) -> None:
     """B: runs in the forked child; never returns.  B only makes the namespaces, forks C into
-    them, tells the zygote C's pid and leaves: C is re-parented to the zygote (a subreaper),
+    them, tells the server C's pid and leaves: C is re-parented to the server (a subreaper),
     which reaps it when the coordinator kills it.  C sets up what needs no request (its
     /proc, its loopback), then waits for its request on ``requests`` (made ahead of it: see
     ``_Init``), sets the worker's view up and says when D exists."""
     try:
-        signal.set_wakeup_fd(-1)  # the zygote's wake-up pipe is not ours
+        signal.set_wakeup_fd(-1)  # the server's wake-up pipe is not ours
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in control:
             os.close(fd)
         # A network namespace of its own too, unless the run was given the host's network.
-        _check(_libc.unshare(_NEW | (_NEWNET if private_net else 0)), "unshare")
+        check(libc.unshare(_NEW | (NEWNET if private_net else 0)), "unshare")
         init = os.fork()
         if init:
-            os.write(report, b"C" + struct.pack(">I", init))
+            os.write(report, _REPORT.pack(b"C", init))
             os._exit(0)
         # No parent-death signal for C: it would fire as B leaves.  C lives in the sandbox's
-        # PID namespace too, which ends with the zygote and with the coordinator.
-        _check(_libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None), "private mounts")
-        _check(_libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None), "/proc")
+        # PID namespace too, which ends with the server and with the coordinator.
+        check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "private mounts")
+        check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "/proc")
         if private_net:
-            _loopback_up()
+            loopback_up()
         request = _receive(requests)
         os.close(requests)
         if request is None:
             os._exit(0)
         _private_tmp(request)
-        if request.get("own_workspace"):  # (code samples) an empty workspace of its own, gone with it
-            _check(_libc.mount(b"tmpfs", str(request["own_workspace"]).encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV,
-                               f"size={int(request['tmp_bytes'])},mode=1777".encode()), "workspace")
+        if request.own_workspace:  # (code samples) an empty workspace of its own, gone with it
+            check(libc.mount(b"tmpfs", request.own_workspace.encode(), b"tmpfs", MS_NOSUID | MS_NODEV,
+                               f"size={request.tmp_bytes},mode=1777".encode()), "workspace")
         worker = os.fork()
         if worker:
-            os.write(report, b"D" + struct.pack(">I", worker))
+            os.write(report, _REPORT.pack(b"D", worker))
             _idle_init(sleep)
         os.close(report)
-        if request.get("stderr"):
-            _own_stderr(str(request["stderr"]))
+        if request.stderr:
+            _own_stderr(request.stderr)
         _die_with_parent(1)
         os.environ.clear()
-        os.environ.update({str(k): str(v) for k, v in request["env"].items()})
-        os.chdir(request["cwd"])
+        os.environ.update(request.env)
+        os.chdir(request.cwd)
         os.setsid()
-        if request.get("exec"):  # a sample slot: a fresh interpreter, cheaper to fork from
-            argv = [str(a) for a in request["exec"]]
-            os.execve(argv[0], argv, dict(os.environ))
+        if request.exec:  # a sample slot: a fresh interpreter, cheaper to fork from
+            os.execve(request.exec[0], list(request.exec), dict(os.environ))
         from worker.__main__ import run_worker
 
-        run_worker(request["endpoint"])
+        run_worker(request.endpoint)
     except BaseException as exc:  # noqa: BLE001 - the last words of a child that failed to start
-        os.write(2, f"agentloop zygote: worker start failed: {exc}\n".encode())
+        os.write(2, f"agentloop fork server: worker start failed: {exc}\n".encode())
     os._exit(72)
 
 
@@ -268,10 +236,11 @@ def _read_reports(fd: int, want: bytes, found: dict[bytes, int], timeout: float 
     deadline = time.monotonic() + timeout
     while want not in found:
         ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        record = os.read(fd, 5) if ready else b""
-        if len(record) != 5:
+        record = os.read(fd, _REPORT.size) if ready else b""
+        if len(record) != _REPORT.size:
             return
-        found[record[:1]] = struct.unpack(">I", record[1:])[0]
+        who, pid = _REPORT.unpack(record)
+        found[who] = pid
 
 
 #: Seconds without a request after which the next worker's init is made: not at once, where
@@ -307,17 +276,14 @@ class _Init:
         _read_reports(self.reports, b"C", self.found)
         return self.found.get(b"C")
 
-    def hand_over(self, request: dict, on_init: Callable[[int], None]) -> int | None:
+    def hand_over(self, request: fork.Spawn, on_init: Callable[[int], None]) -> int | None:
         """Give ``request`` to C (``on_init(C's pid)`` first); C's pid once D exists, else None
         (C is killed).  The pipes are closed either way."""
         found = self.found
         if self.pid is not None:
             on_init(found[b"C"])
-            data = msgpack.packb(request, use_bin_type=True)
-            data = struct.pack(">I", len(data)) + data
             with contextlib.suppress(OSError):  # (C died: D never comes)
-                while data:
-                    data = data[os.write(self.requests, data):]
+                write_all(self.requests, frame(encode(request)))
             os.close(self.requests)
             _read_reports(self.reports, b"D", found)
         else:
@@ -337,29 +303,31 @@ class _Init:
 
 
 class _Wire:
+    """The server's end of ``contract.fork``: requests on stdin, reports on stdout."""
+
     def __init__(self) -> None:
         self.inp = sys.stdin.buffer.fileno()
         self.out = os.dup(sys.stdout.buffer.fileno())
         os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # stray prints must not corrupt the channel
-        self.buf = b""
+        self.frames = FrameBuffer(fork.MAX_REQUEST)
 
-    def send(self, msg: dict) -> None:
-        data = msgpack.packb(msg, use_bin_type=True)
-        os.write(self.out, struct.pack(">I", len(data)) + data)
+    def send(self, msg: fork.Message) -> None:
+        write_all(self.out, frame(encode(msg)))
 
-    def read(self) -> list[dict] | None:
+    def read(self) -> list[fork.Spawn] | None:
+        """The requests that came whole (None: the coordinator is gone)."""
         chunk = os.read(self.inp, 65536)
         if not chunk:
             return None
-        self.buf += chunk
-        messages = []
-        while len(self.buf) >= 4:
-            size = struct.unpack(">I", self.buf[:4])[0]
-            if len(self.buf) < 4 + size:
-                break
-            messages.append(msgpack.unpackb(self.buf[4:4 + size], raw=False))
-            self.buf = self.buf[4 + size:]
-        return messages
+        self.frames.feed(chunk)
+        requests = []
+        try:
+            while (body := self.frames.next()) is not None:
+                requests.append(fork.TO_SERVER.parse(decode(body, fork.MAX_REQUEST)))
+        except (ContractError, FrameError) as exc:  # the coordinator's own bug: nothing to serve
+            sys.stderr.write(f"agentloop fork server: a malformed request ({exc})\n")
+            return None
+        return requests
 
 
 def serve() -> None:
@@ -382,7 +350,7 @@ def serve() -> None:
 
     wire = _Wire()
     sleep = _find_sleep()
-    _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # workers' inits come back to us
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # workers' inits come back to us
     children: dict[int, object] = {}
     # SIGCHLD wakes select(): the self-pipe turns the signal into a readable fd.
     wake_r, wake_w = os.pipe()
@@ -393,7 +361,7 @@ def serve() -> None:
     spare: _Init | None = None  # the next worker's init, made ahead ...
     spare_due: float | None = time.monotonic() + _SPARE_AFTER  # ... once the server is idle this long
     private_net = True  # (as the last request had it)
-    wire.send({"t": "ready", "pid": os.getpid()})
+    wire.send(fork.Ready(os.getpid()))
     while True:
         wait = None if spare_due is None else max(0.0, spare_due - time.monotonic())
         ready, _, _ = select.select([wire.inp, wake_r], [], [], wait)
@@ -405,7 +373,7 @@ def serve() -> None:
             with contextlib.suppress(OSError):
                 spare = _Init(private_net, control, sleep)
                 if spare.pid is not None:
-                    wire.send({"t": "spare", "pid": spare.pid})
+                    wire.send(fork.Spare(spare.pid))
         if wake_r in ready:
             os.read(wake_r, 4096)
             while True:
@@ -416,17 +384,14 @@ def serve() -> None:
                 if pid == 0:
                     break
                 if pid in children:  # not the short-lived B processes
-                    wire.send({"t": "exited", "id": children.pop(pid), "pid": pid,
-                               "status": _exit_status(status)})
+                    wire.send(fork.Exited(children.pop(pid), pid, _exit_status(status)))
         if wire.inp in ready:
             messages = wire.read()
             if messages is None:
                 os._exit(0)  # the coordinator is gone
             for request in messages:
-                if request.get("t") != "spawn":
-                    continue
-                rid = request.get("id")
-                private_net = bool(request.get("private_net", True))
+                rid = request.id
+                private_net = request.private_net
                 init, spare = (spare, None) if spare is not None and spare.private_net == private_net else (None, spare)
                 if spare is not None:  # made for another kind of request
                     spare.discard()
@@ -434,14 +399,14 @@ def serve() -> None:
                 try:
                     init = init or _Init(private_net, control, sleep)
                 except OSError as exc:
-                    wire.send({"t": "failed", "id": rid, "error": str(exc)})
+                    wire.send(fork.Failed(rid, str(exc)[:2000]))
                     continue
-                pid = init.hand_over(request, lambda init_pid, rid=rid: wire.send({"t": "forked", "id": rid, "pid": init_pid}))
+                pid = init.hand_over(request, lambda init_pid, rid=rid: wire.send(fork.Forked(rid, init_pid)))
                 if pid is None:
-                    wire.send({"t": "failed", "id": rid, "error": "the worker did not start"})
+                    wire.send(fork.Failed(rid, "the worker did not start"))
                 else:
                     children[pid] = rid
-                    wire.send({"t": "spawned", "id": rid, "pid": pid})
+                    wire.send(fork.Spawned(rid, pid))
                 spare_due = time.monotonic() + _SPARE_AFTER  # (not while this worker starts)
 
 

@@ -1,0 +1,230 @@
+"""The contract across the sandbox boundary (``worker.contract``): every channel's messages
+round-trip through their parsers, a malformed one is refused, each module's docstring lists
+exactly what its catalogues hold, and the coordinator depends on nothing else of ``worker``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from worker.contract import fork, output, sample, tools, wire
+from worker.contract.confinement import Confinement, Landlock, Seccomp
+from worker.contract.framing import FrameBuffer, FrameError, decode, decode_json, encode, encode_json, frame
+from worker.contract.limits import MAX_CHUNK, MAX_ERROR, MAX_VAR_NAME, MAX_VARS, HeadTail
+from worker.contract.schema import ContractError, Message, is_any
+from worker.contract.start import StartSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: One example of every message of every channel (a new message needs one here).
+EXAMPLES: dict[type[Message], Message] = {
+    wire.Welcome: wire.Welcome(),
+    wire.Run: wire.Run("b1", "print(1)", wire.ScriptSpec("/w/x.py", ("x.py", "a"), True)),
+    wire.Stdin: wire.Stdin("b1", b"line\n", False),
+    wire.Cancel: wire.Cancel("b1", "timeout", 10.0, 0.5),
+    wire.Reply: wire.Reply(3, True, {"a": [1, 2.5, None, b"x"]}),
+    wire.Req: wire.Req(4, "describe", {"names": ["x"]}),
+    wire.Shutdown: wire.Shutdown(),
+    wire.Hello: wire.Hello("a" * 32, 123),
+    wire.Out: wire.Out("b1", ((1, b"out"), (2, b"err"))),
+    wire.Done: wire.Done("b1", "exit", "", ("x:int",), 3, "a note"),
+    wire.Call: wire.Call(5, "lookup", (1, "two"), {"k": 3}, "b1"),
+    wire.Resp: wire.Resp(4, False, None, "it failed"),
+    wire.Stuck: wire.Stuck("b1", "signals blocked"),
+    wire.Stopping: wire.Stopping("b1", "it caught the TimeoutError"),
+    wire.Bye: wire.Bye(),
+    fork.Spawn: fork.Spawn(1, "ipc:///r/w1/sock", {"PATH": "/usr/bin"}, "/w", True, 1 << 29, "/w/ws",
+                           ("/usr/bin/python3", "-c", "pass"), ("/r",), (("/r/ws", False),), "/r/w1/stderr"),
+    fork.Ready: fork.Ready(7),
+    fork.Spare: fork.Spare(8),
+    fork.Forked: fork.Forked(1, 9),
+    fork.Spawned: fork.Spawned(1, 9),
+    fork.Failed: fork.Failed(1, "no memory"),
+    fork.Exited: fork.Exited(1, 9, 137),
+    sample.RunSample: sample.RunSample(1, "print(1)", "sample.py", ("sample.py", "-v"), "input\n",
+                                       (("data/a.txt", b"abc", 0o644),), {"TZ": "UTC"}, 5.0, 8192),
+    sample.Hello: sample.Hello("t" * 32, 2),
+    sample.Failed: sample.Failed("could not import numpy"),
+    sample.Result: sample.Result(1, 256, False, False, (b"head", b"tail", 100), (b"", b"", 0), 20480, 0.01, ""),
+    tools.Init: tools.Init("/repo", (("/repo", ".git"),), 0, Confinement(drop_caps=True).to_json()),
+    tools.Request: tools.Request("read_file", {"path": "a.py", "offset": 1, "limit": 10}, 8000),
+    tools.Ready: tools.Ready(("rlimits", "caps")),
+    tools.Fatal: tools.Fatal("Landlock: no"),
+    tools.Ok: tools.Ok("1: text"),
+    tools.Refused: tools.Refused("outside the root"),
+    tools.Failed: tools.Failed("no such file"),
+}
+
+CHANNELS = [(wire, [wire.TO_WORKER, wire.TO_COORDINATOR], encode, decode),
+            (fork, [fork.TO_SERVER, fork.TO_COORDINATOR], encode, decode),
+            (sample, [sample.TO_SLOT, sample.TO_COORDINATOR], encode, decode),
+            (tools, [tools.TO_TOOLS, tools.TO_COORDINATOR], encode_json, decode_json)]
+MESSAGES = [(module, catalogue, cls, enc, dec) for module, catalogues, enc, dec in CHANNELS
+            for catalogue in catalogues for cls in catalogue.by_kind.values()]
+_IDS = [f"{m.__name__.rsplit('.', 1)[1]}.{cls.kind}" for m, _, cls, _, _ in MESSAGES]
+
+
+def _wire_form(cls: type[Message], msg: Message) -> dict:
+    """What goes over the channel, as the receiver decodes it."""
+    return msg.to_wire()
+
+
+@pytest.mark.parametrize(("module", "catalogue", "cls", "enc", "dec"), MESSAGES, ids=_IDS)
+def test_every_message_round_trips_through_its_parser(module, catalogue, cls, enc, dec):
+    msg = EXAMPLES[cls]
+    assert catalogue.parse(dec(enc(msg))) == msg
+
+
+@pytest.mark.parametrize(("module", "catalogue", "cls", "enc", "dec"), MESSAGES, ids=_IDS)
+def test_a_malformed_message_is_refused(module, catalogue, cls, enc, dec):
+    good = dec(enc(EXAMPLES[cls]))
+    for f in dataclasses.fields(cls):
+        if f.metadata["check"] is is_any or f.name not in good:
+            continue
+        bad = dict(good)
+        bad[f.name] = "x" if isinstance(good[f.name], dict) else {"\x00": 1}
+        with pytest.raises(ContractError, match=f.name):
+            catalogue.parse(bad)
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required:
+            del bad[f.name]
+            with pytest.raises(ContractError, match=f"{f.name} is missing"):
+                catalogue.parse(bad)
+    with pytest.raises(ContractError, match="unknown field"):
+        catalogue.parse({**good, "extra": 1})
+    with pytest.raises(ContractError, match="not a message of this channel"):
+        catalogue.parse({**good, "t": "nonsense"})
+    with pytest.raises(ContractError):
+        catalogue.parse([good])
+
+
+@pytest.mark.parametrize(("module", "catalogues"), [(m, c) for m, c, _, _ in CHANNELS],
+                         ids=[m.__name__ for m, _, _, _ in CHANNELS])
+def test_each_channel_docstring_lists_exactly_its_messages_and_their_fields(module, catalogues):
+    listed = {kind: fields for kind, fields in re.findall(r"^    (\w+) +\{([^}]*)\}", module.__doc__, re.M)}
+    kinds = [kind for c in catalogues for kind in c.kinds]
+    assert sorted(listed) == sorted(kinds)
+    for catalogue in catalogues:
+        for kind, cls in catalogue.by_kind.items():
+            fields = listed[kind]
+            while "[" in fields:  # (nested lists: innermost first)
+                fields = re.sub(r"\[[^\[\]]*\]", "", fields)
+            documented = {part.split(":")[0].strip().rstrip("?") for part in re.split(r",\s*", fields)} - {"", "..."}
+            assert documented == {f.name for f in dataclasses.fields(cls)}, kind
+
+
+def test_the_bounds_a_worker_must_keep_are_refused_beyond():
+    parse = wire.TO_COORDINATOR.parse
+    with pytest.raises(ContractError, match="o"):
+        parse({"t": "out", "id": "b", "o": [[1, b"x" * (MAX_CHUNK + 1)]]})
+    with pytest.raises(ContractError, match="o"):
+        parse({"t": "out", "id": "b", "o": [[3, b"x"]]})
+    with pytest.raises(ContractError, match="error"):
+        parse({"t": "done", "id": "b", "status": "ok", "error": "e" * (MAX_ERROR + 1)})
+    with pytest.raises(ContractError, match="vars"):
+        parse({"t": "done", "id": "b", "status": "ok", "vars": ["v"] * (MAX_VARS + 1)})
+    with pytest.raises(ContractError, match="status"):
+        parse({"t": "done", "id": "b", "status": "fine"})
+    with pytest.raises(ContractError, match="code"):
+        parse({"t": "done", "id": "b", "status": "exit", "code": True})  # a bool is not an int
+    # ... and the worker's builder keeps within them whatever it is given.
+    built = wire.done("b", "error", "x" * (3 * MAX_ERROR), ["v" * (MAX_VAR_NAME + 1), "ok:int"] * 500, 300, "n" * 5000)
+    assert parse(decode(encode(built))) == built
+    assert built.vars[0] == "ok:int" and len(built.vars) == MAX_VARS and built.code == 300 & 0xFF
+
+
+def test_a_sample_result_holds_no_more_output_than_asked():
+    result = sample.Result(1, 0, out=(b"x" * 100, b"", 100))
+    assert result.within(100) is result
+    with pytest.raises(ContractError, match="more than"):
+        result.within(99)
+    with pytest.raises(ContractError, match="out"):  # a total smaller than what it carries
+        sample.TO_COORDINATOR.parse({"t": "result", "id": 1, "status": 0, "out": [b"abc", b"", 2]})
+
+
+def test_frames_are_checked_before_their_body_is_kept():
+    buf = FrameBuffer(16)
+    buf.feed(frame(b"abc") + frame(b"de")[:3])
+    assert buf.next() == b"abc" and buf.next() is None
+    buf.feed(frame(b"de")[3:])
+    assert buf.next() == b"de"
+    buf.feed(b"\x00\x00\x01\x00")  # 256 bytes announced: refused before they come
+    with pytest.raises(FrameError, match="256"):
+        buf.next()
+    with pytest.raises(FrameError):
+        decode(b"\xc1")
+    with pytest.raises(FrameError):
+        decode(encode({"t": "x"}) + b"\x00")  # trailing bytes
+    with pytest.raises(FrameError, match="exceeds"):
+        decode(b"\x90" * 10, max_size=5)
+
+
+def test_the_output_pipe_carries_only_output():
+    reader = output.OutputReader()
+    reader.feed(output.out_frame(wire.Out("b", ((1, b"hi"),))) + output.moved("b", 2, 3) + b"abc")
+    assert reader.next() == wire.Out("b", ((1, b"hi"),))
+    assert reader.next() == wire.Out("b", ((2, b"abc"),))
+    assert reader.next() is None
+    reader.feed(frame(encode(wire.Done("b", "ok"))))
+    with pytest.raises(ContractError, match="'done' message to its output pipe"):
+        reader.next()
+
+
+def test_the_confinement_spec_round_trips_and_refuses_what_it_does_not_know():
+    spec = Confinement(rlimits=(("DATA", 1 << 30, 1 << 30), ("NPROC", 256, 256)), drop_caps=True,
+                       no_new_privs=True, uid=(1234, 1234), umask=0o002,
+                       landlock=Landlock(ro=("/",), rw=("/w", "/tmp"), dev=("/dev/null",), deny_tcp=True),
+                       seccomp=Seccomp(socket_families=(1, 16), lock_session=False, shared_memory=False))
+    assert Confinement.from_json(spec.to_json()) == spec
+    assert not Confinement.from_json("") and Confinement.from_json("") == Confinement()
+    raw = json.loads(spec.to_json())
+    for bad in ({**raw, "keep_caps": True}, {**raw, "rlimits": [["NOPE", 1, 1]]}, {**raw, "uid": [1]},
+                {**raw, "landlock": {**raw["landlock"], "ro": "/"}}, {**raw, "drop_caps": 1}):
+        with pytest.raises(ContractError):
+            Confinement.from_json(json.dumps(bad))
+
+
+def test_the_start_environment_is_taken_whole_and_removed():
+    spec = StartSpec(token="t0k", confine=Confinement(no_new_privs=True), parent=42, output="/s/w1", tty="1,2:24x80",
+                     slot=sample.SlotSettings("/w", 1 << 20, 0.5, "/s/w1", False, ("numpy",)), preload=("numpy",))
+    env = {"PATH": "/usr/bin", **spec.to_env()}
+    assert StartSpec.take(env) == spec
+    assert env == {"PATH": "/usr/bin"}
+    with pytest.raises(ContractError):
+        StartSpec.take({"AGENTLOOP_CONFINE": "{not json"})
+
+
+def test_head_and_tail_keep_the_ends_and_count_the_middle():
+    kept = HeadTail(4)
+    for piece in (b"abc", b"defgh", b"ijklmnop"):
+        kept.add(piece)
+    assert kept.parts() == (b"abcd", b"mnop", 16)
+    assert HeadTail.of(kept.parts(), 4).text() == ("abcd\n[... 8 bytes cut ...]\nmnop", 8)
+
+
+def test_the_coordinator_imports_only_the_contract_of_the_sandbox_side():
+    """No module of ``engine`` imports a ``worker`` module but ``worker.contract``'s, and
+    importing the coordinator loads nothing else of the sandbox side."""
+    offenders = []
+    for path in (ROOT / "engine").rglob("*.py"):
+        for line in path.read_text().splitlines():
+            m = re.match(r"\s*(?:from|import) (worker(?:\.\w+)*)", line)
+            if m and not (m.group(1) + ".").startswith("worker.contract."):
+                offenders.append(f"{path.relative_to(ROOT)}: {line.strip()}")
+    assert offenders == []
+    code = ("import sys, engine, engine.cli, engine.engine, engine.agent, engine.batch.run\n"
+            "print(sorted(m for m in sys.modules if m.startswith('worker') and not m.startswith('worker.contract')"
+            " and m != 'worker'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_every_message_class_has_an_example():
+    assert {cls for _, _, cls, _, _ in MESSAGES} == set(EXAMPLES)

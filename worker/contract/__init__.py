@@ -1,0 +1,22 @@
+"""The contract across the sandbox boundary: what the coordinator and the sandbox side agree
+on, and nothing else.  The coordinator (``engine``) imports this package and no other part of
+``worker``; the sandbox side imports it too.  Standard library and msgpack only.
+
+Each byte channel between the two sides has one module with its messages, each a typed class
+that is both its builder and (through the channel's ``Catalogue``) its checked parser; every
+stream is framed by ``framing``:
+
+    channel   between                                  transport                      module
+    wire      coordinator <-> worker                   ZeroMQ, a msgpack map a frame  contract.wire
+    output    worker -> coordinator                    FIFOs, framed ``Out`` + bytes  contract.output
+    fork      coordinator <-> fork server              its stdin/stdout, framed       contract.fork
+    sample    coordinator <-> sample slot              unix socket, framed            contract.sample
+    tools     coordinator <-> tool process             its stdin/stdout, framed JSON  contract.tools
+    start     coordinator -> any process it starts     environment variables          contract.start
+
+Shared by all: ``confinement`` (the spec a process applies to itself, and what this kernel can
+apply), ``limits`` (bounds, the interrupt signal, head-and-tail output), ``schema`` (how a
+message is declared and parsed).
+"""
+
+__all__: list[str] = []
