@@ -5,7 +5,8 @@ The program's standard streams are ours, passed straight through: a pipe, a file
 buffering, binary streams and the order of a child's output against the script's own are
 python's, and agentloop itself never writes to stdout.  A stream that is a terminal is a pty
 of the script's own instead (``engine._terminal``).  What the sandbox and its first process
-(``worker.confiner``) say goes to a pipe of ours, never to the script's stderr.
+(``worker.confiner``) say goes to pipes of ours (``worker.contract.confiner``), never to the
+script's stderr.
 
 How it ends is python's: the confiner reports the program's wait status exactly, and this
 process exits with the same code, or dies of the same signal (core dumps off, as ``timeout(1)``
@@ -21,7 +22,6 @@ said to be so.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import resource
 import selectors
@@ -31,6 +31,19 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from worker.contract.confiner import (
+    MAX_MESSAGE,
+    TO_COORDINATOR,
+    Exited,
+    Failed,
+    Killed,
+    Setup,
+    Signal,
+    Stopped,
+)
+from worker.contract.framing import FrameBuffer, decode_json, encode_json, frame, write_all
+from worker.contract.schema import ContractError
 
 from ._cgroup import WorkerCgroups
 from ._process import kill_tree
@@ -126,7 +139,7 @@ class _Run:
     killed: bool = False  # by us, after the grace
     gone: bool = False  # the sandbox's first process was reaped
     diagnostics: bytearray = field(default_factory=bytearray)
-    status_buffer: bytes = b""
+    status: FrameBuffer = field(default_factory=lambda: FrameBuffer(MAX_MESSAGE))
 
 
 def run_script(plan: ScriptPlan, program: list[str], env: dict[str, str], *, python: str,
@@ -145,11 +158,10 @@ def run_script(plan: ScriptPlan, program: list[str], env: dict[str, str], *, pyt
     control_r, control_w = os.pipe()
     diag_r, diag_w = os.pipe()
     program_err = os.dup(given[2]) if given[2] is not None else os.open(os.devnull, os.O_WRONLY)
-    settings = {"confine": plan.confine.to_json(), "status": status_w, "control": control_r, "stderr": program_err,
-                "tty": next((fd for fd in (0, 1) if fd in relays), program_err) if relays else None,
-                "ignored": list(ignored),
-                "parent": 0 if plan.pid_namespace else os.getpid(), "lc_ctype": env.get("LC_CTYPE")}
-    boot = runtime_argv(python, "worker.confiner:main", json.dumps(settings), *program)
+    setup = Setup(plan.confine.to_json(), status_w, control_r, program_err,
+                  next((fd for fd in (0, 1) if fd in relays), program_err) if relays else None,
+                  tuple(ignored), 0 if plan.pid_namespace else os.getpid(), env.get("LC_CTYPE"))
+    boot = runtime_argv(python, "worker.confiner:main", encode_json(setup).decode("ascii"), *program)
     argv = [*plan.argv_prefix, boot[0], "-S", *boot[1:]]  # -S: not even site-packages' .pth files
     if plan.tmpdir:  # no private /tmp (no bubblewrap): one in the workspace
         env = {**env, "TMPDIR": plan.tmpdir}
@@ -222,17 +234,17 @@ def _loop(proc: subprocess.Popen, run: _Run, relays: list[TerminalRelay], status
     deadline = None if timeout is None else time.monotonic() + timeout
     kill_at = None
 
-    def tell(target: str, sig: int) -> None:
+    def tell(to: str, sig: int) -> None:
         with contextlib.suppress(OSError):
-            os.write(control, f"{target} {int(sig)}\n".encode())
+            write_all(control, frame(encode_json(Signal(to, int(sig)))))
 
     try:
         while not run.gone or open_pipes:
             now = time.monotonic()
             if deadline is not None and now >= deadline and not run.timed_out and run.ended is None:
                 run.timed_out, kill_at = True, now + grace
-                tell("g", signal.SIGTERM)
-                tell("g", signal.SIGCONT)  # (a stopped script takes its SIGTERM too)
+                tell("group", signal.SIGTERM)
+                tell("group", signal.SIGCONT)  # (a stopped script takes its SIGTERM too)
             if kill_at is not None and now >= kill_at and not run.gone:
                 run.killed, kill_at = True, None
                 _kill(proc)
@@ -283,41 +295,46 @@ def _loop(proc: subprocess.Popen, run: _Run, relays: list[TerminalRelay], status
 
 
 def _read_status(fd: int, run: _Run) -> bool:
-    """Read the confiner's report; False at its end."""
-    data = os.read(fd, 4096)
+    """Read the confiner's report (``contract.confiner``); False at its end."""
+    data = os.read(fd, 65536)
     if not data:
         return False
-    run.status_buffer = (run.status_buffer + data)[-4096:]
-    *lines, run.status_buffer = run.status_buffer.split(b"\n")
-    for line in lines:
-        kind, _, rest = line.decode("utf-8", "replace").partition(" ")
-        if kind in ("exit", "signal") and rest.isdigit():
-            run.ended = (kind, int(rest))
-        elif kind == "stop":
-            run.stopped = True
-        elif kind == "error":
-            run.error = rest
+    run.status.feed(data)
+    try:
+        while (body := run.status.next()) is not None:
+            msg = TO_COORDINATOR.parse(decode_json(body, MAX_MESSAGE))
+            if isinstance(msg, Exited):
+                run.ended = ("exit", msg.code)
+            elif isinstance(msg, Killed):
+                run.ended = ("signal", msg.signal)
+            elif isinstance(msg, Stopped):
+                run.stopped = True
+            elif isinstance(msg, Failed):
+                run.error = msg.error
+    except ContractError as exc:
+        run.error = f"the sandbox's first process broke its protocol ({exc})"
+        return False
     return True
 
 
 def _signals(received: bytes, relays: list[TerminalRelay], tell) -> None:
     for sig in received:
         if sig in _TO_GROUP:
-            tell("g", sig)
+            tell("group", sig)
         elif sig in _TO_PROGRAM:
-            tell("p", sig)
+            tell("program", sig)
         elif sig == signal.SIGWINCH:
             for relay in relays:
                 relay.resize()  # (the kernel signals the pty's foreground group)
             if not relays:
-                tell("g", sig)
+                tell("group", sig)
         elif sig == signal.SIGTSTP:
-            tell("g", sig)  # the program stops, then so do we (see ``_stop_here``)
+            tell("group", sig)  # the program stops, then so do we (see ``_stop_here``)
         elif sig == signal.SIGCONT:
             for relay in relays:
                 relay.raw()
                 relay.resize()
-            tell("g", sig)
+            tell("group", sig)
 
 
 def _stop_here(relays: list[TerminalRelay]) -> None:
