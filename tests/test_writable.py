@@ -82,3 +82,21 @@ def test_run_with_write_cwd_writes_the_current_directory_as_the_user(tmp_path):
     after = project.stat()
     assert (after.st_mode, after.st_uid, after.st_gid) == (before.st_mode, before.st_uid, before.st_gid)
     assert sorted(os.listdir(project)) == [".git", "made.txt"]
+
+
+def test_one_table_in_the_readme_and_the_same_words_in_help():
+    # Where code may write is said once: --help of every command that has the flag and the
+    # README's table use the same words, and each command says its own default.
+    from engine.cli.options import WRITE_HELP
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    cells = [part.split(":", 1)[1].strip().rstrip(".") for part in WRITE_HELP.split("  ")
+             if part.startswith(("--write-cwd:", "--read-only:"))]
+    writes_cwd = cells[0].split("; code runs as")[0]
+    assert f"| `--write-cwd` | {writes_cwd} |" in readme
+    assert f"| `--read-only` | {cells[1]} |" in readme
+    for command, default in (("exec", "--write-cwd"), ("run", "--read-only"), ("chat", "--read-only")):
+        out = subprocess.run([*AGENTLOOP, command, "--help"], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "COLUMNS": "1000"}).stdout
+        assert " ".join(WRITE_HELP.split()) in " ".join(out.split()), command
+        assert f"Default: {default}." in out, command
