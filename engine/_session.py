@@ -52,6 +52,7 @@ from worker.contract.schema import ContractError
 
 from ._outpipe import OutputError, OutputPipes
 from ._process import Process
+from ._tcp import Guard
 from .errors import WorkerStartError
 from .results import describe_exit
 
@@ -103,6 +104,7 @@ class Session:
         self.sock: zmq.Socket | None = None
         self.sock_dir: Path | None = None
         self.pipes: OutputPipes | None = None  # a local worker's output pipes
+        self.guard: Guard | None = None  # over TCP: what lets this worker in and nobody else
         self._out_watched = False
         # The message that waits for the output written before it (at most one: the reading
         # stops while it waits).
@@ -148,20 +150,16 @@ class Session:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
         sock.setsockopt(zmq.RCVHWM, 4)  # with MAX_FRAME: what a worker can make us hold unread
-        sock.bind(endpoint)
-        endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        connect_host = launcher.settings.connect_host
-        if connect_host and endpoint.startswith("tcp://"):
-            endpoint = f"tcp://{connect_host}:{endpoint.rsplit(':', 1)[1]}"
+        endpoint, self.guard = launcher.bind(sock, endpoint, self.number)
         self._loop.add_reader(sock.getsockopt(zmq.FD), self._readable)
         self._reading = True
         # A peer whose frame ZeroMQ refuses (over MAXMSGSIZE, or bytes that are not ZMTP) is
         # disconnected by ZeroMQ itself and reconnects under a new identity; only this event
-        # tells us.
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # tells us.  Over TCP the guard's door follows the connections too.
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | (self.guard.EVENTS if self.guard else 0))
         self._loop.add_reader(self._monitor.getsockopt(zmq.FD), self._monitor_readable)
         self._monitor_readable()  # ZeroMQ signals only a reader that found the queue empty
-        launch = launcher.launch(endpoint, self.sock_dir, self.token, output=self.pipes is not None)
+        launch = launcher.launch(endpoint, self.sock_dir, self.token, output=self.pipes is not None, guard=self.guard)
         self.notes = launch.notes
         try:
             self.proc, self.cgroups, _ = await launcher.start_process(launch, self.number, self._hello, "worker")
@@ -216,6 +214,9 @@ class Session:
                     self.sock.disable_monitor()
             self._monitor.close(linger=0)
             self._monitor = None
+        if self.guard is not None:
+            self.guard.close()
+            self.guard = None
         if self.sock is not None:
             if self._reading:
                 self._loop.remove_reader(self.sock.getsockopt(zmq.FD))
@@ -506,6 +507,8 @@ class Session:
             except zmq.ZMQError:
                 return
             kind, value = struct.unpack("=HI", event[0][:6])
+            if self.guard is not None:
+                self.guard.follow(kind, value)
             if kind == _DISCONNECTED and self._peer_fd is not None and value == self._peer_fd:
                 self._peer_fd = None
                 self._gone.set()
@@ -522,9 +525,11 @@ class Session:
                            "ZeroMQ, or its socket closed")
 
     def _close_door(self) -> None:
-        """Once the worker is in, nobody else comes in: the ipc:// socket's file goes, so every
-        connection a worker could add (each with queues of its own, which ZeroMQ fills before
-        anything is read) is refused.  The connection made stays."""
+        """Once the worker is in, nobody else comes in: the ipc:// socket's file goes (a TCP
+        guard's door shuts), so every connection a worker could add (each with queues of its
+        own, which ZeroMQ fills before anything is read) is refused.  The connection made stays."""
+        if self.guard is not None:
+            self.guard.door.admit()
         endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT) if self.sock is not None else ""
         if endpoint.startswith("ipc://"):
             with contextlib.suppress(OSError):

@@ -26,6 +26,7 @@ from ._session import Session
 from .durations import DEFAULT_BLOCK_TIMEOUT
 from .errors import AgentloopError, ConfigError, WorkerError
 from .launcher import ENV_ALLOWLIST, Launch, Launcher
+from .output import OutputBudget
 from .samples import OUTPUT_BYTES, Sample, SampleResult, SampleRunner, map_samples
 from .settings import WorkerSettings
 from .shared_fork_server import SharedForkServer
@@ -45,7 +46,10 @@ class Engine:
     engine's: ``cwd`` (default the current directory) and ``workspace`` (default ``./files``,
     made when missing and removed again at shutdown if nothing was written to it).  A block's
     output beyond what is kept in memory goes to a file under ``run_dir`` (in the settings'
-    ``state_dir``), removed at shutdown unless ``keep_output``.  ``pool``: idle workers kept
+    ``state_dir``), removed at shutdown unless ``keep_output``; each file holds at most the
+    settings' ``output_file_cap`` bytes, all of the run's together at most ``max_output``, and,
+    with ``output_budget`` (an ``engine.output.OutputBudget`` shared with other runs, as a
+    batch's), what those runs keep together stays within it too.  ``pool``: idle workers kept
     started.  ``max_workers``: live workers at most (None: no bound); ``start_worker`` refuses
     beyond it in words a model can read.  ``shared_fork_server``: a fork server shared with
     other runs (a batch's) that forks this run's workers, each shown this run's directories
@@ -54,13 +58,14 @@ class Engine:
     def __init__(self, settings: WorkerSettings | None = None, *, cwd: str | Path | None = None,
                  workspace: str | Path | None = None, pool: int = 1, pool_idle: float = 60.0,
                  max_workers: int | None = None, shared_fork_server: SharedForkServer | None = None,
-                 own_workspaces: bool = False, **options: Any) -> None:
+                 output_budget: OutputBudget | None = None, own_workspaces: bool = False, **options: Any) -> None:
         settings = settings or WorkerSettings()
         if options:
             settings = settings.replace(**options)
         cwd = Path(cwd or os.getcwd()).resolve()
         self.launcher = Launcher(settings, cwd=cwd, workspace=Path(workspace).resolve() if workspace else cwd / "files",
-                                 own_workspaces=own_workspaces, shared=shared_fork_server)
+                                 own_workspaces=own_workspaces, shared=shared_fork_server,
+                                 output_budget=output_budget)
         self.pool_size = max(0, pool)
         self.pool_idle = pool_idle
         self.max_workers = max_workers

@@ -39,10 +39,12 @@ from . import sandbox as _sandbox
 from ._cgroup import SpareGroups, WorkerCgroups
 from ._outpipe import OutputPipes
 from ._process import Launch, Process, descendants
+from ._tcp import Gatekeeper, Guard
 from ._tree import remove_tree
 from .errors import ConfigError, WorkerStartError
 from .file_sandbox import kept_read_only
 from .fork_server import ForkServer
+from .output import OutputBudget
 from .provision import ColdStart, Provisioner, fork_server_refusal, insisted
 from .results import describe_exit
 from .settings import WorkerSettings
@@ -118,15 +120,19 @@ class Launcher:
     every process it forked included); what a worker wrote to the workspace stays."""
 
     def __init__(self, settings: WorkerSettings, *, cwd: Path, workspace: Path, own_workspaces: bool = False,
-                 shared: SharedForkServer | None = None) -> None:
+                 shared: SharedForkServer | None = None, output_budget: OutputBudget | None = None) -> None:
         self.settings = settings
+        #: What the run's output files may hold in all (and, through its parent, with the
+        #: other runs sharing ``output_budget``: a batch's).
+        self.output_budget = OutputBudget(settings.max_output, parent=output_budget) \
+            if settings.max_output is not None else output_budget
         self.cwd = cwd
         self.workspace = workspace
         self.own_workspaces = own_workspaces
         self.shared = shared
         self._provisioner: Provisioner | None = None
         self._made_workspace = False  # made by this run: removed again when nothing was written
-        self._uid_claimed = False
+        self._uid_claim: str | None = None  # the workspace (real path) whose uid this run claimed
         #: Runtime packages the workers' Python lacks, loaded from agentloop's own copies.
         self.runtime_packages: dict[str, str] = {}
         # The pid in the name lets a later start remove what a killed coordinator left.
@@ -137,6 +143,8 @@ class Launcher:
         self.memory_cgroups: WorkerCgroups | None = None  # each worker's memory limit
         self.pids_cgroups: WorkerCgroups | None = None  # each worker's process limit
         self._ctx: zmq.Context | None = None
+        self._gatekeeper: Gatekeeper | None = None  # the ZAP handler of ``tcp`` workers' sockets
+        self._guards: list[Guard] = []  # closed (again) before the context: see ``_tcp.Door``
         self._spares: SpareGroups | None = None  # cgroups made ahead for its fork server's spare inits
         self._outputs = 0
         self._first_plan: tuple[Path, _sandbox.LaunchPlan] | None = None
@@ -177,9 +185,13 @@ class Launcher:
             raise ConfigError(f"cannot create the run's directories: {exc}; "
                               "choose another --workspace or check permissions") from exc
         if (settings.sandbox.mode != "none" and os.geteuid() == 0 and settings.sandbox.worker_uid is None
-                and not settings.sandbox.as_caller):
-            self._uid_claimed = True
-            _uids.claim(str(self.workspace))  # the run's uid, its own while it lives
+                and not settings.sandbox.as_caller):  # (code that runs as the caller needs no uid of its own)
+            workspace = os.path.realpath(self.workspace)  # (as the sandbox plan names it)
+            try:
+                _uids.claim(workspace)  # the run's uid: this run's claim, held while it lives
+            except OSError as exc:
+                raise ConfigError(f"cannot claim a uid for the workers: {exc}") from exc
+            self._uid_claim = workspace
         if self.shared is not None and self.sock_root.parent == self.shared.socket_root:
             self._shared_view = self.shared.for_run(self.workspace, self.output_dir, self.env(StartSpec(), None),
                                                     self.runtime_packages)
@@ -214,6 +226,11 @@ class Launcher:
             await self._provisioner.close()
         if self._spares is not None:
             await asyncio.to_thread(self._spares.close)
+        for guard in self._guards:
+            guard.close()
+        if self._gatekeeper is not None:
+            self._gatekeeper.close()
+            self._gatekeeper = None
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
         if self.sock_root is not None:
@@ -221,9 +238,9 @@ class Launcher:
         for cgroups in (self.memory_cgroups, self.pids_cgroups) if self._shared_view is None else ():
             if cgroups is not None:  # (a shared server's parents are its own, closed with it)
                 cgroups.close()
-        if self._uid_claimed:
-            self._uid_claimed = False
-            _uids.release(str(self.workspace))
+        if self._uid_claim is not None:
+            _uids.release(self._uid_claim)
+            self._uid_claim = None
         if not self.settings.keep_output:
             await asyncio.to_thread(remove_tree, self.run_dir)
         with contextlib.suppress(OSError):
@@ -249,6 +266,24 @@ class Launcher:
         if self.settings.transport == "tcp":
             return f"tcp://{self.settings.tcp_bind}:*", sock_dir
         return f"ipc://{sock_dir}/sock", sock_dir
+
+    def bind(self, sock: zmq.Socket, endpoint: str, number: int) -> tuple[str, Guard | None]:
+        """Bind worker ``number``'s socket to ``endpoint``; the address the worker dials, and
+        for ``tcp`` the guard that lets that worker in and nobody else (``engine._tcp``), which
+        the session follows with the socket's connection events and closes when it ends."""
+        settings = self.settings
+        if settings.transport != "tcp":
+            sock.bind(endpoint)
+            return sock.getsockopt_string(zmq.LAST_ENDPOINT), None
+        if self._gatekeeper is None:
+            assert self._ctx is not None, "open() the launcher first"
+            self._gatekeeper = Gatekeeper(self._ctx)
+        guard = Guard(sock, settings.tcp_bind, self._gatekeeper, f"w{number}")
+        self._guards = [g for g in self._guards if not g.closed] + [guard]
+        endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if settings.connect_host:
+            endpoint = f"tcp://{settings.connect_host}:{endpoint.rsplit(':', 1)[1]}"
+        return endpoint, guard
 
     def output_pipes(self, sock_dir: Path) -> OutputPipes | None:
         """The output pipes of the worker whose socket directory is ``sock_dir``, made (with
@@ -317,12 +352,13 @@ class Launcher:
         return env
 
     def launch(self, endpoint: str, sock_dir: Path, token: str, *, entry: str = WORKER, output: bool = False,
-               slot: SlotSettings | None = None, uid: int | None = None) -> Launch:
+               slot: SlotSettings | None = None, uid: int | None = None, guard: Guard | None = None) -> Launch:
         """How to start one process (``entry``: a worker, or a sample slot) whose socket lives
         in ``sock_dir``; ``output``: its output pipes are there too (``output_pipes``).  The
         process opens them before it confines itself (while it has the coordinator's uid, or
         root's), so they stay 0600.  ``uid`` (``own_uid``): where the run's workers switch uid,
-        this process switches to ``uid`` instead of the run's."""
+        this process switches to ``uid`` instead of the run's.  ``guard``: its socket's
+        (``bind``), whose keys it needs to connect."""
         plan = self.plan(sock_dir)
         if uid is not None and plan.uid is not None:  # (a copy: the first plan is kept)
             plan = dataclasses.replace(plan, uid=uid, confine=plan.confine.replace(uid=(uid, uid)))
@@ -332,7 +368,8 @@ class Launcher:
         # could read that).
         args = (endpoint,) if entry == WORKER else ()
         command = interpreter.runtime_argv(self.settings.python, entry, *args, packages=self.runtime_packages)
-        env = self.env(StartSpec(token=token, output=str(sock_dir) if output else "", slot=slot), plan)
+        env = self.env(StartSpec(token=token, output=str(sock_dir) if output else "", slot=slot,
+                                 curve=guard.env if guard is not None else ""), plan)
         return Launch(plan.argv_prefix, command, endpoint, env, Path(plan.cwd) if plan.cwd else self.cwd,
                       plan.pid_namespace, plan.notes, serves_blocks=entry == WORKER)
 

@@ -1,9 +1,13 @@
 """Bounded output of one block: head and tail in memory, everything (capped) in a file.
 
 A block may print a gigabyte; the coordinator keeps ``head_bytes + tail_bytes`` of it in
-memory with an exact count of what lies between, and streams the whole of it to a file,
-itself capped at ``file_cap`` bytes with a closing note saying so.  The file is created
-only once the output outgrows the head, so small blocks leave no files behind.
+memory with an exact count of what lies between, and streams the whole of it to a file.
+The file is created only once the output outgrows the head, so small blocks leave no files
+behind.  What the files may hold is capped three times: each file at ``file_cap`` bytes, all
+the files of a run together (``OutputBudget``, ``OUTPUT_CAP``), and all the runs of a batch
+together (a budget the runs' budgets draw from, ``BATCH_OUTPUT_CAP``).  A file that was cut
+ends with a line saying so, and the text the model reads says the file holds only a part
+(or that nothing was kept) and which cap did it.
 """
 
 from __future__ import annotations
@@ -12,28 +16,77 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["FILE_CAP", "HEAD_BYTES", "OutputSink", "TAIL_BYTES"]
+__all__ = ["BATCH_OUTPUT_CAP", "FILE_CAP", "HEAD_BYTES", "OUTPUT_CAP", "OutputBudget", "OutputSink", "TAIL_BYTES"]
 
+MiB = 1024 * 1024
 HEAD_BYTES = 64 * 1024
 TAIL_BYTES = 64 * 1024
-FILE_CAP = 256 * 1024 * 1024
+FILE_CAP = 256 * MiB
+#: What the output files of one run may hold in all, by default.
+OUTPUT_CAP = 1024 * MiB
+#: What the output files of a batch's runs (on one machine) may hold in all, by default.
+BATCH_OUTPUT_CAP = 4096 * MiB
+
+
+class OutputBudget:
+    """Bytes the output files of a run (or of several, sharing it) may still take.
+
+    ``parent``: a budget shared with other runs that every grant is also taken from (a
+    batch's).  Used from one event loop; nothing is given back (a file that is removed
+    later still counted: what is kept is what counts, and a kept run keeps its files)."""
+
+    def __init__(self, limit: int, *, parent: OutputBudget | None = None, owner: str = "the run's") -> None:
+        self.limit = limit
+        self.left = limit
+        self.parent = parent
+        self.owner = owner
+
+    def take(self, wanted: int) -> tuple[int, OutputBudget | None]:
+        """How many of ``wanted`` bytes may be written, taken from this budget and its
+        parents, and the budget that cut it short (None when all were granted)."""
+        granted, short = min(wanted, self.left), None
+        if granted < wanted:
+            short = self
+        if self.parent is not None:
+            granted, parent_short = self.parent.take(granted)
+            short = parent_short or short
+        self.left -= granted
+        return granted, short
+
+    @property
+    def spent(self) -> bool:
+        return self.left <= 0 or (self.parent is not None and self.parent.spent)
+
+    def exhausted(self) -> OutputBudget:
+        """The budget (this one or a parent) that has nothing left."""
+        return self.parent.exhausted() if self.parent is not None and self.parent.spent else self
+
+    def why(self) -> str:
+        return f"{self.owner} output files reached their cap of {_size(self.limit)}"
+
+
+def _size(n: int) -> str:
+    return f"{n / (1024 * MiB):g} GiB" if n >= 1024 * MiB and n % (64 * MiB) == 0 else f"{n / MiB:.0f} MiB"
 
 
 class OutputSink:
     """Collects one block's output; memory use is bounded whatever the block prints."""
 
     def __init__(self, path: Path | Callable[[], Path] | None, *, head_bytes: int = HEAD_BYTES,
-                 tail_bytes: int = TAIL_BYTES, file_cap: int = FILE_CAP) -> None:
+                 tail_bytes: int = TAIL_BYTES, file_cap: int = FILE_CAP,
+                 budget: OutputBudget | None = None) -> None:
         self.path = path
         self.head_bytes = head_bytes
         self.tail_bytes = tail_bytes
         self.file_cap = file_cap
+        self.budget = budget
         self.total = 0
         self._head = bytearray()
         self._tail = bytearray()
         self._fh = None  # binary file object, once the output outgrows the head
         self._written = 0
         self._file_used = False
+        self.cut_by = ""  # why the file holds less than the whole output (or none was made)
 
     def add(self, data: bytes) -> None:
         if (self.path is not None and not self._file_used
@@ -57,6 +110,10 @@ class OutputSink:
 
     def _open_file(self) -> None:
         self._file_used = True
+        if self.budget is not None and self.budget.spent:  # not even an empty file
+            self.cut_by = self.budget.exhausted().why()
+            self.path = None
+            return
         if callable(self.path):  # named only when needed: most blocks never need a file
             self.path = self.path()
         assert self.path is not None
@@ -66,15 +123,22 @@ class OutputSink:
         self._write(bytes(self._head))
 
     def _write(self, data: bytes) -> None:
-        take = data[: max(0, self.file_cap - self._written)]
-        if take:
-            self._fh.write(take)
-            self._written += len(take)
+        room = max(0, self.file_cap - self._written)
+        n = min(len(data), room)
+        if n < len(data) and not self.cut_by:
+            self.cut_by = f"the file's cap of {_size(self.file_cap)}"
+        if self.budget is not None and n:
+            n, short = self.budget.take(n)
+            if short is not None and not self.cut_by:
+                self.cut_by = short.why()
+        if n:
+            self._fh.write(data if n == len(data) else data[:n])
+            self._written += n
 
     def close(self) -> None:
         if self._fh is not None:
             if self.total > self._written:
-                note = (f"\n[agentloop: output file capped at {self.file_cap} bytes; "
+                note = (f"\n[agentloop: output cut here: {self.cut_by}; "
                         f"{self.total - self._written} more bytes were not kept]\n")
                 self._fh.write(note.encode())
             self._fh.close()
@@ -88,6 +152,11 @@ class OutputSink:
     def file(self) -> Path | None:
         return self.path if self._file_used else None
 
+    @property
+    def file_complete(self) -> bool:
+        """Whether the file (if any) holds the whole output."""
+        return self.file is not None and self._written == self.total
+
     def render(self, budget: int | None = None) -> str:
         """The output as text: whole when it fits ``budget`` (default: what is kept), else
         head and tail with the exact number of bytes cut and the file that holds all."""
@@ -98,7 +167,13 @@ class OutputSink:
         head_n = min(len(self._head), limit // 2)
         tail_n = min(len(tail), limit - head_n)
         cut = self.total - head_n - tail_n
-        where = f"; the whole output is in {self.file}" if self.file else ""
+        where = ""
+        if self.file_complete:
+            where = f"; the whole output is in {self.file}"
+        elif self.file is not None:
+            where = f"; only its first {self._written} bytes are in {self.file} ({self.cut_by})"
+        elif self.cut_by:
+            where = f"; none of it was kept in a file ({self.cut_by})"
         note = f"\n[... {cut} bytes cut{where} ...]\n"
         return (bytes(self._head[:head_n]).decode("utf-8", "replace") + note
                 + tail[len(tail) - tail_n:].decode("utf-8", "replace"))

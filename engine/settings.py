@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .output import FILE_CAP, OUTPUT_CAP
 from .sandbox import SandboxPolicy
 
 __all__ = ["WorkerSettings"]
@@ -37,7 +38,8 @@ class WorkerSettings:
     ``tcp_bind``; ``connect_host`` is the address the worker dials).  ``start_timeout``:
     seconds a process may take to say hello.  ``grace``: seconds between a block's interrupt
     and the hard kill.  ``env_allow``: variables passed to workers beyond the allowlist.
-    ``output_file_cap``: bytes of one block's output kept on disk.  ``keep_output``: keep the
+    ``output_file_cap``: bytes of one block's output kept on disk; ``max_output``: bytes of
+    all the run's block outputs kept on disk (None: no cap of the run's own).  ``keep_output``: keep the
     run's directory of block outputs after the run.  ``tty``: which of fds 1 and 2 are a
     terminal of the worker's own (``exec`` at a terminal).  ``state_dir``: where the run's
     directory goes (default ``~/.local/state/agentloop``)."""
@@ -52,7 +54,8 @@ class WorkerSettings:
     start_timeout: float = 30.0
     grace: float = 0.5
     env_allow: tuple[str, ...] = ()
-    output_file_cap: int = 256 * 1024 * 1024
+    output_file_cap: int = FILE_CAP
+    max_output: int | None = OUTPUT_CAP
     keep_output: bool = False
     tty: tuple[int, ...] = ()
     state_dir: Path | None = None

@@ -391,7 +391,7 @@ class Worker:
         elif block_id in self._blocks:
             raise ValueError(f"block {block_id!r} is already running")
         sink = OutputSink(lambda: self.launcher.output_path(self.index, block_id),
-                          file_cap=self.launcher.settings.output_file_cap)
+                          file_cap=self.launcher.settings.output_file_cap, budget=self.launcher.output_budget)
         block = _RunningBlock(block_id, sink, timeout, on_output, budget)
         self._blocks[block_id] = block
         session.send(wire.Run(block_id, code, script.spec() if script is not None else None))

@@ -619,6 +619,12 @@ async def bench_agentloop(cfg: Config, base: Path) -> dict:
             out["floor"] = zmq_floor(cfg.floor, base)
         with _section("agentloop: round trips"):
             out["rtt"] = stats(await rtt_samples(worker, cfg.rtt), 4)
+        with _section("agentloop: round trips over tcp"):
+            # A worker that dials its coordinator over TCP (CurveZMQ, one connection let in), as
+            # one elsewhere would; it needs the host's network to reach the loopback.
+            async with _engine(base, "tcp", transport="tcp", sandbox=SandboxPolicy(network=True),
+                               **pool_kwargs(0)) as tcp:
+                out["rtt_tcp"] = stats(await rtt_samples(await tcp.start_worker("bench-tcp"), cfg.rtt), 4)
         out["idle"] = await idle_memory(worker)
         with _section("agentloop: streaming"):
             out["stream"] = await stream_rate(worker, cfg.stream_mb, cfg.stream_runs)
@@ -1224,7 +1230,7 @@ def assemble(cfg: Config, machine: dict, floor: dict, al: dict, jp: dict | None,
     figures = {
         "worker_start_ms": {"cold": cold, "forked": al.get("forked_start"), "warm": warm,
                             "warm_note": al.get("warm_note"), "jupyter": j_start},
-        "exec_rtt_ms": {"agentloop": al["rtt"], "jupyter": j_rtt},
+        "exec_rtt_ms": {"agentloop": al["rtt"], "agentloop_tcp": al.get("rtt_tcp"), "jupyter": j_rtt},
         "stream_mb_s": {"agentloop": al["stream"]["mb_s"], "jupyter": j_stream["mb_s"] if j_stream else None,
                         "mb": cfg.stream_mb, "line_bytes": LINE,
                         "detail": {"agentloop": al["stream"], "jupyter": j_stream}},

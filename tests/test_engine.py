@@ -391,9 +391,9 @@ def _vm_rss(status: str) -> int:
     return 0
 
 
-async def test_garbage_frames_are_dropped(run_dir, tmp_path):
-    # Over TCP a stranger can connect (an ipc socket's file is gone once the worker is in):
-    # nothing it sends reaches a block, and each of its messages is counted as dropped.
+async def test_a_stranger_on_the_tcp_port_reaches_nothing(run_dir, tmp_path):
+    # Over TCP anyone may dial the port (an ipc socket's file is gone once the worker is in):
+    # once the worker is in, nobody else gets a connection, let alone a frame read.
     policy = SandboxPolicy(network=True)  # the worker connects over the host's loopback
     async with Engine(cwd=run_dir, state_dir=tmp_path / "state", transport="tcp", sandbox=policy) as engine:
         worker = await engine.start_worker()
@@ -415,8 +415,7 @@ async def test_garbage_frames_are_dropped(run_dir, tmp_path):
                 await intruder.send(frame)
             await intruder.send_multipart([b"a", b"b", b"c"])
             result = await running
-            assert await asyncio.to_thread(wait_until, lambda: session.dropped >= len(frames) + 1, 30), \
-                session.dropped
+            assert session.dropped == 0  # not even read: refused before ZeroMQ takes a message
         finally:
             intruder.close(0)
             ctx.term()

@@ -81,7 +81,7 @@ def run_worker(endpoint: str) -> None:
     # planted, and it must neither run unconfined nor break the worker's own start.
     sys.path.insert(0, "")
 
-    code = serve(endpoint, start.token, fifos, start.tty)
+    code = serve(endpoint, start.token, fifos, start.tty, start.curve)
     sys.stdout.flush() if hasattr(sys.stdout, "flush") else None
     os._exit(code)  # never wait for threads user code left running
 

@@ -290,13 +290,14 @@ def _keep_last_words(fdcap: FdCapture, router: Router, channel: Channel) -> Call
     return restore
 
 
-def serve(endpoint: str, token: str, fifos: Fifos | None = None, tty: str = "") -> int:
+def serve(endpoint: str, token: str, fifos: Fifos | None = None, tty: str = "", curve: str = "") -> int:
     """Handshake with the coordinator at ``endpoint``, then serve until ``shutdown``.  Must run
     on the process's main thread, which runs blocks (see ``runtime``).  ``fifos``: the
     coordinator's output pipes (``_outpipe.open_fifos``), where output goes instead of the
-    socket.  Returns the exit code; user code left running in threads is the caller's to
-    abandon."""
-    channel = Channel(endpoint)
+    socket.  ``tty``: which of fds 1 and 2 are a terminal, and its size.  ``curve``: the
+    CurveZMQ keys of a TCP connection (see ``Channel``).  Returns the exit code; user code left
+    running in threads is the caller's to abandon."""
+    channel = Channel(endpoint, curve=curve)
     writer = PipeWriter(fifos.out, keep=INTERRUPT_SIGNAL) if fifos is not None else None
     router = Router(channel.send) if writer is None else \
         Router(writer.send, move=writer.move, last=channel.send)

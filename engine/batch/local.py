@@ -53,11 +53,12 @@ async def _run_local(pending: list[TaskSpec], settings: RunSettings, results: Re
     # One fork server for every run (closed below, once they are over; a second Ctrl-C leaves
     # at once and takes it down with this process: bubblewrap's --die-with-parent).
     fork_server = settings.shared_fork_server()
+    output_budget = settings.output_budget()  # what the runs' kept outputs may hold together
 
     async def one(spec: TaskSpec) -> None:
         meter = Meter()
         tally.start(spec.key, meter)
-        record = await execute(spec, settings, display=meter, fork_server=fork_server)
+        record = await execute(spec, settings, display=meter, fork_server=fork_server, output_budget=output_budget)
         try:
             results.append(record)
         except OSError as exc:

@@ -22,6 +22,7 @@ from ..display import AgentDisplay, FanoutDisplay, JsonlRecorder
 from ..engine import Engine
 from ..errors import ConfigError
 from ..models import ModelRegistry
+from ..output import BATCH_OUTPUT_CAP, OutputBudget
 from ..repo_tools import RepoTools
 from ..runner import RunResult, run_task
 from ..settings import WorkerSettings
@@ -54,6 +55,9 @@ class RunSettings:
     #: start (see ``shared_fork_server``); False: every worker starts cold; True: insist (a run
     #: fails, as for its infrastructure, without).
     worker: WorkerSettings = field(default_factory=WorkerSettings)
+    #: What the output files of every run of the batch on one machine may hold in all (None:
+    #: no cap); each run's own is ``worker.max_output``.  A batch keeps them, in each run's directory.
+    max_batch_output: int | None = BATCH_OUTPUT_CAP
     retries: int = 0
     retry_backoff: float = 2.0
     max_workers: int = 16
@@ -71,6 +75,13 @@ class RunSettings:
         if self.worker.fork_server is False:
             return None
         return SharedForkServer(self.runs_dir, self.worker)
+
+    def output_budget(self) -> OutputBudget | None:
+        """The budget the runs of one batch on one machine share for their output files
+        (None: no cap of the batch's); each run's own cap draws from it."""
+        if self.max_batch_output is None:
+            return None
+        return OutputBudget(self.max_batch_output, owner="the batch's")
 
     def deadline(self, spec: TaskSpec) -> float | None:
         """Seconds after which a run, all attempts included, is surely hung (None: no cap)."""
@@ -233,7 +244,8 @@ async def _to_the_end(awaitable: Any) -> None:
 
 async def _attempt(spec: TaskSpec, settings: RunSettings, attempt: int, display: AgentDisplay | None,
                    packed: list[tuple[str, bytes, int]] | None,
-                   fork_server: SharedForkServer | None) -> tuple[RunResult, bool]:
+                   fork_server: SharedForkServer | None,
+                   output_budget: OutputBudget | None) -> tuple[RunResult, bool]:
     """One attempt of a run: (its result, whether it failed for infrastructure reasons)."""
     run_dir = settings.runs_dir / run_slug(spec.key)
     workspace = run_dir / "workspace"
@@ -253,7 +265,7 @@ async def _attempt(spec: TaskSpec, settings: RunSettings, attempt: int, display:
     worker = settings.worker.replace(state_dir=run_dir / "state", keep_output=True,
                                      fork_server=settings.worker.fork_server if fork_server is not None else False)
     engine = Engine(worker, cwd=workspace, workspace=workspace, pool=0, max_workers=settings.max_workers,
-                    shared_fork_server=fork_server)
+                    shared_fork_server=fork_server, output_budget=output_budget)
     infrastructure = False
     tools = None
     try:
@@ -287,13 +299,14 @@ async def _attempt(spec: TaskSpec, settings: RunSettings, attempt: int, display:
 
 async def execute(spec: TaskSpec, settings: RunSettings, *, display: AgentDisplay | None = None,
                   packed: list[tuple[str, bytes, int]] | None = None,
-                  fork_server: SharedForkServer | None = None) -> dict:
+                  fork_server: SharedForkServer | None = None, output_budget: OutputBudget | None = None) -> dict:
     """Run one task, with up to ``settings.retries`` more attempts after infrastructure
     failures, and return its record.  Never raises: cancelling it yields a ``cancelled`` record
     once its workers are gone.  ``packed`` (from ``pack_files``) replaces copying ``spec.files``
     when the run happens on another machine.  ``fork_server``: the batch's
     (``settings.shared_fork_server()``), which forks the run's workers; without one they start
-    cold."""
+    cold.  ``output_budget``: the batch's (``settings.output_budget()``), which the run's output
+    files draw from besides its own cap."""
     started = time.monotonic()
     sums = Counter()
     attempts, infrastructure = 0, False
@@ -301,7 +314,8 @@ async def execute(spec: TaskSpec, settings: RunSettings, *, display: AgentDispla
     try:
         while True:
             attempts += 1
-            result, infrastructure = await _attempt(spec, settings, attempts, display, packed, fork_server)
+            result, infrastructure = await _attempt(spec, settings, attempts, display, packed, fork_server,
+                                                    output_budget)
             sums.update(messages=result.messages, tokens_in=result.tokens_in, tokens_out=result.tokens_out)
             sums["cost"] += result.cost
             if not infrastructure or attempts > settings.retries or result.status == "cancelled":

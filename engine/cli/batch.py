@@ -14,6 +14,7 @@ from ..models import load_models
 from .options import (
     EXIT_INTERRUPTED,
     Duration,
+    Size,
     apply_max_tokens,
     fail,
     max_tokens_option,
@@ -64,11 +65,15 @@ __all__ = ["batch"]
               help="Host functions to offer: repo = list_dir, read_file, search (read-only).")
 @click.option("--root", type=click.Path(file_okay=False, exists=True, path_type=Path), default=".",
               help="Directory the repo tools may read (default: current directory).")
+@click.option("--max-batch-output", type=Size(), default="4G", show_default=True,
+              help="What the files of block outputs too large for memory may hold in all, for every run "
+                   "of the batch together (on each machine); --max-output caps each run's.")
 @worker_options
 def batch(tasks_file: Path, output: Path, parallel: int | None, retries: int, retry_backoff: float,
           timeout: float, skip_invalid: bool, redo: tuple[str, ...], runs_dir: Path | None,
           max_workers_per_run: int, progress: str, ray_address: str | None, model: str | None,
-          models_file: Path | None, max_messages: int, protocol: str | None, tools: str, root: Path) -> None:
+          models_file: Path | None, max_messages: int, protocol: str | None, tools: str, root: Path,
+          max_batch_output: int) -> None:
     """Run every task of TASKS_FILE and append one result line per finished run to OUTPUT.
 
     TASKS_FILE is JSONL, one task a line: id, task; optional model, max_messages, timeout,
@@ -90,7 +95,7 @@ def batch(tasks_file: Path, output: Path, parallel: int | None, retries: int, re
         models=registry, runs_dir=runs_dir, exclude=(runs_dir, output),
         model=model, protocol=protocol, max_messages=max_messages, timeout=timeout, tools=tools,
         root=str(root.resolve()), worker=workers.settings(), retries=retries,
-        retry_backoff=retry_backoff, max_workers=max_workers_per_run)
+        retry_backoff=retry_backoff, max_workers=max_workers_per_run, max_batch_output=max_batch_output)
     try:
         outcome = run_batch(tasks_file, output, settings, parallel=parallel, progress=progress,
                             skip_invalid=skip_invalid, redo=redo, ray_address=ray_address)

@@ -20,6 +20,7 @@ import click
 from ..durations import DEFAULT_BLOCK_TIMEOUT
 from ..errors import AgentloopError, ConfigError
 from ..inert import inert
+from ..output import OUTPUT_CAP
 from .options import (
     EXIT_INTERRUPTED,
     Duration,
@@ -126,8 +127,9 @@ def _run_file(file: str, args: list[str], timeout: float | None, env_names: tupl
     write_cwd = bool(settings.write_cwd)
     if settings.preload:
         fail("--preload is for workers and --jsonl samples: a script imports what it imports")
-    if settings.keep_output:
-        fail("--keep-output is for workers and --jsonl samples: a script's output goes where you send it")
+    if settings.keep_output or settings.max_output != OUTPUT_CAP:
+        fail("--keep-output and --max-output are for workers and --jsonl samples: a script's output goes "
+             "where you send it")
     policy = settings.policy()
     cgroups = plan = None
     try:

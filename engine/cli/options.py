@@ -21,6 +21,7 @@ from ..durations import parse_duration
 from ..errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OWN, EXIT_TIMEOUT, AgentloopError
 from ..inert import inert
 from ..interpreter import choose_python
+from ..output import OUTPUT_CAP
 from ..sandbox import SandboxPolicy
 from ..settings import WorkerSettings
 
@@ -84,6 +85,7 @@ class _WorkerOptions:
     preload: tuple[str, ...] = ()
     python: str | None = None
     keep_output: bool = False
+    max_output: int = OUTPUT_CAP
     limits: dict = field(default_factory=dict)
     #: ``--write-cwd``: code writes the current directory (``write_options``); None: the command's default.
     write_cwd: bool | None = None
@@ -111,7 +113,7 @@ class _WorkerOptions:
             except AgentloopError as exc:
                 fail(str(exc))
             self._built = WorkerSettings(sandbox=self.policy(), python=python, preload=self.preload,
-                                         keep_output=self.keep_output)
+                                         keep_output=self.keep_output, max_output=self.max_output)
         return self._built
 
 
@@ -172,6 +174,10 @@ def worker_options(f):
                      callback=_setting("keep_output"),
                      help="Keep the files of block outputs too large for memory after the run (batch "
                           "always keeps them, in each run's directory)."),
+        click.option("--max-output", type=Size(), default=None, expose_value=False,
+                     callback=_setting("max_output"),
+                     help="What the files of block outputs too large for memory may hold in all, per "
+                          "run (default 1G; each file 256M at most)."),
         _limit("--memory", "memory_bytes", Size(), "Memory per worker (default 2G)."),
         _limit("--cpu-time", "cpu_seconds", click.IntRange(1), "CPU seconds per worker (default: no limit)."),
         _limit("--max-processes", "max_processes", click.IntRange(1), "Processes per worker (default 256)."),

@@ -20,8 +20,9 @@ __all__ = ["NAMES", "StartSpec"]
 
 _TOKEN, _CONFINE, _PARENT = "AGENTLOOP_TOKEN", "AGENTLOOP_CONFINE", "AGENTLOOP_PARENT"
 _OUTPUT, _TTY, _SLOT, _PRELOAD = "AGENTLOOP_OUTPUT", "AGENTLOOP_TTY", "AGENTLOOP_SLOT", "AGENTLOOP_PRELOAD"
+_CURVE = "AGENTLOOP_CURVE"
 #: Every variable of the start; none reaches the code a process runs.
-NAMES = (_TOKEN, _CONFINE, _PARENT, _OUTPUT, _TTY, _SLOT, _PRELOAD)
+NAMES = (_TOKEN, _CONFINE, _PARENT, _OUTPUT, _TTY, _SLOT, _PRELOAD, _CURVE)
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,9 @@ class StartSpec:
     itself; ``parent``: the coordinator's pid where no PID namespace ends the process with it
     (0: one does); ``output``: the directory of its output pipes (``contract.output``);
     ``tty``: which of fds 1 and 2 are a terminal, and its size (``"1,2:ROWSxCOLS"``);
-    ``slot``: a sample slot's settings; ``preload``: modules a fork server imports first."""
+    ``slot``: a sample slot's settings; ``preload``: modules a fork server imports first;
+    ``curve``: over TCP, the CurveZMQ keys (``"SERVER_PUBLIC PUBLIC SECRET"``, z85) with which
+    the coordinator lets this worker in, and no one else."""
 
     token: str = ""
     confine: Confinement = field(default_factory=Confinement)
@@ -39,6 +42,7 @@ class StartSpec:
     tty: str = ""
     slot: SlotSettings | None = None
     preload: tuple[str, ...] = ()
+    curve: str = ""
 
     def to_env(self) -> dict[str, str]:
         env = {}
@@ -58,6 +62,8 @@ class StartSpec:
             env[_SLOT] = json.dumps(self.slot.to_wire())
         if self.preload:
             env[_PRELOAD] = ",".join(self.preload)
+        if self.curve:
+            env[_CURVE] = self.curve
         return env
 
     @classmethod
@@ -79,4 +85,4 @@ class StartSpec:
         except ValueError:
             raise ContractError(f"{_PARENT} is not a pid") from None
         return cls(got[_TOKEN], Confinement.from_json(got[_CONFINE]), parent, got[_OUTPUT], got[_TTY], slot,
-                   tuple(n.strip() for n in got[_PRELOAD].split(",") if n.strip()))
+                   tuple(n.strip() for n in got[_PRELOAD].split(",") if n.strip()), got[_CURVE])
