@@ -96,7 +96,7 @@ def test_exec_json(tmp_path):
     (["--bogus"], "No such option '--bogus'"),
     (["--workspace", "elsewhere"], "--workspace DIR goes with --read-only"),
     (["--keep-output"], "--keep-output and --max-output are for workers"),
-    (["--max-output", "1G"], "--keep-output and --max-output are for workers"),
+    (["--max-output", "2G"], "--keep-output and --max-output are for workers"),
     (["--preload", "json"], "--preload is for workers"),
 ])
 def test_usage_errors_are_agentloops_own(tmp_path, args, words):
