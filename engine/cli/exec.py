@@ -131,6 +131,8 @@ def _run_file(file: str, args: list[str], timeout: float | None, env_names: tupl
         fail("--keep-output and --max-output are for workers and --jsonl samples: a script's output goes "
              "where you send it")
     policy = settings.policy()
+    if policy.mode == "none":
+        click.echo("agentloop: warning: --sandbox none runs the script unconfined", err=True)
     cgroups = plan = None
     try:
         python = choose_python(settings.python, workspace=None if write_cwd else settings.workspace or Path("files"))
