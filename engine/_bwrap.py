@@ -60,10 +60,10 @@ class View:
     """What a worker is shown, every path resolved: the system (read-only, with the symlinks
     of a merged /usr), its Python, the current directory when shown, the run's output and
     socket directories (read-only) and the workspace (read-write), in which ``protected``
-    stay read-only.  A fork server shared by the runs of a batch is shown the batch's runs
-    directory as its workspace and no output directory (``engine.shared_fork_server``); a
-    script run by ``exec`` has no socket or output directory, and ``shown`` holds its own
-    directory.
+    (``engine.protected``) stay read-only.  A fork server shared by the runs of a batch is
+    shown the batch's runs directory as its workspace and no output directory
+    (``engine.shared_fork_server``); a script run by ``exec`` has no socket or output
+    directory, and ``shown`` holds its own directory.
 
     ``shown``: more paths shown read-only where nothing above them is shown already.
     ``root_proc``: for code that keeps uid 0 (without capabilities), the files of ``/proc``

@@ -455,17 +455,17 @@ class Agent:
             self._inner.cancel()
             await asyncio.wait([self._inner])
             raise
-        reason = ""
+        reason, error_type = "", ""
         if self._inner.cancelled():
             body, status = "[cancelled]", "cancelled"
         elif self._inner.exception() is not None:
-            reason = words(self._inner.exception())
+            reason, error_type = words(self._inner.exception()), type(self._inner.exception()).__name__
             body, status = f"[failed] {reason}", "failed"
         else:
             self.result_value = self._inner.result()
             body, status = self.result_value, "answered"
         duration = time.monotonic() - started
-        self._event("agent_finished", status=status, duration=duration, reason=reason)
+        self._event("agent_finished", status=status, duration=duration, reason=reason, error_type=error_type)
         return tags.format_agent_result(self.name, duration, body)
 
     def _status_report(self) -> str:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from . import tags
 from .errors import AgentloopError
@@ -139,10 +140,13 @@ class CodeTask:
             self._work.cancel()
             await asyncio.wait([self._work])
             raise
+        facts: dict[str, Any] = {}
         try:
             result = self._work.result()
             body = result.text()
             status = result.status
+            facts = {"output_bytes": result.output_bytes, "killed": result.worker_killed,
+                     "lost": result.lost_vars, "message": result.message}
             if result.refused_write():
                 body += f"[note: {host.writable()}]"
         except asyncio.CancelledError:
@@ -155,7 +159,7 @@ class CodeTask:
             body += f"[{excess}]"
         duration = time.monotonic() - self.started
         host.emit("finished", id=self.id, duration=duration, cancelled=status != "ok" and status != "error",
-                  output=body, status=status)
+                  output=body, status=status, **facts)
         return tags.format_code_result(self.id, duration, body)
 
     def _report(self) -> str:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from engine import trust
 from engine.errors import ConfigError
 
 __all__ = [
@@ -33,7 +34,10 @@ class AgentDisplay:
                                                    the model's full reply, usage stats, seconds taken,
                                                    why it ended ("length": cut at the cap), its reasoning
         waiting(name, attempt)                     a request went out; nothing of the reply has arrived yet
-        waited(name, seconds)                      the request ended (answered or failed) after that long
+        waited(name, seconds, model, max_tokens, tokens_in, tokens_out, finish_reason, timings, error, status)
+                                                   the request ended after that long: answered (its tokens,
+                                                   why the reply ended, the server's own ``timings``) or
+                                                   failed (``error``: the exception's type; ``status``: HTTP)
         retrying(name, attempt, of, wait, reason, status)
                                                    an attempt failed (status: its HTTP status, or None);
                                                    attempt `attempt` of `of` retries comes after `wait` s
@@ -45,13 +49,21 @@ class AgentDisplay:
         launched(name, id, timeout, heartbeat, code)   a <run_code> block started
         output(name, id, stream, text)             a live output chunk of a running block ("stdout"/"stderr")
         progress(name, id, current, output)        a heartbeat: seconds so far, output so far
-        finished(name, id, duration, cancelled, output)   a block ended (output ends in [timed out]/[cancelled])
+        finished(name, id, duration, cancelled, output, status, output_bytes, killed, lost, message)
+                                                   a block ended (output ends in [timed out]/[cancelled]);
+                                                   status as BlockResult's; killed: its worker was killed,
+                                                   taking the variables named in ``lost``
         cancelled(name, label)                     something of `name` was cancelled, and why
         failed(name, message)                      something of `name` could not be done
         agent_started(name, parent, model, task)   a sub-agent began; parent is None for the top agent
-        agent_finished(name, status, duration, reason)
-                                                   an agent ended: "done", "failed", "cancelled", ...;
-                                                   reason: why it failed ("" otherwise)
+        agent_finished(name, status, duration, reason, error_type)
+                                                   an agent ended: "answered", "failed", "cancelled";
+                                                   reason: why it failed ("" otherwise), error_type: the
+                                                   exception's type
+        run_started(name, task, model)             a run of the top agent `name` began (``run_task``)
+        run_finished(name, status, error, error_type, tokens_in, tokens_out, cost, duration)
+                                                   that run ended: "answered", "failed", "timed_out",
+                                                   "cancelled"; its totals, sub-agents included
         note(name, message)                        a one-line notice (sandbox state, retries, ...)
 
     Renderers must tolerate event types and fields they do not know: new ones get added.
@@ -113,6 +125,9 @@ class JsonlRecorder(AgentDisplay):
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        # Model text goes into this file: a link a worker left on its way (into ~/.bashrc, say)
+        # must not carry it elsewhere (UntrustedFile).
+        trust.check(self.path, "the recording", writing=True)
         self._file = open(self.path, "a", encoding="utf-8", buffering=1)  # closed in close()
         self._lock = threading.Lock()
 

@@ -2,6 +2,7 @@
 
     AgentloopError                  every error agentloop itself raises
     ├── ConfigError                 bad option, duration, config file; fix the input
+    │   └── UntrustedFile           a file to obey that a worker could have written
     ├── WorkerError                 a worker could not be started or talked to
     │   ├── WorkerStartError        the process did not come up / handshake failed
     │   └── WorkerClosed            the handle was closed; start a new worker
@@ -40,6 +41,11 @@ class AgentloopError(Exception):
 
 class ConfigError(AgentloopError):
     """An option, duration or configuration file is invalid."""
+
+
+class UntrustedFile(ConfigError):
+    """A file agentloop would obey (a configuration, a results file, the workers' Python)
+    could have been written by a worker; it is not used (``engine.trust``)."""
 
 
 class WorkerError(AgentloopError):

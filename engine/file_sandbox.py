@@ -39,18 +39,15 @@ from pathlib import Path
 
 from worker.contract.confinement import Confinement
 
-from . import interpreter, sandbox
+from . import interpreter, sandbox, trust
 from ._bwrap import beneath
 from .errors import ConfigError
+from .protected import protected_paths
 
 __all__ = ["SECRET_PATTERNS", "ScriptPlan", "kept_read_only", "plan_script", "script_environment", "secret_names"]
 
 #: Variable names (shell patterns, any case) never passed to a script unless named with ``--env``.
 SECRET_PATTERNS = ("*KEY*", "*SECRET*", "*TOKEN*", "*PASSWORD*", "*PASSWD*", "*CREDENTIAL*")
-#: Entries of a writable directory kept read-only by name.
-_PROTECTED_NAMES = ("agentloop.toml", ".git")
-#: Entries of a writable directory looked at for virtual environments (a bound on the work).
-_SCAN_LIMIT = 4096
 
 
 @dataclass(frozen=True)
@@ -59,8 +56,9 @@ class ScriptPlan:
     process (``[]`` without bubblewrap), the spec that process applies to itself, where it
     starts, one-line notes, and ``tmpdir``: a ``$TMPDIR`` to give the script where the
     sandbox has no private ``/tmp`` (None: ``/tmp`` is its own).  ``made``: the directories
-    this plan created (the workspace, that ``$TMPDIR``), deepest first, to remove again when
-    the script left them empty."""
+    this plan created (the workspace with the parents it needed, that ``$TMPDIR``), deepest
+    first, to remove again when the script left them empty.  ``kept``: what stays read-only in
+    ``writable`` (``kept_read_only``), bound so where there is a PID namespace."""
 
     argv_prefix: list[str]
     pid_namespace: bool
@@ -70,6 +68,7 @@ class ScriptPlan:
     tmpdir: str | None
     writable: str
     made: tuple[str, ...] = ()
+    kept: tuple[str, ...] = ()
 
 
 def secret_names(environ: Mapping[str, str], configured: Iterable[str] = ()) -> set[str]:
@@ -121,16 +120,23 @@ def plan_script(policy: sandbox.SandboxPolicy, *, python: str, cwd: Path, script
         target = cwd
     else:
         target = Path(os.path.realpath(workspace or cwd / "files"))
-    made = tuple(str(d) for d in (target / ".tmp", target) if not d.exists())  # (.tmp: TMPDIR without bubblewrap)
+    made = tuple(str(d) for d in (target / ".tmp", *_missing(target)))  # (.tmp: TMPDIR without bubblewrap)
     _refuse_inside_installation(target, python)
+    try:
+        trust.refuse_holding_record(target)
+    except ConfigError:
+        if not write_cwd:
+            raise
+        raise ConfigError(f"the current directory {target} holds {trust.record_directory()}, agentloop's record of "
+                          "what code could write: run from another directory, pass --read-only, or set "
+                          "XDG_STATE_HOME elsewhere") from None
     kept = kept_read_only(target, python)
     policy = dataclasses.replace(policy, as_caller=True)
     plan = sandbox.plan(policy, socket_dir=None, workspace=target, cwd=cwd, output_dir=None, python=python,
                         memory_cgroup=memory_cgroup, pids_cgroup=pids_cgroup, protected=kept,
                         shown=tuple(_shown(script, python, environ)))
-    notes = list(plan.notes)
     if kept and not plan.pid_namespace:
-        notes.append(_unkept(kept, target, python))
+        _refuse_unkept_code(kept, target, python)
     argv = list(plan.argv_prefix)
     if argv:
         # The confiner is the PID namespace's init: it relays signals and reports the exact status.
@@ -146,31 +152,26 @@ def plan_script(policy: sandbox.SandboxPolicy, *, python: str, cwd: Path, script
         # PID namespace the confiner, a subreaper, and the runner find what is left by its tree.
         confine = confine.replace(seccomp=dataclasses.replace(confine.seccomp, lock_session=False))
     tmpdir = None if plan.pid_namespace else plan.env.get("TMPDIR")
-    return ScriptPlan(argv, plan.pid_namespace, confine, plan.cwd or str(cwd), notes, tmpdir, str(target),
-                      tuple(d for d in made if os.path.isdir(d)))
+    return ScriptPlan(argv, plan.pid_namespace, confine, plan.cwd or str(cwd), list(plan.notes), tmpdir, str(target),
+                      tuple(d for d in made if os.path.isdir(d)), kept)
 
 
 def kept_read_only(directory: Path, python: str) -> tuple[str, ...]:
-    """What stays read-only in ``directory`` while a script writes it: whatever a later
-    agentloop process, or the user's own tools, trust or run from there — ``agentloop.toml``,
-    ``.git``, every virtual environment in it (a directory holding ``pyvenv.cfg``), the
-    interpreter's directories and agentloop's own code where they lie there.  Only what exists
-    is listed (a bind needs something to bind), never a link (a bind over a link lands on its
-    target), shallowest first."""
-    top = str(directory)
-    found = {os.path.join(top, name) for name in _PROTECTED_NAMES}
-    try:
-        with os.scandir(top) as entries:
-            for number, entry in enumerate(entries):
-                if number >= _SCAN_LIMIT:
-                    break
-                if entry.is_dir(follow_symlinks=False) and os.path.isfile(os.path.join(entry.path, "pyvenv.cfg")):
-                    found.add(entry.path)
-    except OSError:
-        pass
-    found |= {p for p in _installation(python) if beneath(p, top) and p != top}
-    kept = [p for p in found if os.path.lexists(p) and not os.path.islink(p)]
-    return tuple(sorted(kept, key=lambda p: (p.count("/"), p)))
+    """What stays read-only in ``directory`` while a script writes it: what
+    ``engine.protected`` keeps in any directory workers write (``agentloop.toml``, ``.git``,
+    virtual environments), and the interpreter's directories and agentloop's own code where
+    they lie there."""
+    return protected_paths(directory, _installation(python))
+
+
+def _missing(path: Path) -> list[Path]:
+    """``path`` and each of its parents that does not exist, deepest first."""
+    missing = []
+    for place in (path, *path.parents):
+        if os.path.lexists(place):
+            break
+        missing.append(place)
+    return missing
 
 
 def _installation(python: str) -> list[str]:
@@ -201,15 +202,13 @@ def _refuse_inside_installation(target: Path, python: str) -> None:
                               "another directory, or pass --read-only")
 
 
-def _unkept(kept: tuple[str, ...], target: Path, python: str) -> str:
-    """Without bubblewrap nothing can be bound read-only: refuse where the interpreter or
-    agentloop's code would be writable, else the note saying what is not kept."""
+def _refuse_unkept_code(kept: tuple[str, ...], target: Path, python: str) -> None:
+    """Without bubblewrap nothing can be bound read-only (``sandbox.plan`` notes what stays
+    writable): refuse where the interpreter or agentloop's code would be writable."""
     code = [p for p in kept if any(beneath(p, i) or beneath(i, p) for i in _installation(python))]
     if code:
         raise ConfigError(f"without bubblewrap {code[0]} could not be kept read-only in {target}, and Python runs "
                           "code from there: pass --read-only, or install bubblewrap")
-    names = ", ".join(os.path.relpath(p, target) for p in kept)
-    return f"sandbox: without bubblewrap {names} in {target} cannot be kept read-only"
 
 
 def _shown(script: str | None, python: str, environ: Mapping[str, str]) -> list[Path]:

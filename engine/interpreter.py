@@ -21,21 +21,21 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tomllib
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import worker.contract
 
+from . import trust
 from ._bwrap import beneath, outermost
-from ._uids import UID_BASE, UID_SPAN
-from .errors import ConfigError, SandboxError
+from .errors import ConfigError, SandboxError, UntrustedFile
+from .models import CONFIG_FILE, read_config
 
 __all__ = [
     "Interpreter", "RUNTIME_INSTALL", "RUNTIME_PACKAGES", "RUNTIME_ROOT", "check_workspace",
-    "choose_python", "not_importable", "probe", "python_paths", "refuse_untrusted", "runtime_argv",
-    "runtime_dirs", "runtime_packages"
+    "choose_python", "not_importable", "probe", "python_paths", "refuse_untrusted",
+    "refuse_untrusted_paths", "runtime_argv", "runtime_dirs", "runtime_packages", "which_python"
 ]
 
 #: Third-party packages the worker runtime imports, by import name (distribution in brackets
@@ -61,28 +61,31 @@ def choose_python(explicit: str | None = None, config: Path | None = None,
                   workspace: Path | None = None) -> str:
     """The interpreter workers run (see the module docstring), as an absolute path.  A name is
     looked up on PATH; one that is not there, or not executable, or one a worker could have
-    written (``refuse_untrusted``), is a ConfigError."""
-    config = config or Path("agentloop.toml")
+    written (``refuse_untrusted``), is a ConfigError; so is an invalid ``config`` file."""
+    return which_python(explicit, config, workspace)[0]
+
+
+def which_python(explicit: str | None = None, config: Path | None = None,
+                 workspace: Path | None = None) -> tuple[str, str]:
+    """``choose_python``'s interpreter and, in words, which of the five sources chose it."""
+    config = config or Path(CONFIG_FILE)
     for given, where in ((explicit, "--python"), (os.environ.get("AGENTLOOP_PYTHON"), "AGENTLOOP_PYTHON"),
                          *_configured(config)):
         if given:
-            return _resolve(given, where, workspace)
+            return _resolve(given, where, workspace), where
     venv = os.environ.get("VIRTUAL_ENV")
     if venv and os.access(os.path.join(venv, "bin", "python"), os.X_OK):
-        return os.path.join(venv, "bin", "python")
-    return sys.executable
+        return os.path.join(venv, "bin", "python"), f"the active virtual environment (VIRTUAL_ENV={venv})"
+    return sys.executable, ("default, agentloop's own (none of --python, AGENTLOOP_PYTHON, python in "
+                            f"{config} or an active virtual environment names one)")
 
 
 def _configured(config: Path) -> list[tuple[str | None, str]]:
-    try:
-        with config.open("rb") as f:
-            value = tomllib.load(f).get("python")
-    except (OSError, tomllib.TOMLDecodeError):
-        return []  # the model settings of that file report its errors
+    if not config.is_file():
+        return []
+    value = read_config(config).get("python")  # the whole file checked, as every command checks it
     if value is None:
         return []
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{config}: python must be the path of an interpreter, as a string")
     if os.sep in value and not os.path.isabs(value):
         value = str(config.resolve().parent / value)
     return [(value, f"python in {config}")]
@@ -102,24 +105,33 @@ def _resolve(given: str, where: str, workspace: Path | None) -> str:
 def refuse_untrusted(python: str, workspace: Path | None) -> None:
     """ConfigError for an interpreter a worker could have written: one beneath ``workspace`` (as
     named, or once its links are followed: a virtual environment finds its packages by where its
-    link lies), or, for root, whose workers run as uids of their own, one whose file or a
-    directory above it belongs to a workers' uid.  The coordinator runs it to ask what it is and
-    the fork server runs it with privileges: it must never be something model code planted."""
+    link lies), or one ``engine.trust`` refuses — its file, its link or a directory above it a
+    workers' uid's or writable by others, or it (its whole virtual environment) changed or
+    stood unprotected while workers of an earlier run could write around it.  The coordinator
+    runs it to ask what it is and the fork server runs it with privileges: it must never be
+    something model code planted."""
     named, real = os.path.abspath(python), os.path.realpath(python)
     if workspace is not None:
         ws = os.path.realpath(workspace)
         if any(os.path.commonpath([path, ws]) == ws for path in (named, real)):
             raise ConfigError(f"the workers' Python {python} lies in the workspace {ws}, which workers "
                               "write: choose another --workspace or an interpreter elsewhere")
-    if os.geteuid() == 0:
-        for place in {named, real, *map(str, Path(named).parents), *map(str, Path(real).parents)}:
-            try:
-                owner = os.lstat(place).st_uid
-            except OSError:
-                continue
-            if UID_BASE <= owner < UID_BASE + UID_SPAN:
-                raise ConfigError(f"the workers' Python {python}: {place} was written by a worker (it belongs "
-                                  f"to uid {owner}): choose an interpreter no worker wrote")
+    venv = next((str(top) for top in (Path(named).parent.parent, Path(real).parent.parent)
+                 if (top / "pyvenv.cfg").is_file()), None)
+    why = trust.owner_refusal(os.path.dirname(named)) or trust.refusal(named, tree=venv)
+    if why:
+        raise UntrustedFile(f"the workers' Python {python} is not used: {why}")
+
+
+def refuse_untrusted_paths(python: str) -> None:
+    """UntrustedFile when a directory ``python`` imports from lies where workers of an earlier
+    run could write, was there then and was not kept read-only (``engine.trust``): a module
+    planted there would run in the fork server, with privileges."""
+    for path in probe(python).paths:
+        if os.path.isabs(path) and os.path.isdir(path):
+            why = trust.record_refusal(path, tree=path)
+            if why:
+                raise UntrustedFile(f"the workers' Python {python} imports from {path}, which is not used: {why}")
 
 
 _PROBE = """
@@ -260,10 +272,12 @@ def python_paths(python: str) -> tuple[str, ...]:
 def check_workspace(workspace: Path, python: str) -> None:
     """Refuse a workspace that is, or holds, a directory on the import path of the coordinator
     or of the workers' Python: workers write the workspace, and a module planted there would
-    run in a process with privileges (the coordinator, a worker before it confines itself)."""
+    run in a process with privileges (the coordinator, a worker before it confines itself).
+    Nor may it hold the record of what workers could write (``engine.trust``)."""
     ws = os.path.realpath(workspace)
     ours = (os.path.realpath(p) for p in sys.path if p and os.path.isabs(p) and os.path.isdir(p))
     for path in sorted({*python_paths(python), *ours}):
         if beneath(path, ws):
             raise ConfigError(f"the workspace {ws} holds {path}, from which Python imports "
                               "agentloop's code: choose another --workspace")
+    trust.refuse_holding_record(ws)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
 import secrets
 import shutil
@@ -34,17 +35,18 @@ import zmq
 from worker.contract.sample import SlotSettings
 from worker.contract.start import StartSpec
 
-from . import _uids, interpreter
+from . import _uids, interpreter, trust
 from . import sandbox as _sandbox
 from ._cgroup import SpareGroups, WorkerCgroups
 from ._outpipe import OutputPipes
 from ._process import Launch, Process, descendants
+from ._state import state_home
 from ._tcp import Gatekeeper, Guard
 from ._tree import remove_tree
 from .errors import ConfigError, WorkerStartError
-from .file_sandbox import kept_read_only
 from .fork_server import ForkServer
 from .output import OutputBudget
+from .protected import protected_paths
 from .provision import ColdStart, Provisioner, fork_server_refusal, insisted
 from .results import describe_exit
 from .settings import WorkerSettings
@@ -64,9 +66,19 @@ ENV_ALLOWLIST = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "LC_MESSAGES"
                  "TERM", "TZ", "PYTHONIOENCODING", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 
 
-def _state_home() -> Path:
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return Path(base) / "agentloop"
+log = logging.getLogger("agentloop")
+#: The plans' details logged so far (``LaunchPlan.details``: once per process each).
+_detailed: set[str] = set()
+
+
+def _missing(path: Path) -> list[Path]:
+    """``path`` and each of its parents that does not exist, deepest first."""
+    missing = []
+    for place in (path.absolute(), *path.absolute().parents):
+        if os.path.lexists(place):
+            break
+        missing.append(place)
+    return missing
 
 
 def _runtime_home() -> Path:
@@ -131,13 +143,15 @@ class Launcher:
         self.own_workspaces = own_workspaces
         self.shared = shared
         self._provisioner: Provisioner | None = None
-        self._made_workspace = False  # made by this run: removed again when nothing was written
+        #: The directories this run made for its workspace, the workspace first, then each missing
+        #: parent (``--workspace /new/dir``): removed again, as far as nothing was written there.
+        self._made: list[Path] = []
         self._uid_claim: str | None = None  # the workspace (real path) whose uid this run claimed
         #: Runtime packages the workers' Python lacks, loaded from agentloop's own copies.
         self.runtime_packages: dict[str, str] = {}
         # The pid in the name lets a later start remove what a killed coordinator left.
         self.run_id = time.strftime("%Y%m%d-%H%M%S-") + f"{os.getpid()}-{secrets.token_hex(3)}"
-        self.run_dir = Path(settings.state_dir or _state_home()) / "runs" / self.run_id
+        self.run_dir = Path(settings.state_dir or state_home()) / "runs" / self.run_id
         self.output_dir = self.run_dir / "outputs"
         self.sock_root: Path | None = None
         self.memory_cgroups: WorkerCgroups | None = None  # each worker's memory limit
@@ -149,8 +163,10 @@ class Launcher:
         self._outputs = 0
         self._first_plan: tuple[Path, _sandbox.LaunchPlan] | None = None
         self._shared_view: RunView | None = None
-        #: What stays read-only in the workspace (``file_sandbox.kept_read_only``), found when it opens.
+        #: What stays read-only in the workspace (``engine.protected``), found when it opens.
         self.protected: tuple[str, ...] = ()
+        #: The record that workers may write the workspace (``engine.trust``), from the first plan.
+        self._grant: trust.Grant | None = None
 
     @property
     def opened(self) -> bool:
@@ -165,9 +181,9 @@ class Launcher:
         if settings.sandbox.mode != "none":
             interpreter.check_workspace(self.workspace, settings.python)
         try:
-            self._made_workspace = not self.workspace.exists()
+            self._made = _missing(self.workspace)
             self.workspace.mkdir(parents=True, exist_ok=True)
-            self.protected = kept_read_only(self.workspace.resolve(), settings.python)
+            self.protected = protected_paths(self.workspace)
             self.output_dir.mkdir(parents=True, exist_ok=True)
             os.chmod(self.run_dir, 0o700)
             if settings.keep_output:
@@ -194,7 +210,7 @@ class Launcher:
             self._uid_claim = workspace
         if self.shared is not None and self.sock_root.parent == self.shared.socket_root:
             self._shared_view = self.shared.for_run(self.workspace, self.output_dir, self.env(StartSpec(), None),
-                                                    self.runtime_packages)
+                                                    self.runtime_packages, self.protected)
         self._ctx = zmq.Context()
         # Each worker costs three ZeroMQ sockets (its channel, a monitor and the monitor's peer);
         # the default cap of 1023 would stop an engine at about 340 workers.
@@ -211,6 +227,7 @@ class Launcher:
         python = self.settings.python
         interpreter.refuse_untrusted(python, self.workspace)
         self.runtime_packages = interpreter.runtime_packages(python)
+        interpreter.refuse_untrusted_paths(python)
         missing = interpreter.not_importable(python, self.settings.preload)
         if missing:
             raise ConfigError(f"--preload: {', '.join(missing)} cannot be imported by the workers' Python "
@@ -238,6 +255,8 @@ class Launcher:
         for cgroups in (self.memory_cgroups, self.pids_cgroups) if self._shared_view is None else ():
             if cgroups is not None:  # (a shared server's parents are its own, closed with it)
                 cgroups.close()
+        if self._grant is not None:  # every worker is gone: what changes there now is not theirs
+            await asyncio.to_thread(self._grant.end)
         if self._uid_claim is not None:
             _uids.release(self._uid_claim)
             self._uid_claim = None
@@ -247,10 +266,14 @@ class Launcher:
             self.output_dir.rmdir()  # only if no block needed a file
             (self.run_dir / ".kept").unlink()
             self.run_dir.rmdir()
-        if self._made_workspace:
-            for leftover in (self.workspace / ".tmp", self.workspace):  # (.tmp: the fallback's TMPDIR)
-                with contextlib.suppress(OSError):
+        if self._made:
+            for leftover in (self.workspace / ".tmp", *self._made):  # (.tmp: the fallback's TMPDIR)
+                try:
                     leftover.rmdir()
+                except FileNotFoundError:
+                    continue
+                except OSError:  # something was written: it and what holds it stay
+                    break
 
     # -- one worker -------------------------------------------------------------------------------
     def socket(self) -> zmq.Socket:
@@ -303,13 +326,18 @@ class Launcher:
 
         The plans of one run differ in the socket directory alone: the first is made in full
         (a few milliseconds: the view, the uid, the confinement), later ones are copies of it
-        naming their own directory, made searchable by the run's uid as the full one would."""
+        naming their own directory, made searchable by the run's uid as the full one would.
+
+        Before the first plan is returned (before any worker can exist), the record notes that
+        workers may write the workspace, and what stays read-only there (``engine.trust``)."""
         first = self._first_plan
         if first is None or sock_dir.parent != first[0].parent:
             plan = _sandbox.plan(self.settings.sandbox, socket_dir=sock_dir, workspace=self.workspace,
                                  cwd=self.cwd, output_dir=self.output_dir, python=self.settings.python,
                                  memory_cgroup=self.memory_cgroups is not None,
                                  pids_cgroup=self.pids_cgroups is not None, protected=self.protected)
+            if self._grant is None and self.settings.sandbox.mode != "none":
+                self._grant = trust.open_grant(self.workspace, self.protected if plan.pid_namespace else ())
             if first is None and sock_dir.parent == self.sock_root:
                 self._first_plan = (sock_dir, plan)
             return plan
@@ -370,6 +398,10 @@ class Launcher:
         command = interpreter.runtime_argv(self.settings.python, entry, *args, packages=self.runtime_packages)
         env = self.env(StartSpec(token=token, output=str(sock_dir) if output else "", slot=slot,
                                  curve=guard.env if guard is not None else ""), plan)
+        for detail in plan.details:
+            if detail not in _detailed:
+                _detailed.add(detail)
+                log.info("%s", detail)
         return Launch(plan.argv_prefix, command, endpoint, env, Path(plan.cwd) if plan.cwd else self.cwd,
                       plan.pid_namespace, plan.notes, serves_blocks=entry == WORKER)
 

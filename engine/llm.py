@@ -22,6 +22,7 @@ import json
 import socket
 import ssl
 import time
+import types
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -30,6 +31,7 @@ import httpx
 from engine.errors import ModelResponseError, ModelUnreachable
 from engine.models import ModelConfig
 from engine.reasoning import ThinkSplitter, reasoning_of
+from engine.reply_stream import Assembly, normal_call, timings
 from engine.tags import strip_think
 
 __all__ = [
@@ -38,6 +40,8 @@ __all__ = [
 ]
 
 _RETRY_STATUS = {408, 429}
+#: Base URLs that have answered a completion in this process (see ``Chat.request``).
+_answered: set[str] = set()
 _BODY_PREVIEW = 400
 #: The smallest reply cap sent when the context window leaves less room than the configured cap.
 MIN_REPLY_TOKENS = 256
@@ -71,13 +75,16 @@ class Display(Protocol):
 
 
 class _Transient(Exception):
-    """One failed attempt that may succeed if repeated; carries the error to raise if it does not."""
+    """One failed attempt that may succeed if repeated; carries the error to raise if it does not.
+    ``refused``: the connection was refused (see ``Chat.request`` for when that is retried)."""
 
-    def __init__(self, final: Exception, reason: str, retry_after: float | None = None) -> None:
+    def __init__(self, final: Exception, reason: str, retry_after: float | None = None, *,
+                 refused: bool = False) -> None:
         super().__init__(reason)
         self.final = final
         self.reason = reason
         self.retry_after = retry_after
+        self.refused = refused
 
 
 class _StreamRefused(Exception):
@@ -138,6 +145,7 @@ class Chat:
         self.usage_estimated = False
         self.last_finish_reason: str | None = None
         self.last_max_tokens: int | None = None
+        self.last_timings: dict[str, float] | None = None  # the server's account of its time (llama-server)
         self.last_reasoning = ""
         self._counted = 0  # messages the last usage count covered (``context``)
         #: How many times ``compact`` replaced the history: a caller holding positions in
@@ -193,7 +201,10 @@ class Chat:
         """One completion for ``messages``: the assistant message dict, ``content`` always a
         string, ``tool_calls`` (OpenAI shape, assembled from stream deltas) when there are any.
         Retries connection errors, timeouts, 408, 429 and 5xx with exponential backoff; then
-        raises ``ModelUnreachable`` (no connection) or ``ModelResponseError`` (error status)."""
+        raises ``ModelUnreachable`` (no connection) or ``ModelResponseError`` (error status).
+        A refused connection to an endpoint that has not answered this process yet is not
+        retried: nothing listens there, and waiting seconds to say so helps nobody.  Once it has
+        answered, a refusal is a server restarting, and is retried like the rest."""
         self.last_max_tokens = self.reply_cap(messages)
         body: dict[str, Any] = {"model": self.model.model, "messages": messages,
                                 "max_tokens": self.last_max_tokens, **self.extra_body}
@@ -206,12 +217,19 @@ class Chat:
         started = time.monotonic()
         try:
             message, usage = await self._with_retries(body)
-        finally:
-            self.last_latency = time.monotonic() - started
-            self.seconds += self.last_latency
-            self._emit("waited", seconds=self.last_latency)
-        self._account(messages, message, usage)
+        except BaseException as exc:
+            self._waited(started, error=type(exc).__name__, status=getattr(exc, "status", None))
+            raise
+        tokens_in, tokens_out = self._account(messages, message, usage)  # the reply's prompt and completion
+        self._waited(started, tokens_in=tokens_in, tokens_out=tokens_out, finish_reason=self.last_finish_reason,
+                     timings=self.last_timings)
         return message
+
+    def _waited(self, started: float, **outcome: Any) -> None:  # count its time, say how it went
+        self.last_latency = time.monotonic() - started
+        self.seconds += self.last_latency
+        self._emit("waited", seconds=self.last_latency, model=self.model.model, max_tokens=self.last_max_tokens,
+                   **outcome)
 
     def reply_cap(self, messages: list[dict[str, Any]]) -> int:
         """The ``max_tokens`` to send: the model's cap, lowered to what the context window has
@@ -273,7 +291,7 @@ class Chat:
                 self._cap_key = "max_completion_tokens"  # remembered, as the stream refusal is
                 continue
             except _Transient as failure:
-                if attempt >= self.max_retries:
+                if attempt >= self.max_retries or (failure.refused and self.model.base_url not in _answered):
                     raise failure.final from failure.final.__cause__
                 if failure.retry_after is not None:
                     wait = min(failure.retry_after, self.retry_after_max)
@@ -315,7 +333,8 @@ class Chat:
             raise _Transient(self._too_slow(exc), reason) from exc
         except httpx.TransportError as exc:
             reason = transport_reason(exc)
-            raise _Transient(self._unreachable(reason, exc, start=nobody_listens(exc)), reason) from exc
+            raise _Transient(self._unreachable(reason, exc, start=nobody_listens(exc)), reason,
+                             refused=_caused_by(exc, ConnectionRefusedError)) from exc
 
     def _status_error(self, response: httpx.Response, text: str, *, stream: bool) -> Exception:
         status = response.status_code
@@ -362,7 +381,7 @@ class Chat:
     async def _read_events(self, lines: AsyncIterator[str]) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Consume an SSE stream: ``data:`` lines (joined per event), ``[DONE]`` ends it; comments
         and other fields are ignored.  Content deltas go to the display as they arrive."""
-        reply = _Assembly()
+        reply = Assembly()
         splitter = ThinkSplitter()
         data: list[str] = []
         async for line in lines:
@@ -380,10 +399,11 @@ class Chat:
                 self._chunk(reply, splitter, "\n".join(data))
         self._show(reply, *splitter.flush())
         self.last_finish_reason = reply.finish_reason
+        self.last_timings = reply.timings
         self.last_reasoning = "".join(reply.reasoning)
         return reply.message(), reply.usage
 
-    def _show(self, reply: _Assembly, reasoning: str, text: str) -> None:
+    def _show(self, reply: Assembly, reasoning: str, text: str) -> None:
         """Send a piece of reasoning and a piece of answer to the display, reasoning kept aside."""
         if reasoning:
             reply.reasoning.append(reasoning)
@@ -391,7 +411,7 @@ class Chat:
         if text:
             self._emit("delta", text=text)
 
-    def _chunk(self, reply: _Assembly, splitter: ThinkSplitter, event: str) -> None:
+    def _chunk(self, reply: Assembly, splitter: ThinkSplitter, event: str) -> None:
         try:
             chunk = json.loads(event)
         except json.JSONDecodeError:
@@ -418,11 +438,12 @@ class Chat:
                 f"the model endpoint {self._url} answered with a body that is not a chat completion: "
                 f"{raw[:_BODY_PREVIEW]}")) from None
         self.last_finish_reason = data["choices"][0].get("finish_reason")
+        self.last_timings = timings(data.get("timings"))
         result: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
-        calls = [_normal_call(call, i) for i, call in enumerate(message.get("tool_calls") or [])]
+        calls = [normal_call(call, i) for i, call in enumerate(message.get("tool_calls") or [])]
         if calls:
             result["tool_calls"] = calls
-        shown = _Assembly()
+        shown = Assembly()
         splitter = ThinkSplitter()
         self._show(shown, reasoning_of(message), "")
         self._show(shown, *splitter.feed(result["content"]))
@@ -431,7 +452,7 @@ class Chat:
         usage = data.get("usage")
         return result, usage if isinstance(usage, dict) else None
 
-    def _account(self, messages: list[dict[str, Any]], reply: dict[str, Any], usage: dict[str, Any] | None) -> None:
+    def _account(self, messages: list[dict], reply: dict, usage: dict | None) -> tuple[int, int]:
         prompt = _int(usage, "prompt_tokens")
         completion = _int(usage, "completion_tokens")
         if prompt is None or completion is None:
@@ -442,69 +463,16 @@ class Chat:
                 args = "".join(c["function"]["arguments"] for c in reply.get("tool_calls", []))
                 completion = (len(reply.get("content") or "") + len(args)) // 4
         self.requests += 1
+        _answered.add(self.model.base_url)
         self.tokens_in += prompt
         self.tokens_out += completion
         self.context = prompt + completion
         self._counted = len(messages) + 1  # the reply is the next message, when it is kept
+        return prompt, completion
 
     def _emit(self, type: str, **fields: Any) -> None:
         if self.display is not None:
             self.display.event(type, name=self.name, **fields)
-
-
-class _Assembly:
-    """The assistant message under construction from stream chunks."""
-
-    def __init__(self) -> None:
-        self.content: list[str] = []
-        self.reasoning: list[str] = []
-        self.calls: dict[int, dict[str, Any]] = {}
-        self.usage: dict[str, Any] | None = None
-        self.finish_reason: str | None = None
-
-    def add(self, chunk: dict[str, Any]) -> tuple[str, str]:
-        """Fold one chunk in; return its reasoning and its content text (either possibly empty).
-        The reasoning is the caller's to keep: inline ``<think>`` is only found in the content."""
-        if isinstance(chunk.get("usage"), dict):
-            self.usage = chunk["usage"]
-        choices = chunk.get("choices") or []
-        if not choices or not isinstance(choices[0], dict):
-            return "", ""
-        choice = choices[0]
-        self.finish_reason = choice.get("finish_reason") or self.finish_reason
-        delta = choice.get("delta") or choice.get("message") or {}
-        thought = reasoning_of(delta)
-        piece = delta.get("content") or ""
-        if piece:
-            self.content.append(piece)
-        for position, fragment in enumerate(delta.get("tool_calls") or []):
-            index = fragment.get("index", position)
-            call = self.calls.setdefault(index, {"id": "", "type": "function",
-                                                 "function": {"name": "", "arguments": ""}})
-            if fragment.get("id") and not call["id"]:
-                call["id"] = fragment["id"]
-            function = fragment.get("function") or {}
-            call["function"]["name"] += function.get("name") or ""
-            arguments = function.get("arguments") or ""
-            call["function"]["arguments"] += arguments if isinstance(arguments, str) else json.dumps(arguments)
-        return thought, piece
-
-    def message(self) -> dict[str, Any]:
-        result: dict[str, Any] = {"role": "assistant", "content": "".join(self.content)}
-        if self.calls:
-            calls = [self.calls[i] for i in sorted(self.calls)]
-            for i, call in enumerate(calls):
-                call["id"] = call["id"] or f"call_{i}"
-            result["tool_calls"] = calls
-        return result
-
-
-def _normal_call(call: dict[str, Any], position: int) -> dict[str, Any]:
-    function = call.get("function") or {}
-    arguments = function.get("arguments") or ""
-    return {"id": call.get("id") or f"call_{position}", "type": "function",
-            "function": {"name": function.get("name") or "",
-                         "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}}
 
 
 async def _lines(text: str) -> AsyncIterator[str]:
@@ -556,14 +524,20 @@ def start_hint(base_url: str) -> str:
 def nobody_listens(exc: BaseException) -> bool:
     """Whether a failed connection means no server is there: refused, or a host name that does
     not resolve (as opposed to a reset, a broken stream or a timeout from a server that is up)."""
+    return _caused_by(exc, ConnectionRefusedError | socket.gaierror) or (
+        isinstance(exc, httpx.ConnectError) and "refused" in str(exc).lower())
+
+
+def _caused_by(exc: BaseException, kind: type | types.UnionType) -> bool:
+    """Whether ``exc``, or an exception it was raised from (eight deep at most), is a ``kind``."""
     cause: BaseException | None = exc
     for _ in range(8):
         if cause is None:
             return False
-        if isinstance(cause, ConnectionRefusedError | socket.gaierror):
+        if isinstance(cause, kind):
             return True
         cause = cause.__cause__ or cause.__context__
-    return isinstance(exc, httpx.ConnectError) and "refused" in str(exc).lower()
+    return False
 
 
 def transport_reason(exc: httpx.TransportError) -> str:

@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from engine.llm import auth_headers, nobody_listens, open_client, transport_reason
+from engine.llm import auth_headers, nobody_listens, open_client, start_hint, transport_reason
 from engine.models import ModelConfig
 
 __all__ = ["NO_SERVER", "PROBE_TIMEOUT", "ServerInfo", "connect", "forget", "probe", "root_of"]
@@ -65,6 +65,13 @@ class ServerInfo:
     def single_model(self) -> bool:
         """The server serves one model whatever id a request names (llama-server, not in router mode)."""
         return self.kind == "llama.cpp" and (self.model_ids is None or len(self.model_ids) <= 1)
+
+    def silence(self, base_url: str) -> str:
+        """Why the endpoint at ``base_url`` gave no answer and what to do, in one sentence or
+        two: how to start a server there when nobody listens, else to check the address."""
+        advice = start_hint(base_url) if self.no_server else (
+            "Check that the server at that address is up and reachable from here, or set LLM_URL.")
+        return f"the model at {base_url} does not answer ({self.models_error}). {advice}"
 
     def check_id(self, model_id: str) -> tuple[bool, str]:
         """(acceptable, words) for requests naming ``model_id``; words are "" when the server listed nothing."""

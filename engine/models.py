@@ -24,18 +24,24 @@ and it is read at request time.
 
 ``context_window`` left out means "ask the server" (``engine.model_server``); set, it wins over
 whatever the server reports.
+
+The file may also name the workers' Python (``python = "..."``, ``engine.interpreter``); any
+other key is refused.  ``read_config`` is the file's one loader: a command that reads it for
+its models or for its ``python`` refuses the same mistakes in the same words.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import stat
 import tomllib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from engine import trust
 from engine.errors import ConfigError
 
 __all__ = [
@@ -160,7 +166,7 @@ def load_models(path: str | Path | None = None, env: Mapping[str, str] = os.envi
             return ModelRegistry({DEFAULT_ALIAS: env_model}, DEFAULT_ALIAS)
         path = candidate
     path = Path(path)
-    file_models, file_default = _from_file(path, env_model)
+    file_models, file_default = _file_models(path, read_config(path), env_model)
 
     models: dict[str, ModelConfig] = {}
     env_explicit = "LLM_URL" in env or "LLM_MODEL" in env
@@ -217,17 +223,52 @@ def _from_env(env: Mapping[str, str]) -> ModelConfig:
 _KEYS = {f.name for f in fields(ModelConfig)} - {"alias"}
 
 
-def _from_file(path: Path, env_model: ModelConfig) -> tuple[dict[str, ModelConfig], str | None]:
+#: What agentloop.toml may hold at its top: the models (here) and the workers' Python
+#: (``engine.interpreter``).  A key beyond these is a mistake (``pyhton = ...``), not ignored.
+TOP_KEYS = ("default", "models", "python")
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """``path`` (an agentloop.toml) read and checked whole: the one loader of the file, so that
+    every command that reads it refuses the same mistakes with the same one line (ConfigError,
+    naming the file and what to fix), whichever part of it the command uses.  It is read only
+    once no worker could have written it: ``engine.trust`` refuses it otherwise (UntrustedFile,
+    one line: why, and what to do), whatever keys it holds."""
+    path = Path(path)
+    data = _parse(path)
+    unknown = sorted(set(data) - set(TOP_KEYS))
+    if unknown:
+        raise ConfigError(f"{path}: unknown key {unknown[0]!r}; known keys: {', '.join(TOP_KEYS)} "
+                          "(and [models.ALIAS] sections)")
+    python = data.get("python")
+    if python is not None and not (isinstance(python, str) and python):
+        raise ConfigError(f"{path}: python must be the path of an interpreter, as a string")
+    _file_models(path, data, _from_env({}))
+    return data
+
+
+def _parse(path: Path) -> dict[str, Any]:
     try:
-        with path.open("rb") as f:
-            data = tomllib.load(f)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such model configuration file") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read it ({exc.strerror or exc})") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+    with os.fdopen(fd, "rb") as f:
+        opened = os.fstat(fd)
+        if not stat.S_ISREG(opened.st_mode):
+            raise ConfigError(f"{path}: not a regular file")
+        trust.check(path, "the configuration", same_as=opened)
+        try:
+            return tomllib.loads(f.read().decode("utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+        except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"{path}: not valid TOML ({exc})") from None
 
+
+def _file_models(path: Path, data: dict[str, Any], env_model: ModelConfig
+                 ) -> tuple[dict[str, ModelConfig], str | None]:
     default = data.get("default")
     if default is not None and not (isinstance(default, str) and default):
         raise ConfigError(f"{path}: default must be the alias of a model, as a string")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal as _signal
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 __all__ = ["BlockResult", "OutputChunk", "Status", "describe_exit"]
@@ -73,6 +74,12 @@ class BlockResult:
         """Output, traceback and a ``[what happened]`` suffix, concatenated as the seed does
         (``output + "[timed out]"``), for a model or a log."""
         return self.output + self.error + (f"[{self.message}]" if self.message else "")
+
+
+def writable_note(workspace: str | Path) -> str:
+    """The one line said after code that ended on a refused write (``BlockResult.refused_write``),
+    by ``exec`` to its user and by the MCP server to its client's model: where it may write."""
+    return f"in this sandbox code writes only to the workspace ({workspace}) and $TMPDIR; the rest is read-only"
 
 
 def describe_exit(returncode: int | None, *, via_namespace: bool) -> tuple[str, int | None]:

@@ -79,6 +79,7 @@ async def run_task(task: str, *, models: ModelRegistry, model: str | None = None
         agent = make_agent(engine=engine, models=models, model=model, functions=functions, display=display,
                            max_messages=max_messages, chat_factory=chat_factory, protocol=protocol,
                            max_subagents=max_subagents)
+        agent.display.event("run_started", name=agent.name, task=task, model=agent.model.alias)
         answer = await asyncio.wait_for(agent.run(task), timeout)
     except TimeoutError:
         status, error = "timed_out", f"no answer within {timeout:g} s"
@@ -95,6 +96,11 @@ async def run_task(task: str, *, models: ModelRegistry, model: str | None = None
             await asyncio.shield(agent.close())
         if own_engine:
             await asyncio.shield(engine.shutdown())
-    return RunResult(answer=answer, status=status, error=error, messages=totals["messages"],
-                     tokens_in=totals["tokens_in"], tokens_out=totals["tokens_out"], cost=totals["cost"],
-                     duration_s=time.monotonic() - started, extra=extra)
+    result = RunResult(answer=answer, status=status, error=error, messages=totals["messages"],
+                       tokens_in=totals["tokens_in"], tokens_out=totals["tokens_out"], cost=totals["cost"],
+                       duration_s=time.monotonic() - started, extra=extra)
+    if agent is not None:
+        agent.display.event("run_finished", name=agent.name, status=status, error=error,
+                            error_type=extra.get("error_type", ""), tokens_in=result.tokens_in,
+                            tokens_out=result.tokens_out, cost=result.cost, duration=result.duration_s)
+    return result

@@ -59,7 +59,9 @@ from .worker import Worker
 
 #: Bytes of each stream kept at the head and at the tail of a result (the middle is counted).
 OUTPUT_BYTES = 8 * 1024
-#: What the code is called: ``__file__`` (in its workspace) and ``sys.argv[0]``.
+#: What the code is called: ``__file__``, the name in its tracebacks and ``sys.argv[0]``, relative to
+#: its workspace (its current directory; as Python before 3.9 named a script), so that a sample's
+#: output does not depend on where a run's workspace happened to lie.
 SCRIPT_NAME = "sample.py"
 #: Bytes of ``files`` one sample may carry (they travel in one message to the worker).
 FILES_CAP = 8 * 1024 * 1024
@@ -141,20 +143,18 @@ def _ending(result: BlockResult) -> Ending:
     return Ending(code=exit_code(result))
 
 
-def _prelude(sample: Sample, workspace: str) -> str | None:
-    """A block that writes the sample's files and sets its variables, leaving no name behind;
-    None when there is nothing to do."""
-    if not sample.files and not sample.env:
-        return None
-    lines = []
-    if sample.files:
-        lines.append(f"for _p, _b, _m in {[(p, b, m) for p, b, m in sample.files]!r}:\n"
-                     f"    _p = __import__('os').path.join({workspace!r}, _p)\n"
-                     "    __import__('os').makedirs(__import__('os').path.dirname(_p), exist_ok=True)\n"
-                     "    with open(_p, 'wb') as _f:\n"
-                     "        _f.write(_b)\n"
-                     "    __import__('os').chmod(_p, _m)\n"
-                     "del _p, _b, _m, _f")
+def _prelude(sample: Sample, workspace: str) -> str:
+    """A block that makes the worker's current directory the sample's workspace, writes the
+    sample's files there and then its code, as ``SCRIPT_NAME`` (as a slot does: tracebacks
+    quote it, spawn re-reads it), and sets its variables, leaving no name behind."""
+    files = [(p, b, m) for p, b, m in sample.files] + [(SCRIPT_NAME, sample.code.encode(), 0o644)]
+    lines = [f"__import__('os').chdir({workspace!r})\n"
+             f"for _p, _b, _m in {files!r}:\n"
+             "    __import__('os').makedirs(__import__('os').path.dirname(_p) or '.', exist_ok=True)\n"
+             "    with open(_p, 'wb') as _f:\n"
+             "        _f.write(_b)\n"
+             "    __import__('os').chmod(_p, _m)\n"
+             "del _p, _b, _m, _f"]
     if sample.env:
         lines.append(f"__import__('os').environ.update({dict(sample.env)!r}); __import__('time').tzset()")
     return "\n".join(lines)
@@ -195,17 +195,14 @@ async def run_sample(launcher: Launcher, sample: Sample, *, timeout: float = DEF
     rss = None
     try:
         await worker.start()
-        workspace = str(launcher.workspace)
-        prelude = _prelude(sample, workspace)
-        if prelude is not None:
-            ready = await worker.run(prelude, timeout=30)
-            if ready.status != "ok":  # its /tmp-sized workspace is too small for them, say
-                why = (ready.error.strip().splitlines() or [ready.message])[-1]
-                return SampleResult(sample.id, "error", EXIT_OWN, "", "", 0, 0, time.monotonic() - started, None,
-                                    f"its files could not be written to its workspace: {why}")
+        ready = await worker.run(_prelude(sample, str(launcher.workspace)), timeout=30)
+        if ready.status != "ok":  # its /tmp-sized workspace is too small for them, say
+            why = (ready.error.strip().splitlines() or [ready.message])[-1]
+            return SampleResult(sample.id, "error", EXIT_OWN, "", "", 0, 0, time.monotonic() - started, None,
+                                f"its files could not be written to its workspace: {why}")
         if sample.stdin is not None:
             stdin_fd = _stdin_file(sample.stdin)
-        script = ScriptRun(os.path.join(workspace, SCRIPT_NAME), [SCRIPT_NAME, *sample.args], stdin_fd)
+        script = ScriptRun(SCRIPT_NAME, [SCRIPT_NAME, *sample.args], stdin_fd)  # relative: see SCRIPT_NAME
         result = await worker.run(sample.code, timeout=sample.timeout or timeout, block_id="main",
                                   on_output=collect, script=script)
         if result.status in ("ok", "error"):  # the process lives (a kill would have replaced it)

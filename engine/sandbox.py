@@ -39,6 +39,7 @@ from engine._bwrap import View, beneath, bwrap_argv, make_parents, namespace_fla
 from engine._tree import TreeError, disk_usage
 from engine.errors import ConfigError, SandboxError
 from engine.interpreter import python_paths
+from engine.protected import unkept_note
 from worker.contract.confinement import Confinement, Landlock, Seccomp, landlock_abi, seccomp_supported
 
 __all__ = [
@@ -92,7 +93,8 @@ class SandboxPolicy:
 @dataclass
 class LaunchPlan:
     """How to start one worker: argv prefix, whether the kill can rely on a PID namespace,
-    the spec the worker applies to itself before user code (JSON-able), one-line notes.
+    the spec the worker applies to itself before user code (JSON-able), one-line notes (said
+    where it starts) and details (how this machine bounds every worker: ``doctor`` and ``-v``).
 
     `env` holds variables to add to the worker's environment, `cwd` the directory to start it
     in, `uid` the uid the worker switches to (root only; see `grant`)."""
@@ -104,6 +106,7 @@ class LaunchPlan:
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
     uid: int | None = None
+    details: list[str] = field(default_factory=list)
 
     def grant(self, path: Path) -> None:
         """Give the worker's uid ownership of `path` (its socket, once bound).  A unix socket
@@ -281,7 +284,9 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path | None, workspace: Path, cwd
     `engine._cgroup`); without one, the shared memory that escapes RLIMIT_DATA is refused.
     `pids_cgroup`: its process count is bounded by a cgroup of its own (``pids.max``), so a
     root coordinator's workers, who share the run's uid, need no RLIMIT_NPROC on that uid.
-    `protected` / `shown`: paths of the workspace kept read-only / more paths shown read-only.
+    `protected`: paths in the workspace to keep read-only (``engine.protected``): bound so
+    under bubblewrap (the plan then has a PID namespace), else a note says they are not.
+    `shown`: more paths shown read-only.
     `policy.as_caller`: code runs as the user running agentloop (root: uid 0 without any
     capability, ``engine._uid0``), no owner or mode changes, `socket_dir` and `output_dir` may be None.
 
@@ -321,19 +326,20 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path | None, workspace: Path, cwd
                                          "(other users may not read it, and workers run as one); "
                                          "chmod o+rx it to share it")
     notes += [why] if why else []
+    notes += [unkept_note(protected, workspace)] if protected and not use_bwrap else []
     system, links = system_paths()
     view = View(tuple(system), tuple(links), python_paths(python), workspace, socket_dir, output_dir,
                 cwd if share_cwd else None, tuple(protected) if use_bwrap else (), tuple(shown),
                 _uid0.root_proc() if host.root and uid is None and use_bwrap else ())  # (uid 0 kept)
     start_dir = str(view.cwd or workspace)
-    confine, more = _confinement(policy, host, use_bwrap, uid, view, memory_cgroup, pids_cgroup)
+    confine, more, details = _confinement(policy, host, use_bwrap, uid, view, memory_cgroup, pids_cgroup)
     notes += more
     env = {"HOME": tmp, "TMPDIR": tmp}
     if not use_bwrap:
-        return LaunchPlan([], False, confine, notes, env, start_dir, uid)
+        return LaunchPlan([], False, confine, notes, env, start_dir, uid, details)
     argv = bwrap_argv(host.bwrap, root=host.root, network=policy.network, tmp_bytes=policy.tmp_bytes,
                       view=view, start_dir=start_dir)
-    return LaunchPlan(argv, True, confine, notes, env, start_dir, uid)
+    return LaunchPlan(argv, True, confine, notes, env, start_dir, uid, details)
 
 
 def server_plan(policy: SandboxPolicy, python: str, root: Path, socket_root: Path) -> LaunchPlan:
@@ -368,9 +374,12 @@ def _layers(policy: SandboxPolicy, host: HostSupport) -> tuple[bool, list[str]]:
 
 
 def _confinement(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid: int | None,
-                 view: View, memory_cgroup: bool, pids_cgroup: bool = False) -> tuple[Confinement, list[str]]:
-    """The spec the worker installs on itself, and a note for each layer missing."""
+                 view: View, memory_cgroup: bool, pids_cgroup: bool = False
+                 ) -> tuple[Confinement, list[str], list[str]]:
+    """The spec the worker installs on itself, a note for each layer missing, and the details
+    of how this machine bounds the worker (see `LaunchPlan`)."""
     notes: list[str] = []
+    details: list[str] = []
     rw = (str(view.workspace), *(("/tmp", "/dev/shm") if use_bwrap else ()))
     landlock = None
     if host.landlock_abi >= 1:
@@ -398,9 +407,9 @@ def _confinement(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid:
         seccomp = Seccomp(socket_families=tuple(families), lock_session=not use_bwrap, shared_memory=memory_cgroup,
                           set_id_modes=not (host.root and uid is None))  # (uid 0 kept: engine._uid0)
         if not memory_cgroup:
-            notes.append("sandbox: no memory cgroup here (it needs root or a delegated cgroup) — "
-                         "the memory limit is per process, and memfd_create, SysV shared memory "
-                         "and shared anonymous mmap are refused so that it holds")
+            details.append("sandbox: no memory cgroup here (it needs root or a delegated cgroup) — "
+                           "the memory limit is per process, and memfd_create, SysV shared memory "
+                           "and shared anonymous mmap are refused so that it holds")
     else:
         notes.append("sandbox: seccomp filters are unavailable here (kernel or architecture) — "
                      "dangerous system calls are not filtered")
@@ -409,7 +418,7 @@ def _confinement(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid:
     rlimits = tuple((name, soft, hard) for name, (soft, hard) in _rlimits(policy, host, use_bwrap, uid, pids_cgroup).items())
     return Confinement(rlimits=rlimits, drop_caps=True, no_new_privs=True,
                        uid=(uid, uid) if uid is not None else None, umask=0o002 if uid is not None else None,
-                       landlock=landlock, seccomp=seccomp), notes
+                       landlock=landlock, seccomp=seccomp), notes, details
 
 
 def tools_argv(root: str, python: str) -> list[str]:

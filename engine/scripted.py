@@ -29,29 +29,26 @@ a message sequence (``sequence_problems``); a request that breaks them is still 
 lenient local servers do, but recorded in ``violations`` and in ``take_invalid()``, which the
 test suite checks after every test.
 
-Run one by hand: ``python -m engine.scripted SCRIPT.json --port 8080`` (JSON turns: strings,
-tool-call dicts, ``{"fail": 500, "times": 2}``, ``{"delay": 1.5, "then": ...}``).
+Run one by hand with ``agentloop scripted [SCRIPT.json]`` (``engine.cli.scripted``; JSON turns:
+strings, tool-call dicts, ``{"fail": 500, "times": 2}``, ``{"delay": 1.5, "then": ...}``).
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import socket
-import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 from .sequence import record_invalid, sequence_problems
 from .turns import EXHAUSTED, Delay, Fail, Script
 
-__all__ = ["CHARS_PER_TOKEN", "Received", "ScriptedServer", "main"]
+__all__ = ["CHARS_PER_TOKEN", "Received", "ScriptedServer"]
 
 _MAX_BODY = 64 * 1024 * 1024
 
@@ -115,18 +112,38 @@ class ScriptedServer:
         self._closing = threading.Event()
         self._httpd: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
+        self._started = time.monotonic()
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> ScriptedServer:
-        if self._httpd is not None:
-            return self
-        self._httpd = _HTTPServer((self.host, self.port), _Handler, self)
-        self.port = self._httpd.server_address[1]
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name=f"scripted-model:{self.port}", daemon=True)
-        self._thread.start()
+    def bind(self) -> ScriptedServer:
+        """Take the port and listen (connections queue from here on) without answering yet:
+        ``start`` answers.  A process may fork between the two, and its child serve."""
+        if self._httpd is None:
+            self._httpd = _HTTPServer((self.host, self.port), _Handler, self)
+            self.port = self._httpd.server_address[1]
         return self
+
+    def start(self) -> ScriptedServer:
+        self.bind()
+        if self._thread is None:
+            self._started = time.monotonic()
+            self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                            name=f"scripted-model:{self.port}", daemon=True)
+            self._thread.start()
+        return self
+
+    def wait_idle(self, idle: float | None) -> None:
+        """Block until the server is closed, or has received nothing for ``idle`` seconds
+        (None: until closed)."""
+        while True:
+            with self._lock:
+                last = self.received[-1].at if self.received else self._started
+            left = None if idle is None else last + idle - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            if self._closing.wait(1.0 if left is None else min(left, 1.0)):
+                return
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop serving and cut open connections; returns within about ``timeout`` seconds."""
@@ -498,35 +515,3 @@ _ids = itertools.count(1)
 
 def _completion_id() -> str:
     return f"chatcmpl-scripted-{next(_ids)}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.scripted",
-                                     description="Serve a scripted OpenAI-compatible model from a JSON script.")
-    parser.add_argument("script", type=Path, help='JSON: {"task substring": [turns]} or a list of turns')
-    parser.add_argument("--port", type=int, default=8080)
-    parser.add_argument("--host", default="127.0.0.1")
-    args = parser.parse_args(argv)
-    try:
-        script = Script.from_json(json.loads(args.script.read_text()))
-    except (OSError, ValueError, TypeError) as exc:
-        print(f"cannot load script {args.script}: {exc}", file=sys.stderr)
-        return 2
-    try:
-        server = ScriptedServer(script, host=args.host, port=args.port).start()
-    except OSError as exc:
-        print(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
-        return 2
-    print(f"scripted model at {server.url} (LLM_URL={server.url}); Ctrl-C to stop", flush=True)
-    try:
-        while not server._closing.wait(1.0):
-            pass
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.close()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,13 +11,14 @@ batch's runs directory read-write (every run's workspace and block outputs lie b
 one socket root read-only (every run's socket directories lie beneath it).  No worker is shown
 that.  Each forked worker's namespace init (``worker.fork_server._private_tmp``) covers the runs
 directory and the socket root with an empty read-only tmpfs and binds back its run's workspace
-(read-write), its run's outputs and its own socket directory (read-only): what a worker of
-the run started cold is shown, and nothing of another run — not its directory, its sockets,
-its outputs nor its transcript.  Its stderr is a fifo of its own (``ForkServer.private_stderr``),
-so no run reads another's last words.  Everything else stays the run's: the environment, the
-uid, the Landlock rules and rlimits (all in ``AGENTLOOP_CONFINE``), and a memory and a pids
-cgroup per worker with the run's limits.  Those lie under one pair of parents for the batch
-(``cgroups``): the server makes each worker's namespace init ahead of its request, and
+(read-write, what ``engine.protected`` names in it read-only), its run's outputs and its own
+socket directory (read-only): what a worker of the run started cold is shown, and nothing of
+another run — not its directory, its sockets, its outputs nor its transcript.  Its stderr is a
+fifo of its own (``ForkServer.private_stderr``), so no run reads another's last words.  Everything
+else stays the run's: the environment, the uid, the Landlock rules and rlimits (all in
+``AGENTLOOP_CONFINE``), and a memory and a pids cgroup per worker with the run's limits.  Those
+lie under one pair of parents for the batch (``cgroups``): the server makes each worker's
+namespace init ahead of its request, and
 ``_cgroup.SpareGroups`` puts it in cgroups of its own ahead too, which the run that gets it
 takes as its worker's (every run of the batch has the same limits).
 
@@ -150,10 +151,12 @@ class SharedForkServer:
                 self._server.on_spare = self.spares.prepare
         return self._cgroups
 
-    def for_run(self, workspace: Path, output_dir: Path, env: dict[str, str], packages: dict[str, str]) -> RunView:
+    def for_run(self, workspace: Path, output_dir: Path, env: dict[str, str], packages: dict[str, str],
+                protected: tuple[str, ...] = ()) -> RunView:
         """The server as a run it does not refuse uses it: its processes see the run's
-        ``workspace`` (read-write) and ``output_dir`` (read-only).  ``env`` and ``packages``:
-        the server's environment and runtime packages, the first run's (every run's are alike)."""
+        ``workspace`` (read-write, but ``protected``: read-only) and ``output_dir`` (read-only).
+        ``env`` and ``packages``: the server's environment and runtime packages, the first run's
+        (every run's are alike)."""
         assert self.socket_root is not None
         if self._server is None:
             plan = server_plan(self.settings.sandbox, self.settings.python, self.root, self.socket_root)
@@ -163,7 +166,8 @@ class SharedForkServer:
             if self.spares is not None:
                 self._server.on_spare = self.spares.prepare
         view = {"hide": [str(self.root), str(self.socket_root)],
-                "show": [[os.path.realpath(workspace), False], [os.path.realpath(output_dir), True]]}
+                "show": [[os.path.realpath(workspace), False], [os.path.realpath(output_dir), True],
+                         *([path, True] for path in protected)]}
         return RunView(self, self._server, view)
 
     async def close(self) -> None:

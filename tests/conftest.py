@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import io
 import os
 import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +24,19 @@ from engine import model_server, sequence
 from engine.engine import Engine
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_state(tmp_path_factory):
+    """agentloop's state (its record of what workers could write among it) goes to a directory
+    of the session's, not to the home of whoever runs the tests; a test may set its own."""
+    before = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+    yield
+    if before is None:
+        os.environ.pop("XDG_STATE_HOME", None)
+    else:
+        os.environ["XDG_STATE_HOME"] = before
 
 
 @pytest.fixture(autouse=True)
@@ -56,6 +78,88 @@ async def engine(run_dir: Path, tmp_path: Path):
 @pytest.fixture
 async def worker(engine: Engine):
     return await engine.start_worker("test")
+
+
+NOBODY = 65534
+#: The interpreter nobody runs agentloop with here (one it may read: a root-owned venv may sit
+#: where nobody can enter), with this checkout and the venv's packages on its path.
+SYSTEM_PYTHON = "/usr/bin/python3"
+_SETPRIV = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+
+
+@dataclasses.dataclass
+class Unprivileged:
+    """A plain user to run commands as: nobody when the tests run as root, else the user itself.
+    ``python``: the argv prefix that runs Python as that user; ``home``: a directory of theirs."""
+
+    python: list[str]
+    env: dict[str, str]
+    home: Path
+
+    @property
+    def agentloop(self) -> list[str]:
+        return [*self.python, "-m", "engine.cli"]
+
+    def own(self, *paths: Path) -> None:
+        """Give ``paths`` to the user (nothing to do when the user is the one running the tests)."""
+        if os.geteuid() == 0:
+            for path in paths:
+                os.chown(path, NOBODY, NOBODY)
+
+
+@functools.cache
+def _nobody_problem() -> str | None:
+    if not shutil.which("setpriv"):
+        return "setpriv (util-linux) not installed"
+    version = subprocess.run([SYSTEM_PYTHON, "-c", "import sys; print(sys.version_info[:2])"],
+                             capture_output=True, text=True, timeout=60).stdout.strip()
+    if version != str(sys.version_info[:2]):
+        return f"{SYSTEM_PYTHON} is not Python {sys.version_info[0]}.{sys.version_info[1]}"
+    probe = subprocess.run([*_SETPRIV, SYSTEM_PYTHON, "-c", "import engine.cli"], cwd="/",
+                           env=_nobody_env(), capture_output=True, timeout=60)
+    if probe.returncode != 0:
+        return f"nobody cannot import this project: {probe.stderr.decode()[-200:]}"
+    return None
+
+
+def _nobody_env() -> dict[str, str]:
+    path = f"{REPO}:{sysconfig.get_paths()['purelib']}"
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONPATH": path}
+
+
+@pytest.fixture
+def unprivileged() -> Iterator[Unprivileged]:
+    """A plain user and a directory of theirs that they can reach (a root test's tmp_path is
+    0700); skips where root cannot become nobody."""
+    base = Path(tempfile.mkdtemp(prefix="agentloop-unprivileged-"))
+    try:
+        if os.geteuid() != 0:
+            yield Unprivileged([sys.executable], {**os.environ, "HOME": str(base)}, base)
+            return
+        problem = _nobody_problem()
+        if problem:
+            pytest.skip(reason=problem)
+        os.chmod(base, 0o755)
+        os.chown(base, NOBODY, NOBODY)
+        yield Unprivileged([*_SETPRIV, SYSTEM_PYTHON], {**_nobody_env(), "HOME": str(base)}, base)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def closed_port() -> int:
+    """A loopback port nobody listens on (one just freed): a connection to it is refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs: not gone, and not a zombie waiting for a parent to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
 
 
 def processes_with(token: str) -> list[int]:

@@ -23,6 +23,8 @@ from engine.scripted import Delay, Fail, ScriptedServer
 from engine.tags import strip_think
 from engine.tool_protocol import embedded_calls
 
+from .conftest import closed_port
+
 AGENTLOOP = [sys.executable, "-m", "engine.cli", "ask"]
 REPO = Path(__file__).resolve().parent.parent
 WAIT = 60.0  # generous: the machine may be loaded; every wait below is bounded by it
@@ -214,14 +216,19 @@ def test_interactive_question_the_endpoint_failed_is_dropped(project):
     assert [m["content"] for m in last["messages"][1:]] == ["second"]
 
 
-def test_unreachable_endpoint_gives_one_line_and_exit_1(project):
-    proc = ask("hello", cwd=project, url="http://127.0.0.1:9/v1")
+def test_unreachable_endpoint_gives_one_line_at_once_and_exit_1(project, tmp_path):
+    url = f"http://127.0.0.1:{closed_port()}/v1"
+    record = tmp_path / "ask.jsonl"
+    proc = ask("hello", "--record", str(record), cwd=project, url=url)
     assert proc.returncode == 1
     assert proc.stdout == ""
     lines = proc.stderr.splitlines()
     assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("agentloop: cannot reach the model at http://127.0.0.1:9/v1 (connection refused)")
+    assert lines[0].startswith(f"agentloop: cannot reach the model at {url} (connection refused)")
     assert "llama-server" in lines[0]
+    # Nobody listening is not a transient failure: one attempt, no retries, no seconds of silence.
+    events = [e["type"] for e in read_recording(record)]
+    assert events.count("waiting") == 1 and "retrying" not in events, events
 
 
 def test_json_and_record(project, tmp_path):

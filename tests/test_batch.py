@@ -16,11 +16,11 @@ import pytest
 
 from engine._process import descendants
 from engine.batch import ResultsFile, RunSettings, default_parallel, is_infrastructure, read_tasks
-from engine.batch.results_file import redo_selector
+from engine.batch.results_file import Lock, redo_selector
 from engine.batch.run import run_slug
 from engine.display import read_recording
 from engine.engine import Engine
-from engine.errors import ModelError, WorkerError, WorkerStartError
+from engine.errors import ConfigError, ModelError, WorkerError, WorkerStartError
 from engine.fork_server import ForkedProcess
 from engine.llm import Chat
 from engine.models import ModelConfig, load_models
@@ -30,7 +30,7 @@ from engine.scripted import Delay, Fail, ScriptedServer
 from engine.settings import WorkerSettings
 from engine.shared_fork_server import SharedForkServer
 
-from .conftest import wait_until
+from .conftest import closed_port, wait_until
 
 AGENTLOOP = [sys.executable, "-m", "engine.cli"]
 CODE = "<run_code>\n{}\n</run_code>"
@@ -267,6 +267,18 @@ def test_a_damaged_line_before_the_end_is_refused(tmp_path):
     assert proc.returncode == 125 and "out.jsonl:2: not a result record" in proc.stderr
 
 
+def test_a_results_lock_is_held_by_one_and_leaves_no_file(tmp_path):
+    path = tmp_path / ".out.jsonl.lock"
+    held = Lock(path, "busy")
+    with pytest.raises(ConfigError, match="busy"):
+        Lock(path, "busy")
+    held.release()
+    assert not path.exists()
+    again = Lock(path, "busy")  # free again, on a file of its own
+    assert path.exists()
+    again.release()
+
+
 def test_results_file_redo_rewrites_without_the_selected_records(tmp_path):
     path = tmp_path / "out.jsonl"
     results = ResultsFile(path)
@@ -276,7 +288,7 @@ def test_results_file_redo_rewrites_without_the_selected_records(tmp_path):
         results.append({"id": ident, "status": status, "infrastructure": infra})
     results.close()
     again = ResultsFile(path)
-    resumed = again.open(redo_selector(["infrastructure"]))
+    resumed = again.open(redo_selector([]))  # cancelled and infrastructure failures: always
     again.close()
     assert resumed.done == {"a": "answered", "d": "failed"} and resumed.dropped == 2
     assert [r["id"] for r in records(path)] == ["a", "d"]
@@ -314,9 +326,26 @@ def test_a_dead_endpoint_stops_the_batch_early(tmp_path):
         assert proc.returncode == 1, proc.stderr
         assert "5 runs in a row failed for infrastructure reasons" in proc.stderr
         assert len(records(tmp_path / "out.jsonl")) == 5
-        redo = run_batch(server, tmp_path, "tasks.jsonl", "-o", "out.jsonl", "--parallel", "1",
-                         "--redo", "infrastructure")
+        assert "(5 infrastructure: a rerun runs them again)" in proc.stderr
+        # A run that failed for its infrastructure is not done: the same command runs it again.
+        redo = run_batch(server, tmp_path, "tasks.jsonl", "-o", "out.jsonl", "--parallel", "1")
     assert "5 record(s) removed to be run again" in redo.stderr
+    assert "12 tasks, 0 done before, 12 to run" in redo.stderr
+
+
+def test_an_endpoint_nobody_listens_on_stops_the_batch_before_it_makes_anything(tmp_path):
+    write_tasks(tmp_path / "tasks.jsonl", [{"id": i, "task": f"[{i}] go"} for i in range(6)])
+    url = f"http://127.0.0.1:{closed_port()}/v1"
+    env = {**os.environ, "LLM_URL": url, "XDG_STATE_HOME": str(tmp_path / "state"),
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run([*AGENTLOOP, "batch", "tasks.jsonl", "-o", "out.jsonl"], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"agentloop: nothing was run: the model at {url} does not "
+                                                   "answer (connection refused). Start one there:"), proc.stderr
+    assert lines[0].endswith("Then run the same command again.")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tasks.jsonl"]  # no results, no runs directory
 
 
 async def test_errors_of_the_infrastructure_are_told_apart(tmp_path):
@@ -388,6 +417,9 @@ def test_ctrl_c_cancels_running_runs_writes_them_and_resume_redoes_them(tmp_path
         status = {r["id"]: r["status"] for r in records(out)}
         assert status == {"q1": "answered", "q2": "answered", "h0": "cancelled", "h1": "cancelled",
                           "h2": "cancelled"}
+        # Cancelled runs are not done: the count stays at the two answered (and so do rate and ETA).
+        counts = [line.split()[0] for line in stderr.splitlines() if line.startswith("[") and " cancelled " in line]
+        assert counts == ["[2/8]"] * 3, stderr
         assert wait_until(lambda: not processes_under(tmp_path), 60), "cancelled runs left workers"
 
         hang.on.clear()

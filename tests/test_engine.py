@@ -517,3 +517,25 @@ async def test_fork_server_preloads_and_isolates(run_dir, tmp_path):
         assert a.pid != b.pid
         ids = [(await w.run("import os; print(os.getuid())")).output for w in (a, b)]
         assert ids[0] == ids[1] != "0\n"  # the run's uid: each worker owns what the others wrote
+
+
+async def test_a_forked_worker_lists_the_distributions_a_cold_one_does(run_dir, tmp_path):
+    """The fork server reads the installed distributions once for the workers it forks; what
+    a worker's own directory holds is still read by that worker, whoever started it."""
+    from engine.sandbox import host_support
+
+    if os.geteuid() != 0 or not host_support().bwrap:
+        pytest.skip(reason="the fork server needs a root coordinator with bubblewrap")
+    planted = run_dir / "planted_here-1.0.dist-info"
+    planted.mkdir()
+    (planted / "METADATA").write_text("Metadata-Version: 2.1\nName: Planted-Here\nVersion: 1.0\n\nA body.\n")
+    listed = {}
+    for fork_server in (False, True):
+        async with Engine(cwd=run_dir, state_dir=tmp_path / f"state-{fork_server}", pool=0,
+                          fork_server=fork_server) as engine:
+            # The second worker is forked after the server read them for the first.
+            workers = [await engine.start_worker(name) for name in ("a", "b")]
+            listed[fork_server] = [(await w.request("env"))["packages"] for w in workers]
+    cold, forked = listed[False], listed[True]
+    assert cold[0] == cold[1] == forked[0] == forked[1]
+    assert "Planted-Here" in forked[1] and "pyzmq" in forked[1]

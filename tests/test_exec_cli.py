@@ -15,17 +15,7 @@ import pytest
 from engine._process import descendants
 from engine.sandbox import host_support
 
-from .conftest import processes_with, read_line, wait_until
-
-
-def _alive(pid: int) -> bool:
-    """Running, not merely a zombie waiting for a parent that does not reap."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
-
+from .conftest import alive, processes_with, read_line, wait_until
 
 #: ``-P``: the test's directory, which may hold a module named like one agentloop imports, is
 #: not on agentloop's own path (the ``agentloop`` command never has it there).
@@ -33,7 +23,7 @@ AGENTLOOP = [sys.executable, "-P", "-m", "engine.cli"]
 
 
 def run_exec(tmp_path: Path, code: str, *args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
-    environ = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), **env}
+    environ = {**os.environ, **env}
     return subprocess.run([*AGENTLOOP, "exec", *args, "-"], input=code, capture_output=True, text=True,
                           cwd=tmp_path, env=environ, timeout=timeout)
 
@@ -264,7 +254,7 @@ def test_a_sigkilled_exec_leaves_no_process_behind(tmp_path):
         proc.wait(10)
         if host_support().bwrap is None:  # (without a PID namespace a daemon outlives us: README)
             before -= set(processes_with(token))
-        assert wait_until(lambda: not [p for p in before if _alive(p)], 10), "the sandbox outlived agentloop"
+        assert wait_until(lambda: not [p for p in before if alive(p)], 10), "the sandbox outlived agentloop"
     finally:
         _clean_up(proc, token)
 
@@ -306,7 +296,7 @@ def test_coordinator_sigkill_leaves_no_process_behind(tmp_path):
         proc.wait(10)
         started = time.monotonic()
         assert wait_until(lambda: not processes_with(token), 5), "daemons survived the coordinator"
-        assert wait_until(lambda: not [p for p in before if _alive(p)], 5), "workers survived the coordinator"
+        assert wait_until(lambda: not [p for p in before if alive(p)], 5), "workers survived the coordinator"
         assert time.monotonic() - started < 5
     finally:
         _clean_up(proc, token)
@@ -438,3 +428,34 @@ def test_a_stopped_script_stops_agentloop_and_fg_continues_both(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_an_unprivileged_exec_adds_nothing_to_the_codes_stderr(unprivileged):
+    """As a plain user (no writable cgroup here, as for most), the code's stderr is python's,
+    byte for byte: how this machine bounds workers is for ``doctor`` and ``-v``, not every run."""
+    project = unprivileged.home / "project"
+    project.mkdir()
+    (project / "script.py").write_text("import sys\nprint('out')\nprint('err', file=sys.stderr)\nsys.exit(3)\n")
+    unprivileged.own(project, project / "script.py")
+    env = {**unprivileged.env, "XDG_STATE_HOME": str(unprivileged.home / "state")}
+    python = subprocess.run([*unprivileged.python, "script.py"], capture_output=True, text=True, cwd=project,
+                            timeout=60)
+    ours = subprocess.run([*unprivileged.agentloop, "exec", "script.py"], capture_output=True, text=True,
+                          cwd=project, env=env, timeout=60)
+    assert (ours.returncode, ours.stdout, ours.stderr) == (python.returncode, python.stdout, python.stderr) \
+        == (3, "out\n", "err\n"), ours.stderr
+    verbose = subprocess.run([*unprivileged.agentloop, "-v", "exec", "script.py"], capture_output=True, text=True,
+                             cwd=project, env=env, timeout=60)
+    if "no memory cgroup" not in verbose.stderr:
+        pytest.skip(reason="this user has a writable memory cgroup here: no detail to say")
+    assert verbose.stderr.count("no memory cgroup") == 1
+
+
+def test_a_workspace_made_for_the_run_goes_with_its_parents_unless_written(tmp_path):
+    made = tmp_path / "new" / "deeper" / "ws"
+    proc = run_exec(tmp_path, "print('hi')", "--read-only", "--workspace", str(made))
+    assert proc.returncode == 0, proc.stderr
+    assert not (tmp_path / "new").exists()  # nothing was written: nothing is left
+    kept = run_exec(tmp_path, f"open({str(made / 'x.txt')!r}, 'w').write('x')", "--read-only", "--workspace", str(made))
+    assert kept.returncode == 0, kept.stderr
+    assert (made / "x.txt").read_text() == "x"

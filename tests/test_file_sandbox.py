@@ -76,3 +76,19 @@ def test_read_only_writes_the_workspace_it_makes(tmp_path):
     assert plan.writable == str(tmp_path / "files") and plan.made[-1] == str(tmp_path / "files")
     for made in plan.made:
         os.rmdir(made)
+
+
+def test_a_directory_holding_agentloops_record_is_not_written(tmp_path, monkeypatch):
+    # The record of what code could write tells its files from the user's: no script rewrites it.
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    with pytest.raises(ConfigError, match="holds .*agentloop's record of what code could write"):
+        _plan(tmp_path)
+    plan = _plan(tmp_path, write_cwd=False)  # (./files does not hold it)
+    assert plan.writable == str(tmp_path / "files")
+
+
+def test_a_workspace_made_with_its_parents_is_removed_with_them(tmp_path):
+    plan = _plan(tmp_path, write_cwd=False, workspace=tmp_path / "a" / "b")
+    assert plan.made == (str(tmp_path / "a" / "b"), str(tmp_path / "a"))
+    for made in plan.made:
+        os.rmdir(made)

@@ -42,7 +42,7 @@ def user_venv(tmp_path_factory) -> Path:
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "AGENTLOOP_PYTHON")}
-    return {**env, "XDG_STATE_HOME": str(tmp_path / "state"), **extra}
+    return {**env, **extra}  # (agentloop's state: the session's, never in the directory exec writes)
 
 
 def _both(tmp_path: Path, python: str, *options: str, **env: str):
@@ -68,16 +68,17 @@ def test_the_active_virtual_environment_is_the_default(tmp_path, user_venv):
 
 
 def test_agentloop_python_and_the_toml_choose_too(tmp_path, user_venv):
-    direct, ours = _both(tmp_path, str(user_venv / "bin" / "python"), AGENTLOOP_PYTHON=str(user_venv / "bin" / "python"))
-    assert (ours.stdout, ours.returncode) == (direct.stdout, 0), ours.stderr
-    # Relative to the file that names it.
+    # Relative to the file that names it.  (Written before exec writes the directory: one written
+    # while, or just as, a script could write there is refused, see test_trust.)
     (tmp_path / "agentloop.toml").write_text(f'python = "{os.path.relpath(user_venv / "bin" / "python", tmp_path)}"\n')
     direct, ours = _both(tmp_path, str(user_venv / "bin" / "python"))
     assert (ours.stdout, ours.returncode) == (direct.stdout, 0), ours.stderr
-    # --python wins over the file: agentloop's own Python has no mylib.
-    direct, ours = _both(tmp_path, sys.executable, "--python", sys.executable)
-    assert "No module named 'mylib'" in direct.stderr and direct.returncode == 1
-    assert ours.returncode == 1 and "No module named 'mylib'" in ours.stderr
+    # AGENTLOOP_PYTHON wins over the file, --python over both: agentloop's own Python has no mylib.
+    for options, env in (((), {"AGENTLOOP_PYTHON": sys.executable}),
+                         (("--python", sys.executable), {"AGENTLOOP_PYTHON": str(user_venv / "bin" / "python")})):
+        direct, ours = _both(tmp_path, sys.executable, *options, **env)
+        assert "No module named 'mylib'" in direct.stderr and direct.returncode == 1
+        assert ours.returncode == 1 and "No module named 'mylib'" in ours.stderr, ours.stderr
 
 
 @pytest.mark.skipif(subprocess.run([BASE_PYTHON, "-c", "import numpy"], capture_output=True).returncode != 0,
@@ -152,3 +153,46 @@ def test_a_preload_module_that_fails_as_it_is_imported_is_one_line(tmp_path, use
     assert "--preload breaks_on_import: importing it failed: RuntimeError: broken at import" in proc.stderr
     assert "Traceback" not in proc.stderr and "broken at import" in proc.stderr.splitlines()[-1]
 
+
+
+#: Every command that reads ./agentloop.toml, with arguments it would otherwise run with.
+READERS = [["models"], ["doctor"], ["exec", "x.py"], ["exec", "--jsonl", "s.jsonl", "-o", "r.jsonl"],
+           ["run", "-q", "hi"], ["chat"], ["ask", "hi"], ["batch", "t.jsonl", "-o", "o.jsonl"], ["demo", "-q"],
+           ["mcp"]]
+
+
+@pytest.mark.parametrize(("config", "commands"), [
+    ('python = "/usr/bin/python3"\n[models.a\n', READERS),                           # not TOML
+    ('python = "/usr/bin/python3"\n[models.a]\nbogus = 1\n', READERS[:3]),           # a model's unknown key
+    ('pyhton = "/usr/bin/python3"\n', READERS[:3]),                                   # a misspelt key
+], ids=["not-toml", "bad-model", "misspelt"])
+def test_an_invalid_config_is_refused_alike_by_every_command_that_reads_it(tmp_path, config, commands):
+    (tmp_path / "agentloop.toml").write_text(config)
+    (tmp_path / "x.py").write_text("print('ran')\n")
+    (tmp_path / "s.jsonl").write_text('{"id": 1, "code": "print(1)"}\n')
+    (tmp_path / "t.jsonl").write_text('{"id": 1, "task": "hi"}\n')
+    said = {}
+    for command in commands:
+        done = subprocess.run([*AGENTLOOP, *command], capture_output=True, text=True, cwd=tmp_path, input="",
+                              env=_env(tmp_path, LLM_URL="http://127.0.0.1:9/v1"), timeout=120)
+        said[" ".join(command)] = (done.returncode, done.stdout, done.stderr)
+    first = said["models"]
+    assert first[0] == 125 and first[2].startswith("agentloop: agentloop.toml: ") and first[2].count("\n") == 1, first
+    assert {command: outcome for command, outcome in said.items() if outcome != first} == {}
+
+
+def test_doctor_says_which_python_workers_run_and_which_source_chose_it(tmp_path, user_venv):
+    python = str(user_venv / "bin" / "python")
+    (tmp_path / "agentloop.toml").write_text(f'python = "{python}"\n')
+    cases = [((), {}, "python in agentloop.toml"), (("--python", sys.executable), {}, "--python"),
+             ((), {"AGENTLOOP_PYTHON": sys.executable}, "AGENTLOOP_PYTHON")]
+    for options, env, source in cases:
+        done = subprocess.run([*AGENTLOOP, "doctor", *options], capture_output=True, text=True, cwd=tmp_path,
+                              env=_env(tmp_path, LLM_URL="http://127.0.0.1:9/v1", **env), timeout=120)
+        line = next((x for x in done.stdout.splitlines() if x.startswith("workers' python: ")), done.stdout)
+        assert line.endswith(f", chosen by {source}"), line
+        assert f"(Python {sys.version.split()[0]})" in line, line
+    (tmp_path / "agentloop.toml").unlink()
+    done = subprocess.run([*AGENTLOOP, "doctor"], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                          env=_env(tmp_path, LLM_URL="http://127.0.0.1:9/v1", VIRTUAL_ENV=str(user_venv)))
+    assert f"chosen by the active virtual environment (VIRTUAL_ENV={user_venv})" in done.stdout, done.stdout

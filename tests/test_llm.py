@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 
 import pytest
@@ -13,6 +12,8 @@ from engine.errors import ConfigError, ModelResponseError, ModelUnreachable
 from engine.llm import Chat, strip_think
 from engine.models import ModelConfig, ModelRegistry, load_models
 from engine.scripted import Delay, Fail, ScriptedServer
+
+from .conftest import closed_port
 
 
 class Recorder:
@@ -35,12 +36,6 @@ def model(url: str, **overrides) -> ModelConfig:
 def chat(url: str, display: Recorder | None = None, **kwargs) -> Chat:
     config = kwargs.pop("config", None) or model(url)
     return Chat("you are a test", config, display=display, backoff=0.01, **kwargs)
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------ replies and transcript
@@ -299,6 +294,22 @@ async def test_unreachable_endpoint_says_how_to_start_one_quickly():
     assert "Traceback" not in message and "\n" not in message
     assert time.monotonic() - started < 5
     assert len(c.messages) == 1
+
+
+async def test_a_refused_connection_is_retried_only_once_the_endpoint_has_answered():
+    nobody = Recorder()
+    async with chat(f"http://127.0.0.1:{closed_port()}/v1", nobody) as c:
+        with pytest.raises(ModelUnreachable, match="connection refused"):
+            await c.send("x")
+    assert len(nobody.of("waiting")) == 1 and nobody.of("retrying") == []  # said at once
+    restarted = Recorder()  # a server that answered and then went away is restarting: retried
+    with ScriptedServer(["first"]) as srv:
+        async with chat(srv.url, restarted) as c:
+            assert await c.send("x") == "first"
+            srv.close()
+            with pytest.raises(ModelUnreachable):
+                await c.send("y")
+    assert len(restarted.of("retrying")) == 4
 
 
 async def test_a_silent_server_times_out_saying_it_is_slow_not_absent():

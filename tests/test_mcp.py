@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("mcp", reason="the mcp extra is not installed (pip install 'agentloop[test]')")
+pytest.importorskip("mcp", reason="the mcp extra is not installed (scripts/test installs it)")
 
 import anyio  # noqa: E402
 from mcp import ClientSession, StdioServerParameters  # noqa: E402
@@ -34,6 +35,7 @@ from engine.sandbox import host_support  # noqa: E402
 
 from .conftest import read_line, wait_until  # noqa: E402
 
+ROOT = Path(__file__).resolve().parent.parent
 CALL = 60  # seconds any one request may take, at most
 GONE = 15  # seconds for processes to disappear after the server stops
 
@@ -119,11 +121,13 @@ def server_env(tmp_path: Path) -> dict[str, str]:
 
 
 @contextlib.asynccontextmanager
-async def serving(tmp_path: Path, *options: str) -> AsyncIterator[Server]:
-    """``agentloop mcp`` started by the SDK's stdio client, initialized, and closed after."""
+async def serving(tmp_path: Path, *options: str, cwd: Path | None = None) -> AsyncIterator[Server]:
+    """``agentloop mcp`` started by the SDK's stdio client, initialized, and closed after;
+    started in ``cwd`` (default: a project directory of the test's own)."""
     workspace = tmp_path / "ws"
-    cwd = tmp_path / "cwd"
-    cwd.mkdir(exist_ok=True)
+    if cwd is None:
+        cwd = tmp_path / "cwd"
+        cwd.mkdir(exist_ok=True)
     log = tmp_path / "server.log"
     params = StdioServerParameters(command=sys.executable, args=server_args(workspace, *options),
                                    env=server_env(tmp_path), cwd=str(cwd))
@@ -167,6 +171,45 @@ async def test_tools_listed_and_the_namespace_persists(tmp_path):
         listed = await server.call("list_sessions")
         assert listed.structured_content["sessions"][0]["session"] == "default"
         assert "r" in listed.structured_content["sessions"][0]["variables"]
+
+
+async def test_started_from_root_the_operators_notes_go_to_stderr_once_and_the_model_reads_its_own(tmp_path):
+    """As desktop clients start servers: from /.  That the current directory is not shown is for
+    the operator (stderr, once), not for every session's result; a refused write tells the
+    model where it may write, as ``exec`` tells its user."""
+    async with serving(tmp_path, cwd=Path("/")) as server:
+        first = await server.run("print('hi')")
+        other = await server.run("print('there')", session="other")
+        refused = await server.run("open('/usr/planted.txt', 'w')")
+        for result in (first, other):
+            assert not result.is_error, text(result)
+            assert "share-cwd" not in text(result) and "not shown" not in text(result), text(result)
+        assert "its files go in" in text(first)
+        assert refused.is_error and "[note: in this sandbox code writes only to the workspace " \
+            f"({server.workspace / 'default'}) and $TMPDIR; the rest is read-only]" in text(refused), text(refused)
+        assert wait_until(lambda: "share-cwd" in server.log.read_text(), 10)
+    said = [line for line in server.log.read_text().splitlines() if "share-cwd" in line]
+    assert len(said) == 1 and said[0].startswith("agentloop: sandbox: the current directory / is not shown"), said
+
+
+async def test_the_readmes_client_entry_works_from_root(tmp_path):
+    """The README's entry for an MCP client, its paths made this checkout's and the test's,
+    started as desktop clients start servers: from /."""
+    section = (ROOT / "README.md").read_text().split("### `agentloop mcp`", 1)[1]
+    entry = json.loads(section.split("```json\n", 1)[1].split("```", 1)[0])["mcpServers"]["agentloop"]
+    files = tmp_path / "agentloop-files"
+    command = entry["command"].replace("/path/to/agentloop", str(ROOT))
+    args = [a.replace("/home/you/agentloop-files", str(files)) for a in entry["args"]]
+    params = StdioServerParameters(command=command, args=args, cwd="/",
+                                   env={**entry["env"], "XDG_STATE_HOME": str(tmp_path / "state")})
+    with open(tmp_path / "server.log", "w") as errlog:
+        async with stdio_client(params, errlog=errlog) as (read, write):
+            async with ClientSession(read, write) as client:
+                with anyio.fail_after(CALL):
+                    await client.initialize()
+                    result = await client.call_tool("run_python", {"code": "open('made.txt', 'w').write('x')"})
+    assert not result.is_error, text(result)
+    assert (files / "default" / "made.txt").read_text() == "x"
 
 
 async def test_two_sessions_run_at_once_each_with_its_namespace(tmp_path):

@@ -838,7 +838,8 @@ def test_without_a_memory_cgroup_shared_memory_is_refused(box: Box) -> None:
     does not count is refused, and what multiprocessing and ordinary mmap use still works."""
     if box.plan.confine.seccomp is None:
         pytest.skip(reason="no seccomp on this host")
-    assert any("no memory cgroup" in n for n in box.plan.notes), box.plan.notes
+    assert any("no memory cgroup" in n for n in box.plan.details), box.plan.details
+    assert not any("no memory cgroup" in n for n in box.plan.notes)  # doctor and -v say it, not every start
     code = r'''
 import ctypes, mmap, multiprocessing.shared_memory
 libc = ctypes.CDLL(None, use_errno=True)
@@ -932,3 +933,34 @@ def test_bwrap_argv_of_a_script_argument_for_argument() -> None:
                     "--bind", "/w/proj", "/w/proj",
                     "--ro-bind", "/w/proj/.git", "/w/proj/.git", "--ro-bind", "/w/proj/.venv", "/w/proj/.venv",
                     "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/w/proj", "--"]
+
+
+def test_protected_paths_are_bound_read_only_last() -> None:
+    """What stays read-only in the workspace is bound over it, after every other bind, and
+    with no directory made for it (it exists there already)."""
+    from engine.sandbox import View, bwrap_argv
+
+    kept = ("/w/ws/agentloop.toml", "/w/ws/.git", "/w/ws/.venv")
+    view = View(system=("/usr",), links=(), python=(), workspace=Path("/w/ws"), socket_dir=Path("/w/s"),
+                output_dir=None, cwd=Path("/w/ws"), protected=kept)
+    argv = bwrap_argv("bwrap", root=True, network=False, tmp_bytes=1, view=view, start_dir="/w/ws")
+    assert argv[argv.index("--bind"):] == [
+        "--bind", "/w/ws", "/w/ws",
+        "--ro-bind", "/w/ws/agentloop.toml", "/w/ws/agentloop.toml", "--ro-bind", "/w/ws/.git", "/w/ws/.git",
+        "--ro-bind", "/w/ws/.venv", "/w/ws/.venv",
+        "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/w/ws", "--"]
+
+
+def test_a_plan_keeps_protected_paths_read_only_or_says_it_cannot(tmp_path: Path) -> None:
+    """Under bubblewrap the plan binds them; with Landlock alone it cannot, and a note says so."""
+    ws = tmp_path / "ws"
+    (ws / ".git").mkdir(parents=True)
+    kept = (str(ws / ".git"),)
+    args = dict(socket_dir=tmp_path / "s", workspace=ws, cwd=tmp_path, output_dir=tmp_path / "out",
+                python=sys.executable, protected=kept)
+    if host_support().bwrap is not None:
+        bound = plan(SandboxPolicy(), **args)
+        assert bound.argv_prefix[-10:-7] == ["--ro-bind", kept[0], kept[0]], bound.argv_prefix
+    if host_support().landlock_abi >= 1:
+        alone = plan(SandboxPolicy(mode="landlock"), **args)
+        assert any("nothing in the workspace can be kept read-only (.git there" in n for n in alone.notes), alone.notes

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,8 @@ import httpx
 import pytest
 
 from engine.scripted import EXHAUSTED, Delay, Fail, Script, ScriptedServer
+
+from .conftest import alive, closed_port, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,12 +37,6 @@ def sse(response: httpx.Response) -> list:
             data = line[len("data: "):]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_plain_completion_has_message_usage_and_model():
@@ -200,23 +195,30 @@ def test_script_from_json():
         Script.from_json({"k": [3]})
 
 
+AGENTLOOP = [sys.executable, "-m", "engine.cli"]
+
+
+def cli_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "XDG_STATE_HOME": str(tmp_path / "state"), **extra}
+
+
 def test_cli_serves_a_json_script_until_interrupted(tmp_path):
     path = tmp_path / "script.json"
     path.write_text(json.dumps({"*": ["from the cli"]}))
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "engine.scripted", str(path), "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    port = closed_port()
+    proc = subprocess.Popen([*AGENTLOOP, "scripted", str(path), "--port", str(port)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=cli_env(tmp_path), cwd=tmp_path)
     try:
         banner: list[str] = []
         reader = threading.Thread(target=lambda: banner.append(proc.stdout.readline()), daemon=True)
         reader.start()
         reader.join(30)
-        assert banner and f"http://127.0.0.1:{port}/v1" in banner[0], proc.stderr.read() if proc.poll() else banner
+        assert banner == [f"http://127.0.0.1:{port}/v1\n"], proc.stderr.read() if proc.poll() else banner
         reply = ask(f"http://127.0.0.1:{port}/v1", user("x")).json()
         assert reply["choices"][0]["message"]["content"] == "from the cli"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=15) == 0
+        assert f"LLM_URL=http://127.0.0.1:{port}/v1" in proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -228,6 +230,32 @@ def test_cli_serves_a_json_script_until_interrupted(tmp_path):
 def test_cli_reports_a_bad_script(tmp_path):
     path = tmp_path / "script.json"
     path.write_text("{not json")
-    done = subprocess.run([sys.executable, "-m", "engine.scripted", str(path)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=30, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 2 and "cannot load script" in done.stderr and "Traceback" not in done.stderr
+    done = subprocess.run([*AGENTLOOP, "scripted", str(path)], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=30, env=cli_env(tmp_path))
+    assert done.returncode == 125 and f"cannot load the script {path}" in done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
+
+
+def test_cli_in_the_background_returns_once_it_listens_and_stops_when_idle(tmp_path):
+    """``export LLM_URL=$(agentloop scripted --background)``: the shell's ``$(...)`` returns
+    (the server holds none of its pipes), the URL answers at once (no race), the example
+    script is served by default, the model id agentloop asks for is the one listed, and an idle
+    server goes away by itself."""
+    shell = ('export LLM_URL=$("$@" scripted --background --idle-exit 2s) && '
+             'echo "url=$LLM_URL" && curl -s "$LLM_URL/models"')
+    done = subprocess.run(["bash", "-c", shell, "bash", *AGENTLOOP], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=60, env=cli_env(tmp_path, LLM_MODEL="my-model"))
+    assert done.returncode == 0, done.stderr
+    url = done.stdout.splitlines()[0].removeprefix("url=")
+    assert url.startswith("http://127.0.0.1:") and url.endswith("/v1"), done.stdout
+    assert json.loads(done.stdout.splitlines()[1])["data"][0]["id"] == "my-model"
+    pid = int(done.stderr.split("(pid ", 1)[1].split(")", 1)[0])
+    try:
+        reply = ask(url, user("How many primes are there below 10,000?")).json()
+        assert "<run_code" in reply["choices"][0]["message"]["content"]  # the tour's example script
+        assert wait_until(lambda: not alive(pid), 30), "an idle server stayed"
+    finally:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    with pytest.raises(httpx.ConnectError):
+        ask(url, user("x"))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("smolagents", reason="the smolagents extra is not installed (pip install 'agentloop[test]')")
+pytest.importorskip("smolagents", reason="the smolagents extra is not installed (scripts/test installs it)")
 
 from smolagents import CodeAgent, tool  # noqa: E402
 from smolagents.models import ChatMessage, MessageRole, Model  # noqa: E402

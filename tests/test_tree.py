@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from engine._tree import TreeError, copy_tree, disk_usage, remove_tree, walk
-from engine.batch.run import _clear, _place_files, pack_files
+from engine.batch.run import _clear, _place_files
+from engine.batch.tasks import pack_files
 
 
 @pytest.fixture(autouse=True)

@@ -21,7 +21,7 @@ import struct
 
 from .contract.confinement import Confinement, Landlock, Seccomp, landlock_abi, seccomp_supported
 
-__all__ = ["ConfinementError", "apply", "landlock_abi", "seccomp_supported"]
+__all__ = ["ConfinementError", "apply", "landlock_abi", "prepare", "seccomp_supported"]
 
 
 class ConfinementError(RuntimeError):
@@ -205,9 +205,16 @@ def _capabilities() -> tuple[int, int, int]:
     return e0 | e1 << 32, p0 | p1 << 32, i0 | i1 << 32
 
 
+#: Set once this process has emptied its bounding set: a child forked after inherits it empty.
+_bounding_dropped = False
+
+
 def _drop_bounding_set() -> None:
     # The bounding set caps what any later exec could gain.  Dropping needs CAP_SETPCAP; without
     # it there is nothing to gain anyway once no_new_privs is set.
+    global _bounding_dropped
+    if _bounding_dropped:
+        return
     eff, _, _ = _capabilities()
     if not eff >> _CAP_SETPCAP & 1:
         return
@@ -218,6 +225,7 @@ def _drop_bounding_set() -> None:
             if exc.errno == errno.EINVAL:  # past CAP_LAST_CAP
                 break
             raise ConfinementError(f"cannot drop capability {cap} from the bounding set: {exc}") from exc
+    _bounding_dropped = True
 
 
 def _drop_uid(uid: int, gid: int) -> None:
@@ -341,17 +349,42 @@ def _arg_lo(i: int) -> int:
     return 16 + 8 * i  # low 32 bits of seccomp_data.args[i] (little endian on both arches)
 
 
-_PROGRAMS: dict[Seccomp, bytes] = {}
+#: Per set of options: the program and the ``struct sock_fprog`` (with the buffer it points
+#: to) that ``seccomp(2)`` takes, built once per process (``prepare``).
+_PROGRAMS: dict[Seccomp, tuple[bytes, object, object]] = {}
 
 
 def seccomp_program(opts: Seccomp) -> bytes:
-    """``_program``, built once per set of options: a sample slot builds it before it forks,
-    so its samples install it without building it again."""
-    program = _PROGRAMS.get(opts)
-    if program is None:
+    """The filter for ``opts``, packed ``struct sock_filter`` entries, built once per process."""
+    _seccomp_fprog(opts)
+    return _PROGRAMS[opts][0]
+
+
+def _seccomp_fprog(opts: Seccomp):
+    """``_program`` as a ``struct sock_fprog``, built once per set of options."""
+    built = _PROGRAMS.get(opts)
+    if built is None:
+        import ctypes
+
+        class _Fprog(ctypes.Structure):
+            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
         families = None if opts.socket_families is None else list(opts.socket_families)
-        program = _PROGRAMS[opts] = _program(families, opts.lock_session, opts.shared_memory, opts.set_id_modes)
-    return program
+        program = _program(families, opts.lock_session, opts.shared_memory, opts.set_id_modes)
+        buf = ctypes.create_string_buffer(program, len(program))
+        built = _PROGRAMS[opts] = (program, buf, _Fprog(len(program) // 8, ctypes.cast(buf, ctypes.c_void_p)))
+    return built[2]
+
+
+def prepare(spec: Confinement) -> None:
+    """Do once, in a process that forks many confined children (a sample slot), what each child
+    would otherwise repeat: build the seccomp program, and empty the bounding set (which a fork
+    inherits; the process keeps its effective and permitted capabilities, and never execs).
+    ``apply`` in a child then installs the prepared program and skips the bounding set."""
+    if spec.seccomp is not None:
+        _seccomp_fprog(spec.seccomp)
+    if spec.drop_caps:
+        _drop_bounding_set()
 
 
 def _program(socket_families: list[int] | None, lock_session: bool, shared_memory: bool,
@@ -474,13 +507,7 @@ def _program(socket_families: list[int] | None, lock_session: bool, shared_memor
 def _seccomp(opts: Seccomp) -> None:
     import ctypes
 
-    prog = seccomp_program(opts)
-    buf = ctypes.create_string_buffer(prog, len(prog))
-
-    class _Fprog(ctypes.Structure):
-        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-    fprog = _Fprog(len(prog) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    fprog = _seccomp_fprog(opts)
     try:
         # SECCOMP_SET_MODE_FILTER with SECCOMP_FILTER_FLAG_TSYNC: every thread, or failure.
         ret = _syscall(_nr("seccomp"), 1, 1, ctypes.addressof(fprog))

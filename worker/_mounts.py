@@ -50,7 +50,8 @@ def mount_points_under(top: str) -> list[tuple[str, bool]]:
 
 def bind(fd: int, where: str, read_only: bool) -> None:
     """Bind the directory or file open as ``fd`` (an O_PATH descriptor) at ``where``."""
-    os.makedirs(where, exist_ok=True)
+    if not os.path.lexists(where):  # (a file kept read-only in a workspace is its own mount point)
+        os.makedirs(where)
     check(libc.mount(f"/proc/self/fd/{fd}".encode(), where.encode(), None, MS_BIND, None), where)
     if read_only:
         flags = MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV

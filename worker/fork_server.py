@@ -1,9 +1,11 @@
 """The fork server: ``python -m worker.fork_server``, started once per run inside the run's sandbox.
 
-It imports the worker runtime (and modules named with ``AGENTLOOP_PRELOAD``) once, then forks
-a worker per request in a few milliseconds instead of starting an interpreter.  It runs no
-user code, holds no threads and no ZeroMQ context (neither survives a fork), and talks to the
-coordinator over its stdin/stdout (``contract.fork``).
+It imports the modules named with ``AGENTLOOP_PRELOAD`` once, and the worker runtime with the
+first request for a worker (``_prepare_workers``: a server that only starts sample slots, which
+run a fresh interpreter of their own, never pays for it), then forks a worker per request in a
+few milliseconds instead of starting an interpreter.  It runs no user code, holds no threads
+and no ZeroMQ context (neither survives a fork), and talks to the coordinator over its
+stdin/stdout (``contract.fork``).
 
 Each worker gets the isolation of a freshly started one:
 
@@ -34,10 +36,12 @@ the coordinator moves C into the worker's cgroups while C sets up, and D is born
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import os
 import select
 import signal
+import stat
 import struct
 import sys
 import time
@@ -89,9 +93,15 @@ def _exit_status(status: int) -> int:
     return os.WEXITSTATUS(status)
 
 
-def _open_dir(path: str) -> int:
-    """An O_PATH descriptor of directory ``path``, its last component never a link."""
-    return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+def _open_shown(path: str) -> int:
+    """An O_PATH descriptor of ``path``, a directory or (kept read-only in a workspace) a
+    regular file, its last component never a link."""
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    mode = os.fstat(fd).st_mode
+    if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+        os.close(fd)
+        raise OSError(errno.ELOOP, f"{path}: neither a directory nor a file")
+    return fd
 
 
 def _private_tmp(request: fork.Spawn) -> None:
@@ -101,8 +111,8 @@ def _private_tmp(request: fork.Spawn) -> None:
     ``hide``: directories whose whole content the worker must not see (a run's socket
     directory; for a server shared by a batch, the batch's runs directory and its socket root
     too).  ``show``: (path, read-only) beneath them that the worker sees again (its run's
-    workspace and outputs); its own socket directory is always shown, read-only (it connects,
-    it writes nothing there).  Without ``hide`` it is the run's socket directory.
+    workspace and outputs, and what stays read-only in the workspace); its own socket directory
+    is always shown, read-only (it connects, it writes nothing there).  Without ``hide`` it is the run's socket directory.
 
     Order: descriptors of what is shown are opened first (in this mount namespace: a bind
     comes from a mount of the same one), /tmp is replaced, what the sandbox mounted beneath
@@ -113,7 +123,7 @@ def _private_tmp(request: fork.Spawn) -> None:
     own = os.path.dirname(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
     hide = list(request.hide or ([os.path.dirname(own)] if own else []))
     show = list(request.show) + ([(own, True)] if own else [])
-    shown = [(path, ro, _open_dir(path)) for path, ro in show if any(beneath(path, h) for h in hide)]
+    shown = [(path, ro, _open_shown(path)) for path, ro in show if any(beneath(path, h) for h in hide)]
     keep = [(point, ro, os.open(point, os.O_PATH)) for point, ro in mount_points_under("/tmp")
             if not any(beneath(point, h) for h in hide)]
     size = f"size={request.tmp_bytes},mode=1777".encode()
@@ -330,6 +340,35 @@ class _Wire:
         return requests
 
 
+def _freeze() -> None:
+    """What is imported now is shared with every worker forked after; the collector must not
+    write to it (its bookkeeping would copy each page into each worker), so it never looks at
+    it again."""
+    gc.collect()
+    gc.freeze()
+
+
+def _prepare_workers(first: fork.Spawn) -> None:
+    """With the first request for a worker: everything a worker imports, and what each would
+    otherwise make for itself — the seccomp filter of its confinement (the runs of a batch
+    share it), the installed distributions its system prompt lists (``worker.environment``)
+    — made once, before that worker is forked, and shared by every worker forked after."""
+    import worker.__main__  # noqa: F401
+    import worker._confine
+    import worker._memory
+    import worker.environment
+    import worker.serve  # noqa: F401
+    from worker.contract.start import StartSpec
+
+    worker._memory.tune()  # (what workers inherit; after the imports, whose heap it would keep)
+    with contextlib.suppress(ContractError):  # (the worker itself says what is wrong with it)
+        confine = StartSpec.take(dict(first.env)).confine
+        if confine.seccomp is not None:
+            worker._confine.seccomp_program(confine.seccomp)
+    worker.environment.prepare()
+    _freeze()
+
+
 def serve() -> None:
     for name in filter(None, os.environ.pop("AGENTLOOP_PRELOAD", "").split(",")):
         try:
@@ -337,16 +376,7 @@ def serve() -> None:
         except BaseException as exc:  # noqa: BLE001 - said in one line; the coordinator says the rest
             sys.stderr.write(f"--preload {name.strip()}: importing it failed: {type(exc).__name__}: {exc}\n")
             sys.exit(1)
-    import worker.__main__  # noqa: F401 - everything a worker imports, imported once, shared by all
-    import worker._confine  # noqa: F401
-    import worker._memory
-    import worker.serve  # noqa: F401
-
-    worker._memory.tune()
-    # What is imported now is shared with every worker; the collector must not write to it
-    # (its bookkeeping would copy each page into each worker), so it never looks at it again.
-    gc.collect()
-    gc.freeze()
+    _freeze()
 
     wire = _Wire()
     sleep = _find_sleep()
@@ -361,6 +391,7 @@ def serve() -> None:
     spare: _Init | None = None  # the next worker's init, made ahead ...
     spare_due: float | None = time.monotonic() + _SPARE_AFTER  # ... once the server is idle this long
     private_net = True  # (as the last request had it)
+    runtime = False  # (the worker runtime is imported: ``_prepare_workers``)
     wire.send(fork.Ready(os.getpid()))
     while True:
         wait = None if spare_due is None else max(0.0, spare_due - time.monotonic())
@@ -392,6 +423,12 @@ def serve() -> None:
             for request in messages:
                 rid = request.id
                 private_net = request.private_net
+                if not request.exec and not runtime:  # the first worker: a spare made before lacks it all
+                    _prepare_workers(request)
+                    runtime = True
+                    if spare is not None:
+                        spare.discard()
+                        spare = None
                 init, spare = (spare, None) if spare is not None and spare.private_net == private_net else (None, spare)
                 if spare is not None:  # made for another kind of request
                     spare.discard()

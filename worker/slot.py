@@ -269,8 +269,9 @@ class Slot:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             os.setsid()
-            with open("/proc/self/oom_score_adj", "w") as f:  # a memory limit's first victim
-                f.write("1000")
+            adj = os.open("/proc/self/oom_score_adj", os.O_WRONLY)  # a memory limit's first victim
+            os.write(adj, b"1000")
+            os.close(adj)
             self._own_mounts()
             for fd, target in ((stdin, 0), (out, 1), (err, 2)):
                 os.dup2(fd, target)
@@ -278,8 +279,9 @@ class Slot:
             os.closerange(3, 1 << 16)
             os.chdir(self.workspace)
             _confine.apply(self.confine)
-            os.environ.update(req.env)
-            time.tzset()  # (confined first: TZ may name a file)
+            if req.env:
+                os.environ.update(req.env)
+                time.tzset()  # (confined first: TZ may name a file)
             sys.stdin = sys.__stdin__ = _text(0, "r", "strict", False)
             sys.stdout = sys.__stdout__ = _text(1, "w", "strict", False)
             sys.stderr = sys.__stderr__ = _text(2, "w", "backslashreplace", True)
@@ -401,14 +403,20 @@ def _run_script(req: sample.RunSample, workspace: str) -> int:
         with open(full, "wb") as f:
             f.write(content)
         os.chmod(full, mode)
-    path = os.path.join(workspace, req.path)
+    name = req.path  # as the code sees it: relative to its workspace, its cwd
     code = req.code
-    with open(path, "w", encoding="utf-8") as f:  # a script is a file: tracebacks quote it, spawn re-reads it
-        f.write(code)
+    # A script is a file: tracebacks quote it, spawn re-reads it.
+    fd = os.open(os.path.join(workspace, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    try:
+        view = memoryview(code.encode("utf-8"))
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
     main = types.ModuleType("__main__")
-    main.__dict__.update(__file__=path, __cached__=None, __builtins__=builtins)
+    main.__dict__.update(__file__=name, __cached__=None, __builtins__=builtins)
     sys.modules["__main__"] = main
-    sys.argv = list(req.argv) or [path]
+    sys.argv = list(req.argv) or [name]
     sys.orig_argv = [sys.executable, *sys.argv]  # as ``python sample.py ARGS`` has it, not the slot's
     sys.path[0:0] = [workspace]
     timeout = req.timeout
@@ -419,7 +427,7 @@ def _run_script(req: sample.RunSample, workspace: str) -> int:
     signal.signal(INTERRUPT_SIGNAL, interrupt)
     status = 0
     try:
-        exec(compile(code, path, "exec"), main.__dict__)
+        exec(compile(code, name, "exec"), main.__dict__)
     except SystemExit as exc:
         status, text = script_run.exit_status(exc)
         if text is not None:
@@ -506,8 +514,7 @@ def main() -> None:
         for name in start.slot.preload:  # --preload: imported once, shared by every sample
             __import__(name)
         slot = Slot(conn, start.slot, start.confine)
-        if start.confine.seccomp is not None:
-            _confine.seccomp_program(start.confine.seccomp)  # built once here, reused by each sample
+        _confine.prepare(start.confine)  # once here for every sample: seccomp built, bounding set empty
     except BaseException as exc:  # noqa: BLE001 - said to the coordinator; the slot is not used
         conn.sendall(frame(encode(sample.Failed(f"{type(exc).__name__}: {exc}"[:2000]))))
         os._exit(72)

@@ -8,8 +8,11 @@ Every line is checked before anything starts; problems are reported with their l
 Output is JSONL, one record a line per finished run (see ``make_record``), appended, flushed and
 fsynced as the run ends.  So a crash loses no finished run, and rerunning the same command skips
 every id already in the output.  A torn last line (a crash mid-write) is cut off and its run
-done again.  Runs recorded as ``cancelled`` never finished and are run again too; ``--redo``
-adds other statuses.
+done again.  Runs recorded as ``cancelled`` never finished and are run again too, as are those
+that failed for infrastructure reasons (they say nothing of the model); ``--redo`` adds other
+statuses.  The progress, rate and ETA count neither as done.  Before anything is made, every
+model endpoint the tasks use is asked for its ``/models``; one that does not answer stops the
+batch in one line (exit 1), rather than recording every run as failed.
 
 Each run gets its own directory ``<output stem>.runs/<id>/``: ``workspace/`` (its working
 directory, where ``files`` are copied), ``transcript.jsonl`` (every display event, all
@@ -34,20 +37,47 @@ records written as ``cancelled``) and exits 130; a second Ctrl-C exits at once â
 records are already on disk.  ``--ray ADDRESS`` runs each run as a Ray task instead
 (``engine.batch.on_ray``, imported only then).
 
-Exit status: 0 the batch ran to its end (whatever the runs' statuses), 1 it stopped early
-because the infrastructure kept failing, 125 bad input or options, 130 interrupted.
+Exit status: 0 the batch ran to its end (whatever the runs' statuses), 1 a model endpoint did
+not answer or the batch stopped early because the infrastructure kept failing, 125 bad input or
+options, 130 interrupted.
 
 Progress lines, the bar and the summary print ids, errors and messages inert
 (``engine.inert``: no escape sequence or control character of a task file, a model or an
 endpoint reaches the terminal) and never as rich markup; RESULTS.jsonl keeps them exactly.
 """
 
-from .capacity import default_parallel
-from .local import BatchOutcome, run_batch
-from .progress import BarView, Tally, print_summary
-from .results_file import ResultsFile
-from .run import RunSettings, execute, is_infrastructure, make_record
-from .tasks import TaskSpec, read_tasks
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Every name is imported when first used (PEP 562): ``exec --jsonl`` uses this package's
+# driver and results file without loading the agent loop that task runs need.
+_WHERE = {
+    "default_parallel": "capacity", "BatchOutcome": "local", "run_batch": "local", "BarView": "progress",
+    "Tally": "progress", "print_summary": "progress", "ResultsFile": "results_file", "RunSettings": "run",
+    "execute": "run", "is_infrastructure": "run", "make_record": "run", "TaskSpec": "tasks", "read_tasks": "tasks",
+}
+
+if TYPE_CHECKING:
+    from .capacity import default_parallel
+    from .local import BatchOutcome, run_batch
+    from .progress import BarView, Tally, print_summary
+    from .results_file import ResultsFile
+    from .run import RunSettings, execute, is_infrastructure, make_record
+    from .tasks import TaskSpec, read_tasks
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
 __all__ = ["BarView", "BatchOutcome", "ResultsFile", "RunSettings", "TaskSpec", "Tally", "default_parallel",
            "execute", "is_infrastructure", "make_record", "print_summary", "read_tasks", "run_batch"]

@@ -4,20 +4,24 @@ infrastructure keeps failing."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..errors import EXIT_INTERRUPTED, AgentloopError
+from ..errors import EXIT_INTERRUPTED, AgentloopError, ModelUnreachable
+from ..model_server import probe
+from ..models import ModelConfig
 from .capacity import default_parallel
 from .progress import LinesView, Meter, Tally, make_view, short
-from .results_file import ResultsFile, lock_runs_dir, open_results
-from .run import RunSettings, execute
+from .results_file import Lock, ResultsFile, lock_runs_dir, open_results
 from .stopping import Stopper, infra_threshold
 from .tasks import TaskSpec, read_tasks, refuse_invalid
+
+if TYPE_CHECKING:
+    from .run import RunSettings
 
 __all__ = ["BatchOutcome", "EXIT_STOPPED", "drive", "run_batch"]
 
@@ -40,6 +44,8 @@ class BatchOutcome:
 
 async def _run_local(pending: list[TaskSpec], settings: RunSettings, results: ResultsFile, tally: Tally,
                      view: LinesView, parallel: int, stopper: Stopper) -> None:
+    from .run import execute  # (the agent loop and its HTTP client: loaded for task batches only)
+
     loop = asyncio.get_running_loop()
     running: dict[asyncio.Task, TaskSpec] = {}
 
@@ -100,7 +106,7 @@ async def _run_local(pending: list[TaskSpec], settings: RunSettings, results: Re
             await fork_server.close()
 
 
-def drive(noun: str, specs: list, results: ResultsFile, done: set[str], lock: int, *, header: str,
+def drive(noun: str, specs: list, results: ResultsFile, done: set[str], lock: Lock, *, header: str,
           progress: str, tally: Callable[[int, int], Tally], run: Callable[[list, Tally, LinesView, Stopper], None]
           ) -> BatchOutcome:
     """What every batch (of ``noun``: "tasks", "samples") does around its runs: what is left
@@ -125,7 +131,16 @@ def drive(noun: str, specs: list, results: ResultsFile, done: set[str], lock: in
         return BatchOutcome(counts, stopper.reason)
     finally:
         results.close()
-        os.close(lock)
+        lock.release()
+async def check_endpoints(models: Iterable[ModelConfig]) -> None:
+    """ModelUnreachable, saying what to do, when an endpoint the tasks use does not answer at
+    all (its ``/models``, within ``model_server.PROBE_TIMEOUT``): else every run would fail the
+    same way, seconds each, and be recorded as failed."""
+    configs = list({(m.base_url, m.model): m for m in models}.values())
+    for config, server in zip(configs, await asyncio.gather(*(probe(c) for c in configs)), strict=True):
+        if server.models_status is None:
+            raise ModelUnreachable(f"nothing was run: {server.silence(config.base_url)} Then run the same "
+                                   "command again.")
 
 
 def run_batch(tasks_path: str | Path, output: str | Path, settings: RunSettings, *,
@@ -135,10 +150,13 @@ def run_batch(tasks_path: str | Path, output: str | Path, settings: RunSettings,
 
     Raises ConfigError, before anything starts, for invalid task lines (unless
     ``skip_invalid``: then they are reported and left out), a damaged output or a runs
-    directory another batch holds."""
+    directory another batch holds; ModelUnreachable, before anything is made, for a model
+    endpoint that does not answer (``check_endpoints``; not with Ray)."""
     output = Path(output)
     specs, problems = read_tasks(tasks_path, settings.models)
     refuse_invalid(tasks_path, problems, skip_invalid)
+    if ray_address is None:  # (a Ray node may reach what this machine does not, and the reverse)
+        asyncio.run(check_endpoints(settings.models.get(s.model or settings.model) for s in specs))
     lock = lock_runs_dir(settings.runs_dir)
     results, resumed = open_results(output, redo, lock=lock)
     if ray_address is None:

@@ -1,6 +1,6 @@
 """A batch on a Ray cluster: one Ray task per run, its coordinator and workers on one node.
 
-Imported only by ``agentloop batch --ray ADDRESS`` (``pip install 'agentloop[ray]'``).
+Imported only by ``agentloop batch --ray ADDRESS`` (the ``ray`` extra: ``engine.extras``).
 
 Capacity.  Each run is a task needing one ``agent_slot``, a custom resource that caps the runs a
 node holds: start nodes with ``ray start --address=HEAD:6379 --resources='{"agent_slot": 8}'``
@@ -58,12 +58,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from .. import tracing
 from ..errors import AgentloopError
 from .progress import LinesView, Tally, short
 from .results_file import ResultsFile
-from .run import RunSettings, execute, make_record, pack_files
+from .run import RunSettings, execute, make_record
 from .stopping import Stopper, infra_threshold
-from .tasks import TaskSpec
+from .tasks import TaskSpec, pack_files
 
 __all__ = [
     "GRACE", "NODE_RETRIES", "SLOTS_EVERY", "agent_slots", "connect", "import_ray", "on_cluster", "run_on_node",
@@ -97,7 +98,12 @@ def run_on_node(spec: TaskSpec, settings: RunSettings,
             asyncio.get_running_loop().add_signal_handler(signal.SIGINT, me.cancel)
         return await execute(spec, settings, packed=packed)
 
-    record = asyncio.run(main())
+    traced = tracing.start()  # as the driver's: its tracing variables came in the job's environment
+    try:
+        record = asyncio.run(main())
+    finally:
+        if traced is not None:
+            traced.flush()  # this Ray worker lives on: its run's spans leave now
     record["node"] = ray.util.get_node_ip_address()
     return record
 
@@ -131,13 +137,15 @@ def import_ray() -> Any:
     try:
         import ray
     except ImportError:
-        raise AgentloopError("--ray needs Ray: pip install 'agentloop[ray]'") from None
+        from ..extras import install_hint
+
+        raise AgentloopError(f"--ray needs Ray: {install_hint('ray')}") from None
     return ray
 
 
 def _forwarded_env(settings: RunSettings) -> dict[str, str]:
     names = {config.api_key_env for config in settings.models}
-    return {name: os.environ[name] for name in sorted(names) if os.environ.get(name)}
+    return {**{name: os.environ[name] for name in sorted(names) if os.environ.get(name)}, **tracing.forwarded_env()}
 
 
 def _check_reachable(address: str) -> None:

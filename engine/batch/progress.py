@@ -51,7 +51,13 @@ class Tally:
 
     @property
     def finished(self) -> int:
-        return sum(self.counts.values())
+        """Runs (samples) done in this invocation: cancelled ones are not, they run again."""
+        return sum(n for status, n in self.counts.items() if status != "cancelled")
+
+    @property
+    def not_run(self) -> int:
+        """Of the total, what is neither done (before or now) nor cancelled."""
+        return self.total - self.before - self.finished - self.counts["cancelled"]
 
     def start(self, key: str, meter: Meter | None = None) -> None:
         self.running[key] = meter
@@ -87,7 +93,7 @@ class Tally:
         return self.finished / elapsed * 60 if elapsed > 0 else 0.0
 
     def eta(self) -> float | None:
-        left = self.total - self.before - self.finished
+        left = self.not_run
         if not self.finished:
             return None
         return left * self.elapsed() / self.finished
@@ -223,12 +229,11 @@ def print_summary(tally: Tally, results: Path, runs_dir: Path | None, stopped: s
         label = status.replace("_", " ")
         value = str(tally.counts[status])
         if status == "failed" and tally.infrastructure:
-            value += f" ({tally.infrastructure} infrastructure)"
+            value += f" ({tally.infrastructure} infrastructure: a rerun runs them again)"
         table.add_row(label, value)
     table.add_row("done before", str(tally.before))
-    left = tally.total - tally.before - tally.finished
-    if left:
-        table.add_row("not run", str(left))
+    if tally.not_run:
+        table.add_row("not run", str(tally.not_run))
     if tally.kind == "runs":
         table.add_row("tokens in / out", f"{tin:,} / {tout:,}")
         table.add_row("cost", f"${cost:.4f}")

@@ -11,10 +11,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import trust
 from ..errors import ConfigError
 
 __all__ = [
-    "ResultsFile", "Resumed", "STATUSES", "lock_file", "lock_runs_dir", "open_results", "read_all",
+    "Lock", "ResultsFile", "Resumed", "STATUSES", "lock_runs_dir", "open_results", "read_all",
     "redo_selector"
 ]
 
@@ -40,10 +41,14 @@ class ResultsFile:
         self._fd: int | None = None
 
     def open(self, redo: Callable[[dict], bool] = lambda record: False) -> Resumed:
-        """Create or repair the file; drop (atomically) the records ``redo`` selects."""
+        """Create or repair the file; drop (atomically) the records ``redo`` selects.  A file a
+        worker could have written (``engine.trust``: its records would choose what is skipped)
+        is refused, and so is a link a worker could have made on the way to a new one."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        trust.check(self.path, "the results file")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
         try:
+            trust.check(self.path, "the results file", same_as=os.fstat(fd))
             data = read_all(fd)
             report = Resumed()
             cut = data.rstrip(b"\0")  # a crash can leave zeros past the last write
@@ -106,7 +111,10 @@ def read_all(fd: int) -> bytes:
 
 def _replace_atomically(path: Path, data: bytes) -> None:
     temporary = path.with_name(f".{path.name}.rewrite")
-    with open(temporary, "wb") as f:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(temporary)  # (made anew, never through whatever was left there)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    with open(os.open(temporary, flags, 0o644), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -124,46 +132,78 @@ def _fsync_dir(path: Path) -> None:
 
 
 def redo_selector(statuses: Iterable[str]) -> Callable[[dict], bool]:
-    """Which existing records to run again: always ``cancelled`` ones (they never finished),
-    plus the given statuses; ``infrastructure`` means failed for infrastructure reasons."""
+    """Which existing records to run again: always ``cancelled`` ones and those that failed for
+    infrastructure reasons (neither is the model's result: the run was stopped, or never got
+    its model or worker), plus the given statuses."""
     wanted = {"cancelled", *statuses}
 
     def select(record: dict) -> bool:
         status = record.get("status")
-        return status in wanted or ("infrastructure" in wanted and status == "failed"
-                                    and bool(record.get("infrastructure")))
+        return status in wanted or (status == "failed" and bool(record.get("infrastructure")))
     return select
 
 
-def lock_runs_dir(runs_dir: Path) -> int:
-    """Hold an exclusive lock on ``runs_dir`` for this process's life (one writer per batch)."""
+def lock_runs_dir(runs_dir: Path) -> Lock:
+    """Hold an exclusive lock on ``runs_dir`` for as long as the batch runs (one writer per batch)."""
     runs_dir.mkdir(parents=True, exist_ok=True)
-    return lock_file(runs_dir / ".lock", f"another agentloop batch is using {runs_dir}; wait for it or stop it")
+    return Lock(runs_dir / ".lock", f"another agentloop batch is using {runs_dir}; wait for it or stop it")
 
 
-def lock_file(path: Path, busy: str) -> int:
-    """An exclusive lock on ``path`` (made if missing), held until its descriptor (returned) is
-    closed; ConfigError saying ``busy`` when another process holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+class Lock:
+    """An exclusive ``flock`` on a file of its own at ``path``, made when taken and removed
+    when released, so that it leaves nothing behind; ConfigError saying ``busy`` when another
+    process holds it.
+
+    Removing a lock file is safe only with two rules: the holder removes it before it lets go
+    (so nobody can take the old file's lock between the two), and a taker checks, once it holds
+    the lock, that ``path`` is still the file it locked (else it locked a removed one, and
+    takes the lock again on the file now there)."""
+
+    def __init__(self, path: Path, busy: str) -> None:
+        self.path = path
+        for _ in range(100):  # each retry means another process took and released it meanwhile
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            except OSError as exc:
+                raise ConfigError(f"cannot open the lock file {path} ({exc.strerror}); remove what is there") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise ConfigError(busy) from None
+            held, there = os.fstat(fd), _stat(path)
+            if there is not None and (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino):
+                self._fd: int | None = fd
+                return
+            os.close(fd)
+        raise ConfigError(busy)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+            os.close(self._fd)
+            self._fd = None
+
+
+def _stat(path: Path) -> os.stat_result | None:
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise ConfigError(busy) from None
-    return fd
+        return os.stat(path)
+    except OSError:
+        return None
 
 
 def open_results(output: Path, redo: Iterable[str], what: str = "run", *,
-                 lock: int | None = None) -> tuple[ResultsFile, Resumed]:
+                 lock: Lock | None = None) -> tuple[ResultsFile, Resumed]:
     """Open (create, repair, resume) the results file ``output``, dropping the records ``redo``
     selects (``redo_selector``); what was repaired or dropped is said on stderr in one line each.
-    ``lock``: the descriptor of the lock held for it, closed if the file cannot be opened."""
+    ``lock``: the lock held for it, released if the file cannot be opened."""
     results = ResultsFile(output)
     try:
         resumed = results.open(redo_selector(redo))
     except BaseException:
         if lock is not None:
-            os.close(lock)
+            lock.release()
         raise
     if resumed.torn_bytes:
         print(f"agentloop: {output}: cut off a torn last line ({resumed.torn_bytes} bytes); "

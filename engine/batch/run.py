@@ -11,12 +11,12 @@ import shutil
 import stat
 import time
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from .. import tracing
 from .._tree import copy_tree, remove_tree, walk
 from ..display import AgentDisplay, FanoutDisplay, JsonlRecorder
 from ..engine import Engine
@@ -27,12 +27,9 @@ from ..repo_tools import RepoTools
 from ..runner import RunResult, run_task
 from ..settings import WorkerSettings
 from ..shared_fork_server import SharedForkServer
-from .results_file import read_all
 from .tasks import TaskSpec
 
-__all__ = [
-    "BACKOFF_MAX", "RunSettings", "execute", "is_infrastructure", "make_record", "pack_files", "run_slug"
-]
+__all__ = ["BACKOFF_MAX", "RunSettings", "execute", "is_infrastructure", "make_record", "run_slug"]
 
 #: Longest wait between two attempts of a run.
 BACKOFF_MAX = 60.0
@@ -158,36 +155,6 @@ def make_record(spec: TaskSpec, settings: RunSettings, *, status: str, answer: s
             "finished_at": datetime.now(UTC).isoformat(timespec="seconds"), **extra}
 
 
-def pack_files(paths: Iterable[str]) -> list[tuple[str, bytes, int]]:
-    """The files (directories walked) as (relative path, bytes, mode): what a run on another
-    machine needs to rebuild them in its workspace."""
-    packed = []
-    for path in map(Path, paths):
-        if path.is_dir():
-            found = []
-            for entry in walk(path, one_filesystem=False):
-                if not entry.is_dir and (content := _regular_file(entry.name, entry.dir_fd)) is not None:
-                    found.append((entry.parts, *content))
-            packed += [(str(Path(path.name, *parts)), data, mode) for parts, data, mode in sorted(found)]
-        else:
-            packed.append((path.name, path.read_bytes(), path.stat().st_mode & 0o777))
-    return packed
-
-
-def _regular_file(name: str, dir_fd: int) -> tuple[bytes, int] | None:
-    """(content, permission bits) of ``name`` if it is a regular file or a symlink to one (as
-    ``Path.is_file()`` has it), else None; a fifo or a device is never read."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-    except OSError:
-        return None
-    try:
-        mode = os.fstat(fd).st_mode
-        return (read_all(fd), mode & 0o777) if stat.S_ISREG(mode) else None
-    finally:
-        os.close(fd)
-
-
 def _clear(run_dir: Path, first: bool) -> None:
     """Remove what an earlier attempt left.  The first attempt also clears what an earlier,
     interrupted batch left; later ones keep the transcript (it records every attempt).  A
@@ -255,7 +222,8 @@ async def _attempt(spec: TaskSpec, settings: RunSettings, attempt: int, display:
         return RunResult(None, "failed", f"cannot prepare the run's directory {run_dir}: {exc}"), True
     recorder = JsonlRecorder(run_dir / "transcript.jsonl")
     recorder.event("note", name="batch", message=f"run {spec.key!r}, attempt {attempt}")
-    shown: AgentDisplay = FanoutDisplay([recorder, display]) if display is not None else recorder
+    spans = tracing.observer(settings.models, {"agentloop.task.id": spec.key, "agentloop.run.attempt": attempt})
+    shown: AgentDisplay = FanoutDisplay([d for d in (recorder, display, spans) if d is not None])
     # No warm pool: an idle spare worker per run would double a batch's processes for the rare
     # run that starts a sub-agent.  No fork server of the run's own either (starting one costs
     # more than the one or two workers a run starts): the batch's, shared by its runs, forks
@@ -291,6 +259,8 @@ async def _attempt(spec: TaskSpec, settings: RunSettings, attempt: int, display:
             await _to_the_end(engine.shutdown())
         finally:
             recorder.close()
+            if spans is not None:
+                spans.close()
             with contextlib.suppress(OSError):  # the engine removed its empty run directory
                 (run_dir / "state" / "runs").rmdir()
                 (run_dir / "state").rmdir()

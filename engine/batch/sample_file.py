@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import tracing
 from ..durations import parse_duration
 from ..engine import Engine
 from ..errors import ConfigError
@@ -36,10 +37,9 @@ from ..settings import WorkerSettings
 from .capacity import default_parallel
 from .local import BatchOutcome, drive
 from .progress import LinesView, Tally
-from .results_file import ResultsFile, lock_file, open_results
-from .run import pack_files
+from .results_file import Lock, ResultsFile, open_results
 from .stopping import Stopper
-from .tasks import read_lines, refuse_invalid, task_files
+from .tasks import pack_files, read_lines, refuse_invalid, task_files
 
 __all__ = ["REDO", "SampleSpec", "read_samples", "run_samples"]
 
@@ -166,6 +166,28 @@ async def _run_local(pending: list[SampleSpec], settings: WorkerSettings, result
             record(cancelled(Sample(spec.id, ""), at))
 
 
+class _TracedView:
+    """A progress view that also sends a span for each sample that ends (tracing on): the view
+    sees every finished record, local or from Ray, as it is written."""
+
+    def __init__(self, view: Any, tracing: Any) -> None:
+        self.view = view
+        self.tracing = tracing
+
+    def finished(self, record: dict) -> None:
+        self.tracing.sample_span(record)
+        self.view.finished(record)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.view, name)
+
+
+def traced(view: Any) -> Any:
+    """``view``, sending a span per finished sample when tracing is on."""
+    current = tracing.current()
+    return view if current is None else _TracedView(view, current)
+
+
 def run_samples(samples_path: str | Path, output: str | Path, settings: WorkerSettings, *,
                 parallel: int | None = None, timeout: float, progress: str = "auto", skip_invalid: bool = False,
                 redo: Iterable[str] = (), ray_address: str | None = None) -> BatchOutcome:
@@ -178,13 +200,13 @@ def run_samples(samples_path: str | Path, output: str | Path, settings: WorkerSe
     specs, problems = read_samples(samples_path)
     refuse_invalid(samples_path, problems, skip_invalid)
     output.parent.mkdir(parents=True, exist_ok=True)
-    lock = lock_file(output.with_name(f".{output.name}.lock"),
-                     f"another agentloop is writing {output}; wait for it or stop it")
+    lock = Lock(output.with_name(f".{output.name}.lock"), f"another agentloop is writing {output}; wait for it or stop it")
     results, resumed = open_results(output, redo, "sample", lock=lock)
     parallel = parallel or default_parallel()
     where = f"on Ray at {ray_address}" if ray_address else f"{parallel} at once"
 
     def run(pending: list, tally: Tally, view: LinesView, stopper: Stopper) -> None:
+        view = traced(view)
         if ray_address is not None:
             from . import sample_file_ray
 

@@ -1,20 +1,27 @@
-"""The task file: JSONL lines checked, every problem reported with its line number."""
+"""The task file: JSONL lines checked, every problem reported with its line number; a line's
+``files``, checked (``task_files``) and packed for another machine (``pack_files``)."""
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import stat
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import trust
+from .._tree import walk
 from ..durations import parse_duration
 from ..errors import ConfigError
 from ..inert import inert
 from ..models import ModelRegistry
+from .results_file import read_all
 
-__all__ = ["TaskSpec", "read_lines", "read_tasks", "refuse_invalid", "task_files"]
+__all__ = ["TaskSpec", "pack_files", "read_lines", "read_tasks", "refuse_invalid", "task_files"]
 
 
 @dataclass(frozen=True)
@@ -48,13 +55,18 @@ def read_lines(path: str | Path, what: str, parse: Callable[[Any, int, Path], An
     """Each line of the JSONL file ``path`` made a spec by ``parse(data, line number, the
     file's directory)``, which raises ConfigError for an invalid one: the valid specs in file
     order (the first of a repeated ``key`` stays), and one ``"line N: ..."`` per invalid line.
-    Blank lines are ignored; ConfigError only when the file (``what``) cannot be read."""
+    Blank lines are ignored; ConfigError only when the file (``what``) cannot be read.
+
+    A spec's ``files`` are read with the user's rights and shown to a run: a file a worker
+    could have written (``engine.trust``) may name only files beneath its own directory, which
+    that worker could write anyway — never a key or a secret elsewhere."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read the {what} {path}: {exc}") from exc
     base = path.resolve().parent
+    untrusted = functools.cache(trust.refusal)
     specs: list = []
     problems: list[str] = []
     first_line: dict[str, int] = {}
@@ -72,9 +84,17 @@ def read_lines(path: str | Path, what: str, parse: Callable[[Any, int, Path], An
         if spec.key in first_line:
             problems.append(f"line {number}: duplicate id {spec.id!r} (first on line {first_line[spec.key]})")
             continue
+        if any(not _beneath(f, base) for f in spec.files) and (why := untrusted(path)):
+            problems.append(f"line {number}: files outside {base} are not read: the {what} is not trusted, "
+                            f"as {why}")
+            continue
         first_line[spec.key] = number
         specs.append(spec)
     return specs, problems
+
+
+def _beneath(path: str, top: Path) -> bool:
+    return path.startswith(str(top).rstrip("/") + "/")
 
 
 def refuse_invalid(path: str | Path, problems: list[str], skip_invalid: bool) -> None:
@@ -143,3 +163,33 @@ def task_files(value: Any, where: str, base: Path) -> tuple[str, ...]:
         names[resolved.name] = entry
         paths.append(str(resolved))
     return tuple(paths)
+
+
+def pack_files(paths: Iterable[str]) -> list[tuple[str, bytes, int]]:
+    """The files (directories walked) as (relative path, bytes, mode): what a run on another
+    machine needs to rebuild them in its workspace."""
+    packed = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            found = []
+            for entry in walk(path, one_filesystem=False):
+                if not entry.is_dir and (content := _regular_file(entry.name, entry.dir_fd)) is not None:
+                    found.append((entry.parts, *content))
+            packed += [(str(Path(path.name, *parts)), data, mode) for parts, data, mode in sorted(found)]
+        else:
+            packed.append((path.name, path.read_bytes(), path.stat().st_mode & 0o777))
+    return packed
+
+
+def _regular_file(name: str, dir_fd: int) -> tuple[bytes, int] | None:
+    """(content, permission bits) of ``name`` if it is a regular file or a symlink to one (as
+    ``Path.is_file()`` has it), else None; a fifo or a device is never read."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        mode = os.fstat(fd).st_mode
+        return (read_all(fd), mode & 0o777) if stat.S_ISREG(mode) else None
+    finally:
+        os.close(fd)

@@ -41,7 +41,8 @@ class _LazyGroup(click.Group):
         "ask": "engine.cli.ask:ask", "batch": "engine.cli.batch:batch", "chat": "engine.cli.chat:chat",
         "demo": "engine.cli.demo:demo", "doctor": "engine.cli.doctor:doctor_cmd",
         "exec": "engine.cli.exec:exec_cmd", "mcp": "engine.cli.mcp:mcp", "models": "engine.cli.models:models_cmd",
-        "run": "engine.cli.run:run_cmd",
+        "run": "engine.cli.run:run_cmd", "scripted": "engine.cli.scripted:scripted",
+        "view": "engine.cli.view:view_cmd",
     }
 
     def list_commands(self, ctx):
@@ -66,10 +67,22 @@ class _LazyGroup(click.Group):
 @click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="agentloop")
 @click.option("-v", "--verbose", is_flag=True, help="Log what the engine does to stderr.")
-def main(verbose: bool) -> None:
+@click.option("--trace", is_flag=True,
+              help="Send OpenTelemetry traces of what runs (OTLP, to OTEL_EXPORTER_OTLP_ENDPOINT, default "
+                   "http://localhost:4318), as OTEL_TRACES_EXPORTER=otlp does.")
+@click.pass_context
+def main(ctx: click.Context, verbose: bool, trace: bool) -> None:
     """agentloop: run model-written code in sandboxed worker processes."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="agentloop: %(message)s")
+    from .. import tracing
+    from ..errors import AgentloopError
+
+    try:
+        if tracing.start(trace) is not None:
+            ctx.call_on_close(tracing.shutdown)
+    except AgentloopError as exc:
+        fail(f"tracing: {exc}")
     # SIGTERM (a service manager, `kill`, a CI timeout) stops a command as Ctrl-C does: the
     # running blocks and workers are stopped and the run's sockets and directories removed.
     # Commands that handle signals themselves (batch, chat) replace this while they run.

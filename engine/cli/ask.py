@@ -14,12 +14,14 @@ from typing import Any
 
 import click
 
+from .. import tracing
 from ..ask import EXIT_FAILED, PROMPT, SYSTEM, Answer, AnswerStream, Assistant, ClientEvents
+from ..display import FanoutDisplay
 from ..errors import AgentloopError, ModelError
 from ..inert import inert
 from ..llm import Chat
 from ..repo_tools import RepoTools
-from .options import EXIT_INTERRUPTED, fail, load_registry
+from .options import EXIT_INTERRUPTED, close_display, fail, load_registry
 from .options import terminated as stop_like_ctrl_c
 
 __all__ = ["ask"]
@@ -181,6 +183,11 @@ def ask(question: tuple[str, ...], root: Path | None, max_turns: int, model: str
         except OSError as exc:
             tools.close()
             fail(f"cannot record to {record}: {exc.strerror or exc}")
+        except AgentloopError as exc:
+            tools.close()
+            fail(str(exc))
+    if (spans := tracing.observer(registry)) is not None:  # the tool calls as spans, too
+        recorder = FanoutDisplay([d for d in (recorder, spans) if d is not None])
     stream = AnswerStream(_out) if _isatty(sys.stdout) and not as_json else None
     events = _events(recorder, stream)
     chat = Chat(SYSTEM.format(root=tools.root), config, display=events, name="ask")
@@ -201,7 +208,7 @@ def ask(question: tuple[str, ...], root: Path | None, max_turns: int, model: str
     finally:
         tools.close()
         if recorder is not None:
-            recorder.close()
+            close_display(recorder)
     sys.exit(code)
 
 

@@ -8,10 +8,11 @@ from pathlib import Path
 import click
 
 from ..batch import RunSettings, print_summary, run_batch
-from ..errors import AgentloopError
+from ..errors import AgentloopError, ModelUnreachable
 from ..inert import inert
 from ..models import load_models
 from .options import (
+    EXIT_ERROR,
     EXIT_INTERRUPTED,
     Duration,
     Size,
@@ -39,9 +40,9 @@ __all__ = ["batch"]
 @click.option("--timeout", type=Duration(), default="1h", show_default=True,
               help="Wall-clock cap of each attempt of a run (a task's own `timeout` wins).")
 @click.option("--skip-invalid", is_flag=True, help="Report invalid task lines and go on without them.")
-@click.option("--redo", multiple=True, type=click.Choice(["failed", "timed_out", "infrastructure"]),
-              help="Also run again the ids recorded with this status (cancelled ones always are); "
-                   "'infrastructure': failed for infrastructure reasons.  Repeatable.")
+@click.option("--redo", multiple=True, type=click.Choice(["failed", "timed_out"]),
+              help="Also run again the ids recorded with this status (cancelled ones, and those that "
+                   "failed for infrastructure reasons, always are).  Repeatable.")
 @click.option("--runs-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Where each run's workspace and transcript go (default: OUTPUT's stem + .runs).")
 @click.option("--max-workers-per-run", type=click.IntRange(1), default=16, show_default=True,
@@ -49,7 +50,7 @@ __all__ = ["batch"]
 @click.option("--progress", type=click.Choice(["auto", "bar", "lines", "none"]), default="auto",
               show_default=True, help="A live bar (auto: when stderr is a terminal) or one line per run.")
 @click.option("--ray", "ray_address", metavar="ADDRESS", default=None,
-              help="Run on a Ray cluster (pip install 'agentloop[ray]'): its GCS host:port, 'auto', or "
+              help="Run on a Ray cluster (needs the ray extra): its GCS host:port, 'auto', or "
                    "ray://host:10001.  Nodes offer the agent_slot resource (runs per node).  If the cluster "
                    "uses token authentication (Ray 2.60's default), set RAY_AUTH_MODE=token and "
                    "RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH).")
@@ -78,9 +79,11 @@ def batch(tasks_file: Path, output: Path, parallel: int | None, retries: int, re
 
     TASKS_FILE is JSONL, one task a line: id, task; optional model, max_messages, timeout,
     files.  Each result line is fsynced as its run ends; run the same command again to resume
-    (ids already in OUTPUT are skipped, cancelled ones run again).  Ctrl-C cancels the running
-    runs and exits 130; a second Ctrl-C leaves at once.  Exit 0 when the batch ran to its end,
-    1 when it stopped because the infrastructure kept failing, 125 for bad input."""
+    (ids already in OUTPUT are skipped; cancelled ones, and those that failed for
+    infrastructure reasons, run again).  A model endpoint that does not answer stops the batch
+    before its first run.  Ctrl-C cancels the running runs and exits 130; a second Ctrl-C
+    leaves at once.  Exit 0 when the batch ran to its end, 1 when the endpoint did not answer
+    or the infrastructure kept failing, 125 for bad input."""
     try:
         registry = apply_max_tokens(load_models(models_file))
         registry.get(model)
@@ -99,6 +102,9 @@ def batch(tasks_file: Path, output: Path, parallel: int | None, retries: int, re
     try:
         outcome = run_batch(tasks_file, output, settings, parallel=parallel, progress=progress,
                             skip_invalid=skip_invalid, redo=redo, ray_address=ray_address)
+    except ModelUnreachable as exc:  # checked before the first run: the infrastructure, not the input
+        click.echo(inert(f"agentloop: {exc}"), err=True)
+        sys.exit(EXIT_ERROR)
     except AgentloopError as exc:
         fail(str(exc))
     except KeyboardInterrupt:  # before the batch's own handlers were in place

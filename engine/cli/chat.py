@@ -289,7 +289,7 @@ def chat(model, models_file, max_messages, record, tools, root, quiet, protocol)
         fail(str(exc))
     functions = host_functions(tools, root)
     options = worker_settings()
-    display = make_display(record, quiet)
+    display = make_display(record, quiet, registry)
     interactive = os.isatty(sys.stdin.fileno())
 
     async def go() -> int:

@@ -12,6 +12,7 @@ from ..doctor import report
 from ..engine import Engine
 from ..errors import AgentloopError
 from ..inert import inert
+from ..interpreter import probe as probe_python
 from .options import fail, load_registry, worker_options, worker_settings
 
 __all__ = ["doctor_cmd"]
@@ -25,6 +26,7 @@ def doctor_cmd(models_file, model) -> None:
     """Which sandbox layers are available and active here, whether a sandboxed worker really
     starts, and whether the model endpoint answers.  Exit 1 when something does not work."""
     options = worker_settings()
+    python, chosen_by = options.python_choice()
     policy = options.policy()
     healthy = True
     try:
@@ -53,12 +55,16 @@ def doctor_cmd(models_file, model) -> None:
         click.echo(inert(f"worker: does not start: {exc}"))
         started = False
     healthy &= started
+    try:
+        version = f" (Python {probe_python(python).version})"
+    except AgentloopError:
+        version = ""
+    click.echo(inert(f"workers' python: {python}{version}, chosen by {chosen_by}"))
     registry = load_registry(models_file)
     try:
         config = registry.get(model)
     except AgentloopError as exc:
         fail(str(exc))
-    from ..llm import start_hint
     from ..model_server import probe
     from ..models import which_wins
 
@@ -67,9 +73,7 @@ def doctor_cmd(models_file, model) -> None:
     server = asyncio.run(probe(config))
     if server.models_status is None:
         answers = False
-        advice = start_hint(config.base_url) if server.no_server else (
-            "Check that the server at that address is up and reachable from here, or set LLM_URL.")
-        click.echo(inert(f"model endpoint {config.base_url}: does not answer ({server.models_error}). {advice}"))
+        click.echo(inert(f"model endpoint: {server.silence(config.base_url)}"))
     elif server.models_status in (401, 403):
         answers = False
         held = "is set" if config.api_key() else "is not set"

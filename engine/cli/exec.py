@@ -79,7 +79,7 @@ class _ExecCommand(click.Command):
 @click.option("--progress", type=click.Choice(["auto", "bar", "lines", "none"]), default="auto",
               show_default=True, help="With --jsonl: a live bar (auto: when stderr is a terminal) or one line per sample.")
 @click.option("--ray", "ray_address", metavar="ADDRESS", default=None,
-              help="With --jsonl: run the samples on a Ray cluster (pip install 'agentloop[ray]'), in chunks, one "
+              help="With --jsonl: run the samples on a Ray cluster (needs the ray extra), in chunks, one "
                    "agent_slot each; see `agentloop batch --help`.")
 @worker_options
 def exec_cmd(file: str | None, args: tuple[str, ...], timeout: float | None, env_names: tuple[str, ...], as_json: bool, allow_sgr: bool, samples: Path | None, output: Path | None,
@@ -118,6 +118,7 @@ def exec_cmd(file: str | None, args: tuple[str, ...], timeout: float | None, env
 def _run_file(file: str, args: list[str], timeout: float | None, env_names: tuple[str, ...], as_json: bool,
               allow_sgr: bool) -> None:
     """``exec FILE``: plan, run, and end as the script ended."""
+    from .. import trust
     from ..file_runner import ScriptCgroups, exit_as, inherited_ignored, run_script
     from ..file_sandbox import plan_script, script_environment
     from ..interpreter import choose_python
@@ -133,9 +134,10 @@ def _run_file(file: str, args: list[str], timeout: float | None, env_names: tupl
     policy = settings.policy()
     if policy.mode == "none":
         click.echo("agentloop: warning: --sandbox none runs the script unconfined", err=True)
-    cgroups = plan = None
+    cgroups = plan = grant = None
     try:
-        python = choose_python(settings.python, workspace=None if write_cwd else settings.workspace or Path("files"))
+        # (A Python in the workspace model code writes by default is refused, whatever exec writes.)
+        python = choose_python(settings.python, workspace=settings.workspace or Path("files"))
         program = [python, _program_file(file), *args]
         env = script_environment(os.environ, passed=env_names, configured=_key_variables())
         cgroups = ScriptCgroups(policy)
@@ -144,6 +146,8 @@ def _run_file(file: str, args: list[str], timeout: float | None, env_names: tupl
                            memory_cgroup=cgroups.memory is not None, pids_cgroup=cgroups.pids)
         for note in plan.notes:
             log.info("%s", note)  # (agentloop -v exec ...: the script's stderr is its own)
+        if policy.mode != "none":  # (what the script writes is told from the user's own files later)
+            grant = trust.open_grant(plan.writable, plan.kept if plan.pid_namespace else ())
         result = run_script(plan, program, env, python=python, timeout=timeout, allow_sgr=allow_sgr,
                             stdout=2 if as_json else 1, ignored=ignored, cgroups=cgroups)
     except AgentloopError as exc:
@@ -153,6 +157,8 @@ def _run_file(file: str, args: list[str], timeout: float | None, env_names: tupl
     except KeyboardInterrupt:
         sys.exit(EXIT_INTERRUPTED)
     finally:
+        if grant is not None:
+            grant.end()
         if cgroups is not None:
             cgroups.close()
         if plan is not None:

@@ -20,7 +20,7 @@ import click
 from ..durations import parse_duration
 from ..errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OWN, EXIT_TIMEOUT, AgentloopError
 from ..inert import inert
-from ..interpreter import choose_python
+from ..interpreter import which_python
 from ..output import OUTPUT_CAP
 from ..sandbox import SandboxPolicy
 from ..settings import WorkerSettings
@@ -96,11 +96,19 @@ class _WorkerOptions:
         runs as the user (``SandboxPolicy.as_caller``)."""
         return SandboxPolicy(mode=self.sandbox, network=self.network, as_caller=bool(self.write_cwd), **self.limits)
 
+    def python_choice(self) -> tuple[str, str]:
+        """The workers' interpreter and which source chose it (``engine.interpreter.which_python``,
+        ./agentloop.toml read as every command reads it); a bad choice or file ends the command
+        in one line."""
+        try:
+            return which_python(self.python, workspace=self.workspace or Path("files"))
+        except AgentloopError as exc:
+            fail(str(exc))
+
     def settings(self) -> WorkerSettings:
         """The command's worker settings, built once: the policy (a warning on stderr for
-        ``--sandbox none``) and the interpreter ``engine.interpreter.choose_python`` chooses;
-        a bad choice ends the command in one line.  With ``--write-cwd`` the current directory
-        becomes ``workspace``."""
+        ``--sandbox none``) and the interpreter ``python_choice`` chooses.  With ``--write-cwd``
+        the current directory becomes ``workspace``."""
         if self._built is None:
             if self.sandbox == "none":
                 click.echo("agentloop: warning: --sandbox none runs model code with your privileges", err=True)
@@ -108,11 +116,7 @@ class _WorkerOptions:
                 if self.workspace is not None:
                     fail("--workspace DIR goes with --read-only: with --write-cwd code writes the current directory")
                 self.workspace = Path.cwd()
-            try:
-                python = choose_python(self.python, workspace=self.workspace or Path("files"))
-            except AgentloopError as exc:
-                fail(str(exc))
-            self._built = WorkerSettings(sandbox=self.policy(), python=python, preload=self.preload,
+            self._built = WorkerSettings(sandbox=self.policy(), python=self.python_choice()[0], preload=self.preload,
                                          keep_output=self.keep_output, max_output=self.max_output)
         return self._built
 
@@ -281,14 +285,24 @@ def host_functions(tools: str, root: Path) -> dict:
     return {}
 
 
-def make_display(record: Path | None, quiet: bool):
-    """The live console on stderr (unless quiet), plus a JSONL recorder when asked."""
+def make_display(record: Path | None, quiet: bool, models=None):
+    """The live console on stderr (unless quiet), plus a JSONL recorder when asked (a file it
+    cannot write ends the command in one line), plus the spans of the run when tracing is on
+    (``models`` names its model ids and servers)."""
+    from .. import tracing
     from ..console import ConsoleDisplay
     from ..display import AgentDisplay, FanoutDisplay, JsonlRecorder
 
     displays = [] if quiet else [ConsoleDisplay()]
     if record is not None:
-        displays.append(JsonlRecorder(record))
+        try:
+            displays.append(JsonlRecorder(record))
+        except OSError as exc:
+            fail(f"cannot record to {record}: {exc.strerror or exc}")
+        except AgentloopError as exc:
+            fail(str(exc))
+    if (spans := tracing.observer(models)) is not None:
+        displays.append(spans)
     if not displays:
         return AgentDisplay()
     return displays[0] if len(displays) == 1 else FanoutDisplay(displays)

@@ -53,7 +53,7 @@ def run_cmd(task: str, model, models_file, max_messages, record, tools, root, qu
         registry.get(model)
     except AgentloopError as exc:
         fail(str(exc))
-    display = make_display(record, quiet)
+    display = make_display(record, quiet, registry)
     functions = host_functions(tools, root)
     options = worker_settings()
 

@@ -11,6 +11,10 @@ What it guarantees:
   workspace (``WORKSPACE/SESSION``, which also derives its uid for a root coordinator), the
   sandbox and limits of the command line.  A session idle for ``idle_timeout`` is closed
   (its files stay); at most ``max_sessions`` are open, and one more is refused in words.
+- **The model reads what it can act on.**  A result carries the code's output, the session's
+  start (where its files go) and, after a refused write, where the code may write; the
+  sandbox's notes (the current directory not shown, a layer this machine lacks) are for whoever
+  runs the server and go to its stderr, once each.
 - **Every fault is a tool result, never a crash.**  An exception, a deadline, a kill, a worker
   that died, a session that could not start, arguments that cannot be used: the result says so
   in words (``is_error`` set), with the output so far.  Only a resource that cannot be read is
@@ -50,15 +54,16 @@ try:
     import mcp_types as types
     from mcp.server.lowlevel import Server
     from mcp.shared.exceptions import MCPError
-except ImportError as exc:  # the optional extra: say which one
-    raise ImportError(f"the MCP server needs the MCP SDK ({exc}); install it with: "
-                      "pip install 'agentloop[mcp]'") from exc
+except ImportError as exc:  # the optional extra: say how to get it
+    from ..extras import install_hint
+
+    raise ImportError(f"the MCP server needs the MCP SDK ({exc}): {install_hint('mcp')}") from exc
 
 from ..code_task import OUTPUT_BUDGET  # what a block's result carries, as an agent sees it
 from ..durations import format_duration, parse_duration
 from ..engine import Engine
 from ..errors import AgentloopError
-from ..results import BlockResult, OutputChunk
+from ..results import BlockResult, OutputChunk, writable_note
 from ..settings import WorkerSettings
 from ..worker import Worker
 from .workspace_files import MAX_LISTED_FILES, list_files, mime_type, parse_uri, read_file, resource_uri
@@ -135,6 +140,7 @@ class Sessions:
         self._open: dict[str, Session] = {}
         self._starting: dict[str, asyncio.Task[Session]] = {}
         self._seen: set[str] = set()  # every session this server started: their files stay readable
+        self._noted: set[str] = set()  # the sandbox's notes said on stderr (once each)
         self._closing: set[asyncio.Task] = set()
         self._closed = False
 
@@ -212,6 +218,10 @@ class Sessions:
         self._open[name] = session
         self._seen.add(name)
         log.info("session %s started (workspace %s)", name, session.workspace)
+        for note in worker.notes:  # the sandbox's, for whoever runs the server, not its client's model
+            if note not in self._noted:
+                self._noted.add(note)
+                log.warning("%s", note)
         return session
 
     def _arm_idle(self, session: Session) -> None:
@@ -480,8 +490,7 @@ class AgentloopMCP:
             raise CallRefused(f"timeout: {exc}") from exc
         async with self.sessions.use(name) as (session, started):
             progress = Progress(lambda total, text: report(total, None, text)) if report is not None else None
-            notes = [*session.worker.notes, f"session {name!r} started; its files go in {session.workspace}"] \
-                if started else []
+            notes = [f"session {name!r} started; its files go in {session.workspace}"] if started else []
             try:
                 result = await session.worker.run(code, timeout=timeout, budget=OUTPUT_BUDGET,
                                                   on_output=progress.add if progress else None)
@@ -491,6 +500,8 @@ class AgentloopMCP:
                 if progress is not None:
                     await progress.close()
             session.blocks += 1
+        if result.refused_write():
+            notes.append(writable_note(session.workspace))
         return _text(result_text(result, name, notes), error=result.status != "ok",
                      data=result_data(result, name))
 

@@ -14,9 +14,10 @@ from collections.abc import Awaitable, Callable, Iterator
 
 try:
     from mcp.server.stdio import stdio_server
-except ImportError as exc:  # the optional extra: say which one
-    raise ImportError(f"the MCP server needs the MCP SDK ({exc}); install it with: "
-                      "pip install 'agentloop[mcp]'") from exc
+except ImportError as exc:  # the optional extra: say how to get it
+    from ..extras import install_hint
+
+    raise ImportError(f"the MCP server needs the MCP SDK ({exc}): {install_hint('mcp')}") from exc
 
 from ..errors import AgentloopError
 from .mcp import CLOSE_TIMEOUT, AgentloopMCP, ServerConfig

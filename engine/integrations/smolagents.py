@@ -45,9 +45,10 @@ from typing import Any
 
 try:
     from smolagents.local_python_executor import CodeOutput, PythonExecutor
-except ImportError as exc:  # the optional extra: say which one
-    raise ImportError(f"AgentloopExecutor needs smolagents ({exc}); install it with: "
-                      "pip install 'agentloop[smolagents]'") from exc
+except ImportError as exc:  # the optional extra: say how to get it
+    from ..extras import install_hint
+
+    raise ImportError(f"AgentloopExecutor needs smolagents ({exc}): {install_hint('smolagents')}") from exc
 
 from ..code_task import OUTPUT_BUDGET  # what a block's result carries, as an agent sees it
 from ..durations import parse_duration

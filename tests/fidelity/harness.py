@@ -179,7 +179,7 @@ class Runner:
         # Python's defaults (no PYTHONUNBUFFERED and the like), and nothing exec would hold back.
         env = {k: v for k, v in os.environ.items() if not any(w in k.upper() for w in SECRET_WORDS)
                and not k.startswith(("PYTHON", "PYTEST", "COLUMNS", "LINES"))}
-        env["XDG_STATE_HOME"] = str(base / "state")
+        env["XDG_STATE_HOME"] = str(base / f"state-{user}")
         env.pop("VIRTUAL_ENV", None)
         env.pop("AGENTLOOP_PYTHON", None)
         if user == "nobody":

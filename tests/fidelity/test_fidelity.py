@@ -52,9 +52,10 @@ class _Outcomes:
     def __init__(self, selected: list[tuple[Case, tuple[str, bool]]]) -> None:
         self.base = Path(tempfile.mkdtemp(prefix="fidelity-", dir="/tmp"))
         self.base.chmod(0o755)  # (nobody runs in it)
-        (self.base / "state").mkdir()
+        for user in ("self", "nobody"):  # (agentloop's state: a private directory of each user's)
+            (self.base / f"state-{user}").mkdir(mode=0o700)
         if os.geteuid() == 0:
-            os.chown(self.base / "state", 65534, 65534)
+            os.chown(self.base / "state-nobody", 65534, 65534)
         self.runners = {v: Runner(self.base, *v) for v in VARIANTS}
         self.pool = ThreadPoolExecutor(PARALLEL)
         self.futures: dict[tuple[str, tuple[str, bool]], Future] = {}

@@ -101,6 +101,32 @@ def test_a_script_writes_its_files_but_plants_nothing(tmp_path):
 
 
 @pytest.mark.attack
+def test_what_a_script_creates_where_there_was_none_is_not_obeyed(tmp_path):
+    # Nothing can be bound where nothing is: an agentloop.toml or a virtual environment the
+    # script makes is refused by the next command, from agentloop's record of what it wrote.
+    needs_namespaces()
+    project = tmp_path / "project"
+    project.mkdir()
+    code = r'''
+import sys
+probe("toml", lambda: open("agentloop.toml", "w").write('python = "planted/bin/python"\n'))
+probe("venv", lambda: (_os.makedirs("planted/bin"), open("planted/pyvenv.cfg", "w").write("home = /usr/bin\n"),
+                       _os.symlink(sys.executable, "planted/bin/python")))
+'''
+    proc, got = _exec(project, code)
+    assert proc.returncode == 0 and got["toml"].startswith("ok") and got["venv"].startswith("ok"), (got, proc.stderr)
+    config = subprocess.run([*AGENTLOOP, "exec", "-"], input="print('obeyed')\n", capture_output=True, text=True,
+                            cwd=project, timeout=WAIT * 4)
+    assert config.returncode == 125 and "agentloop.toml is not used" in config.stderr, config.stderr
+    assert "obeyed" not in config.stdout
+    (project / "agentloop.toml").unlink()
+    python = subprocess.run([*AGENTLOOP, "exec", "--python", "planted/bin/python", "-"], input="print('ran')\n",
+                            capture_output=True, text=True, cwd=project, timeout=WAIT * 4)
+    assert python.returncode == 125 and "is not used" in python.stderr, python.stderr
+    assert "ran" not in python.stdout
+
+
+@pytest.mark.attack
 def test_the_interpreter_chosen_from_the_project_stays_read_only(tmp_path):
     # --python .venv/bin/python: the interpreter the script runs is in the writable directory;
     # its files, and the next run's imports, are out of the script's reach.

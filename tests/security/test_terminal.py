@@ -72,7 +72,7 @@ class _Terminal:
 def agentloop(tmp_path: Path, *args: str, stdin: bytes = b"", stdout_tty: bool = True,
               stderr_tty: bool = True, url: str | None = None) -> tuple[int, bytes, bytes]:
     """Run the command with stdout and stderr on terminals (or pipes); its status and the bytes of each."""
-    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "TERM": "dumb"}
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path.parent / f"{tmp_path.name}-state"), "TERM": "dumb"}
     for name in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "COLUMNS"):
         env.pop(name, None)
     if url:

@@ -50,7 +50,7 @@ def _run(project: Path, workspace: Path, state: Path, code: str) -> tuple[subpro
     script.write_text("import os, time\n" + code + "\nprint(os.getuid(), flush=True)\nprint('ready', flush=True)\n"
                       "time.sleep(120)\n")
     env = {**os.environ, "XDG_STATE_HOME": str(state), "PYTHONPATH": str(_REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "exec", "--timeout", "150s",
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "exec", "--timeout", "150s", "--read-only",
                              "--workspace", str(workspace), str(script)], cwd=project, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     uid, ready = read_line(proc.stdout, WAIT), read_line(proc.stdout, WAIT)

@@ -1,0 +1,333 @@
+"""``agentloop view`` as a user runs it: real runs and a real 1,000-run batch (traced into a real
+OTLP receiver), their pages loaded in headless Chromium, the DOM checked, screenshots saved.
+
+Chromium is Debian's ``chromium`` (``scripts/test`` installs it when run as root), driven by
+Playwright with one browser for the whole module; without it the browser tests are skipped,
+saying why.  ``AGENTLOOP_SCREENSHOTS=DIR`` also saves the screenshots there (the README's come
+from it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from engine.scripted import Delay, Fail, ScriptedServer
+from tests.otlp_receiver import Receiver, trees
+from tests.test_activity import odd_events
+from tests.test_tracing import HOSTILE, SCRIPT, TASK
+
+AGENTLOOP = [sys.executable, "-m", "engine.cli"]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+BATCH = 1000
+
+
+def agentloop(cwd: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 600):
+    full = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    full.update({"XDG_STATE_HOME": str(cwd / "state"), **(env or {})})
+    return subprocess.run([*AGENTLOOP, *args], capture_output=True, text=True, cwd=cwd, env=full, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+# -- files view refuses, files cut short ----------------------------------------------------------
+
+@pytest.mark.parametrize("content, why", [
+    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "line 1 is not JSON"),
+    (b"hello, this is a log file\n", "line 1 is not JSON"),
+    (b'{"custom_id": "r1", "response": {"status_code": 200}, "error": null}\n', "line 1 is a JSON object with"),
+    (b'{"id": 1, "status": "success"}\n', "line 1 is a JSON object with"),
+    (b"[1, 2, 3]\n", "line 1 is a JSON list, not an object"),
+    (b"", "it is empty"),
+])
+def test_a_file_view_does_not_read_is_one_line_and_non_zero(tmp_path: Path, content: bytes, why: str) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(content)
+    proc = agentloop(tmp_path, "view", str(bad), "--no-open")
+    assert proc.returncode == 125, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and why in lines[0], proc.stderr
+    assert 'it expects a --record file (JSON lines with "t" and "type") or the results of batch or exec --jsonl' \
+        in lines[0]
+    assert proc.stdout == "" and not (tmp_path / "bad.html").exists()
+
+
+def test_a_damaged_line_in_the_middle_is_refused(tmp_path: Path) -> None:
+    rec = tmp_path / "rec.jsonl"
+    rec.write_text('{"t": 1.0, "type": "note", "name": "x", "message": "a"}\n{"t": 1.\n'
+                   '{"t": 2.0, "type": "note", "name": "x", "message": "b"}\n')
+    proc = agentloop(tmp_path, "view", str(rec), "--no-open")
+    assert proc.returncode == 125 and "line 2 is not JSON" in proc.stderr and len(proc.stderr.splitlines()) == 1
+
+
+def test_a_recording_of_any_shape_makes_a_page(tmp_path: Path) -> None:
+    """A recording is data someone else may have written: every event type with fields of every
+    JSON type still makes a page (the fold and the page take what they can use)."""
+    from engine.view import write
+
+    rec = tmp_path / "odd.jsonl"
+    rec.write_text("".join(json.dumps(event) + "\n" for event in odd_events()))
+    written = write(rec)
+    assert written.kind == "timeline" and written.path.stat().st_size > 1000
+
+
+@pytest.fixture(scope="module")
+def traced_run(tmp_path_factory) -> dict:
+    """The run of ``tests/test_tracing.py`` (two blocks at once, one that prints markup, one
+    killed, a sub-agent, a retried request), recorded and traced."""
+    where = tmp_path_factory.mktemp("run")
+    with Receiver() as rx, ScriptedServer(SCRIPT) as server:
+        proc = agentloop(where, "--trace", "run", TASK, "-q", "--record", str(where / "run.jsonl"),
+                         env={"OTEL_EXPORTER_OTLP_ENDPOINT": rx.endpoint, "LLM_URL": server.url,
+                              "LLM_MODEL": "scripted"})
+        assert proc.returncode == 0, proc.stderr
+        assert rx.wait_for(lambda spans: any(s.name == "invoke_agent main" for s in spans))
+    return {"dir": where, "recording": where / "run.jsonl", "spans": rx.spans}
+
+
+def test_a_recording_cut_short_is_shown_as_far_as_it_goes(traced_run: dict, tmp_path: Path) -> None:
+    text = traced_run["recording"].read_text()
+    whole = agentloop(tmp_path, "view", str(traced_run["recording"]), "-o", str(tmp_path / "whole.html"), "--no-open")
+    assert whole.returncode == 0 and "warning" not in whole.stderr, whole.stderr
+    assert whole.stdout.strip() == str(tmp_path / "whole.html")
+    # Killed mid-line: the torn line is left out, one warning.
+    torn = tmp_path / "torn.jsonl"
+    lines = text.splitlines(keepends=True)
+    half = len(lines) // 2
+    torn.write_text("".join(lines[:half]) + lines[half][: len(lines[half]) // 2])
+    proc = agentloop(tmp_path, "view", str(torn), "--no-open")
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and f"line {half + 1} was cut short" in warnings[0], proc.stderr
+    assert (tmp_path / "torn.html").stat().st_size > 1000
+    # Killed between two lines: the run never said it ended.
+    stopped = tmp_path / "stopped.jsonl"
+    stopped.write_text("".join(lines[:half]))
+    proc = agentloop(tmp_path, "view", str(stopped), "--no-open")
+    warnings = [line for line in proc.stderr.splitlines() if "warning" in line]
+    assert proc.returncode == 0 and len(warnings) == 1 and "ends before its run did" in warnings[0], proc.stderr
+
+
+def test_what_a_worker_prints_stays_text_in_the_file(traced_run: dict, tmp_path: Path) -> None:
+    out = tmp_path / "run.html"
+    proc = agentloop(tmp_path, "view", str(traced_run["recording"]), "-o", str(out), "--no-open")
+    assert proc.returncode == 0, proc.stderr
+    page = out.read_text()
+    assert page.count("<script") == 2 and page.count("</script>") == 2  # the data, and our one script
+    assert page.count("</html>") == 1 and page.rstrip().endswith("</html>")
+    assert "<img" not in page and "\\u003cscript\\u003ewindow.pwned" in page
+    assert "http://" not in page.replace("http://www.w3.org/2000/svg", "")  # nothing to fetch
+
+
+# -- the 1,000-run batch ------------------------------------------------------------------------
+
+def _batch_turn(body: dict) -> str:
+    return "answer: " + body["messages"][-1]["content"][:60].replace("<", "[")
+
+
+@pytest.fixture(scope="module")
+def traced_batch(tmp_path_factory) -> dict:
+    """A real batch of ``BATCH`` runs with mixed outcomes, traced: most answer after one block,
+    some fail (the endpoint refuses them), some hit their deadline."""
+    where = tmp_path_factory.mktemp("batch")
+    tasks, expected = [], Counter()
+    for i in range(BATCH):
+        if i % 10 == 3:
+            tasks.append({"id": f"t{i:04d}", "task": f"[fail {i}] this one is refused"})
+            expected["failed"] += 1
+        elif i % 25 == 7:
+            # The deadline falls in its model request (its worker has started by then).
+            tasks.append({"id": f"t{i:04d}", "task": f"[slow {i}] this one is too slow", "timeout": "5s"})
+            expected["timed_out"] += 1
+        else:
+            tasks.append({"id": f"t{i:04d}", "task": f"[ok {i}] print a number"})
+            expected["answered"] += 1
+    (where / "tasks.jsonl").write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    script = {"[fail": [Fail(400, 1000)], "[slow": [Delay(60.0, then="too late")],
+              "[ok": ["<run_code>\nprint(6 * 7)\n</run_code>", _batch_turn]}
+    with Receiver() as rx, ScriptedServer(script) as server:
+        proc = agentloop(where, "--trace", "batch", "tasks.jsonl", "-o", "results.jsonl", "--parallel", "8",
+                         "--progress", "none",
+                         env={"OTEL_EXPORTER_OTLP_ENDPOINT": rx.endpoint, "LLM_URL": server.url,
+                              "LLM_MODEL": "scripted"}, timeout=1100)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert rx.wait_for(lambda spans: sum(s.parent_id == "" for s in spans) >= BATCH, timeout=60)
+    return {"dir": where, "results": where / "results.jsonl", "spans": rx.spans, "expected": expected}
+
+
+@pytest.mark.timeout(1200)  # the batch itself: about 100 s as root on 2 idle cores, more as a user
+def test_a_batch_is_a_trace_per_run_carrying_its_task_id(traced_batch: dict) -> None:
+    records = {r["id"]: r for r in map(json.loads, traced_batch["results"].read_text().splitlines())}
+    assert Counter(r["status"] for r in records.values()) == traced_batch["expected"]
+    roots = [r for r in trees(traced_batch["spans"]) if r.name == "invoke_agent main"]
+    assert len(roots) == BATCH and len({r.trace_id for r in roots}) == BATCH
+    by_task = {r.attr("agentloop.task.id"): r for r in roots}
+    assert set(by_task) == set(records)
+    for task_id, record in records.items():
+        root = by_task[task_id]
+        assert root.attr("agentloop.run.attempt") == 1
+        assert root.attr("agentloop.run.status") == record["status"], task_id
+        names = [c.name for c in root.children]
+        if record["status"] == "answered":
+            assert root.status == "UNSET" and names.count("execute_tool run_code") == 1, names
+        elif record["status"] == "failed":
+            assert root.status == "ERROR" and root.attr("error.type") == "ModelResponseError"
+            assert names == ["chat scripted"] and root.children[0].attr("error.type") == "400"
+        else:
+            assert root.status == "ERROR" and root.attr("error.type") == "timeout"
+            assert names == ["chat scripted"] and root.children[0].status == "UNSET"  # cut by the deadline
+
+
+# -- in a real browser --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (the test extra)")
+    if CHROMIUM is None:
+        pytest.skip("Debian's chromium is not installed (scripts/test installs it when run as root: "
+                    "apt-get install chromium)")
+    args = ["--headless=new", "--disable-gpu", "--no-first-run", "--disable-quic", "--disable-sync",
+            # This machine's network is closed: Chromium's own background requests would fail.
+            "--disable-background-networking", "--disable-component-update"]
+    if os.geteuid() == 0:
+        # Chromium refuses to start as root with its sandbox on (the sandbox is built for a
+        # user's uid); the pages it loads here are our own local files.
+        args.append("--no-sandbox")
+    with sync_api.sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=args, timeout=60_000)
+        yield chromium
+        chromium.close()
+
+
+def _open(browser, path: Path, width: int = 1300):
+    page = browser.new_page(viewport={"width": width, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    requests: list[str] = []
+    page.on("request", lambda request: requests.append(request.url))
+    page.goto(path.as_uri())
+    page.wait_for_selector("body[data-ready]", timeout=20_000)
+    return page, errors, requests
+
+
+def _shoot(page, tmp_path: Path, name: str, **kwargs) -> Path:
+    shot = tmp_path / f"{name}.png"
+    page.screenshot(path=str(shot), **kwargs)
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("AGENTLOOP_SCREENSHOTS"):
+        keep = Path(os.environ["AGENTLOOP_SCREENSHOTS"])
+        keep.mkdir(parents=True, exist_ok=True)
+        shutil.copy(shot, keep / shot.name)
+    return shot
+
+
+def test_the_timeline_of_a_run_in_a_browser(browser, traced_run: dict, tmp_path: Path) -> None:
+    out = tmp_path / "run.html"
+    assert agentloop(tmp_path, "view", str(traced_run["recording"]), "-o", str(out), "--no-open").returncode == 0
+    page, errors, requests = _open(browser, out)
+    assert errors == [] and requests == [out.as_uri()]  # nothing fetched from anywhere
+    assert page.eval_on_selector_all(".lane", "ls => ls.map(l => l.dataset.agent)") == ["main", "helper"]
+    bars = page.eval_on_selector_all(".bar", """bs => bs.map(b => ({kind: b.dataset.kind, id: b.dataset.id,
+        agent: b.dataset.agent, outcome: b.dataset.outcome, ticks: b.querySelectorAll('.tick').length,
+        box: b.getBoundingClientRect().toJSON()}))""")
+    blocks = {b["id"]: b for b in bars if b["kind"] == "block"}
+    assert set(blocks) == {"left", "right", "loud", "stuck"}
+    left, right, stuck = blocks["left"]["box"], blocks["right"]["box"], blocks["stuck"]["box"]
+    assert left["x"] < right["x"] + right["width"] and right["x"] < left["x"] + left["width"]  # at once...
+    assert left["y"] != right["y"]  # ...so one above the other
+    assert stuck["x"] >= left["x"] + left["width"] - 2  # after the pair
+    assert blocks["stuck"]["outcome"] == "killed" and blocks["right"]["ticks"] >= 1  # a heartbeat
+    # The first request was answered 500 and retried: its failed attempt is hatched, the wait included.
+    hatched = page.eval_on_selector_all('.bar.request .attempt-failed', "hs => hs.map(h => h.getBoundingClientRect().width)")
+    assert len(hatched) == 1 and hatched[0] > 5
+    requests_of = Counter(b["agent"] for b in bars if b["kind"] == "request")
+    assert requests_of["main"] >= 3 and requests_of["helper"] == 1
+    assert page.inner_text("#totals").count("model requests") == 1
+    # The killed block: its code, what the kill took, what the model was told.
+    page.click('.bar[data-id="stuck"]')
+    detail = page.inner_text("#detail")
+    assert "killed" in detail and "from_left" in detail and 're.match(r"(a+)+$"' in detail
+    assert "timed out after 1 s" in detail
+    _shoot(page, tmp_path, "timeline")
+    # What a worker printed is text on the page, not markup: no new element, nothing ran.
+    page.click('.bar[data-id="loud"]')
+    assert HOSTILE in page.inner_text("#detail pre.output")
+    assert page.evaluate("document.querySelectorAll('script').length") == 2
+    assert page.evaluate("document.querySelectorAll('img').length") == 0
+    assert page.evaluate("window.pwned === undefined")
+    page.close()
+
+
+@pytest.mark.timeout(1200)
+def test_the_report_of_a_batch_in_a_browser(browser, traced_batch: dict, tmp_path: Path) -> None:
+    results = traced_batch["results"]
+    out = traced_batch["dir"] / "report.html"
+    proc = agentloop(traced_batch["dir"], "view", str(results), "-o", str(out), "--no-open")
+    assert proc.returncode == 0, proc.stderr
+    page, errors, requests = _open(browser, out)
+    assert errors == [] and requests == [out.as_uri()]
+    expected = traced_batch["expected"]
+    counts = page.eval_on_selector_all("#by-status tr[data-status]",
+                                       "rs => Object.fromEntries(rs.map(r => [r.dataset.status, r.cells[1].innerText]))")
+    assert {k: int(v.replace(",", "")) for k, v in counts.items() if v != "0"} == dict(expected)
+    assert page.inner_text("#runs") == f"{BATCH:,}"
+    reasons = page.eval_on_selector_all("#reasons tbody tr", "rs => rs.map(r => r.cells[0].innerText)")
+    assert any("HTTP N" in r for r in reasons) and "no answer within N s" in reasons
+    assert page.evaluate("document.querySelectorAll('#histogram rect').length") > 3
+    failed = expected["failed"] + expected["timed_out"]
+    assert f"page 1 of {-(-failed // 100)}" in page.inner_text("body")
+    assert page.evaluate("document.querySelectorAll('#failed tbody tr').length") == min(100, failed)
+    _shoot(page, tmp_path, "report")
+    # The slowest run links to its timeline, written beside the report, which draws itself.
+    link = page.get_attribute("#slowest tbody tr a", "href")
+    assert link and link.startswith("report.timelines/")
+    timeline, errors, _ = _open(browser, out.parent / link)
+    assert errors == [] and timeline.eval_on_selector_all(".lane", "ls => ls.length") == 1
+    timeline.close()
+    page.close()
+
+
+def test_the_report_of_10000_runs_stays_small_and_quick(browser, tmp_path: Path) -> None:
+    """Size and load time at 10,000 runs, printed for the record (``-s``); the bounds here are ten
+    times looser than what is measured on a 2-core machine."""
+    results = tmp_path / "results.jsonl"
+    with results.open("w") as f:
+        for i in range(10_000):
+            status = ("answered", "answered", "answered", "failed", "timed_out")[i % 5]
+            f.write(json.dumps({"id": f"r{i}", "status": status, "answer": "x", "error": f"err {i % 7}" * (status != "answered"),
+                                "messages": 3, "tokens": {"in": 1000 + i, "out": 100}, "cost": 0.001, "duration_s": 1 + (i % 97),
+                                "attempts": 1, "transcript": f"/nowhere/{i}/transcript.jsonl"}) + "\n")
+    proc = agentloop(tmp_path, "view", str(results), "--no-open")
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "results.html"
+    size = out.stat().st_size
+    page, errors, _ = _open(browser, out)
+    load_ms = page.evaluate("performance.getEntriesByType('navigation')[0].domContentLoadedEventEnd")
+    drawn_ms = int(page.evaluate("document.body.dataset.ready"))
+    print(f"\nreport of 10,000 runs: {size / 1e6:.2f} MB, DOM ready {load_ms:.0f} ms, drawn {drawn_ms} ms")
+    assert errors == [] and page.inner_text("#runs") == "10,000"
+    assert size < 10_000_000 and drawn_ms < 10_000
+    page.close()
+
+
+def test_a_samples_report_counts_and_says_why(tmp_path: Path) -> None:
+    from engine.view import report
+
+    rows = [{"id": "a", "status": "ok", "exit_code": 0, "stdout": "1\n", "stderr": "", "duration_s": 0.1, "message": ""},
+            {"id": "b", "status": "error", "exit_code": 1, "stdout": "", "duration_s": 0.2, "message": "",
+             "stderr": "Traceback (most recent call last):\n  ...\nValueError: nope 7\n"},
+            {"id": "c", "status": "error", "exit_code": 1, "stdout": "", "duration_s": 0.3, "message": "",
+             "stderr": "ValueError: nope 8\n"},
+            {"id": "d", "status": "error", "exit_code": 3, "stdout": "", "stderr": "", "duration_s": 0.1, "message": ""},
+            {"id": "e", "status": "timeout", "exit_code": 124, "stdout": "", "stderr": "", "duration_s": 5.0,
+             "message": "its deadline (5 s) passed"}]
+    data = report.build(rows, "samples", tmp_path / "out.jsonl")
+    assert data["runs"] == 5 and data["by_status"]["error"] == 3 and data["failed_total"] == 4
+    assert data["reasons"] == [["ValueError: nope N", 2], ["exit code N", 1], ["its deadline (N s) passed", 1]]
+    assert [r["id"] for r in data["slowest"]][:2] == ["e", "c"]
