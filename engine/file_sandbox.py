@@ -102,9 +102,10 @@ def plan_script(policy: sandbox.SandboxPolicy, *, python: str, cwd: Path, script
     """The plan for ``python SCRIPT`` (None: the program read from stdin) run from ``cwd``,
     writing the current directory (``write_cwd``) or only the workspace.  ConfigError when
     the current directory cannot be written safely: ``/``, a home directory or a directory
-    above one (unless ``share_cwd``), one that lies inside an interpreter's installation, or,
-    without bubblewrap, one holding the interpreter or agentloop's code (nothing could keep
-    them read-only)."""
+    above one (unless ``share_cwd``), one that lies inside an interpreter's installation or
+    holds agentloop's record of what code could write (``engine.trust``), or, without
+    bubblewrap, one holding the interpreter or agentloop's code (nothing could keep them
+    read-only)."""
     cwd = Path(os.path.realpath(cwd))
     if write_cwd:
         if workspace is not None:
