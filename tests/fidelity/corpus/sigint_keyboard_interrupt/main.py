@@ -18,7 +18,8 @@ def announce(main):
     print("ready", flush=True)
 
 
-threading.Thread(target=announce, args=(threading.get_ident(),), daemon=True).start()
+# (Not a daemon: one caught holding stdout's lock at shutdown would make python itself abort.)
+threading.Thread(target=announce, args=(threading.get_ident(),)).start()
 try:
     wait_here()
 finally:

@@ -24,7 +24,8 @@ def announce(main):
 
 
 signal.signal(signal.SIGTERM, stop)
-threading.Thread(target=announce, args=(threading.get_ident(),), daemon=True).start()
+# (Not a daemon: one caught holding stdout's lock at shutdown would make python itself abort.)
+threading.Thread(target=announce, args=(threading.get_ident(),)).start()
 try:
     wait_here()
 finally:
