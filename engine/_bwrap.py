@@ -60,10 +60,12 @@ class View:
     """What a worker is shown, every path resolved: the system (read-only, with the symlinks
     of a merged /usr), its Python, the current directory when shown, the run's output and
     socket directories (read-only) and the workspace (read-write), in which ``protected``
-    (``engine.protected``) stay read-only.  A fork server shared by the runs of a batch is
-    shown the batch's runs directory as its workspace and no output directory
-    (``engine.shared_fork_server``); a script run by ``exec`` has no socket or output
-    directory, and ``shown`` holds its own directory.
+    (``engine.protected``) stay read-only; ``hidden`` directories beneath the current directory
+    are covered by an empty, read-only tmpfs (the workspace may lie beneath one: it is bound
+    back on top).  A fork server shared by the runs of a batch is shown the batch's runs
+    directory as its workspace and no output directory (``engine.shared_fork_server``); a
+    script run by ``exec`` has no socket or output directory, and ``shown`` holds its own
+    directory.
 
     ``shown``: more paths shown read-only where nothing above them is shown already.
     ``root_proc``: for code that keeps uid 0 (without capabilities), the files of ``/proc``
@@ -78,6 +80,7 @@ class View:
     output_dir: Path | None
     cwd: Path | None
     protected: tuple[str, ...] = ()
+    hidden: tuple[str, ...] = ()
     shown: tuple[Path, ...] = ()
     root_proc: tuple[str, ...] = ()
 
@@ -113,11 +116,16 @@ def bwrap_argv(bwrap: str, *, root: bool, network: bool, tmp_bytes: int, view: V
         binds.append(("--ro-bind", view.cwd))  # (beneath the workspace it is visible, writable)
     seen = [*view.system, *view.python, str(view.workspace), *([str(view.cwd)] if view.cwd is not None else [])]
     binds += [("--ro-bind", p) for p in view.shown if not any(beneath(str(p), s) for s in seen)]
+    binds += [("--tmpfs", Path(h)) for h in view.hidden]  # over the current directory, under the workspace
     for kind, path in sorted(binds, key=lambda b: (len(b[1].parts), b[0] == "--bind")):
-        argv += [*make_parents(str(path), made), kind, str(path), str(path)]
+        if kind == "--tmpfs":
+            argv += [*make_parents(str(path), made), "--perms", "0755", "--size", "65536", kind, str(path)]
+        else:
+            argv += [*make_parents(str(path), made), kind, str(path), str(path)]
     # Last, over the workspace: what stays read-only in it.  Each exists there (its parents
     # with it), so no directory is made for it.
     for path in view.protected:
         argv += ["--ro-bind", path, path]
-    # The root and /dev are tmpfs that bwrap builds; nothing may be written to them.
-    return argv + ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", start_dir, "--"]
+    # The root, /dev and the covers are tmpfs that bwrap builds; nothing may be written to them.
+    covers = [a for h in view.hidden for a in ("--remount-ro", h)]
+    return argv + ["--remount-ro", "/dev", *covers, "--remount-ro", "/", "--chdir", start_dir, "--"]

@@ -111,7 +111,11 @@ class Process:
         elif self.pid_namespace:
             # SIGKILL to the namespace's init (bubblewrap's inner process) takes every process
             # of the namespace with it.  The outer one is killed too, and the inner one
-            # directly: it may not have armed its parent-death signal yet.
+            # directly: it may not have armed its parent-death signal yet.  The outer one is
+            # stopped first and its children read once it is, so that it cannot make the inner
+            # one between the look and the kill (which would leave that one running for good).
+            signal_quietly(self.pid, signal.SIGSTOP)
+            await _stopped(self.pid)
             for pid in [*descendants(self.pid), self.pid]:
                 signal_quietly(pid, signal.SIGKILL)
         else:
@@ -169,6 +173,19 @@ async def spawn(argv: Sequence[str], *, env: dict[str, str], cwd: Path,
         close_fds=True,
     )
     return Process(proc, pid_namespace)
+
+
+async def _stopped(pid: int, timeout: float = 0.5) -> None:
+    """Wait, ``timeout`` seconds at most, until process ``pid`` is stopped, a zombie or gone."""
+    for _ in range(int(timeout / 0.001)):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in (b"T", b"t", b"Z", b"X"):
+            return
+        await asyncio.sleep(0.001)
 
 
 def signal_quietly(pid: int, sig: int) -> None:

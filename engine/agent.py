@@ -15,8 +15,9 @@ What the model's code asks for is bounded, so no reply can flood the coordinator
 heartbeats come at most every ``HEARTBEAT_FLOOR`` and are coalesced (one pending report per
 block or sub-agent, all of them in one message, and never more than one message per floor
 interval caused by heartbeats); one run has at most ``max_subagents`` sub-agents working at
-once, and the model is told so in words beyond that; and the live display gets each output
-line cut to ``DISPLAY_LINE_BYTES``, so a line of any length costs the coordinator no memory.
+once, and the model is told so in words beyond that, and starts ``subagents.MAX_STARTED`` at
+most, named in ``MAX_AGENT_NAME`` characters (the run keeps them all); and the live display
+gets each output line cut to ``DISPLAY_LINE_BYTES``, so a line of any length costs nothing.
 
 A reply the server cut at the length cap (``finish_reason: "length"``) is never taken as the
 answer: what it completed runs, the model is told where it was cut and continues, and after
@@ -59,9 +60,12 @@ from .subagents import SubagentBudget, subagent_limit
 from .worker import Worker
 
 __all__ = [
-    "Agent", "DEFAULT_REMIND_AT", "EMPTY_REPLY_NOTE", "MAX_CUT_REPLIES", "MAX_EMPTY_REPLIES",
-    "STOP_SEQUENCES"
+    "Agent", "DEFAULT_REMIND_AT", "EMPTY_REPLY_NOTE", "MAX_AGENT_NAME", "MAX_CUT_REPLIES",
+    "MAX_EMPTY_REPLIES", "STOP_SEQUENCES"
 ]
+
+#: Characters of a sub-agent's name, at most.
+MAX_AGENT_NAME = 64
 
 #: Stop sequences: a model starting a result tag on a new line is inventing output.
 #: Only at a line start, so code that merely mentions a tag is not cut by the server.
@@ -394,7 +398,11 @@ class Agent:
         if self.depth >= self.max_depth:
             raise AgentError(f"max delegation depth {self.max_depth} reached — do this part yourself "
                              "instead of delegating")
+        name = name or "sub"
+        if not isinstance(name, str) or len(name) > MAX_AGENT_NAME:
+            raise AgentError(f"a sub-agent's name is a string of at most {MAX_AGENT_NAME} characters")
         self.subagent_budget.check()  # before any work for it; start_task takes the slot
+        self.subagent_budget.count_start()
         await self.subagent_budget.make_room()
         if namespace_names:
             assert self.worker is not None
@@ -418,7 +426,7 @@ class Agent:
             raise AgentError(str(exc)) from exc
         child = self._agent_factory(engine=self.engine, models=self.models, model=config, functions=functions,
                            display=self.display, depth=self.depth + 1, max_depth=self.max_depth,
-                           name=self._unique_name(name or "sub"), context=context,
+                           name=self._unique_name(name), context=context,
                            max_messages=self.max_messages, handed=handed, chat_factory=self._chat_factory,
                            protocol=self._protocol_override, subagent_budget=self.subagent_budget,
                            agent_factory=self._agent_factory)

@@ -18,8 +18,13 @@ like a control sequence; removal keeps the display readable and leaves nothing t
   for the user's own program at a terminal, whose progress bars redraw a line (``exec``,
   which passes backspaces too: ``backspaces=True``).
 
-With ``allow_sgr`` a colour sequence (``ESC [`` digits and ``;`` ``m``) is kept, in its 7-bit
-form; nothing else is.  The filters are incremental, so a sequence or a UTF-8 character split
+With ``allow_sgr`` a colour or style sequence (SGR) is kept, in its 7-bit form, when it is
+well formed and bounded (``is_style``): at most ``MAX_SGR_PARAMETERS`` parameters, each a
+colour (the 8 and 16 colours, ``38;5;N``, ``38;2;R;G;B`` and their background forms), bold,
+dim, italic, underline, reverse, strike or one of their resets.  Conceal (8) is not a style:
+it hides text from the reader, so a sequence that asks for it is dropped whole, as are blink,
+fonts, sub-parameters (``38:2::R:G:B``), empty or out-of-range parameters; nothing else is
+kept.  The filters are incremental, so a sequence or a UTF-8 character split
 across chunks is handled as if it came whole, and their state is bounded: a string longer than
 ``MAX_STRING`` characters is abandoned (what follows shows as text), a CSI keeps at most
 ``MAX_CSI`` parameter characters.  Text with nothing to remove goes through one regex search.
@@ -36,13 +41,21 @@ __all__ = ["InertStream", "InertText", "MAX_CSI", "MAX_STRING", "inert"]
 MAX_STRING = 64 * 1024
 #: Parameter characters of a CSI kept to decide whether it is a colour (SGR) sequence.
 MAX_CSI = 64
+#: Parameters of one SGR sequence that ``allow_sgr`` passes at most (a bold underlined text in
+#: two 24-bit colours takes 13).
+MAX_SGR_PARAMETERS = 16
 
 # Everything not passed as is: C0 but tab and newline, DEL, C1, surrogates.
 _SPECIAL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
 _CSI_BODY = re.compile(r"[ -?]*")  # parameters (0x30-0x3f) and intermediates (0x20-0x2f)
 _ESC_INTERMEDIATES = re.compile(r"[ -/]*")
 _STRING_END = re.compile(r"[\x07\x18\x1a\x1b\x9c]")  # BEL, CAN, SUB, ESC (ST is ESC \), C1 ST
-_SGR = re.compile(r"[0-9;]*")
+# Single SGR parameters that style text: reset, bold, dim, italic, underline, reverse, strike,
+# double underline and their resets, the 8 foreground and background colours with their
+# defaults, and the bright 8 of each.  Not 8 (conceal), 5 and 6 (blink), 10-20 (fonts).
+_STYLES = frozenset({0, 1, 2, 3, 4, 7, 9, 21, 22, 23, 24, 27, 28, 29, *range(30, 38), 39, *range(40, 48), 49,
+                     *range(90, 98), *range(100, 108)})
+_EXTENDED = (38, 48)  # then 5;N (256 colours) or 2;R;G;B (24-bit)
 
 _GROUND, _ESC, _ESC_NF, _CSI, _STRING = range(5)
 _STRING_OPENERS = "]PX^_"  # after ESC: OSC, DCS, SOS, PM, APC
@@ -112,8 +125,7 @@ class InertText:
                 if i < n:
                     self._state = _GROUND
                     if "@" <= text[i] <= "~":
-                        if (self.allow_sgr and text[i] == "m" and self._csi is not None
-                                and _SGR.fullmatch(self._csi)):
+                        if self.allow_sgr and text[i] == "m" and self._csi is not None and is_style(self._csi):
                             out.append(f"\x1b[{self._csi}m")
                         i += 1
             else:  # _STRING
@@ -161,6 +173,35 @@ class InertText:
             self._cr = False
             return "\n"
         return ""
+
+
+def is_style(parameters: str) -> bool:
+    """Whether ``ESC [ parameters m`` only sets colours and styles (see the module docstring):
+    "" (a reset) or at most ``MAX_SGR_PARAMETERS`` ``;``-separated decimal parameters, each
+    of one to three digits, that make up styles and colours and nothing else."""
+    if not parameters:
+        return True
+    fields = parameters.split(";")
+    if len(fields) > MAX_SGR_PARAMETERS or not all(0 < len(f) <= 3 and f.isdigit() and f.isascii()
+                                                   for f in fields):
+        return False
+    numbers = [int(f) for f in fields]
+    i = 0
+    while i < len(numbers):
+        n = numbers[i]
+        if n in _EXTENDED:
+            rest = numbers[i + 1:]
+            if rest[:1] == [5] and len(rest) >= 2 and rest[1] <= 255:
+                i += 3
+            elif rest[:1] == [2] and len(rest) >= 4 and max(rest[1:4]) <= 255:
+                i += 5
+            else:
+                return False
+        elif n in _STYLES:
+            i += 1
+        else:
+            return False
+    return True
 
 
 def inert(text: str, *, allow_sgr: bool = False) -> str:

@@ -97,6 +97,7 @@ def _resolve(given: str, where: str, workspace: Path | None) -> str:
         raise ConfigError(f"{where}: {given} is not an executable Python interpreter; give its path, "
                           "e.g. --python /usr/bin/python3 or --python .venv/bin/python")
     refuse_untrusted(os.path.abspath(found), workspace)  # before it is run at all
+    refuse_untrusted_paths(os.path.abspath(found))  # before it is run with its site
     # What the interpreter calls itself: a launcher script (pyenv's shims) becomes the program it
     # runs; links are kept, as a virtual environment's python finds its packages by its own place.
     return probe(os.path.abspath(found)).path
@@ -126,12 +127,15 @@ def refuse_untrusted(python: str, workspace: Path | None) -> None:
 def refuse_untrusted_paths(python: str) -> None:
     """UntrustedFile when a directory ``python`` imports from lies where workers of an earlier
     run could write, was there then and was not kept read-only (``engine.trust``): a module
-    planted there would run in the fork server, with privileges."""
-    for path in probe(python).paths:
-        if os.path.isabs(path) and os.path.isdir(path):
-            why = trust.record_refusal(path, tree=path)
-            if why:
-                raise UntrustedFile(f"the workers' Python {python} imports from {path}, which is not used: {why}")
+    planted there would run in the fork server, with privileges.  The directories ``site`` would
+    read are looked at first, from a run of ``python -S`` that executes no file of theirs: a
+    planted ``.pth`` or ``sitecustomize`` must not run even in the probe."""
+    for paths in (lambda: _site_free_paths(python), lambda: probe(python).paths):  # the second runs site
+        for path in paths():
+            if os.path.isabs(path) and os.path.isdir(path):
+                why = trust.record_refusal(path, tree=path)
+                if why:
+                    raise UntrustedFile(f"the workers' Python {python} imports from {path}, which is not used: {why}")
 
 
 _PROBE = """
@@ -142,6 +146,48 @@ print(json.dumps({"version": sys.version.split()[0], "executable": sys.executabl
     "paths": [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *sys.path[1:]],
     "missing": missing}))
 """
+
+
+_SITE_FREE_PROBE = """
+import json, os, site, sys
+paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *sys.path[1:]]
+here = os.path.dirname(sys.executable)
+tops = site.getsitepackages()
+for venv in (here, os.path.dirname(here)):  # what site.venv() would do, but for executing .pth files
+    if os.path.isfile(os.path.join(venv, "pyvenv.cfg")):
+        sys.prefix = sys.exec_prefix = venv
+        paths.append(venv)
+        tops = site.getsitepackages([venv]) + tops
+        break
+for top in tops:
+    paths.append(top)
+    try:
+        names = sorted(name for name in os.listdir(top) if name.endswith(".pth"))
+    except OSError:
+        continue
+    for name in names:
+        try:
+            with open(os.path.join(top, name), encoding="utf-8", errors="replace") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            continue
+        paths += [os.path.join(top, line.rstrip()) for line in lines
+                  if line.strip() and not line.startswith(("#", "import ", "import\t"))]
+print(json.dumps(paths))
+"""
+
+
+def _site_free_paths(python: str) -> list[str]:
+    """The prefixes, the paths, the site directories of ``python`` and the directories their
+    ``.pth`` files add, asked with ``-S`` (the ``.pth`` files read as text): without ``-S``,
+    ``site`` executes the ``.pth`` files' import lines and a ``sitecustomize`` from any of them."""
+    try:
+        out = subprocess.run([python, "-I", "-S", "-c", _SITE_FREE_PROBE], capture_output=True, timeout=60,
+                             cwd="/", stdin=subprocess.DEVNULL, check=True).stdout
+        paths = json.loads(out)
+    except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        raise SandboxError(f"cannot start the worker's python {python}: {exc}") from exc
+    return [path for path in paths if isinstance(path, str)]
 
 
 @lru_cache(maxsize=8)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
+import fcntl
 import logging
 import os
 import secrets
@@ -79,6 +81,39 @@ def _missing(path: Path) -> list[Path]:
             break
         missing.append(place)
     return missing
+
+
+def _hold(workspace: Path) -> int | None:
+    """``workspace``, made if missing, open with a shared ``flock`` on it: every run on a
+    workspace holds one while it lives, and the run that made it removes it only when it can
+    lock it alone (``Launcher.close``), so that no run removes a workspace another one (of this
+    process or another) has started to use.  None when something else holds it exclusively (a
+    worker may): then no run removes it while that lasts."""
+    for _ in range(8):  # each turn lost to a run removing it at that moment: a few at most
+        workspace.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(workspace)):
+                return fd
+        os.close(fd)  # removed between the look and the lock: make it again
+    raise OSError(errno.EAGAIN, f"the workspace {workspace} was removed under this run again and again")
+
+
+def _alone(fd: int) -> bool:
+    """Whether the lock on ``fd`` (``_hold``'s) could be made exclusive: no other run holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _runtime_home() -> Path:
@@ -146,6 +181,7 @@ class Launcher:
         #: The directories this run made for its workspace, the workspace first, then each missing
         #: parent (``--workspace /new/dir``): removed again, as far as nothing was written there.
         self._made: list[Path] = []
+        self._hold: int | None = None  # the workspace, open and locked shared (``_hold``)
         self._uid_claim: str | None = None  # the workspace (real path) whose uid this run claimed
         #: Runtime packages the workers' Python lacks, loaded from agentloop's own copies.
         self.runtime_packages: dict[str, str] = {}
@@ -182,7 +218,7 @@ class Launcher:
             interpreter.check_workspace(self.workspace, settings.python)
         try:
             self._made = _missing(self.workspace)
-            self.workspace.mkdir(parents=True, exist_ok=True)
+            self._hold = _hold(self.workspace)
             self.protected = protected_paths(self.workspace)
             self.output_dir.mkdir(parents=True, exist_ok=True)
             os.chmod(self.run_dir, 0o700)
@@ -226,8 +262,8 @@ class Launcher:
         runtime and imports every ``preload`` module; nor one a worker could have written."""
         python = self.settings.python
         interpreter.refuse_untrusted(python, self.workspace)
+        interpreter.refuse_untrusted_paths(python)  # before anything else runs it with its site
         self.runtime_packages = interpreter.runtime_packages(python)
-        interpreter.refuse_untrusted_paths(python)
         missing = interpreter.not_importable(python, self.settings.preload)
         if missing:
             raise ConfigError(f"--preload: {', '.join(missing)} cannot be imported by the workers' Python "
@@ -266,14 +302,17 @@ class Launcher:
             self.output_dir.rmdir()  # only if no block needed a file
             (self.run_dir / ".kept").unlink()
             self.run_dir.rmdir()
-        if self._made:
-            for leftover in (self.workspace / ".tmp", *self._made):  # (.tmp: the fallback's TMPDIR)
-                try:
-                    leftover.rmdir()
-                except FileNotFoundError:
-                    continue
-                except OSError:  # something was written: it and what holds it stay
-                    break
+        if self._hold is not None:
+            if self._made and _alone(self._hold):  # (another run on it keeps it, with what it made)
+                for leftover in (self.workspace / ".tmp", *self._made):  # (.tmp: the fallback's TMPDIR)
+                    try:
+                        leftover.rmdir()
+                    except FileNotFoundError:
+                        continue
+                    except OSError:  # something was written: it and what holds it stay
+                        break
+            os.close(self._hold)  # (the lock goes with it)
+            self._hold = None
 
     # -- one worker -------------------------------------------------------------------------------
     def socket(self) -> zmq.Socket:
@@ -483,8 +522,17 @@ class Launcher:
         greeted = asyncio.ensure_future(greeting)
         proc: Process | None = None
         try:
+            making = asyncio.ensure_future(provisioner.spawn(launch, on_root))
             try:
-                proc = await provisioner.spawn(launch, on_root)
+                proc = await asyncio.shield(making)
+            except asyncio.CancelledError:
+                # asyncio's clean-up of a half-made subprocess can wait for ever and leave the
+                # sandbox running: it is made whole, then killed below with its tree.
+                while not making.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.wait([making])
+                proc = None if making.cancelled() or making.exception() else making.result()
+                raise
             except OSError as exc:
                 raise WorkerStartError(f"could not start a process ({launch.argv[0]}): {exc}") from exc
             on_root(proc.pid)

@@ -87,6 +87,7 @@ class SandboxPolicy:
     workspace_bytes: int | None = 8 * GiB  # checked by the coordinator: `workspace_excess`
     worker_uid: int | None = None        # root only: the uid workers run as; None derives one
     share_cwd: bool | None = None        # None: only a project directory (see `shareable_cwd`)
+    hidden: tuple[str, ...] = ()         # never shown, even beneath the shown cwd (see `plan`)
     as_caller: bool = False              # code runs as the user running agentloop (see `plan`)
 
 
@@ -311,6 +312,11 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path | None, workspace: Path, cwd
     # A current directory that is the workspace (a batch run's) is shown as such, read-write.
     in_workspace = cwd == workspace and policy.share_cwd is not False
     share_cwd, why = (True, "") if in_workspace else shareable_cwd(cwd, policy.share_cwd)
+    # Hidden (another MCP client's): bubblewrap covers it beneath the cwd; Landlock cannot, so no cwd then.
+    hidden = sorted({os.path.realpath(h) for h in policy.hidden})
+    for h in hidden if share_cwd and not in_workspace else ():
+        if beneath(str(cwd), h) or (not use_bwrap and beneath(h, str(cwd))):
+            share_cwd, why = False, f"sandbox: the current directory {cwd} is not shown to workers ({h} is hidden from them)"
     tmp = "/tmp" if use_bwrap else str(workspace / ".tmp")
     if not use_bwrap and not os.path.lexists(tmp):
         os.mkdir(tmp)  # (a link a worker put in its place is replaced in `_share_with_run`)
@@ -329,7 +335,8 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path | None, workspace: Path, cwd
     notes += [unkept_note(protected, workspace)] if protected and not use_bwrap else []
     system, links = system_paths()
     view = View(tuple(system), tuple(links), python_paths(python), workspace, socket_dir, output_dir,
-                cwd if share_cwd else None, tuple(protected) if use_bwrap else (), tuple(shown),
+                cwd if share_cwd else None, tuple(protected) if use_bwrap else (),
+                tuple(h for h in hidden if share_cwd and beneath(h, str(cwd))), tuple(shown),
                 _uid0.root_proc() if host.root and uid is None and use_bwrap else ())  # (uid 0 kept)
     start_dir = str(view.cwd or workspace)
     confine, more, details = _confinement(policy, host, use_bwrap, uid, view, memory_cgroup, pids_cgroup)

@@ -539,3 +539,28 @@ async def test_a_forked_worker_lists_the_distributions_a_cold_one_does(run_dir, 
     cold, forked = listed[False], listed[True]
     assert cold[0] == cold[1] == forked[0] == forked[1]
     assert "Planted-Here" in forked[1] and "pyzmq" in forked[1]
+
+
+
+async def test_a_workspace_another_run_uses_outlives_the_run_that_made_it(run_dir, tmp_path):
+    """The run that made a workspace removes it at its end when nothing was written there,
+    but not while another run on it lives: that one's workers keep it and start in it."""
+    workspace = run_dir / "made" / "files"
+    runs = [Engine(cwd=run_dir, state_dir=tmp_path / "state", workspace=workspace, pool=0) for _ in range(2)]
+    maker, other = runs
+    try:
+        maker.open()  # makes it
+        other.open()
+        await maker.start_worker("first")
+        late = await other.start_worker("late")
+        await maker.shutdown()
+        assert workspace.is_dir()
+        assert (await late.run("print('still here')")).output == "still here\n"
+        assert (await (await other.start_worker("later")).run("print('started')")).output == "started\n"
+    finally:
+        for run in runs:
+            await run.shutdown()
+    assert workspace.is_dir()  # (left, empty: the run that made it was not the last one on it)
+    async with Engine(cwd=run_dir, state_dir=tmp_path / "state", workspace=run_dir / "alone", pool=0) as alone:
+        await alone.start_worker("alone")
+    assert not (run_dir / "alone").exists()  # one run alone on what it made removes it

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from engine.inert import MAX_CSI, MAX_STRING, InertStream, InertText, inert
+from engine.inert import MAX_CSI, MAX_SGR_PARAMETERS, MAX_STRING, InertStream, InertText, inert, is_style
 
 # What must never come out: C0 but tab and newline, DEL, C1.
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -60,6 +60,25 @@ def test_plain_text_is_returned_as_is():
 def test_sgr_only_when_allowed(raw, kept):
     assert inert(raw, allow_sgr=True) == kept
     assert not _CONTROL.search(inert(raw))
+
+
+@pytest.mark.parametrize("parameters", [
+    "", "0", "1;31", "2;3;4;7;9", "21;22;23;24;27;28;29", "39;49", "97;107", "38;5;0", "48;5;255",
+    "38;2;0;128;255", "1;4;38;2;255;255;255;48;2;0;0;0", ";".join(["1"] * MAX_SGR_PARAMETERS),
+])
+def test_styles(parameters):
+    assert is_style(parameters)
+    assert inert(f"\x1b[{parameters}mx", allow_sgr=True) == f"\x1b[{parameters}mx"
+
+
+@pytest.mark.parametrize("parameters", [
+    "8", "1;8", "8;31", "5", "6", "10", "20", "26", "50", "38", "38;5", "38;5;256", "38;2;1;2", "38;2;1;2;300",
+    "38;6;1", "48;5;999", "1;;31", ";", ";1", "1;", "0031", "9999", "38:2::1:2:3", "1:3",
+    ";".join(["1"] * (MAX_SGR_PARAMETERS + 1)),
+])
+def test_not_styles(parameters):
+    assert not is_style(parameters)
+    assert inert(f"\x1b[{parameters}mx", allow_sgr=True) == "x"
 
 
 def test_an_unterminated_string_is_abandoned_after_the_bound():

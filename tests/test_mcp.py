@@ -340,14 +340,14 @@ async def test_max_sessions_is_refused_in_words_and_reset_frees_one(tmp_path):
         for name in ("a", "b"):
             assert not (await server.run("v = 1", session=name)).is_error
         refused = await server.run("v = 1", session="c")
-        assert refused.is_error and "2 sessions are open (a, b)" in text(refused), text(refused)
+        assert refused.is_error and "2 sessions are open on this server" in text(refused) and "yours: a, b." in text(refused), text(refused)
         reset = await server.call("reset_session", {"session": "a"})
         assert not reset.is_error and "variables lost: v" in text(reset), text(reset)
         assert not (await server.run("print('c runs')", session="c")).is_error
         listed = await server.call("list_sessions")
         assert [s["session"] for s in listed.structured_content["sessions"]] == ["b", "c"]
         again = await server.run("print('v' in globals())", session="a")  # a fresh start, refused now
-        assert again.is_error and "2 sessions are open (b, c)" in text(again)
+        assert again.is_error and "yours: b, c." in text(again)
 
 
 async def test_idle_sessions_are_closed(tmp_path):
@@ -367,6 +367,8 @@ async def test_workspace_files_are_resources_and_links_are_not_followed(tmp_path
             "open('bytes.bin', 'wb').write(bytes(range(256)))\n"
             f"os.symlink({str(secret)!r}, 'link.txt')\nos.mkfifo('pipe')\nprint(sorted(os.listdir('.')))")
     async with serving(tmp_path) as server:
+        (server.workspace / "notes").mkdir(parents=True)  # the user's, beside the sessions: nobody's resource
+        (server.workspace / "notes" / "todo.txt").write_text("the user's")
         made = await server.run(f"import os\nos.chdir({str(server.workspace / 'files')!r})\n" + code,
                                 session="files")
         assert not made.is_error, text(made)
@@ -381,6 +383,7 @@ async def test_workspace_files_are_resources_and_links_are_not_followed(tmp_path
             for uri, words in [("agentloop://files/link.txt", "link"), ("agentloop://files/pipe", "regular"),
                                ("agentloop://files/../secret.txt", "not a file path"),
                                ("agentloop://files/none.txt", "no such file"),
+                               ("agentloop://notes/todo.txt", "no session 'notes' of yours"),
                                ("file:///etc/passwd", "not an agentloop")]:
                 with pytest.raises(MCPError, match=words):
                     await server.client.read_resource(uri)

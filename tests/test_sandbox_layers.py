@@ -761,6 +761,28 @@ def test_bwrap_argv_has_the_promised_namespaces(tmp_path: Path) -> None:
     assert ["--bind", w, w] == tail[tail.index(w) - 1:tail.index(w) + 2]
 
 
+def test_a_hidden_directory_is_covered_beneath_the_cwd_or_the_cwd_is_not_shown(tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    hidden, workspace = project / "files", project / "files" / "client" / "w"
+    hidden.mkdir(parents=True)
+    kw = dict(socket_dir=tmp_path / "s", workspace=workspace, cwd=project, output_dir=tmp_path / "o",
+              python=sys.executable)
+    support = host_support()
+    if support.bwrap is not None:  # covered by a read-only tmpfs, the workspace bound back on top
+        p = plan(SandboxPolicy(hidden=(str(hidden),)), **kw)
+        argv = p.argv_prefix
+        assert p.cwd == str(project)
+        assert argv.index(str(project)) < argv.index("--tmpfs", argv.index("/tmp") + 1) < argv.index(str(workspace))
+        assert argv[argv.index("--tmpfs", argv.index("/tmp") + 1) + 1] == str(hidden)
+        assert ["--remount-ro", str(hidden)] == argv[argv.index(str(hidden), argv.index(str(workspace))) - 1:][:2]
+    if support.landlock_abi >= 1:  # Landlock cannot take it back from the cwd: the cwd is not shown
+        p = plan(SandboxPolicy(mode="landlock", hidden=(str(hidden),)), **kw)
+        assert p.cwd == str(workspace) and any(f"({hidden} is hidden from them)" in n for n in p.notes), p.notes
+        assert p.confine.landlock is not None and str(project) not in p.confine.landlock.ro
+    p = plan(SandboxPolicy(hidden=(str(project),)), **kw)  # a cwd inside a hidden directory
+    assert p.cwd == str(workspace)
+
+
 def test_home_directory_as_cwd_is_not_shared(tmp_path: Path) -> None:
     home = os.path.realpath(os.path.expanduser("~"))
     p = plan(SandboxPolicy(), socket_dir=tmp_path / "s", workspace=tmp_path / "w", cwd=Path(home),
@@ -906,6 +928,17 @@ def test_bwrap_argv_argument_for_argument() -> None:
         "--perms", "0755", "--dir", "/run", "--perms", "0755", "--dir", "/run/s",
         "--ro-bind", "/run/s/w1", "/run/s/w1",
         "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/w/proj", "--"]
+    # A hidden directory beneath the current one: covered after it, the workspace bound back after that.
+    covered = bwrap_argv("/usr/bin/bwrap", root=True, network=False, tmp_bytes=1024,
+                         view=dataclasses.replace(view, workspace=Path("/w/proj/files/c/ws"),
+                                                  hidden=("/w/proj/files",)), start_dir="/w/proj")
+    assert covered[covered.index("--ro-bind", covered.index("/w/out")):] == [
+        "--ro-bind", "/w/proj", "/w/proj",
+        "--perms", "0755", "--dir", "/run", "--perms", "0755", "--dir", "/run/s",
+        "--ro-bind", "/run/s/w1", "/run/s/w1",
+        "--perms", "0755", "--size", "65536", "--tmpfs", "/w/proj/files",
+        "--perms", "0755", "--dir", "/w/proj/files/c", "--bind", "/w/proj/files/c/ws", "/w/proj/files/c/ws",
+        "--remount-ro", "/dev", "--remount-ro", "/w/proj/files", "--remount-ro", "/", "--chdir", "/w/proj", "--"]
     unprivileged = bwrap_argv("bwrap", root=False, network=True, tmp_bytes=1, view=view, start_dir="/w/ws")
     assert unprivileged[1:8] == ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
                                  "--unshare-user", "--disable-userns", "--die-with-parent"]

@@ -62,9 +62,10 @@ class _ExecCommand(click.Command):
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object on stdout after the run (the script's stdout goes to stderr).")
 @click.option("--color", "allow_sgr", is_flag=True,
-              help="Let the script's colour sequences (ESC [ ... m) through to a terminal.  Without it, output "
-                   "bound for a terminal loses every escape sequence and control character but newline, tab, "
-                   "carriage return and backspace; output to a pipe or a file is passed unchanged either way.")
+              help="Let the script's colour and style sequences (ESC [ ... m: colours, bold, dim, italic, "
+                   "underline, reverse, strike; not concealed text or blink) through to a terminal.  Without it, "
+                   "output bound for a terminal loses every escape sequence and control character but newline, "
+                   "tab, carriage return and backspace; output to a pipe or a file is passed unchanged either way.")
 @click.option("--jsonl", "samples", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
               help="Run every code sample of this JSONL file (id, code; optional stdin, args, timeout, files, "
                    "env), each in a fresh sandbox of its own, instead of FILE; results go to -o.")

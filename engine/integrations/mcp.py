@@ -7,10 +7,20 @@ and ``list_sessions()``.  Resources: the files of each session's workspace, as
 
 What it guarantees:
 
+- **Sessions belong to the client that started them** (``mcp_clients``): over stdio, the one
+  client; over streamable HTTP, the MCP session.  Another client neither lists, uses, reads
+  (as resources or from its own sandbox) nor resets them, and ``default`` is per client.  A
+  client's sessions are closed (their workers killed, their files kept) when its MCP session
+  ends: at once when the client ends it, and within ``idle_timeout`` when it goes quiet (the
+  transport expires the MCP session after as long without a request, and its sessions, as
+  idle, close by themselves).
 - **Sessions are sandboxes of their own.**  Each has an ``Engine`` of its own: its worker, its
-  workspace (``WORKSPACE/SESSION``, which also derives its uid for a root coordinator), the
-  sandbox and limits of the command line.  A session idle for ``idle_timeout`` is closed
-  (its files stay); at most ``max_sessions`` are open, and one more is refused in words.
+  workspace (``WORKSPACE/SESSION`` over stdio, ``WORKSPACE/client-ID/SESSION`` over HTTP, which
+  also derives its uid for a root coordinator), the sandbox and limits of the command line;
+  over HTTP the workspace root is hidden from every session's view, so no session sees another
+  client's directory through the current directory it is shown.  A session idle for
+  ``idle_timeout`` is closed (its files stay); at most ``max_sessions`` are open on the whole
+  server, and one more is refused in words.
 - **The model reads what it can act on.**  A result carries the code's output, the session's
   start (where its files go) and, after a refused write, where the code may write; the
   sandbox's notes (the current directory not shown, a layer this machine lacks) are for whoever
@@ -31,7 +41,8 @@ What it guarantees:
   process exits.  stdin is read without a thread, so a signal is never stuck behind a read.
 - **Files are read without trusting the worker.**  A workspace is written by sandboxed code:
   listing and reading walk it by file descriptor and never follow a link, so no link a worker
-  made can expose a file outside the workspace.
+  made can expose a file outside the workspace.  Only the workspaces of the client's own
+  sessions are resources: a file the user put elsewhere in the workspace root is nobody's.
 """
 
 from __future__ import annotations
@@ -39,15 +50,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import codecs
-import contextlib
 import errno
 import logging
-import re
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
 from typing import Any
 
 try:
@@ -61,17 +67,15 @@ except ImportError as exc:  # the optional extra: say how to get it
 
 from ..code_task import OUTPUT_BUDGET  # what a block's result carries, as an agent sees it
 from ..durations import format_duration, parse_duration
-from ..engine import Engine
 from ..errors import AgentloopError
 from ..results import BlockResult, OutputChunk, writable_note
-from ..settings import WorkerSettings
-from ..worker import Worker
+from .mcp_clients import Client, Clients, NoClient
+from .mcp_sessions import CallRefused, ServerConfig, Sessions
 from .workspace_files import MAX_LISTED_FILES, list_files, mime_type, parse_uri, read_file, resource_uri
 
 __all__ = [
-    "AgentloopMCP", "CLOSE_TIMEOUT", "DEFAULT_SESSION", "DEFAULT_TIMEOUT", "PROGRESS_INTERVAL",
-    "PROGRESS_TEXT", "Progress", "SCHEME", "SESSION_NAME", "ServerConfig", "Session", "Sessions",
-    "CallRefused", "check_name", "result_data", "result_text", "tool_definitions"
+    "AgentloopMCP", "DEFAULT_SESSION", "DEFAULT_TIMEOUT", "PROGRESS_INTERVAL", "PROGRESS_TEXT", "Progress",
+    "SCHEME", "ServerConfig", "result_data", "result_text", "tool_definitions"
 ]
 
 log = logging.getLogger("agentloop")
@@ -80,215 +84,9 @@ log = logging.getLogger("agentloop")
 PROGRESS_INTERVAL = 0.1
 #: Characters of output one progress notification carries at most (the rest is counted).
 PROGRESS_TEXT = 8_000
-#: Seconds shutting all sessions down may take before the server stops waiting.
-CLOSE_TIMEOUT = 15.0
-#: A session name: also a directory name, so no path separator, no dot first.
-SESSION_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 DEFAULT_SESSION = "default"
 DEFAULT_TIMEOUT = "30s"
 SCHEME = "agentloop"
-
-
-class CallRefused(Exception):
-    """A tool call that cannot be done as asked; its message goes back to the client as the
-    tool's result, with ``is_error`` set."""
-
-
-@dataclass
-class ServerConfig:
-    """What the command line decided for every session of one server."""
-
-    workspace: Path  # a session's files are workspace/SESSION
-    settings: WorkerSettings = field(default_factory=WorkerSettings)  # every session's workers'
-    cwd: Path = field(default_factory=Path.cwd)
-    idle_timeout: float = 30 * 60.0
-    max_sessions: int = 8
-
-
-class Session:
-    """One named, persistent namespace: an engine of its own with one worker."""
-
-    def __init__(self, name: str, engine: Engine, worker: Worker) -> None:
-        self.name = name
-        self.engine = engine
-        self.worker = worker
-        self.workspace = engine.workspace
-        self.started = time.monotonic()
-        self.last_used = self.started
-        self.running = 0  # tool calls using it now
-        self.blocks = 0  # blocks run so far
-        self.idle_timer: asyncio.TimerHandle | None = None
-
-    def describe(self) -> dict[str, Any]:
-        """What ``list_sessions`` says about this session."""
-        return {"session": self.name, "workspace": str(self.workspace), "running": self.running,
-                "blocks_run": self.blocks, "variables": list(self.worker.vars),
-                "idle_s": 0.0 if self.running else round(time.monotonic() - self.last_used, 1),
-                "pid": self.worker.pid}
-
-
-class Sessions:
-    """The open sessions of one server, by name.
-
-    A session starts on first use, is closed after ``idle_timeout`` seconds without a running
-    call, and counts against ``max_sessions`` from the moment it starts starting.  Two calls
-    naming a new session at once share one start.
-    """
-
-    def __init__(self, config: ServerConfig) -> None:
-        self.config = config
-        self._open: dict[str, Session] = {}
-        self._starting: dict[str, asyncio.Task[Session]] = {}
-        self._seen: set[str] = set()  # every session this server started: their files stay readable
-        self._noted: set[str] = set()  # the sandbox's notes said on stderr (once each)
-        self._closing: set[asyncio.Task] = set()
-        self._closed = False
-
-    @property
-    def names(self) -> list[str]:
-        return sorted(self._open)
-
-    def seen(self) -> list[str]:
-        return sorted(self._seen)
-
-    def workspace_of(self, name: str) -> Path:
-        return self.config.workspace / check_name(name)
-
-    @contextlib.asynccontextmanager
-    async def use(self, name: str) -> AsyncIterator[tuple[Session, bool]]:
-        """The session ``name``, started if need be (True with it when this call started it),
-        held open for the duration: it is not closed for idleness while a call uses it."""
-        session, started = await self._acquire(name)
-        try:
-            yield session, started
-        finally:
-            session.running -= 1
-            session.last_used = time.monotonic()
-            if session.running == 0 and self._open.get(name) is session:
-                self._arm_idle(session)
-
-    async def _acquire(self, name: str) -> tuple[Session, bool]:
-        check_name(name)
-        if self._closed:
-            raise CallRefused("the server is shutting down")
-        session = self._open.get(name)
-        started = False
-        if session is None:
-            task = self._starting.get(name)
-            if task is None:
-                if len(self._open) + len(self._starting) >= self.config.max_sessions:
-                    raise CallRefused(
-                        f"{self.config.max_sessions} sessions are open ({', '.join(self.names)}), the most this "
-                        f"server allows (--max-sessions); use one of them, or end one with reset_session; "
-                        f"sessions idle for {format_duration(self.config.idle_timeout)} close by themselves")
-                task = asyncio.ensure_future(self._start(name))
-                self._starting[name] = task
-                task.add_done_callback(self._started)
-                started = True
-            # Shielded: a caller that gives up does not abandon a half-started engine.
-            session = await asyncio.shield(task)
-        if session.idle_timer is not None:
-            session.idle_timer.cancel()
-            session.idle_timer = None
-        session.running += 1
-        return session, started
-
-    def _started(self, task: asyncio.Task[Session]) -> None:
-        for name, starting in list(self._starting.items()):
-            if starting is task:
-                del self._starting[name]
-        if not task.cancelled():
-            task.exception()  # read here: every caller waiting for it may have given up
-
-    async def _start(self, name: str) -> Session:
-        config = self.config
-        engine = Engine(config.settings, cwd=config.cwd, workspace=config.workspace / name, pool=0)
-        try:
-            worker = await engine.start_worker(name)
-        except AgentloopError as exc:
-            await engine.shutdown()
-            raise CallRefused(f"session {name!r} could not start: {exc}") from exc
-        except BaseException:
-            await asyncio.shield(engine.shutdown())
-            raise
-        session = Session(name, engine, worker)
-        if self._closed:  # the server began to stop while this one started
-            await engine.shutdown()
-            raise CallRefused("the server is shutting down")
-        self._open[name] = session
-        self._seen.add(name)
-        log.info("session %s started (workspace %s)", name, session.workspace)
-        for note in worker.notes:  # the sandbox's, for whoever runs the server, not its client's model
-            if note not in self._noted:
-                self._noted.add(note)
-                log.warning("%s", note)
-        return session
-
-    def _arm_idle(self, session: Session) -> None:
-        if session.idle_timer is not None:
-            session.idle_timer.cancel()
-        loop = asyncio.get_running_loop()
-        session.idle_timer = loop.call_later(self.config.idle_timeout, self._expire, session)
-
-    def _expire(self, session: Session) -> None:
-        session.idle_timer = None
-        if session.running == 0 and self._open.get(session.name) is session:
-            log.info("session %s closed after %s idle", session.name, format_duration(self.config.idle_timeout))
-            self._close_later(session)
-
-    def _close_later(self, session: Session) -> None:
-        del self._open[session.name]
-        task = asyncio.ensure_future(session.engine.shutdown())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
-
-    async def reset(self, name: str) -> tuple[Session, list[str]] | None:
-        """End session ``name``: its worker is killed (running blocks end, saying so) and its
-        namespace is gone; its files stay.  Returns the session and the variables it held, or
-        None when it was not open."""
-        check_name(name)
-        task = self._starting.get(name)
-        if task is not None:
-            with contextlib.suppress(CallRefused):
-                await asyncio.shield(task)
-        session = self._open.pop(name, None)
-        if session is None:
-            return None
-        if session.idle_timer is not None:
-            session.idle_timer.cancel()
-        held = list(session.worker.vars)
-        await asyncio.shield(session.engine.shutdown())
-        log.info("session %s reset", name)
-        return session, held
-
-    def describe(self) -> list[dict[str, Any]]:
-        return [self._open[name].describe() for name in self.names]
-
-    async def close_all(self) -> int:
-        """Close every session (killing what runs); returns how many were open.  Idempotent."""
-        self._closed = True
-        starting = list(self._starting.values())
-        if starting:
-            await asyncio.wait(starting)  # each either registers (and is closed below) or fails
-        sessions, self._open = list(self._open.values()), {}
-        for session in sessions:
-            if session.idle_timer is not None:
-                session.idle_timer.cancel()
-        tasks = [asyncio.ensure_future(s.engine.shutdown()) for s in sessions] + list(self._closing)
-        if tasks:
-            done, pending = await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT)
-            for task in pending:
-                log.warning("a session did not shut down within %s s", CLOSE_TIMEOUT)
-                task.cancel()
-        return len(sessions)
-
-
-def check_name(name: Any) -> str:
-    """``name`` if it can name a session (and its workspace directory), else a CallRefused."""
-    if not isinstance(name, str) or not SESSION_NAME.fullmatch(name):
-        raise CallRefused(f"a session name is 1 to 64 letters, digits, '_', '-' or '.', not starting with "
-                        f"'.' or '-'; got {name!r}")
-    return name
 
 
 # -- results ------------------------------------------------------------------------------------
@@ -386,9 +184,9 @@ def _text(text: str, *, error: bool = False, data: dict | None = None) -> types.
                                 structured_content=data)
 
 
-def tool_definitions(config: ServerConfig) -> list[types.Tool]:
-    """The three tools, described for the client's model."""
-    where = f"{config.workspace}/SESSION"
+def tool_definitions(config: ServerConfig, where: str) -> list[types.Tool]:
+    """The three tools, described for the client's model; ``where`` says where a session's
+    files go."""
     network = "with the host's network" if config.settings.sandbox.network else "without network"
     return [
         types.Tool(
@@ -438,12 +236,16 @@ def tool_definitions(config: ServerConfig) -> list[types.Tool]:
 
 class AgentloopMCP:
     """The tools and resources of one server, over ``Sessions``; ``server`` is the MCP SDK's
-    low-level ``Server`` that answers with them."""
+    low-level ``Server`` that answers with them.  ``per_session``: each MCP session is a client
+    of its own (streamable HTTP); else the server has one client (stdio)."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, *, per_session: bool = False) -> None:
         self.config = config
         self.sessions = Sessions(config)
-        self.tools = tool_definitions(config)
+        self.clients = Clients(config.workspace, per_session=per_session)
+        where = f"{config.workspace}/client-ID/SESSION (a directory of this client's own)" if per_session \
+            else f"{config.workspace}/SESSION"
+        self.tools = tool_definitions(config, where)
         try:
             own_version = version("agentloop")
         except PackageNotFoundError:
@@ -455,6 +257,22 @@ class AgentloopMCP:
             on_list_tools=self._list_tools, on_call_tool=self._call_tool,
             on_list_resources=self._list_resources, on_list_resource_templates=self._list_templates,
             on_read_resource=self._read_resource)
+        if per_session:
+            # Sessions belong to MCP sessions, which the stateless protocol has none of: a client
+            # that probes for it (the SDK's Client in its default mode) is told to use the handshake.
+            self.server.add_request_handler("server/discover", types.RequestParams, self._no_discover)
+
+    async def _no_discover(self, ctx: Any, params: Any) -> types.DiscoverResult:
+        raise MCPError(types.METHOD_NOT_FOUND, "this server keeps sessions per MCP session: connect with the "
+                                               "initialize handshake")
+
+    def end_mcp_session(self, session_id: str) -> None:
+        """The client of MCP session ``session_id`` ended it: its sessions close now."""
+        client = self.clients.for_session_id(session_id)
+        closed = self.sessions.end_client(client)
+        if closed:
+            log.info("%d session%s of an MCP client closed: it ended its MCP session (%s)", closed,
+                     "" if closed == 1 else "s", client.id)
 
     # -- tools ---------------------------------------------------------------------------------
     async def _list_tools(self, ctx: Any, params: Any) -> types.ListToolsResult:
@@ -463,23 +281,25 @@ class AgentloopMCP:
     async def _call_tool(self, ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
         args = dict(params.arguments or {})
         try:
+            client = self.clients.of(ctx)
             if params.name == "run_python":
-                return await self.run_python(args, ctx.session.report_progress)
+                return await self.run_python(client, args, ctx.session.report_progress)
             if params.name == "reset_session":
-                return await self.reset_session(args)
+                return await self.reset_session(client, args)
             if params.name == "list_sessions":
-                return self.list_sessions()
+                return self.list_sessions(client)
             names = ", ".join(t.name for t in self.tools)
             return _text(f"no tool named {params.name!r}; the tools are {names}", error=True)
-        except CallRefused as exc:
+        except (CallRefused, NoClient) as exc:
             return _text(str(exc), error=True)
         except Exception as exc:  # noqa: BLE001 - the edge: a bug of ours is a tool error, not a dead client
             log.exception("tool %s failed", params.name)
             return _text(f"agentloop failed to run {params.name}: {type(exc).__name__}: {exc}", error=True)
 
-    async def run_python(self, args: dict, report: Callable[..., Awaitable[None]] | None = None
+    async def run_python(self, client: Client, args: dict, report: Callable[..., Awaitable[None]] | None = None
                          ) -> types.CallToolResult:
-        """Run ``args['code']`` in session ``args['session']``; progress goes to ``report``."""
+        """Run ``args['code']`` in ``client``'s session ``args['session']``; progress goes to
+        ``report``."""
         code = args.get("code")
         if not isinstance(code, str):
             raise CallRefused("run_python needs `code`, the Python source to run, as a string")
@@ -488,7 +308,7 @@ class AgentloopMCP:
             timeout = parse_duration(args.get("timeout") or DEFAULT_TIMEOUT)
         except AgentloopError as exc:
             raise CallRefused(f"timeout: {exc}") from exc
-        async with self.sessions.use(name) as (session, started):
+        async with self.sessions.use(client, name) as (session, started):
             progress = Progress(lambda total, text: report(total, None, text)) if report is not None else None
             notes = [f"session {name!r} started; its files go in {session.workspace}"] if started else []
             try:
@@ -505,19 +325,19 @@ class AgentloopMCP:
         return _text(result_text(result, name, notes), error=result.status != "ok",
                      data=result_data(result, name))
 
-    async def reset_session(self, args: dict) -> types.CallToolResult:
+    async def reset_session(self, client: Client, args: dict) -> types.CallToolResult:
         name = args.get("session", DEFAULT_SESSION) or DEFAULT_SESSION
-        ended = await self.sessions.reset(name)
+        ended = await self.sessions.reset(client, name)
         if ended is None:
-            open_ = ", ".join(self.sessions.names) or "none"
+            open_ = ", ".join(self.sessions.names(client)) or "none"
             return _text(f"session {name!r} was not open (open: {open_}); nothing to reset")
         session, lost = ended
         gone = f" (variables lost: {', '.join(lost)})" if lost else ""
         return _text(f"session {name!r} was reset: its process was stopped{gone}; its files stay in "
                      f"{session.workspace}. The next run_python naming it starts afresh.")
 
-    def list_sessions(self) -> types.CallToolResult:
-        sessions = self.sessions.describe()
+    def list_sessions(self, client: Client) -> types.CallToolResult:
+        sessions = self.sessions.describe(client)
         if not sessions:
             text = "no session is open; run_python starts one"
         else:
@@ -525,20 +345,27 @@ class AgentloopMCP:
                 f"{s['session']}: {s['blocks_run']} blocks run, {s['running']} running, idle "
                 f"{format_duration(s['idle_s'])}, variables: {', '.join(s['variables']) or 'none'}; "
                 f"files in {s['workspace']}" for s in sessions)
-        text += (f"\n(at most {self.config.max_sessions} sessions; idle ones close after "
+        text += (f"\n(at most {self.config.max_sessions} sessions open on this server; idle ones close after "
                  f"{format_duration(self.config.idle_timeout)})")
         return _text(text, data={"sessions": sessions, "max_sessions": self.config.max_sessions,
                                  "idle_timeout_s": self.config.idle_timeout})
 
     # -- resources -----------------------------------------------------------------------------
-    async def _list_resources(self, ctx: Any, params: Any) -> types.ListResourcesResult:
-        return types.ListResourcesResult(resources=await asyncio.to_thread(self.resources))
+    def _client(self, ctx: Any) -> Client:
+        """The client of a resource request; a request error when it has none."""
+        try:
+            return self.clients.of(ctx)
+        except NoClient as exc:
+            raise MCPError(types.INVALID_REQUEST, str(exc)) from exc
 
-    def resources(self) -> list[types.Resource]:
-        """The files of every session this server started, open or closed since."""
+    async def _list_resources(self, ctx: Any, params: Any) -> types.ListResourcesResult:
+        return types.ListResourcesResult(resources=await asyncio.to_thread(self.resources, self._client(ctx)))
+
+    def resources(self, client: Client) -> list[types.Resource]:
+        """The files of every session ``client`` started, open or closed since."""
         out: list[types.Resource] = []
-        for name in self.sessions.seen():
-            for relative, size in list_files(self.sessions.workspace_of(name), MAX_LISTED_FILES - len(out)):
+        for name in self.sessions.owned(client):
+            for relative, size in list_files(self.sessions.workspace_of(client, name), MAX_LISTED_FILES - len(out)):
                 out.append(types.Resource(uri=resource_uri(name, relative), name=f"{name}/{relative}",
                                           mime_type=mime_type(relative), size=size,
                                           description=f"a file of session {name}'s workspace"))
@@ -551,9 +378,12 @@ class AgentloopMCP:
 
     async def _read_resource(self, ctx: Any, params: types.ReadResourceRequestParams) -> types.ReadResourceResult:
         uri = str(params.uri)
+        client = self._client(ctx)
         try:
             name, relative = parse_uri(uri)
-            root = self.sessions.workspace_of(name)
+            root = self.sessions.workspace_of(client, name)
+            if name not in await asyncio.to_thread(self.sessions.owned, client):
+                raise CallRefused(f"no session {name!r} of yours has files")
             data = await asyncio.to_thread(read_file, root, relative)
         except (ValueError, CallRefused, OSError) as exc:
             raise MCPError(types.INVALID_PARAMS, f"cannot read {uri}: {_reason(exc)}") from exc

@@ -1,5 +1,6 @@
-"""How ``agentloop mcp`` is reached: stdio (read without a thread, so a signal ends it) or the
-streamable HTTP transport; both close every session before the process exits."""
+"""How ``agentloop mcp`` is reached: stdio (read without a thread, so a signal ends it; one
+client) or the streamable HTTP transport (each MCP session a client of its own, behind the
+DNS-rebinding gate of ``http_gate``); both close every session before the process exits."""
 
 from __future__ import annotations
 
@@ -14,18 +15,23 @@ from collections.abc import Awaitable, Callable, Iterator
 
 try:
     from mcp.server.stdio import stdio_server
+    from mcp.server.transport_security import TransportSecuritySettings
 except ImportError as exc:  # the optional extra: say how to get it
     from ..extras import install_hint
 
     raise ImportError(f"the MCP server needs the MCP SDK ({exc}): {install_hint('mcp')}") from exc
 
 from ..errors import AgentloopError
-from .mcp import CLOSE_TIMEOUT, AgentloopMCP, ServerConfig
+from .http_gate import Gate
+from .mcp import AgentloopMCP
+from .mcp_sessions import CLOSE_TIMEOUT, ServerConfig
 
-__all__ = ["MAX_MESSAGE", "parse_address", "run", "serve_http", "serve_stdio"]
+__all__ = ["MAX_MCP_SESSIONS", "MAX_MESSAGE", "parse_address", "run", "serve_http", "serve_stdio"]
 
 log = logging.getLogger("agentloop")
 
+#: MCP sessions (clients) the HTTP transport holds at once; one more is answered 503.
+MAX_MCP_SESSIONS = 256
 
 
 class _StdinLines:
@@ -105,14 +111,23 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-async def serve_http(config: ServerConfig, host: str, port: int, announce: Callable[[str], None]) -> None:
+async def serve_http(config: ServerConfig, host: str, port: int, announce: Callable[[str], None],
+                     allowed_hosts: tuple[str, ...] = ()) -> None:
     """Serve MCP over streamable HTTP at ``http://HOST:PORT/mcp`` until the task is cancelled
     or uvicorn stops (SIGTERM, Ctrl-C).  ``announce`` gets the URL once it is listening (port 0
-    picks a free port)."""
+    picks a free port).  ``allowed_hosts``: names a request's Host and Origin may carry besides
+    addresses and ``localhost``.  An MCP session the client leaves without a request for
+    ``idle_timeout`` expires, as its idle sessions do."""
     import uvicorn
 
-    mcp = AgentloopMCP(config)
-    app = mcp.server.streamable_http_app(host=host)
+    mcp = AgentloopMCP(config, per_session=True)
+    # The SDK logs each MCP session id at INFO (-v): an id is its client's only credential.
+    logging.getLogger("mcp").setLevel(max(logging.WARNING, logging.getLogger("mcp").getEffectiveLevel()))
+    app = mcp.server.streamable_http_app(
+        host=host, session_idle_timeout=max(config.idle_timeout, 1.0), max_sessions=MAX_MCP_SESSIONS,
+        # The gate checks Host and Origin on every address, the SDK only on three loopback names.
+        transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False))
+    gated = Gate(app, allowed_names=allowed_hosts, on_end=mcp.end_mcp_session)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -128,7 +143,7 @@ async def serve_http(config: ServerConfig, host: str, port: int, announce: Calla
         def capture_signals(self) -> Iterator[None]:
             yield  # signals stay ours: they cancel the serving task, which stops uvicorn below
 
-    server = Uvicorn(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = Uvicorn(uvicorn.Config(gated, log_level="warning", lifespan="on"))
 
     async def serve() -> None:
         started = asyncio.ensure_future(server.serve(sockets=[sock]))
@@ -151,10 +166,10 @@ async def serve_http(config: ServerConfig, host: str, port: int, announce: Calla
 
 
 def run(config: ServerConfig, http: tuple[str, int] | None = None,
-        announce: Callable[[str], None] = lambda url: None) -> None:
+        announce: Callable[[str], None] = lambda url: None, allowed_hosts: tuple[str, ...] = ()) -> None:
     """Run the server in this process until the client closes stdin (stdio) or a signal
     (SIGTERM, SIGINT) stops it; returns once every session is closed."""
-    coro = serve_stdio(config) if http is None else serve_http(config, *http, announce)
+    coro = serve_stdio(config) if http is None else serve_http(config, *http, announce, allowed_hosts)
     with contextlib.suppress(KeyboardInterrupt), asyncio.Runner() as runner:
         runner.run(_cancel_on_sigterm(coro))
 

@@ -29,6 +29,11 @@ It keeps the contract of smolagents' own remote executors (E2B, Docker, Modal):
 What crosses between the worker and this process is plain data (None, bools, numbers, str,
 bytes, lists, dicts with str keys): tool arguments, variables and the final answer.  A tool's
 return value that is not plain data reaches the code as its ``repr``.
+
+Nothing the worker names becomes a key in this process: a host call carries the id of the block
+it came from, which the code can set to anything, so the final answer and the last value are
+taken only from the step running now (one slot each, the repr cut at ``MAX_REPR``) and a call
+naming any other id is refused in words, keeping nothing.
 """
 
 from __future__ import annotations
@@ -165,8 +170,9 @@ class AgentloopExecutor(PythonExecutor):
         self.timeout = float(parse_duration(timeout))  # type: ignore[arg-type]
         self.budget = budget
         self.tools: dict[str, Callable[..., Any]] = {}
-        self._finals: dict[str, Any] = {}  # block id -> the final answer it gave
-        self._last: dict[str, Any] = {}  # block id -> its last expression's repr
+        self._step: str | None = None  # the block id of the step running now
+        self._final: tuple[Any] | None = None  # (the answer,) once the step gave one
+        self._last: str | None = None  # the step's last expression's repr
         self._steps = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="agentloop-smolagents", daemon=True)
@@ -207,6 +213,7 @@ class AgentloopExecutor(PythonExecutor):
         self._steps += 1
         block_id = f"step{self._steps}"
         code = with_last_value(code_action)
+        self._step, self._final, self._last = block_id, None, None
         try:
             result: BlockResult = self._do(
                 self.worker.run(code, timeout=self.timeout, block_id=block_id, budget=self.budget),
@@ -214,12 +221,11 @@ class AgentloopExecutor(PythonExecutor):
         except AgentloopError as exc:  # no worker could be started again: that is ours, not the code's
             raise CodeFailed(f"Executing code yielded an error:\nthe worker is unavailable: {exc}") from exc
         finally:
-            final_given = block_id in self._finals
-            final = self._finals.pop(block_id, None)
-            last = self._last.pop(block_id, None)
+            given, last = self._final, self._last
+            self._step, self._final, self._last = None, None, None
         logs = result.output
-        if final_given:
-            return CodeOutput(output=final, logs=logs, is_final_answer=True)
+        if given is not None:
+            return CodeOutput(output=given[0], logs=logs, is_final_answer=True)
         if result.status == "ok":
             return CodeOutput(output=last, logs=logs, is_final_answer=False)
         what = (_unwrap(result.error, code_action, code).rstrip() or result.message
@@ -272,15 +278,20 @@ class AgentloopExecutor(PythonExecutor):
         return worker
 
     async def _on_call(self, name: str, args: list, kwargs: dict, block: str | None) -> Any:
-        """A call from the code: a tool, ``final_answer`` or the last expression's repr."""
+        """A call from the code: a tool, ``final_answer`` or the last expression's repr.  The
+        last two belong to the step running now: a call from any other block id is refused."""
+        if name in (_LAST_VALUE, _FINAL) and (block is None or block != self._step):
+            raise LookupError(f"{name}() was called from outside the step running now; nothing was kept")
         if name == _LAST_VALUE:
-            self._last[block or ""] = args[0] if args else None
+            value = args[0] if args else None
+            self._last = value[:MAX_REPR] if isinstance(value, str) else None
             return None
         if name == _FINAL:
             tool = self.tools.get(_FINAL)
             value = (await asyncio.to_thread(tool, *args, **kwargs) if tool is not None
                      else (args[0] if args else next(iter(kwargs.values()), None)))
-            self._finals[block or ""] = value
+            if block == self._step:  # (the step may have ended while the tool ran)
+                self._final = (value,)
             raise _FinalAnswerGiven("final_answer() was called: the step ends here")
         tool = self.tools.get(name)
         if tool is None:

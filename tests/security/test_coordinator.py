@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from engine import subagents
 from engine._tree import disk_usage, remove_tree
+from engine.agent import MAX_AGENT_NAME
 from engine.batch.run import _clear
 from engine.console import ConsoleDisplay
 from engine.engine import Engine
@@ -92,7 +94,7 @@ async def test_deep_tree_in_the_socket_directory_is_removed_with_the_worker(engi
             "ch = next(o for o in gc.get_objects() if type(o).__name__ == 'Channel')\n"
             "sock_dir = _os.path.dirname(ch.sock.getsockopt_string(zmq.LAST_ENDPOINT)[len('ipc://'):])\n"
             "try:\n" + _indent(deep_tree("SOCK_DIR", host.outside).replace("'SOCK_DIR'", "sock_dir")) +
-            "except PermissionError:\n    print('denied', flush=True)\n")
+            "except OSError:  # read-only (EROFS), or not its own (EACCES)\n    print('denied', flush=True)\n")
     got = await attack(worker, code)
     assert got.result.ok and re.search(r"^(built 2000|denied)$", got.result.output, re.M), got.result
     if "denied" in got.result.output:
@@ -327,6 +329,39 @@ async def test_sub_agent_tags_beyond_the_limit_are_answered_with_an_error(engine
     refused = re.findall(r"<error name=(k\d)>\nCould not start this sub-agent: this run already has 2 "
                          r"sub-agents working", second)
     assert refused == ["k2", "k3", "k4"], second
+
+
+START_AND_CANCEL = '''
+try:
+    self.run_agent("child job", name="n" * 100_000)
+except Exception as exc:
+    print("long name:", exc)
+started = 0
+try:
+    for i in range(MAX_STARTED + 50):
+        handle = self.run_agent("child job", name=f"c{i}")
+        started += 1
+        handle.cancel()
+        await handle  # its [cancelled]: the next one finds its slot free
+except Exception as exc:
+    print("refused after", started, "-", exc)
+'''
+
+
+async def test_starting_and_cancelling_sub_agents_in_a_loop_is_bounded(engine: Engine, monkeypatch):
+    """Every sub-agent is kept, by the name the code chose, until the run ends: the names are
+    short and their number is bounded, so a loop of starts and cancels cannot grow the
+    coordinator without end.  (The bound scaled down, so that the loop takes seconds.)"""
+    monkeypatch.setattr(subagents, "MAX_STARTED", 30)
+    code = START_AND_CANCEL.replace("MAX_STARTED", "30")
+    script = {"parent: start and cancel": [f'<run_code id="loop" timeout="120s">\n{code}</run_code>', "all done"],
+              "child job": ["waiting"] * 4}
+    with ScriptedServer(script) as server:
+        result = await run_task("parent: start and cancel", models=_models(server), engine=engine, timeout=180)
+    assert result.status == "answered", result
+    text = server.conversation("parent: start and cancel")[1]["messages"][-1]["content"]
+    assert f"long name: a sub-agent's name is a string of at most {MAX_AGENT_NAME} characters" in text, text
+    assert "refused after 30 - this run has started 30 sub-agents, the most one run may" in text, text
 
 
 # -- 18: garbage on the worker's own channel --------------------------------------------------

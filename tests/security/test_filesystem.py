@@ -30,6 +30,14 @@ READ_ONLY = "OSError EROFS"
 DENIED = (READ_ONLY, "PermissionError EACCES", "PermissionError EPERM")
 
 
+def _kept_private(outcome: str, path: Path) -> bool:
+    """Whether a write to ``path`` that succeeded (``outcome``) stayed in the worker's private
+    /tmp: an unprivileged worker's user namespace made the directories there that lead to what
+    it is shown (a run's outputs beneath /tmp, say), so they are its own to write, and nothing
+    written there reaches the host.  A root coordinator's worker has another uid: refused."""
+    return outcome.startswith("ok") and os.geteuid() != 0 and str(path).startswith("/tmp/")
+
+
 def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -91,8 +99,9 @@ async def test_system_and_agentloop_code_are_read_only(worker, host: Host):
 for name, path in {targets!r}.items():
     probe(name, lambda: open(path, "ab").write(b"#pwned"))
 ''')
-    for name in targets:
-        assert got[name] in DENIED, (name, got.probes)
+    for name in targets:  # (Debian's sitecustomize.py is a link to /etc/python3.X, not shown: absent)
+        allowed = (*DENIED, ABSENT) if name == "sitecustomize" else DENIED
+        assert got[name] in allowed, (name, got.probes)
     for name, path in targets.items():
         if name in before:
             assert _digest(Path(path)) == before[name], name
@@ -110,9 +119,10 @@ probe("outputs", lambda: open({str(forged)!r}, "w").write("forged output"))
 probe("run_dir", lambda: open({str(engine.run_dir / host.token)!r}, "w").write("x"))
 probe("state", lambda: open({str(host.state / host.token)!r}, "w").write("x"))
 ''')
-    for name in ("outputs", "run_dir", "state"):
-        assert got[name] in DENIED, (name, got.probes)
-    assert not forged.exists() and not (engine.run_dir / host.token).exists()
+    paths = {"outputs": forged, "run_dir": engine.run_dir / host.token, "state": host.state / host.token}
+    for name, path in paths.items():
+        assert got[name] in DENIED or (name != "outputs" and _kept_private(got[name], path)), (name, got.probes)
+        assert not path.exists(), path
     await assert_still_works(worker)
 
 
@@ -159,7 +169,7 @@ probe("rename_up", lambda: _os.rename("mine", "../{host.token}"))
 ''')
     for name in ("dotdot_read", "dotdot_deep", "dotdot_write"):
         assert got[name] == ABSENT, (name, got.probes)
-    assert got["dotdot_parent"] in DENIED, got.probes
+    assert got["dotdot_parent"] in DENIED or _kept_private(got["dotdot_parent"], ws.parent / host.token), got.probes
     assert got["hardlink_in"] == "OSError EXDEV", got.probes  # another mount: no link across
     assert got["rename_out"] == "OSError EXDEV" and got["rename_up"] == "OSError EXDEV", got.probes
     assert list(host.outside.iterdir()) == []
@@ -197,8 +207,9 @@ probe("workspace", lambda: open({str(host.workspace / host.token)!r}, "w").write
 '''
     run = await agent_attack(engine, block("attack", code), name="writes")
     text = run.blocks["attack"]
-    for name in ("cwd", "usr", "home"):
-        assert any(f"{name}: {d}\n" in text for d in DENIED), text
+    for name in ("cwd", "usr", "home"):  # (a home not on the way to the worker's Python is absent)
+        allowed = (*DENIED, ABSENT) if name == "home" else DENIED
+        assert any(f"{name}: {d}\n" in text for d in allowed), text
     assert "workspace: ok" in text
     assert (host.workspace / host.token).read_text() == "allowed"
     assert not (host.cwd / host.token).exists() and not Path("/usr", host.token).exists()

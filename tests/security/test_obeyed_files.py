@@ -367,6 +367,37 @@ def test_a_python_a_worker_made_is_never_run(user: User):
     assert proc.returncode == 125 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+def test_a_directory_a_pth_file_adds_is_looked_at_before_site_runs(user: User):
+    """A trusted virtual environment elsewhere has a ``.pth`` naming a directory of a project that
+    workers wrote (Landlock alone: not kept read-only) and imports a module from it, as an
+    editable install's ``.pth`` does; a worker planted that module.  The interpreter is refused
+    before ``site`` could run the plant, even in a probe."""
+    if host_support().landlock_abi < 1:
+        pytest.skip(reason="Landlock is not available on this kernel")
+    project = user.project()
+    marker = user.home / "planted-module-ran"
+    plant_code = f"open({str(marker)!r}, 'w')\n"
+    said = planted_by(user, project, "import os\nos.makedirs('lib', exist_ok=True)\n"
+                                     f"open('lib/projecthook.py', 'w').write({plant_code!r})\n"
+                                     "print('planted')", "--sandbox", "landlock")
+    assert "planted" in said, said
+    tools = user.project("tools")
+    venv = tools / "venv"
+    made = subprocess.run(["setpriv", "--reuid=alice", "--regid=alice", "--init-groups"] * (user.name == "alice")
+                          + [SYSTEM_PYTHON, "-m", "venv", "--without-pip", str(venv)], capture_output=True,
+                          text=True, timeout=WAIT)
+    if made.returncode != 0:
+        pytest.skip(reason=f"cannot make a virtual environment here: {made.stderr[-300:]}")
+    site = next(venv.glob("lib/python3*/site-packages"))
+    user.write(site / "project.pth", f"{project / 'lib'}\nimport projecthook\n")
+    user.write(tools / "x.py", "print(1)\n")
+    proc = user.agentloop("exec", "--python", str(venv / "bin" / "python"), "x.py", cwd=tools)
+    assert not marker.exists(), "the planted module ran"
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 125 and len(lines) == 1, proc.stderr
+    assert f"imports from {project / 'lib'}, which is not used: " in lines[0], lines[0]
+
+
 @pytest.mark.parametrize("sandbox", ["auto", "landlock"])
 def test_a_virtual_environment_in_the_workspace_is_kept_or_refused(user: User, sandbox: str):
     """The user's virtual environment lies in the workspace; the worker plants a module in it.

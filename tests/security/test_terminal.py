@@ -177,6 +177,24 @@ def test_exec_color_passes_colours_and_nothing_else(tmp_path):
     assert status == 0 and out == b"red c1 ok!\n"
 
 
+#: SGR sequences that are not plain colour or style: concealed text (8, also in a list), blink,
+#: parameters no style has, colours out of range, sub-parameters, empty parameters, and runs of
+#: parameters longer than any style needs.
+_NOT_STYLES = [b"\x1b[8m", b"\x1b[1;8;31m", b"\x1b[5m", b"\x1b[" + b"9" * 40 + b"m", b"\x1b[38;5;999m",
+               b"\x1b[38;2;1;2m", b"\x1b[38:2::1:2:3m", b"\x1b[;;;1m", b"\x1b[" + b"1;" * 20 + b"1m",
+               b"\x1b[0031m", b"\x1b[10m", b"\x1b[6;31m"]
+
+
+@pytest.mark.attack
+def test_exec_color_passes_only_well_formed_bounded_styles(tmp_path):
+    kept = b"\x1b[1;31mbold red\x1b[0m \x1b[38;2;10;20;30mrgb\x1b[39;49m \x1b[4;90;107mx\x1b[m"
+    written = b"".join(seq + b"hidden%d " % i for i, seq in enumerate(_NOT_STYLES)) + kept
+    code = f"import sys\nsys.stdout.buffer.write({written!r} + b'\\n')\n"
+    status, out, _ = agentloop(tmp_path, "exec", "--color", "-", stdin=code.encode())
+    assert status == 0
+    assert out == b"".join(b"hidden%d " % i for i in range(len(_NOT_STYLES))) + kept + b"\n"
+
+
 # -- run and chat: the live display and the answer -------------------------------------------
 
 #: A reply whose prose carries sequences (the server streams it in 20-character pieces, so
