@@ -25,10 +25,11 @@ Figures (p50/p99 where a distribution is meaningful):
 - ``idle_worker_pss_mb`` and ``max_idle_workers``: memory of idle workers and how many fit;
 - ``zmq_floor_us``: a raw pyzmq REQ/REP round trip of a ~100-byte msgpack message over ipc://.
 
-Sections of their own: ``samples`` (HumanEval through ``Engine.map``, ``scripts/bench_samples.py``),
+Sections of their own: ``exec_file`` (``agentloop exec FILE`` end to end against ``python FILE``,
+``scripts/bench_exec.py``), ``samples`` (HumanEval through ``Engine.map``, ``scripts/bench_samples.py``),
 ``batch`` (a batch run's worker start with the batch's one fork server and cold,
 ``scripts/bench_batch.py``) and ``tracing`` (what OpenTelemetry traces cost a block when on,
-``scripts/bench_tracing.py``); ``--only samples|batch|tracing`` runs one alone.  The full run adds a
+``scripts/bench_tracing.py``); ``--only samples|batch|tracing|exec`` runs one alone.  The full run adds a
 ``profile`` section: where cold-start and round-trip time goes.
 """
 
@@ -59,6 +60,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import bench_batch  # scripts/bench_batch.py, beside this file
+import bench_exec  # scripts/bench_exec.py, beside this file
 import bench_samples  # scripts/bench_samples.py, beside this file
 import bench_tracing  # scripts/bench_tracing.py, beside this file
 import msgpack
@@ -1377,13 +1379,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-jupyter", action="store_true", help="skip the Jupyter side (its figures are null)")
     ap.add_argument("--no-profile", action="store_true", help="skip the where-the-time-goes section")
     ap.add_argument("--json-out", type=Path, help="also write the JSON object to this file")
-    ap.add_argument("--only", choices=("samples", "batch", "tracing"),
+    ap.add_argument("--only", choices=("samples", "batch", "tracing", "exec"),
                     help="run that section alone and print its JSON object (samples: HumanEval through "
                          "Engine.map; batch: a batch run's worker start, shared fork server against cold; "
-                         "tracing: what traces cost a block when on)")
+                         "tracing: what traces cost a block when on; exec: agentloop exec FILE end to end "
+                         "against python FILE)")
     args = ap.parse_args(argv)
     if args.only:
-        module = {"samples": bench_samples, "batch": bench_batch, "tracing": bench_tracing}[args.only]
+        module = {"samples": bench_samples, "batch": bench_batch, "tracing": bench_tracing,
+                  "exec": bench_exec}[args.only]
         section = module.measure(args.quick)
         text = json.dumps(section, indent=2)
         if args.json_out:
@@ -1409,6 +1413,8 @@ def main(argv: list[str] | None = None) -> int:
             batch = bench_batch.measure(cfg.mode == "quick", base)
         with _section("tracing"):  # what traces cost a block when on
             traced = bench_tracing.measure(cfg.mode == "quick", base)
+        with _section("exec"):  # agentloop exec FILE end to end, against python FILE
+            exec_file = bench_exec.measure(cfg.mode == "quick", base)
         profile = None
         if cfg.profile:
 
@@ -1432,12 +1438,13 @@ def main(argv: list[str] | None = None) -> int:
     report["samples"] = samples
     report["batch"] = batch
     report["tracing"] = traced
+    report["exec_file"] = exec_file
     text = json.dumps(report, indent=2)
     if args.json_out:
         args.json_out.write_text(text + "\n")
     if sys.stdout.isatty():
         print(table(report) + "\n" + bench_samples.table(samples) + "\n" + bench_batch.table(batch) + "\n"
-              + bench_tracing.table(traced) + "\n")
+              + bench_tracing.table(traced) + "\n" + bench_exec.table(exec_file) + "\n")
     print(text)
     return 0
 
