@@ -80,17 +80,26 @@ class View:
     (``engine.protected``) stay read-only; ``hidden`` directories beneath the current directory
     are covered by an empty, read-only tmpfs (the workspace may lie beneath one: it is bound
     back on top).  A fork server shared by the runs of a batch is shown the batch's runs
-    directory as its workspace and no output directory (``engine.shared_fork_server``)."""
+    directory as its workspace and no output directory (``engine.shared_fork_server``); a
+    script run by ``exec`` has no socket or output directory, and ``shown`` holds its own
+    directory.
+
+    ``shown``: more paths shown read-only where nothing above them is shown already.
+    ``root_proc``: for code that keeps uid 0 (without capabilities), the files of ``/proc``
+    that only their owner may read or write, covered so that opening them fails as it does for
+    any other user; ``/proc/sys`` is then shown read-only, as it is to other users by its modes."""
 
     system: tuple[str, ...]
     links: tuple[tuple[str, str], ...]
     python: tuple[str, ...]
     workspace: Path
-    socket_dir: Path
+    socket_dir: Path | None
     output_dir: Path | None
     cwd: Path | None
     protected: tuple[str, ...] = ()
     hidden: tuple[str, ...] = ()
+    shown: tuple[Path, ...] = ()
+    root_proc: tuple[str, ...] = ()
 
 
 def bwrap_argv(bwrap: str, *, root: bool, network: bool, tmp_bytes: int, view: View,
@@ -105,6 +114,12 @@ def bwrap_argv(bwrap: str, *, root: bool, network: bool, tmp_bytes: int, view: V
     argv += ["--proc", "/proc", "--dev", "/dev",
              "--perms", "1777", "--size", size, "--tmpfs", "/dev/shm",
              "--perms", "1777", "--size", size, "--tmpfs", "/tmp"]
+    if view.root_proc:
+        # The host's /proc/sys (sysctls are read through the reader's own namespaces), read-only;
+        # a character device on a nodev mount cannot be opened: EACCES, as for any user.
+        argv += ["--ro-bind", "/proc/sys", "/proc/sys"]
+        for path in view.root_proc:
+            argv += ["--ro-bind", "/dev/null", path]
     for path in outermost([*view.system, *view.python]):
         argv += [*make_parents(path, made), "--ro-bind", path, path]
     for target, link in view.links:
@@ -112,11 +127,12 @@ def bwrap_argv(bwrap: str, *, root: bool, network: bool, tmp_bytes: int, view: V
     # Host directories last, shallowest first, so a deeper (more specific) bind wins and none
     # is hidden by the /tmp tmpfs.  The socket directory is read-only: connecting to a socket
     # needs no write access to its directory, and nothing else belongs there.
-    binds = [("--bind", view.workspace), ("--ro-bind", view.socket_dir)]
-    if view.output_dir is not None:
-        binds.append(("--ro-bind", view.output_dir))
+    binds = [("--bind", view.workspace)]
+    binds += [("--ro-bind", d) for d in (view.socket_dir, view.output_dir) if d is not None]
     if view.cwd is not None and not beneath(str(view.cwd), str(view.workspace)):
         binds.append(("--ro-bind", view.cwd))  # (beneath the workspace it is visible, writable)
+    seen = [*view.system, *view.python, str(view.workspace), *([str(view.cwd)] if view.cwd is not None else [])]
+    binds += [("--ro-bind", p) for p in view.shown if not any(beneath(str(p), s) for s in seen)]
     binds += [("--tmpfs", Path(h)) for h in view.hidden]  # over the current directory, under the workspace
     for kind, path in sorted(binds, key=lambda b: (len(b[1].parts), b[0] == "--bind")):
         if kind == "--tmpfs":

@@ -14,7 +14,9 @@ like a control sequence; removal keeps the display readable and leaves nothing t
 - a carriage return: ``\\r\\n`` becomes ``\\n`` and a lone ``\\r`` becomes ``\\n`` too, so a
   line can never be overwritten to hide what it said (a progress bar shows one line per
   update).  ``carriage_returns=True`` passes ``\\r`` through for a caller that resolves it
-  itself and never prints it (the console display keeps a rewritten line's last state).
+  itself and never prints it (the console display keeps a rewritten line's last state), or
+  for the user's own program at a terminal, whose progress bars redraw a line (``exec``,
+  which passes backspaces too: ``backspaces=True``).
 
 With ``allow_sgr`` a colour or style sequence (SGR) is kept, in its 7-bit form, when it is
 well formed and bounded (``is_style``): at most ``MAX_SGR_PARAMETERS`` parameters, each a
@@ -67,9 +69,10 @@ class InertText:
     of (an escape sequence, a ``\\r`` whose ``\\n`` may follow) waits for the next chunk, in
     a few fields, never in a buffer that grows."""
 
-    def __init__(self, *, allow_sgr: bool = False, carriage_returns: bool = False) -> None:
+    def __init__(self, *, allow_sgr: bool = False, carriage_returns: bool = False, backspaces: bool = False) -> None:
         self.allow_sgr = allow_sgr
         self.carriage_returns = carriage_returns
+        self.backspaces = backspaces
         self._state = _GROUND
         self._csi: str | None = ""  # the CSI's parameters so far; None when too long to be a colour
         self._skipped = 0  # characters of the current string dropped so far
@@ -157,6 +160,8 @@ class InertText:
                 self._cr = True  # decided by the next chunk
             elif text[j + 1] != "\n":
                 out.append("\n")
+        elif c == "\b" and self.backspaces:
+            out.append(c)
         elif "\ud800" <= c <= "\udfff":
             out.append("\ufffd")
         return j + 1  # any other control: dropped
@@ -214,9 +219,10 @@ class InertStream:
     UTF-8, becomes U+FFFD and never reaches the terminal), filtered as by ``InertText`` and
     encoded in ``encoding`` (the terminal's; unencodable characters become ``?``)."""
 
-    def __init__(self, *, allow_sgr: bool = False, encoding: str = "utf-8") -> None:
+    def __init__(self, *, allow_sgr: bool = False, encoding: str = "utf-8", carriage_returns: bool = False,
+                 backspaces: bool = False) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self._text = InertText(allow_sgr=allow_sgr)
+        self._text = InertText(allow_sgr=allow_sgr, carriage_returns=carriage_returns, backspaces=backspaces)
         self.encoding = encoding
 
     def feed(self, data: bytes) -> bytes:

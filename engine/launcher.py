@@ -236,7 +236,8 @@ class Launcher:
         except OSError as exc:
             raise ConfigError(f"cannot create the run's directories: {exc}; "
                               "choose another --workspace or check permissions") from exc
-        if settings.sandbox.mode != "none" and os.geteuid() == 0 and settings.sandbox.worker_uid is None:
+        if (settings.sandbox.mode != "none" and os.geteuid() == 0 and settings.sandbox.worker_uid is None
+                and not settings.sandbox.as_caller):  # (code that runs as the caller needs no uid of its own)
             workspace = os.path.realpath(self.workspace)  # (as the sandbox plan names it)
             try:
                 _uids.claim(workspace)  # the run's uid: this run's claim, held while it lives

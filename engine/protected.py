@@ -4,11 +4,12 @@ or the user's own tools, would trust or run from there.
 ``protected_paths(directory)`` lists it: ``agentloop.toml`` (where requests go and with which
 key, which Python runs), ``.git`` (its hooks and config run commands), every virtual
 environment directly in it (a directory holding ``pyvenv.cfg``: an interpreter and packages
-that a fork server imports with privileges), and whatever else the caller names (the workers'
-Python where it lies there).  The sandbox binds each over itself read-only, after the directory
-itself (``engine._bwrap``), in every view a worker gets of it: a cold start, the fork server's,
-the batch's shared one (``worker.fork_server``); the coordinator's record (``engine.trust``) notes
-what was kept so.
+that a fork server imports with privileges), and whatever else the caller names (``exec``'s
+script: the interpreter and agentloop's code where they lie there, ``engine.file_sandbox``).
+The sandbox binds each over itself read-only, after the directory itself (``engine._bwrap``),
+in every view code gets of it: a cold start, the fork server's, the batch's shared one
+(``worker.fork_server``), ``exec``'s; the coordinator's record (``engine.trust``) notes what was
+kept so.
 
 Only what exists is listed, and never a link:
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from engine import _uids
+from engine import _uid0, _uids
 from engine._bwrap import View, beneath, bwrap_argv, make_parents, namespace_flags, outermost
 from engine._tree import TreeError, disk_usage
 from engine.errors import ConfigError, SandboxError
@@ -44,7 +44,7 @@ from worker.contract.confinement import Confinement, Landlock, Seccomp, landlock
 
 __all__ = [
     "GiB", "HostSupport", "LaunchPlan", "MODES", "MiB", "SandboxPolicy", "host_support", "plan",
-    "root_blocker", "server_plan", "system_paths", "tools_argv", "workspace_excess"
+    "root_blocker", "server_plan", "shareable_cwd", "system_paths", "tools_argv", "workspace_excess"
 ]
 
 GiB = 1024**3
@@ -86,8 +86,9 @@ class SandboxPolicy:
     tmp_bytes: int = 512 * MiB           # size of the private /tmp (and, separately, /dev/shm)
     workspace_bytes: int | None = 8 * GiB  # checked by the coordinator: `workspace_excess`
     worker_uid: int | None = None        # root only: the uid workers run as; None derives one
-    share_cwd: bool | None = None        # None: only a project directory (see `_shareable_cwd`)
+    share_cwd: bool | None = None        # None: only a project directory (see `shareable_cwd`)
     hidden: tuple[str, ...] = ()         # never shown, even beneath the shown cwd (see `plan`)
+    as_caller: bool = False              # code runs as the user running agentloop (see `plan`)
 
 
 @dataclass
@@ -189,7 +190,7 @@ def _home_directories() -> set[str]:
     return {os.path.realpath(h) for h in homes if os.path.isdir(h)} - {"/"}
 
 
-def _shareable_cwd(cwd: Path, force: bool | None) -> tuple[bool, str]:
+def shareable_cwd(cwd: Path, force: bool | None) -> tuple[bool, str]:
     """Whether the current directory is shown to workers (read-only), and the note if not.
 
     Only a project directory is: never the filesystem root, a home directory (anyone's, not
@@ -275,9 +276,9 @@ def _tasks_of(uid: int) -> int:
     return n
 
 
-def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
-         output_dir: Path, python: str, memory_cgroup: bool = False,
-         pids_cgroup: bool = False, protected: tuple[str, ...] = ()) -> LaunchPlan:
+def plan(policy: SandboxPolicy, *, socket_dir: Path | None, workspace: Path, cwd: Path,
+         output_dir: Path | None, python: str, memory_cgroup: bool = False, pids_cgroup: bool = False,
+         protected: tuple[str, ...] = (), shown: tuple[Path, ...] = ()) -> LaunchPlan:
     """The launch plan for one worker under `policy` on this machine.
 
     `memory_cgroup`: the coordinator puts the worker in a memory cgroup of its own (see
@@ -286,6 +287,9 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
     root coordinator's workers, who share the run's uid, need no RLIMIT_NPROC on that uid.
     `protected`: paths in the workspace to keep read-only (``engine.protected``): bound so
     under bubblewrap (the plan then has a PID namespace), else a note says they are not.
+    `shown`: more paths shown read-only.
+    `policy.as_caller`: code runs as the user running agentloop (root: uid 0 without any
+    capability, ``engine._uid0``), no owner or mode changes, `socket_dir` and `output_dir` may be None.
 
     Four steps: choose the layers (`_layers`), decide the view and, for root, set the run's
     directories up for its uid (the only side effects, with creating `workspace`, `socket_dir`
@@ -297,15 +301,17 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
     if policy.mode == "none":
         return LaunchPlan([], False, Confinement(), ["sandbox: none — worker code runs with your privileges"])
 
-    workspace, socket_dir, output_dir, cwd = (Path(os.path.realpath(p))
+    workspace, socket_dir, output_dir, cwd = (p and Path(os.path.realpath(p))
                                               for p in (workspace, socket_dir, output_dir, cwd))
-    for d in (workspace, socket_dir, output_dir):
+    for d in filter(None, (workspace, socket_dir, output_dir)):
         d.mkdir(parents=True, exist_ok=True)
     host = host_support()
     use_bwrap, notes = _layers(policy, host)
+    if host.root and policy.as_caller and not use_bwrap and host.landlock_abi < 1:  # (uid 0 would write anything)
+        raise SandboxError(f"code run as root needs bubblewrap or Landlock, and this machine has neither. {_INSTALL_HINT}")
     # A current directory that is the workspace (a batch run's) is shown as such, read-write.
     in_workspace = cwd == workspace and policy.share_cwd is not False
-    share_cwd, why = (True, "") if in_workspace else _shareable_cwd(cwd, policy.share_cwd)
+    share_cwd, why = (True, "") if in_workspace else shareable_cwd(cwd, policy.share_cwd)
     # Hidden (another MCP client's): bubblewrap covers it beneath the cwd; Landlock cannot, so no cwd then.
     hidden = sorted({os.path.realpath(h) for h in policy.hidden})
     for h in hidden if share_cwd and not in_workspace else ():
@@ -316,7 +322,7 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
         os.mkdir(tmp)  # (a link a worker put in its place is replaced in `_share_with_run`)
 
     uid = None
-    if host.root:
+    if host.root and not policy.as_caller:
         uid, note = _root_worker(policy, host, use_bwrap, python, workspace, socket_dir)
         notes += [note] if note else []
         if uid is not None:
@@ -330,7 +336,8 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path, workspace: Path, cwd: Path,
     system, links = system_paths()
     view = View(tuple(system), tuple(links), python_paths(python), workspace, socket_dir, output_dir,
                 cwd if share_cwd else None, tuple(protected) if use_bwrap else (),
-                tuple(h for h in hidden if share_cwd and beneath(h, str(cwd))))
+                tuple(h for h in hidden if share_cwd and beneath(h, str(cwd))), tuple(shown),
+                _uid0.root_proc() if host.root and uid is None and use_bwrap else ())  # (uid 0 kept)
     start_dir = str(view.cwd or workspace)
     confine, more, details = _confinement(policy, host, use_bwrap, uid, view, memory_cgroup, pids_cgroup)
     notes += more
@@ -387,8 +394,7 @@ def _confinement(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid:
             # The mount namespace already shows only what may be seen: read all of it.
             ro, dev = ("/",), (*_DEV_FILES, "/dev/pts")
         else:
-            ro = (*view.system, *view.python, *((str(view.cwd),) if view.cwd else ()),
-                  str(view.output_dir), str(view.socket_dir))
+            ro = (*view.system, *view.python, *(str(p) for p in (view.cwd, view.output_dir, view.socket_dir, *view.shown) if p))
             dev = _DEV_FILES
         landlock = Landlock(ro=tuple(ro), rw=rw, dev=tuple(dev), scope=True,
                             deny_tcp=not use_bwrap and not policy.network)
@@ -405,7 +411,8 @@ def _confinement(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid:
         if use_bwrap or policy.network:
             families += [_AF_INET, _AF_INET6]  # in a network namespace: its own loopback only
         # Without a PID namespace the coordinator kills the process group: keep everyone in it.
-        seccomp = Seccomp(socket_families=tuple(families), lock_session=not use_bwrap, shared_memory=memory_cgroup)
+        seccomp = Seccomp(socket_families=tuple(families), lock_session=not use_bwrap, shared_memory=memory_cgroup,
+                          set_id_modes=not (host.root and uid is None))  # (uid 0 kept: engine._uid0)
         if not memory_cgroup:
             why = "it needs root or a delegated cgroup" if host.root else "none is delegated to you: `agentloop doctor` says how to get one"
             details.append(f"sandbox: no memory cgroup here ({why}) — "

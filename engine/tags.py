@@ -16,6 +16,7 @@ Parsing never raises at the model: a malformed attribute or an unclosed block be
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
 from collections.abc import Iterator, Sequence
@@ -356,7 +357,8 @@ def writable_places(cwd: str, workspace: str, sandboxed: bool) -> str:
     if not sandboxed:
         return f"no sandbox; keep your files in the workspace {workspace}"
     if cwd == workspace:
-        return (f"write in the current directory {workspace} (the workspace; ./files is there too) "
+        files = "; ./files is there too" if os.path.isdir(os.path.join(workspace, "files")) else ""
+        return (f"write in the current directory {workspace} (the workspace{files}) "
                 "and $TMPDIR; everything else is read-only")
     if workspace == cwd.rstrip("/") + "/files":
         return f"the current directory {cwd} is read-only; write in ./files ({workspace}) and $TMPDIR"

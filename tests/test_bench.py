@@ -74,6 +74,11 @@ def test_quick_bench_prints_a_complete_report(tmp_path: Path) -> None:
         assert batch["parallel"]["runs_per_s"][mode] > 0
     assert batch["met"] in (True, False, None) and (batch["met"] is None) == (not batch["fork_server"])
 
+    exec_file = report["exec_file"]  # agentloop exec FILE end to end, against python FILE
+    for side in ("agentloop", "python"):
+        assert exec_file["start_ms"][side]["n"] == 5 and exec_file["start_ms"][side]["p50"] > 0
+        assert exec_file["stream_mb_s"][side] > 0
+
     assert set(TARGETS) <= report["targets"].keys()
     for target in report["targets"].values():
         assert target["met"] in (True, False, None) and target["target"]

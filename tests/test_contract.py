@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.contract import fork, output, sample, tools, wire
+from worker.contract import confiner, fork, output, sample, tools, wire
 from worker.contract.confinement import Confinement, Landlock, Seccomp
 from worker.contract.framing import FrameBuffer, FrameError, decode, decode_json, encode, encode_json, frame
 from worker.contract.limits import MAX_CHUNK, MAX_ERROR, MAX_VAR_NAME, MAX_VARS, HeadTail
@@ -59,12 +59,20 @@ EXAMPLES: dict[type[Message], Message] = {
     tools.Ok: tools.Ok("1: text"),
     tools.Refused: tools.Refused("outside the root"),
     tools.Failed: tools.Failed("no such file"),
+    confiner.Setup: confiner.Setup(Confinement(drop_caps=True).to_json(), 4, 5, 6, 0, (1, 15), 0, "C.UTF-8"),
+    confiner.Signal: confiner.Signal("group", 20),
+    confiner.Exited: confiner.Exited(3),
+    confiner.Killed: confiner.Killed(15),
+    confiner.Stopped: confiner.Stopped(20),
+    confiner.Continued: confiner.Continued(),
+    confiner.Failed: confiner.Failed("cannot run /usr/bin/python3: No such file or directory"),
 }
 
 CHANNELS = [(wire, [wire.TO_WORKER, wire.TO_COORDINATOR], encode, decode),
             (fork, [fork.TO_SERVER, fork.TO_COORDINATOR], encode, decode),
             (sample, [sample.TO_SLOT, sample.TO_COORDINATOR], encode, decode),
-            (tools, [tools.TO_TOOLS, tools.TO_COORDINATOR], encode_json, decode_json)]
+            (tools, [tools.TO_TOOLS, tools.TO_COORDINATOR], encode_json, decode_json),
+            (confiner, [confiner.TO_CONFINER, confiner.TO_COORDINATOR], encode_json, decode_json)]
 MESSAGES = [(module, catalogue, cls, enc, dec) for module, catalogues, enc, dec in CHANNELS
             for catalogue in catalogues for cls in catalogue.by_kind.values()]
 _IDS = [f"{m.__name__.rsplit('.', 1)[1]}.{cls.kind}" for m, _, cls, _, _ in MESSAGES]

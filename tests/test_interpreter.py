@@ -4,6 +4,7 @@ and through ``agentloop exec``, and compares."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 
 from engine.scripted import ScriptedServer
 
-AGENTLOOP = [sys.executable, "-m", "engine.cli"]
+AGENTLOOP = [sys.executable, "-P", "-m", "engine.cli"]
 BASE_PYTHON = os.path.realpath(os.path.join(sys.base_prefix, "bin", "python3"))
 
 SCRIPT = """\
@@ -41,7 +42,7 @@ def user_venv(tmp_path_factory) -> Path:
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "AGENTLOOP_PYTHON")}
-    return {**env, "XDG_STATE_HOME": str(tmp_path / "state"), **extra}
+    return {**env, **extra}  # (agentloop's state: the session's, never in the directory exec writes)
 
 
 def _both(tmp_path: Path, python: str, *options: str, **env: str):
@@ -67,16 +68,17 @@ def test_the_active_virtual_environment_is_the_default(tmp_path, user_venv):
 
 
 def test_agentloop_python_and_the_toml_choose_too(tmp_path, user_venv):
-    direct, ours = _both(tmp_path, str(user_venv / "bin" / "python"), AGENTLOOP_PYTHON=str(user_venv / "bin" / "python"))
-    assert (ours.stdout, ours.returncode) == (direct.stdout, 0), ours.stderr
-    # Relative to the file that names it.
+    # Relative to the file that names it.  (Written before exec writes the directory: one written
+    # while, or just as, a script could write there is refused, see test_trust.)
     (tmp_path / "agentloop.toml").write_text(f'python = "{os.path.relpath(user_venv / "bin" / "python", tmp_path)}"\n')
     direct, ours = _both(tmp_path, str(user_venv / "bin" / "python"))
     assert (ours.stdout, ours.returncode) == (direct.stdout, 0), ours.stderr
-    # --python wins over the file: agentloop's own Python has no mylib.
-    direct, ours = _both(tmp_path, sys.executable, "--python", sys.executable)
-    assert "No module named 'mylib'" in direct.stderr and direct.returncode == 1
-    assert ours.returncode == 1 and "No module named 'mylib'" in ours.stderr
+    # AGENTLOOP_PYTHON wins over the file, --python over both: agentloop's own Python has no mylib.
+    for options, env in (((), {"AGENTLOOP_PYTHON": sys.executable}),
+                         (("--python", sys.executable), {"AGENTLOOP_PYTHON": str(user_venv / "bin" / "python")})):
+        direct, ours = _both(tmp_path, sys.executable, *options, **env)
+        assert "No module named 'mylib'" in direct.stderr and direct.returncode == 1
+        assert ours.returncode == 1 and "No module named 'mylib'" in ours.stderr, ours.stderr
 
 
 @pytest.mark.skipif(subprocess.run([BASE_PYTHON, "-c", "import numpy"], capture_output=True).returncode != 0,
@@ -116,32 +118,40 @@ def test_the_system_prompt_lists_the_chosen_interpreters_packages(tmp_path, user
     assert "mylib" in listed and "httpx" not in listed and "pyzmq" not in listed
 
 
+def _samples(tmp_path: Path, code: str = "print(1)") -> list[str]:
+    """``exec --jsonl`` of one sample, the command line up to its options (samples preload)."""
+    (tmp_path / "s.jsonl").write_text(json.dumps({"id": "a", "code": code}) + "\n")
+    return [*AGENTLOOP, "exec", "--jsonl", str(tmp_path / "s.jsonl"), "-o", str(tmp_path / "out.jsonl"),
+            "--progress", "none"]
+
+
 def test_a_bad_interpreter_or_preload_is_one_line(tmp_path):
     (tmp_path / "x.py").write_text("print(1)\n")
-    for options, words in ((["--python", str(tmp_path / "nope")], "is not an executable Python"),
-                           (["--preload", "no_such_module_here"], "no_such_module_here cannot be imported")):
-        proc = subprocess.run([*AGENTLOOP, "exec", *options, str(tmp_path / "x.py")], capture_output=True,
-                              text=True, cwd=tmp_path, env=_env(tmp_path), timeout=120)
-        assert proc.returncode == 125 and words in proc.stderr, proc.stderr
-        assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
-    proc = subprocess.run([*AGENTLOOP, "exec", "--preload", "json,decimal", str(tmp_path / "x.py")],
-                          capture_output=True, text=True, cwd=tmp_path, env=_env(tmp_path), timeout=120)
-    assert (proc.returncode, proc.stdout) == (0, "1\n"), proc.stderr
+    for command, words in (([*AGENTLOOP, "exec", "--python", str(tmp_path / "nope"), str(tmp_path / "x.py")],
+                            "is not an executable Python"),
+                           ([*_samples(tmp_path), "--preload", "no_such_module_here"],
+                            "no_such_module_here cannot be imported")):
+        proc = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=_env(tmp_path), timeout=120)
+        assert proc.returncode == 125 and words in proc.stderr.splitlines()[-1], proc.stderr
+        assert "Traceback" not in proc.stderr  # (--jsonl says first what it is about to run)
+    proc = subprocess.run([*_samples(tmp_path), "--preload", "json,decimal"], capture_output=True, text=True,
+                          cwd=tmp_path, env=_env(tmp_path), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "out.jsonl").read_text())["stdout"] == "1\n"
 
 
 def test_a_preload_module_that_fails_as_it_is_imported_is_one_line(tmp_path, user_venv):
     # Importable (found) but raising at import: the fork server says so in one line.
     site = next(user_venv.glob("lib/python3*/site-packages"))
     (site / "breaks_on_import.py").write_text("raise RuntimeError('broken at import')\n")
-    (tmp_path / "x.py").write_text("print(1)\n")
-    proc = subprocess.run([*AGENTLOOP, "exec", "--python", str(user_venv / "bin" / "python"), "--preload",
-                           "breaks_on_import", str(tmp_path / "x.py")], capture_output=True, text=True,
-                          cwd=tmp_path, env=_env(tmp_path), timeout=120)
+    proc = subprocess.run([*_samples(tmp_path), "--python", str(user_venv / "bin" / "python"), "--preload",
+                           "breaks_on_import"], capture_output=True, text=True, cwd=tmp_path, env=_env(tmp_path),
+                          timeout=120)
     if "fork server" not in proc.stderr and proc.returncode == 0:
         pytest.skip("no fork server here: nothing preloads")
     assert proc.returncode == 125, proc.stderr
     assert "--preload breaks_on_import: importing it failed: RuntimeError: broken at import" in proc.stderr
-    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in proc.stderr and "broken at import" in proc.stderr.splitlines()[-1]
 
 
 

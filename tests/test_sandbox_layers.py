@@ -973,6 +973,29 @@ def test_fork_server_argv_argument_for_argument() -> None:
         "--die-with-parent", "--new-session", "--proc", "/proc", "--"]
 
 
+def test_bwrap_argv_of_a_script_argument_for_argument() -> None:
+    """``exec FILE``'s view: no socket or output directory; the current directory writable with
+    what stays read-only bound over it; the script's directory shown (not where the current
+    directory shows it already); for code that keeps uid 0, /proc/sys read-only and root's own
+    /proc files covered."""
+    from engine.sandbox import View, bwrap_argv
+
+    view = View(system=("/usr",), links=(), python=("/opt/py",), workspace=Path("/w/proj"), socket_dir=None,
+                output_dir=None, cwd=Path("/w/proj"), protected=("/w/proj/.git", "/w/proj/.venv"),
+                shown=(Path("/w/tools"), Path("/w/proj/sub"), Path("/usr/local/bin")),
+                root_proc=("/proc/kpageflags", "/proc/sysrq-trigger"))
+    argv = bwrap_argv("/usr/bin/bwrap", root=True, network=False, tmp_bytes=1024, view=view, start_dir="/w/proj")
+    at = argv.index("--tmpfs", argv.index("--tmpfs") + 1) + 2  # after /proc, /dev, /dev/shm and /tmp
+    assert argv[at:at + 9] == ["--ro-bind", "/proc/sys", "/proc/sys", "--ro-bind", "/dev/null", "/proc/kpageflags",
+                               "--ro-bind", "/dev/null", "/proc/sysrq-trigger"]
+    assert "--hostname" in argv  # (exec's plan takes it out: the script sees the host's name)
+    tail = argv[argv.index("/opt/py") + 2:]
+    assert tail == ["--perms", "0755", "--dir", "/w", "--ro-bind", "/w/tools", "/w/tools",
+                    "--bind", "/w/proj", "/w/proj",
+                    "--ro-bind", "/w/proj/.git", "/w/proj/.git", "--ro-bind", "/w/proj/.venv", "/w/proj/.venv",
+                    "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/w/proj", "--"]
+
+
 def test_protected_paths_are_bound_read_only_last() -> None:
     """What stays read-only in the workspace is bound over it, after every other bind, and
     with no directory made for it (it exists there already)."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from engine.scripted import ScriptedServer
 
-AGENTLOOP = [sys.executable, "-m", "engine.cli"]
+AGENTLOOP = [sys.executable, "-P", "-m", "engine.cli"]
 
 
 def _agentloop(cwd: Path, state: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -19,33 +19,17 @@ def _agentloop(cwd: Path, state: Path, *args: str, **env: str) -> subprocess.Com
                           env={**os.environ, "XDG_STATE_HOME": str(state), **env})
 
 
-def test_exec_says_where_code_may_write_after_a_refused_write(tmp_path):
-    project = tmp_path / "project"
-    project.mkdir()
-    (project / "w.py").write_text("open('files/ok.txt', 'w').write('ok')\nopen('out.txt', 'w')\n")
-    proc = _agentloop(project, tmp_path / "state", "exec", "w.py")
-    assert proc.returncode == 1
-    assert "Read-only file system: 'out.txt'" in proc.stderr
-    assert proc.stderr.rstrip().endswith("agentloop: note: in this sandbox code writes only to the workspace "
-                                         "(./files) and $TMPDIR; the rest is read-only")
-    assert (project / "files" / "ok.txt").read_text() == "ok"  # what was written stays
-
-
-def test_no_litter_an_empty_files_directory_and_the_outputs_go(tmp_path):
+def test_exec_leaves_nothing_of_its_own(tmp_path):
+    # A script that writes nothing leaves the directory as it was: no ./files, no output files
+    # (its output went where it was sent), nothing in agentloop's state.
     project, state = tmp_path / "project", tmp_path / "state"
     project.mkdir()
-    (project / "big.py").write_text("for i in range(50_000): print('x' * 100)\n")  # 5 MB: spills to a file
-    proc = _agentloop(project, state, "exec", "--json", "big.py")
-    assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.splitlines()[-1])["output_file"] is None
-    assert sorted(os.listdir(project)) == ["big.py"]  # no ./files: nothing was written there
-    assert not any((state / "agentloop" / "runs").iterdir())
-    # Asked to keep it: the file stays, is named, and a later start does not clean it away.
-    proc = _agentloop(project, state, "exec", "--keep-output", "--json", "big.py")
-    kept = json.loads(proc.stdout.splitlines()[-1])["output_file"]
-    assert kept and os.path.getsize(kept) > 4_000_000 and f"the whole output is in {kept}" in proc.stderr
-    _agentloop(project, state, "exec", "big.py")
-    assert os.path.exists(kept)
+    (project / "big.py").write_text("for i in range(50_000): print('x' * 100)\n")
+    for mode in ("--write-cwd", "--read-only"):
+        proc = _agentloop(project, state, "exec", mode, "big.py")
+        assert proc.returncode == 0 and len(proc.stdout) == 50_000 * 101, proc.stderr
+        assert sorted(os.listdir(project)) == ["big.py"]
+    assert not (state / "agentloop" / "runs").exists() or not any((state / "agentloop" / "runs").iterdir())
 
 
 def test_the_system_prompt_and_a_refused_write_name_the_same_places(tmp_path):
@@ -74,3 +58,45 @@ def test_batch_runs_have_files_too(tmp_path):
     record = json.loads((tmp_path / "out.jsonl").read_text())
     assert (Path(record["workspace"]) / "files" / "r.txt").read_text() == "r"
     assert "Files: write in the current directory" in system and "./files is there too" in system
+
+
+def test_run_with_write_cwd_writes_the_current_directory_as_the_user(tmp_path):
+    # The flag the other way: model code writes the project (not its .git), as the user, and the
+    # directory's owner and mode stay as they were.
+    project = tmp_path / "project"
+    (project / ".git").mkdir(parents=True)
+    (project / ".git" / "config").write_text("[core]\n")
+    before = project.stat()
+    code = ("import os\nopen('made.txt', 'w').write('m')\n"
+            "try:\n    open('.git/config', 'a').write('evil')\nexcept OSError as e:\n    print('git', e.errno)\n")
+    script = {"*": [f"<run_code>\n{code}\n</run_code>", "done"]}
+    with ScriptedServer(script) as server:
+        proc = _agentloop(project, tmp_path / "state", "run", "write", "-q", "--write-cwd", LLM_URL=server.url)
+        system = server.requests[0]["messages"][0]["content"]
+        result = server.requests[1]["messages"][-1]["content"]
+    assert proc.returncode == 0, proc.stderr
+    assert f"Files: write in the current directory {project} (the workspace) and $TMPDIR" in system
+    assert "git 30" in result  # EROFS
+    assert (project / "made.txt").read_text() == "m" and (project / "made.txt").stat().st_uid == os.geteuid()
+    assert (project / ".git" / "config").read_text() == "[core]\n"
+    after = project.stat()
+    assert (after.st_mode, after.st_uid, after.st_gid) == (before.st_mode, before.st_uid, before.st_gid)
+    assert sorted(os.listdir(project)) == [".git", "made.txt"]
+
+
+def test_one_table_in_the_readme_and_the_same_words_in_help():
+    # Where code may write is said once: --help of every command that has the flag and the
+    # README's table use the same words, and each command says its own default.
+    from engine.cli.options import WRITE_HELP
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    cells = [part.split(":", 1)[1].strip().rstrip(".") for part in WRITE_HELP.split("  ")
+             if part.startswith(("--write-cwd:", "--read-only:"))]
+    writes_cwd = cells[0].split("; code runs as")[0]
+    assert f"| `--write-cwd` | {writes_cwd} |" in readme
+    assert f"| `--read-only` | {cells[1]} |" in readme
+    for command, default in (("exec", "--write-cwd"), ("run", "--read-only"), ("chat", "--read-only")):
+        out = subprocess.run([*AGENTLOOP, command, "--help"], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "COLUMNS": "1000"}).stdout
+        assert " ".join(WRITE_HELP.split()) in " ".join(out.split()), command
+        assert f"Default: {default}." in out, command

@@ -77,6 +77,15 @@ _NR = {
     "landlock_create_ruleset": (444, 444), "landlock_add_rule": (445, 445),
     "landlock_restrict_self": (446, 446),
 }
+# Calls that set a file's mode, with the argument holding the mode and, for the opening calls,
+# the one holding the flags (a mode is read only when O_CREAT or O_TMPFILE asks for one).
+_MODE_CALLS = (("chmod", (90, None), 1, None), ("fchmod", (91, 52), 1, None),
+               ("fchmodat", (268, 53), 2, None), ("fchmodat2", (452, 452), 2, None),
+               ("creat", (85, None), 1, None), ("open", (2, None), 2, 1), ("openat", (257, 56), 3, 2),
+               ("mknod", (133, None), 1, None), ("mknodat", (259, 33), 2, None))
+_OPENAT2 = (437, 437)  # its mode is in memory that BPF cannot read
+_S_ISUID_ISGID = 0o6000
+_O_CREAT_TMPFILE = 0o100 | 0o20000000
 _ARCHES = (("x86_64", _AUDIT_ARCH_X86_64, 0), ("aarch64", _AUDIT_ARCH_AARCH64, 1))
 
 _CLONE_NEW_MASK = (0x00020000 | 0x02000000 | 0x04000000 | 0x08000000   # NEWNS CGROUP UTS IPC
@@ -361,7 +370,7 @@ def _seccomp_fprog(opts: Seccomp):
             _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
         families = None if opts.socket_families is None else list(opts.socket_families)
-        program = _program(families, opts.lock_session, opts.shared_memory)
+        program = _program(families, opts.lock_session, opts.shared_memory, opts.set_id_modes)
         buf = ctypes.create_string_buffer(program, len(program))
         built = _PROGRAMS[opts] = (program, buf, _Fprog(len(program) // 8, ctypes.cast(buf, ctypes.c_void_p)))
     return built[2]
@@ -378,12 +387,16 @@ def prepare(spec: Confinement) -> None:
         _drop_bounding_set()
 
 
-def _program(socket_families: list[int] | None, lock_session: bool, shared_memory: bool) -> bytes:
+def _program(socket_families: list[int] | None, lock_session: bool, shared_memory: bool,
+             set_id_modes: bool = True) -> bytes:
     """The filter as packed `struct sock_filter`s.  `socket_families`: the address families
     socket(2) may create (None: any); of netlink, only NETLINK_ROUTE.  `lock_session`: refuse
     setsid/setpgid, so every descendant stays in the worker's process group and one killpg
     reaches it.  `shared_memory=False`: refuse the memory that RLIMIT_DATA does not count
-    (memfd_create, SysV shmget, shared anonymous mmap), for workers without a memory cgroup."""
+    (memfd_create, SysV shmget, shared anonymous mmap), for workers without a memory cgroup.
+    `set_id_modes=False`: refuse a mode with the set-user-ID or set-group-ID bit (chmod and
+    its kin, and files created with one), for code that keeps uid 0: in a directory it may
+    write, a root-owned set-user-ID copy of a shell would be anyone's root shell on the host."""
     prog: list[list] = []
     labels: dict[str, int] = {}
 
@@ -420,7 +433,20 @@ def _program(socket_families: list[int] | None, lock_session: bool, shared_memor
             op(_JEQ, _NR["memfd_create"][col], f"{name}_eperm", 0)
             op(_JEQ, _NR["shmget"][col], f"{name}_eperm", 0)
             op(_JEQ, _NR["mmap"][col], f"{name}_mmap", 0)
+        mode_calls = [(call, nrs[col], mode, flags) for call, nrs, mode, flags in _MODE_CALLS
+                      if not set_id_modes and nrs[col] is not None]
+        for call, nr, _, _ in mode_calls:
+            op(_JEQ, nr, f"{name}_{call}", 0)
+        if not set_id_modes:
+            op(_JEQ, _OPENAT2[col], f"{name}_enosys", 0)  # (libc falls back to openat)
         op(_RET, _RET_ALLOW)
+        for call, _, mode, flags in mode_calls:
+            label(f"{name}_{call}")
+            if flags is not None:
+                op(_LD_ABS, _arg_lo(flags))
+                op(_JSET, _O_CREAT_TMPFILE, 0, f"{name}_allow")
+            op(_LD_ABS, _arg_lo(mode))
+            op(_JSET, _S_ISUID_ISGID, f"{name}_eperm", f"{name}_allow")
         if not shared_memory:
             # Threat: MAP_SHARED | MAP_ANONYMOUS memory is shmem, which RLIMIT_DATA ignores.
             label(f"{name}_mmap")

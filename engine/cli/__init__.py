@@ -86,4 +86,6 @@ def main(ctx: click.Context, verbose: bool, trace: bool) -> None:
     # SIGTERM (a service manager, `kill`, a CI timeout) stops a command as Ctrl-C does: the
     # running blocks and workers are stopped and the run's sockets and directories removed.
     # Commands that handle signals themselves (batch, chat) replace this while they run.
-    signal.signal(signal.SIGTERM, terminated)
+    # (A SIGTERM inherited as ignored stays so: ``exec`` passes that on to the script.)
+    if signal.getsignal(signal.SIGTERM) != signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, terminated)

@@ -54,6 +54,7 @@ from .options import (
     same_terminal,
     worker_options,
     worker_settings,
+    write_options,
 )
 
 __all__ = ["DOUBLE_INTERRUPT_S", "PROMPT", "STEER", "chat"]
@@ -269,6 +270,7 @@ def _banner(config, engine: Engine, interactive: bool) -> str:
 @click.command("chat")
 @agent_options
 @worker_options
+@write_options(write_cwd=False)
 def chat(model, models_file, max_messages, record, tools, root, quiet, protocol) -> None:
     """Talk to an agent: its answers on stdout, the live display on stderr.
 

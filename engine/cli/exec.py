@@ -1,15 +1,16 @@
-"""``agentloop exec``: one file as one block in a fresh worker, as ``python FILE ARGS`` runs it.
+"""``agentloop exec``: ``python FILE ARGS`` in a sandbox, or many code samples (``--jsonl``).
 
-Exit codes follow timeout(1) and the shell: 0 finished, 1 raised, 124 deadline, 128+N worker
-died of signal N (the worker's own exit code when it exited), 125 agentloop's own errors.
-Output bound for a terminal is made inert (``engine.inert``); to a pipe or a file the
-program's bytes pass unchanged.
+A file is run by ``engine.file_runner`` as ``python FILE ARGS`` itself, in a sandbox planned
+by ``engine.file_sandbox``: its streams, exit status and signals are python's.  agentloop's
+own errors, usage errors included, are one line on stderr and exit status 125, so they never
+look like the script's (an argparse error exits 2).  Samples run in slots of a fork server
+(``engine.samples``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -17,40 +18,54 @@ from pathlib import Path
 import click
 
 from ..durations import DEFAULT_BLOCK_TIMEOUT
-from ..engine import Engine
-from ..errors import AgentloopError
-from ..inert import InertStream, inert
-from ..results import BlockResult, OutputChunk, writable_note
-from ..samples import exit_code as _exit_code
-from ..script_run import ScriptRun
-from ..settings import WorkerSettings
+from ..errors import AgentloopError, ConfigError
+from ..inert import inert
+from ..output import OUTPUT_CAP
 from .options import (
     EXIT_INTERRUPTED,
     Duration,
     fail,
     worker_options,
     worker_settings,
+    write_options,
 )
 
 __all__ = ["SAMPLE_REDO", "exec_cmd"]
 
+log = logging.getLogger("agentloop")
+
 #: What ``--redo`` may name with ``--jsonl``.
 SAMPLE_REDO = ("error", "timeout", "oom", "died")
 
+class _ExecCommand(click.Command):
+    """Usage errors of ``exec`` are agentloop's own errors: one line, exit status 125."""
 
-@click.command("exec", context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
-@click.argument("file", type=click.File("r", encoding="utf-8"), required=False)
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            hint = f" (see agentloop {ctx.info_name} --help)" if isinstance(exc, click.NoSuchOption) else ""
+            fail(exc.format_message() + hint)
+
+
+@click.command("exec", cls=_ExecCommand, context_settings={"allow_interspersed_args": False})
+@click.argument("file", required=False)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-@click.option("--timeout", type=Duration(), default=f"{DEFAULT_BLOCK_TIMEOUT:g}s", show_default=True,
-              help="Deadline of the block: 250ms, 30s, 5m, 1h or plain seconds.")
+@click.option("--timeout", type=Duration(), default=None,
+              help="A deadline, as timeout(1) keeps one: SIGTERM to the script, SIGKILL after a 5 s grace, exit "
+                   "124.  250ms, 30s, 5m, 1h or plain seconds.  Default: none (with --jsonl: 10s a sample).")
+@write_options(write_cwd=True)
+@click.option("--env", "env_names", multiple=True, metavar="NAME[=VALUE]",
+              help="Pass this variable to the script although its name looks like a secret (*KEY*, *SECRET*, "
+                   "*TOKEN*, *PASSWORD*, *PASSWD*, *CREDENTIAL*, the models' API key variables: those are "
+                   "dropped), or set it to VALUE.  Repeatable.")
 @click.option("--json", "as_json", is_flag=True,
-              help="Print one JSON object on stdout after the run (the code's stdout goes to stderr).")
+              help="Print one JSON object on stdout after the run (the script's stdout goes to stderr).")
 @click.option("--color", "allow_sgr", is_flag=True,
-              help="Let the code's colour and style sequences (ESC [ ... m: colours, bold, dim, italic, "
+              help="Let the script's colour and style sequences (ESC [ ... m: colours, bold, dim, italic, "
                    "underline, reverse, strike; not concealed text or blink) through to a terminal.  Without it, "
-                   "output bound for a terminal loses every escape sequence and control character but "
-                   "newline and tab (a lone carriage return becomes a newline); output to a pipe or a "
-                   "file is passed unchanged either way.")
+                   "output bound for a terminal loses every escape sequence and control character but newline, "
+                   "tab, carriage return and backspace; output to a pipe or a file is passed unchanged either way.")
 @click.option("--jsonl", "samples", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
               help="Run every code sample of this JSONL file (id, code; optional stdin, args, timeout, files, "
                    "env), each in a fresh sandbox of its own, instead of FILE; results go to -o.")
@@ -68,103 +83,132 @@ SAMPLE_REDO = ("error", "timeout", "oom", "died")
               help="With --jsonl: run the samples on a Ray cluster (needs the ray extra), in chunks, one "
                    "agent_slot each; see `agentloop batch --help`.")
 @worker_options
-def exec_cmd(file, args: tuple[str, ...], timeout: float, as_json: bool, allow_sgr: bool, samples: Path | None,
-             output: Path | None, parallel: int | None, redo: tuple[str, ...], skip_invalid: bool, progress: str,
+def exec_cmd(file: str | None, args: tuple[str, ...], timeout: float | None, env_names: tuple[str, ...], as_json: bool, allow_sgr: bool, samples: Path | None, output: Path | None,
+             parallel: int | None, redo: tuple[str, ...], skip_invalid: bool, progress: str,
              ray_address: str | None) -> None:
-    """Run FILE (or - for stdin) as one block in a fresh worker, streaming its output, as
-    `python FILE ARGS` runs it: sys.argv is [FILE, *ARGS], __file__ is set, SystemExit gives
-    the exit status, atexit handlers run, a piped stdin reaches the code.  Options go before
-    FILE; everything after it (a leading -- dropped) is the script's.
+    """Run FILE (or - for stdin) as `python FILE ARGS` runs it, in a sandbox: the same
+    sys.argv, streams, exit status and signals.  Options go before FILE; everything after it
+    is the script's.
 
-    On a terminal the output is made inert (see --color); piped, it is passed byte for byte.
+    The script runs as you, with your environment minus what looks like a secret (see
+    --env), sees the system, the interpreter, the current directory, its own directory and
+    the directories of PATH and PYTHONPATH, and writes as --write-cwd/--read-only say.  Its
+    streams are yours: piped or redirected they are passed as they are; a terminal is a
+    terminal of its own, whose output is made inert (see --color).  agentloop's own errors
+    are one line and exit status 125.
 
     With --jsonl SAMPLES -o RESULTS: every sample of SAMPLES runs that way, in a sandbox of its
     own (process, namespaces, /tmp and workspace), and its result (status, exit code, stdout and
     stderr, duration, peak memory) is appended to RESULTS as it ends; resume, Ctrl-C and the
     progress bar are `agentloop batch`'s."""
     if samples is not None:
-        _run_samples(samples, output, file, as_json, timeout, parallel, redo, skip_invalid, progress, ray_address)
+        if args or env_names or worker_settings().write_cwd is not True:
+            fail("--jsonl SAMPLES takes neither FILE nor --env nor --read-only: each sample writes a workspace "
+                 "of its own")
+        worker_settings().write_cwd = None  # (samples: a workspace each)
+        _run_samples(samples, output, file, as_json, timeout if timeout is not None else DEFAULT_BLOCK_TIMEOUT,
+                     parallel, redo, skip_invalid, progress, ray_address)
         return
     if file is None:
         fail("exec needs FILE (or - for stdin), or --jsonl SAMPLES -o RESULTS")
-    if output is not None:
-        fail("-o goes with --jsonl")
-    code = file.read()
-    script = _script(file, args)
-    out = _Sink(sys.stderr if as_json else sys.stdout, allow_sgr)
-    err = _Sink(sys.stderr, allow_sgr)
+    if output is not None or parallel is not None or redo or skip_invalid or ray_address is not None:
+        fail("-o, --parallel, --redo, --skip-invalid and --ray go with --jsonl")
+    _run_file(file, list(args), timeout, env_names, as_json, allow_sgr)
+
+
+def _run_file(file: str, args: list[str], timeout: float | None, env_names: tuple[str, ...], as_json: bool,
+              allow_sgr: bool) -> None:
+    """``exec FILE``: plan, run, and end as the script ended."""
+    from .. import trust
+    from ..file_runner import ScriptCgroups, exit_as, inherited_ignored, run_script
+    from ..file_sandbox import plan_script, script_environment
+    from ..interpreter import choose_python
+
+    ignored = inherited_ignored()  # before any handler of ours
+    settings = worker_settings()
+    write_cwd = bool(settings.write_cwd)
+    if settings.preload:
+        fail("--preload is for workers and --jsonl samples: a script imports what it imports")
+    if settings.keep_output or settings.max_output != OUTPUT_CAP:
+        fail("--keep-output and --max-output are for workers and --jsonl samples: a script's output goes "
+             "where you send it")
+    policy = settings.policy()
+    if policy.mode == "none":
+        click.echo("agentloop: warning: --sandbox none runs the script unconfined", err=True)
+    cgroups = plan = grant = None
     try:
-        options = worker_settings()
-        # A stream bound for a terminal is a terminal for the code too (a pty of its own: colours
-        # and progress bars behave as under python; what reaches the screen is still made
-        # inert); with --json, or piped, it stays a pipe.
-        tty = () if as_json else tuple(fd for fd, sink in ((1, out), (2, err)) if sink.filter is not None)
-        result = asyncio.run(_exec(code, timeout, out, err, options.settings().replace(tty=tty),
-                                   options.workspace, script))
+        # (A Python in the workspace model code writes by default is refused, whatever exec writes.)
+        python = choose_python(settings.python, workspace=settings.workspace or Path("files"))
+        program = [python, _program_file(file), *args]
+        env = script_environment(os.environ, passed=env_names, configured=_key_variables())
+        cgroups = ScriptCgroups(policy)
+        plan = plan_script(policy, python=python, cwd=Path.cwd(), script=None if file == "-" else file,
+                           write_cwd=write_cwd, workspace=settings.workspace, environ=env,
+                           memory_cgroup=cgroups.memory is not None, pids_cgroup=cgroups.pids)
+        for note in plan.notes:
+            log.info("%s", note)  # (agentloop -v exec ...: the script's stderr is its own)
+        if policy.mode != "none":  # (what the script writes is told from the user's own files later)
+            grant = trust.open_grant(plan.writable, plan.kept if plan.pid_namespace else ())
+        result = run_script(plan, program, env, python=python, timeout=timeout, allow_sgr=allow_sgr,
+                            stdout=2 if as_json else 1, ignored=ignored, cgroups=cgroups)
     except AgentloopError as exc:
         fail(str(exc))
+    except OSError as exc:
+        fail(f"cannot run the script: {exc.strerror or exc}")
     except KeyboardInterrupt:
         sys.exit(EXIT_INTERRUPTED)
     finally:
-        out.end()
-        err.end()
-    # A traceback, or sys.exit's message, is part of a script's output, where Python prints it;
-    # a script that exited (SystemExit, os._exit) gets no words of ours, as under Python.
-    on_its_own = result.exited or (result.status == "died" and not result.signal and result.exit_code)
-    if result.message and not on_its_own:
-        err.text(f"agentloop: {result.message}\n")
-    if result.refused_write():
-        err.text(f"agentloop: note: {writable_note(worker_settings().workspace or './files')}\n")
-    # All of it was streamed here; the file is kept only on request (then it is said where).
-    output_file = result.output_file if worker_settings().keep_output else None
-    if result.truncated and output_file:
-        whole = os.path.getsize(output_file) == result.output_bytes  # (a cut file ends saying so)
-        err.text(f"agentloop: the whole output is in {output_file}\n" if whole else
-                 f"agentloop: the output is in {output_file}, cut where it says why\n")
+        if grant is not None:
+            grant.end()
+        if cgroups is not None:
+            cgroups.close()
+        if plan is not None:
+            _remove_if_left_empty(plan.made)
+    if result.status == "failed":
+        fail(result.message)
+    if result.message:
+        click.echo(inert(f"agentloop: {result.message}"), err=True)
     if as_json:
-        click.echo(json.dumps({
-            "status": result.status, "exit_code": _exit_code(result),
-            "duration_s": round(result.duration_s, 4), "output_bytes": result.output_bytes,
-            "truncated": result.truncated, "output_file": output_file,
-        }))
-    sys.exit(_exit_code(result))
+        click.echo(json.dumps({"status": result.status, "exit_code": result.exit_code, "signal": result.signal,
+                               "duration_s": round(result.duration_s, 4), "message": result.message}))
+    exit_as(result)
 
 
-class _Sink:
-    """One of ``exec``'s output streams.  To a terminal, bytes go through an ``InertStream``
-    (its state carries sequences and characters split across chunks); to anything else they
-    pass unchanged.  Each stream decides on its own, as ``python script.py 2>log`` would."""
+def _program_file(file: str) -> str:
+    """FILE as python is given it: as the user wrote it, unless a link on its way leads out of
+    what the sandbox shows at that path (it then gets the file's real path).  ConfigError
+    for a file that cannot be read: nothing could run it."""
+    if file == "-":
+        return file
+    try:
+        os.stat(file)
+    except OSError as exc:
+        raise ConfigError(f"cannot open {file}: {exc.strerror}") from None
+    if not os.access(file, os.R_OK):
+        raise ConfigError(f"cannot open {file}: permission denied")
+    where = os.path.dirname(os.path.abspath(file))
+    return file if os.path.realpath(where) == where else os.path.realpath(file)
 
-    def __init__(self, stream, allow_sgr: bool) -> None:
-        self.stream = stream
-        self.buffer = stream.buffer
+
+def _key_variables() -> set[str]:
+    """The variables the model configuration names as holding API keys (never a script's)."""
+    from ..models import load_models
+
+    try:
+        registry = load_models()
+    except AgentloopError:
+        return {"LLM_API_KEY"}
+    return {"LLM_API_KEY", *(registry.get(alias).api_key_env for alias in registry.aliases())}
+
+
+def _remove_if_left_empty(made: tuple[str, ...]) -> None:
+    """What the sandbox made for the script (``./files`` of ``--read-only``, the ``.tmp`` that
+    is its ``$TMPDIR`` without bubblewrap) goes again when the script left it empty."""
+    for leftover in made:
         try:
-            terminal = stream.isatty()
-        except (AttributeError, ValueError):
-            terminal = False
-        self.filter = InertStream(allow_sgr=allow_sgr, encoding=stream.encoding or "utf-8") if terminal else None
-
-    def write(self, data: bytes) -> None:
-        if self.filter is not None:
-            data = self.filter.feed(data)
-        if data:
-            self.buffer.write(data)
-            self.buffer.flush()
-
-    def text(self, text: str) -> None:
-        """A whole message (agentloop's, or the code's traceback), after the output has ended."""
-        if self.filter is None:
-            self.stream.write(text)
-            self.stream.flush()
-        else:
-            self.buffer.write(inert(text).encode(self.filter.encoding, "replace"))
-            self.buffer.flush()
-
-    def end(self) -> None:
-        """The program's output ended: what a sequence cut short left in the filter is dropped."""
-        if self.filter is not None and (tail := self.filter.flush()):
-            self.buffer.write(tail)
-        self.buffer.flush()
+            os.rmdir(leftover)
+        except OSError:
+            pass
 
 
 def _run_samples(samples: Path, output: Path | None, file, as_json: bool, timeout: float, parallel: int | None,
@@ -191,33 +235,3 @@ def _run_samples(samples: Path, output: Path | None, file, as_json: bool, timeou
         sys.exit(EXIT_INTERRUPTED)
     print_summary(outcome.tally, output, None, outcome.stopped)
     sys.exit(outcome.exit_code)
-
-
-def _script(file, args: tuple[str, ...]) -> ScriptRun:
-    """What ``exec FILE ARGS`` runs as: the file's absolute path (``<stdin>`` for ``-``), the
-    arguments as given, and this process's stdin when it is a pipe or a file that is not the
-    code itself (a terminal is not read: a background job would stop on it)."""
-    if args[:1] == ("--",):
-        args = args[1:]
-    from_stdin = file.name in ("-", "<stdin>")
-    path = None if from_stdin else os.path.abspath(file.name)
-    stdin = None
-    if not from_stdin:
-        try:
-            if not os.isatty(0):
-                stdin = 0
-        except OSError:
-            stdin = None
-    return ScriptRun(path, ["-" if from_stdin else file.name, *args], stdin)
-
-
-async def _exec(code: str, timeout: float, out: _Sink, err: _Sink, settings: WorkerSettings,
-                workspace: Path | None, script: ScriptRun | None = None) -> BlockResult:
-    def show(chunk: OutputChunk) -> None:
-        (err if chunk.stream == "stderr" else out).write(chunk.data)
-
-    async with Engine(settings, workspace=workspace, pool=0) as engine:  # one worker: no pool
-        worker = await engine.start_worker("exec")
-        for note in worker.notes:
-            err.text(f"agentloop: {note}\n")
-        return await worker.run(code, timeout=timeout, block_id="main", on_output=show, script=script)

@@ -87,11 +87,14 @@ class _WorkerOptions:
     keep_output: bool = False
     max_output: int = OUTPUT_CAP
     limits: dict = field(default_factory=dict)
+    #: ``--write-cwd``: code writes the current directory (``write_options``); None: the command's default.
+    write_cwd: bool | None = None
     _built: WorkerSettings | None = None
 
     def policy(self) -> SandboxPolicy:
-        """The sandbox policy (mode, network, limits)."""
-        return SandboxPolicy(mode=self.sandbox, network=self.network, **self.limits)
+        """The sandbox policy (mode, network, limits).  Code that writes the current directory
+        runs as the user (``SandboxPolicy.as_caller``)."""
+        return SandboxPolicy(mode=self.sandbox, network=self.network, as_caller=bool(self.write_cwd), **self.limits)
 
     def python_choice(self) -> tuple[str, str]:
         """The workers' interpreter and which source chose it (``engine.interpreter.which_python``,
@@ -104,10 +107,15 @@ class _WorkerOptions:
 
     def settings(self) -> WorkerSettings:
         """The command's worker settings, built once: the policy (a warning on stderr for
-        ``--sandbox none``) and the interpreter ``python_choice`` chooses."""
+        ``--sandbox none``) and the interpreter ``python_choice`` chooses.  With ``--write-cwd``
+        the current directory becomes ``workspace``."""
         if self._built is None:
             if self.sandbox == "none":
                 click.echo("agentloop: warning: --sandbox none runs model code with your privileges", err=True)
+            if self.write_cwd:
+                if self.workspace is not None:
+                    fail("--workspace DIR goes with --read-only: with --write-cwd code writes the current directory")
+                self.workspace = Path.cwd()
             self._built = WorkerSettings(sandbox=self.policy(), python=self.python_choice()[0], preload=self.preload,
                                          keep_output=self.keep_output, max_output=self.max_output)
         return self._built
@@ -185,6 +193,22 @@ def worker_options(f):
                         "Show workers the current directory (read-only) even when it is /, a home directory "
                         "or holds homes / never show it (default: only a project directory)."),
     ])
+
+
+#: Where code may write, in the words of ``--help`` (and of the README's table).
+WRITE_HELP = ("Where code may write.  --write-cwd: the current directory, but its .git, agentloop.toml, virtual "
+              "environments (directories holding pyvenv.cfg), the interpreter and agentloop's own code stay "
+              "read-only; code runs as you (as root: uid 0 without capabilities).  --read-only: the current "
+              "directory is read-only, and code writes only to the workspace (./files, or --workspace DIR).  "
+              "Either way $TMPDIR is a private /tmp.")
+
+
+def write_options(write_cwd: bool):
+    """``--write-cwd/--read-only``, with the command's default (``exec``: the current
+    directory; ``run`` and ``chat``, whose code a model wrote: the workspace)."""
+    default = "--write-cwd" if write_cwd else "--read-only"
+    return click.option("--write-cwd/--read-only", "write_cwd", default=write_cwd, expose_value=False,
+                        callback=_setting("write_cwd"), help=f"{WRITE_HELP}  Default: {default}.")
 
 
 def _subagent_limit(ctx, param, value):
@@ -332,7 +356,7 @@ def terminated(signum: int, frame) -> None:
         raise KeyboardInterrupt
 
 
-__all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OWN", "EXIT_TIMEOUT", "Duration", "Size",
+__all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OWN", "EXIT_TIMEOUT", "WRITE_HELP", "Duration", "Size",
            "agent_options", "apply_max_tokens", "apply_options", "close_display", "ending", "fail",
            "host_functions", "load_registry", "make_display", "max_tokens_option", "modules", "run_until_done",
-           "same_terminal", "terminated", "worker_options", "worker_settings"]
+           "same_terminal", "terminated", "worker_options", "worker_settings", "write_options"]

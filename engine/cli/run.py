@@ -24,6 +24,7 @@ from .options import (
     same_terminal,
     worker_options,
     worker_settings,
+    write_options,
 )
 
 __all__ = ["run_cmd"]
@@ -38,6 +39,7 @@ _RUN_EXIT = {"answered": 0, "failed": 1, "timed_out": EXIT_TIMEOUT, "cancelled":
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object (answer, status, messages, tokens, cost, duration_s).")
 @worker_options
+@write_options(write_cwd=False)
 def run_cmd(task: str, model, models_file, max_messages, record, tools, root, quiet, protocol, timeout,
             as_json) -> None:
     """Run TASK to its end: the final answer alone on stdout, the live display on stderr.

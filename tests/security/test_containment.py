@@ -6,6 +6,7 @@ coordinator stopped by a signal leaves nothing behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import signal
@@ -19,7 +20,7 @@ import pytest
 from engine.engine import Engine
 from engine.sandbox import MiB, SandboxPolicy, host_support, plan
 
-from ..conftest import REPO, read_line, wait_until
+from ..conftest import REPO, wait_until
 from .harness import WAIT, Host, assert_still_works, attack, needs_namespaces
 
 pytestmark = pytest.mark.attack
@@ -328,12 +329,16 @@ async def test_output_files_never_collide(worker):
 # -- 17. a coordinator ended by a signal -----------------------------------------------------------
 
 def _coordinator(tmp_path: Path, runtime: str, code: str) -> subprocess.Popen:
+    """``exec --jsonl`` running ``code`` as its one sample: a coordinator with a fork server, its
+    sockets and its run directory (``exec FILE`` has none: the script is its sandbox's child)."""
     env = {**os.environ, "XDG_RUNTIME_DIR": runtime, "XDG_STATE_HOME": str(tmp_path / "state")}
-    script = tmp_path / "block.py"
-    script.write_text(code)
-    return subprocess.Popen([sys.executable, "-m", "engine.cli", "exec", "--timeout", "60s", str(script)],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
+    project = tmp_path / "project"
+    project.mkdir(exist_ok=True)
+    (project / "samples.jsonl").write_text(json.dumps({"id": "s", "code": code, "timeout": 60}) + "\n")
+    (project / "out.jsonl").unlink(missing_ok=True)
+    return subprocess.Popen([sys.executable, "-m", "engine.cli", "exec", "--jsonl", "samples.jsonl", "-o", "out.jsonl",
+                             "--progress", "none"], cwd=project, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
 
 
 def _left(runtime: str, tmp_path: Path) -> list[str]:
@@ -341,9 +346,10 @@ def _left(runtime: str, tmp_path: Path) -> list[str]:
     return sorted(str(p) for d in runs if d.is_dir() for p in d.iterdir())
 
 
-def _wait_ready(proc: subprocess.Popen) -> None:
-    line = read_line(proc.stdout, WAIT)
-    assert line.strip() == b"ready", (line, proc.stderr.read1(4096) if proc.poll() is not None else b"")
+def _wait_ready(proc: subprocess.Popen, runtime: str, tmp_path: Path) -> None:
+    """Wait until the coordinator has made its run's directories."""
+    assert wait_until(lambda: _left(runtime, tmp_path) or proc.poll() is not None, WAIT)
+    assert proc.poll() is None, proc.stderr.read1(4096)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
@@ -352,9 +358,8 @@ def test_a_stopped_coordinator_leaves_nothing(sig: int, tmp_path: Path):
     coordinator could not clean up, the next start removes."""
     runtime = tempfile.mkdtemp(prefix="al-", dir="/tmp")  # short: ipc:// paths are limited
     try:
-        proc = _coordinator(tmp_path, runtime, "import time\nprint('ready', flush=True)\ntime.sleep(60)\n")
-        _wait_ready(proc)
-        assert _left(runtime, tmp_path)  # the run's directories exist while it runs
+        proc = _coordinator(tmp_path, runtime, "import time\ntime.sleep(60)\n")
+        _wait_ready(proc, runtime, tmp_path)  # the run's directories exist while it runs
         proc.send_signal(sig)
         proc.wait(timeout=WAIT)
         if sig == signal.SIGTERM:
@@ -362,8 +367,7 @@ def test_a_stopped_coordinator_leaves_nothing(sig: int, tmp_path: Path):
             assert _left(runtime, tmp_path) == []
         else:
             assert _left(runtime, tmp_path)  # nobody could clean up ...
-            nxt = _coordinator(tmp_path, runtime, "print('ready', flush=True)\n")
-            _wait_ready(nxt)
+            nxt = _coordinator(tmp_path, runtime, "print('ready')\n")
             nxt.wait(timeout=WAIT)
             assert nxt.returncode == 0
             assert _left(runtime, tmp_path) == []  # ... until the next start
@@ -425,7 +429,7 @@ def test_a_python_a_worker_could_have_written_is_never_run(tmp_path):
             os.chown(place, _uids.UID_BASE + 7, _uids.UID_BASE + 7)  # as a root worker's files are
         proc = subprocess.run([sys.executable, "-m", "engine.cli", "exec", "--python", str(python), "x.py"],
                               capture_output=True, text=True, cwd=tmp_path, timeout=120,
-                              env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")})
+                              env={**os.environ, "XDG_STATE_HOME": str(tmp_path.parent / f"{tmp_path.name}-state")})
         assert proc.returncode == 125, proc.stderr
         assert "workspace" in proc.stderr or "which workers of a run write as" in proc.stderr, proc.stderr
         assert not marker.exists(), f"{python} ran"

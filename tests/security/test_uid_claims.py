@@ -43,16 +43,41 @@ def _colliding(parent: Path) -> tuple[Path, Path]:
     raise AssertionError("no collision found")
 
 
+#: A coordinator of its own (so that it can be killed): one worker on the workspace runs the code,
+#: prints its uid and ``ready``, and stays; SIGTERM ends it as it ends agentloop's commands.
+COORDINATOR = """
+import asyncio, signal, sys
+from engine.engine import Engine
+
+def stop(signum, frame):
+    raise KeyboardInterrupt
+
+signal.signal(signal.SIGTERM, stop)
+
+async def main():
+    async with Engine(cwd=sys.argv[1], workspace=sys.argv[2]) as engine:
+        worker = await engine.start_worker("a")
+        result = await worker.run(open(sys.argv[3]).read() + "\\nprint(os.getuid())", timeout=100)
+        print(result.output.strip(), flush=True)
+        print("ready", flush=True)
+        await asyncio.sleep(120)
+
+try:
+    asyncio.run(main())
+except KeyboardInterrupt:
+    sys.exit(143)
+"""
+
+
 def _run(project: Path, workspace: Path, state: Path, code: str) -> tuple[subprocess.Popen, int]:
-    """An ``agentloop exec`` coordinator in ``project`` running ``code`` (which prints its
-    uid, then ``ready``, then sleeps) on ``workspace``; returns it with its workers' uid."""
+    """A coordinator in ``project`` running ``code`` in a worker on ``workspace``; returns it
+    with its workers' uid once the worker has run the code."""
     script = state / f"{secrets.token_hex(4)}.py"
-    script.write_text("import os, time\n" + code + "\nprint(os.getuid(), flush=True)\nprint('ready', flush=True)\n"
-                      "time.sleep(120)\n")
+    script.write_text("import os\n" + code + "\n")
     env = {**os.environ, "XDG_STATE_HOME": str(state), "PYTHONPATH": str(_REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "exec", "--timeout", "150s",
-                             "--workspace", str(workspace), str(script)], cwd=project, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-c", COORDINATOR, str(project), str(workspace), str(script)],
+                            cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
     uid, ready = read_line(proc.stdout, WAIT), read_line(proc.stdout, WAIT)
     assert ready.strip() == b"ready", (uid, ready, proc.stderr.read1(4096) if proc.poll() is not None else b"")
     return proc, int(uid)
@@ -81,6 +106,7 @@ async def test_a_uid_is_not_handed_on_while_a_second_run_of_its_workspace_lives(
         shared, colliding = _colliding(project)
         first, uid = _run(project, shared, state, "")
         runs.append(first)
+        assert _uids.UID_BASE <= uid < _uids.UID_BASE + _uids.UID_SPAN  # a uid of the workspace's own
         second, same = _run(project, shared, state, f"open({str(shared / 'secret.txt')!r}, 'w').write({secret!r})\n"
                                                     f"os.chmod({str(shared / 'secret.txt')!r}, 0o600)")
         runs.append(second)

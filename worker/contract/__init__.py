@@ -12,6 +12,8 @@ stream is framed by ``framing``:
     fork      coordinator <-> fork server              its stdin/stdout, framed       contract.fork
     sample    coordinator <-> sample slot              unix socket, framed            contract.sample
     tools     coordinator <-> tool process             its stdin/stdout, framed JSON  contract.tools
+    confiner  coordinator <-> exec FILE's confiner     an argument, two pipes of      contract.confiner
+                                                       framed JSON
     start     coordinator -> any process it starts     environment variables          contract.start
 
 Shared by all: ``confinement`` (the spec a process applies to itself, and what this kernel can

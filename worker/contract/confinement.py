@@ -42,11 +42,13 @@ class Seccomp:
     """The filter's options.  ``socket_families``: what socket(2) may create (None: any; of
     netlink only routing); ``lock_session``: no setsid/setpgid, so one killpg reaches every
     descendant; ``shared_memory=False``: no memory RLIMIT_DATA cannot count (memfd_create, SysV
-    shmget, shared anonymous mmap)."""
+    shmget, shared anonymous mmap); ``set_id_modes=False``: no set-user-ID or set-group-ID
+    mode (chmod, files created so), for code that keeps uid 0."""
 
     socket_families: tuple[int, ...] | None = None
     lock_session: bool = False
     shared_memory: bool = True
+    set_id_modes: bool = True
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ class Confinement:
             if seccomp is not None:
                 families = is_optional(is_list(is_int(0, 64), 64))(seccomp.get("socket_families"))
                 seccomp = Seccomp(families, is_flag(seccomp.get("lock_session", False)),
-                                  is_flag(seccomp.get("shared_memory", True)))
+                                  is_flag(seccomp.get("shared_memory", True)), is_flag(seccomp.get("set_id_modes", True)))
             known = {f.name for f in dataclasses.fields(cls)}
             if set(raw) - known:
                 raise ContractError(f"confinement: unknown layer {sorted(set(raw) - known)[0]!r}")

@@ -1,0 +1,1 @@
+WHO = "project scripts"
