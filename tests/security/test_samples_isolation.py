@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine.engine import Engine
-from engine.launcher import _runtime_home
+from engine.run_dirs import runtime_home
 from engine.samples import Sample
 from engine.sandbox import SandboxPolicy, host_support
 
@@ -361,5 +361,5 @@ print(open("/proc/self/mountinfo").read(), open("/proc/self/cmdline").read(), sy
     # sockets, nothing.
     workspace = [line for line in seen.splitlines() if str(state) in line]
     assert workspace and all(line.split()[4].endswith("/samples/workspace") for line in workspace), workspace
-    for slot_path in (str(_runtime_home()), "ipc://"):
+    for slot_path in (str(runtime_home()), "ipc://"):
         assert slot_path not in seen, (slot_path, seen)
