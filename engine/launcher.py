@@ -49,7 +49,15 @@ from .output import OutputBudget
 from .protected import protected_paths
 from .provision import ColdStart, Provisioner, fork_server_refusal, insisted
 from .results import describe_exit
-from .run_dirs import held_alone, hold_workspace, missing_dirs, private_dir, remove_stale_runs, runtime_home
+from .run_dirs import (
+    give_back,
+    held_alone,
+    hold_workspace,
+    missing_dirs,
+    private_dir,
+    remove_stale_runs,
+    runtime_home,
+)
 from .settings import WorkerSettings
 from .shared_fork_server import RunView, SharedForkServer
 
@@ -106,7 +114,8 @@ class Launcher:
         #: The directories this run made for its workspace, the workspace first, then each missing
         #: parent (``--workspace /new/dir``): removed again, as far as nothing was written there.
         self._made: list[Path] = []
-        self._hold: int | None = None  # the workspace, open and locked shared (``_hold``)
+        self._hold: int | None = None  # the workspace, open and locked shared (``hold_workspace``)
+        self._found: os.stat_result | None = None
         self._uid_claim: str | None = None  # the workspace (real path) whose uid this run claimed
         #: Runtime packages the workers' Python lacks, loaded from agentloop's own copies.
         self.runtime_packages: dict[str, str] = {}
@@ -144,6 +153,8 @@ class Launcher:
         try:
             self._made = missing_dirs(self.workspace)
             self._hold = hold_workspace(self.workspace)
+            if self._hold is not None:
+                self._found = os.fstat(self._hold)  # its owner and mode, given back at close
             self.protected = protected_paths(self.workspace)
             self.output_dir.mkdir(parents=True, exist_ok=True)
             os.chmod(self.run_dir, 0o700)
@@ -197,9 +208,10 @@ class Launcher:
 
     async def close(self) -> None:
         """Kill the fork server, destroy the context, remove the sockets, the cgroups and the
-        run's directory (unless ``keep_output``; then only when empty), and the workspace when
-        this run made it and nothing was written there.  Workers are closed by their owners
-        before this."""
+        run's directory (unless ``keep_output``; then only when empty); give the workspace back
+        its group and mode, or remove it when this run made it and nothing was written there
+        (either only when no other run holds it).  Workers are closed by their owners before
+        this."""
         if self._provisioner is not None and self._provisioner is not self._shared_view:
             await self._provisioner.close()
         if self._spares is not None:
@@ -228,7 +240,10 @@ class Launcher:
             (self.run_dir / ".kept").unlink()
             self.run_dir.rmdir()
         if self._hold is not None:
-            if self._made and held_alone(self._hold):  # (another run on it keeps it, with what it made)
+            alone = held_alone(self._hold)  # (another run on it keeps it as it is)
+            if alone and self._found is not None:
+                give_back(self._hold, self._found)
+            if self._made and alone:
                 for leftover in (self.workspace / ".tmp", *self._made):  # (.tmp: the fallback's TMPDIR)
                     try:
                         leftover.rmdir()

@@ -7,12 +7,13 @@ import contextlib
 import errno
 import fcntl
 import os
+import stat
 from pathlib import Path
 
 from ._tree import remove_tree
 from .errors import ConfigError
 
-__all__ = ["held_alone", "hold_workspace", "missing_dirs", "private_dir", "remove_stale_runs", "runtime_home"]
+__all__ = ["give_back", "held_alone", "hold_workspace", "missing_dirs", "private_dir", "remove_stale_runs", "runtime_home"]
 
 
 def missing_dirs(path: Path) -> list[Path]:
@@ -56,6 +57,18 @@ def held_alone(fd: int) -> bool:
     except BlockingIOError:
         return False
     return True
+
+
+def give_back(fd: int, found: os.stat_result) -> None:
+    """The directory open as ``fd`` gets back the group and mode it had when ``found`` was taken:
+    a run as root shares its workspace with its workers' group (``sandbox``, mode 3770), and the
+    user's directory must not keep that after the run."""
+    with contextlib.suppress(OSError):
+        now = os.fstat(fd)
+        if now.st_gid != found.st_gid and now.st_uid == found.st_uid:
+            os.fchown(fd, -1, found.st_gid)
+        if stat.S_IMODE(now.st_mode) != stat.S_IMODE(found.st_mode):
+            os.fchmod(fd, stat.S_IMODE(found.st_mode))
 
 
 def runtime_home() -> Path:
