@@ -20,8 +20,8 @@ most, named in ``MAX_AGENT_NAME`` characters (the run keeps them all); and the l
 gets each output line cut to ``DISPLAY_LINE_BYTES``, so a line of any length costs nothing.
 
 A reply the server cut at the length cap (``finish_reason: "length"``) is never taken as the
-answer: what it completed runs, the model is told where it was cut and continues, and after
-``MAX_CUT_REPLIES`` cut replies in a row the run fails saying so.
+answer: what it completed runs, the model is told where it was cut and continues; so with an
+empty reply (``reply_guard``).
 
 While the worker starts, the model's endpoint is asked what it serves (``model_server``): a
 context window the configuration leaves out is taken from the server, and the connection the
@@ -56,13 +56,11 @@ from .errors import AgentError, ConfigError
 from .llm import Chat
 from .model_server import ServerInfo, connect
 from .models import ModelConfig, ModelRegistry
+from .reply_guard import ReplyGuard
 from .subagents import SubagentBudget, subagent_limit
 from .worker import Worker
 
-__all__ = [
-    "Agent", "DEFAULT_REMIND_AT", "EMPTY_REPLY_NOTE", "MAX_AGENT_NAME", "MAX_CUT_REPLIES",
-    "MAX_EMPTY_REPLIES", "STOP_SEQUENCES"
-]
+__all__ = ["Agent", "DEFAULT_REMIND_AT", "MAX_AGENT_NAME", "STOP_SEQUENCES"]
 
 #: Characters of a sub-agent's name, at most.
 MAX_AGENT_NAME = 64
@@ -72,13 +70,7 @@ MAX_AGENT_NAME = 64
 STOP_SEQUENCES = [f"\n{tag}" for tag in tags.HALLUCINATION_STOPS]
 #: Compaction reminder threshold when the model's context window is unknown.
 DEFAULT_REMIND_AT = 16_000
-#: Replies cut at the length cap in a row after which a run gives up: a model that never ends
-#: its turn (a base model, a loop) would otherwise spend its whole message budget that way.
-MAX_CUT_REPLIES = 3
-#: Empty replies in a row that end a run: the first is answered with ``EMPTY_REPLY_NOTE``.
-MAX_EMPTY_REPLIES = 2
-EMPTY_REPLY_NOTE = ("your reply was empty: no text, no code, no tool call. Reply with your final answer in "
-                    "plain text, or with the code or sub-agents you want run.")
+
 
 class Agent:
     """Conversation loop, block runtime and the API exposed (as ``self``) to code the model writes."""
@@ -131,8 +123,7 @@ class Agent:
         self.result_value: str | None = None
         self.released = False  # its worker was closed to make room for newer sub-agents
         self.messages_sent = 0
-        self._cut_replies = 0  # replies cut at the length cap in a row
-        self._empty_replies = 0  # empty replies in a row that would have ended the run
+        self.replies = ReplyGuard()  # cut and empty replies in a row
         self.server = ServerInfo()  # what the endpoint said about itself, once started
         self._block_ids = itertools.count(1)
 
@@ -295,39 +286,24 @@ class Agent:
                 waker.cancel()
 
     def check_length(self, reply: str, *, invented: bool = False) -> None:
-        """After a reply: if the server cut it at the length cap, queue the words that tell the
-        model so (the run cannot end on it) and count it; raise AgentError once ``MAX_CUT_REPLIES``
-        replies in a row were cut.  A reply already cut where the model invented a result is
-        not: what came after that was never going to be used."""
+        """After a reply: when the server cut it at the length cap, the model is told (the run
+        cannot end on it); see ``ReplyGuard.after_cut``."""
         assert self.chat is not None
-        if self.chat.last_finish_reason != "length" or invented:
-            self._cut_replies = 0
-            return
-        self._cut_replies += 1
-        cap = self.chat.last_max_tokens
-        self._event("note", message=f"the reply was cut at the length cap ({cap} tokens); the model is told")
-        if self._cut_replies >= MAX_CUT_REPLIES:
-            raise AgentError(f"the model's last {self._cut_replies} replies were all cut at the length cap "
-                             f"(max_tokens={cap}) without finishing: raise it (--max-tokens, max_tokens in "
-                             "agentloop.toml) or ask for something shorter")
-        self.inbox.append(tags.format_reply_cut(cap, reply))
+        told = self.replies.after_cut(self.chat.last_finish_reason, self.chat.last_max_tokens, reply,
+                                      invented=invented)
+        if told is not None:
+            self._event("note", message=f"the reply was cut at the length cap ({self.chat.last_max_tokens} "
+                                        "tokens); the model is told")
+            self.inbox.append(told)
 
     def empty_reply(self, reply: str, *, calls: bool = False) -> bool:
-        """After each reply: True when it would end the run but is empty (no text, no code, no
-        tool call) — the model is then told so, once, and the loop goes on.  A second such
-        reply in a row raises AgentError.  An empty answer is a fault of the model or the
-        server, never an answer; an empty reply while work runs only means "keep going"."""
-        if reply.strip() or calls:
-            self._empty_replies = 0
+        """After each reply: True when it would end the run but is empty, and the model was told
+        so (``ReplyGuard.after_empty``); the loop goes on."""
+        told = self.replies.after_empty(reply, calls=calls, would_end=self.is_completed())
+        if told is None:
             return False
-        if not self.is_completed():
-            return False
-        self._empty_replies += 1
-        if self._empty_replies >= MAX_EMPTY_REPLIES:
-            raise AgentError(f"the model's reply was empty {self._empty_replies} times in a row (no text, no "
-                             "code, no tool call), even after it was told")
         self._event("note", message="the reply was empty; the model is told")
-        self.inbox.append(tags.format_error(" reason=empty", EMPTY_REPLY_NOTE))
+        self.inbox.append(told)
         return True
 
     def context_note(self) -> str:

@@ -43,6 +43,7 @@ from . import interpreter, sandbox, trust
 from ._bwrap import beneath
 from .errors import ConfigError
 from .protected import protected_paths
+from .run_dirs import missing_dirs
 
 __all__ = ["SECRET_PATTERNS", "ScriptPlan", "kept_read_only", "plan_script", "script_environment", "secret_names"]
 
@@ -121,7 +122,7 @@ def plan_script(policy: sandbox.SandboxPolicy, *, python: str, cwd: Path, script
         target = cwd
     else:
         target = Path(os.path.realpath(workspace or cwd / "files"))
-    made = tuple(str(d) for d in (target / ".tmp", *_missing(target)))  # (.tmp: TMPDIR without bubblewrap)
+    made = tuple(str(d) for d in (target / ".tmp", *missing_dirs(target)))  # (.tmp: TMPDIR without bubblewrap)
     _refuse_inside_installation(target, python)
     try:
         trust.refuse_holding_record(target)
@@ -163,16 +164,6 @@ def kept_read_only(directory: Path, python: str) -> tuple[str, ...]:
     virtual environments), and the interpreter's directories and agentloop's own code where
     they lie there."""
     return protected_paths(directory, _installation(python))
-
-
-def _missing(path: Path) -> list[Path]:
-    """``path`` and each of its parents that does not exist, deepest first."""
-    missing = []
-    for place in (path, *path.parents):
-        if os.path.lexists(place):
-            break
-        missing.append(place)
-    return missing
 
 
 def _installation(python: str) -> list[str]:

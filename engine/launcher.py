@@ -21,8 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import errno
-import fcntl
 import logging
 import os
 import secrets
@@ -51,6 +49,15 @@ from .output import OutputBudget
 from .protected import protected_paths
 from .provision import ColdStart, Provisioner, cold_note, fork_server_refusal, insisted
 from .results import describe_exit
+from .run_dirs import (
+    give_back,
+    held_alone,
+    hold_workspace,
+    missing_dirs,
+    private_dir,
+    remove_stale_runs,
+    runtime_home,
+)
 from .settings import WorkerSettings
 from .shared_fork_server import RunView, SharedForkServer
 
@@ -73,72 +80,6 @@ log = logging.getLogger("agentloop")
 _detailed: set[str] = set()
 
 
-def _missing(path: Path) -> list[Path]:
-    """``path`` and each of its parents that does not exist, deepest first."""
-    missing = []
-    for place in (path.absolute(), *path.absolute().parents):
-        if os.path.lexists(place):
-            break
-        missing.append(place)
-    return missing
-
-
-def _hold(workspace: Path) -> int | None:
-    """``workspace``, made if missing, open with a shared ``flock`` on it: every run on a
-    workspace holds one while it lives, and the run that made it removes it only when it can
-    lock it alone (``Launcher.close``), so that no run removes a workspace another one (of this
-    process or another) has started to use.  None when something else holds it exclusively (a
-    worker may): then no run removes it while that lasts."""
-    for _ in range(8):  # each turn lost to a run removing it at that moment: a few at most
-        workspace.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        with contextlib.suppress(FileNotFoundError):
-            if os.path.samestat(os.fstat(fd), os.stat(workspace)):
-                return fd
-        os.close(fd)  # removed between the look and the lock: make it again
-    raise OSError(errno.EAGAIN, f"the workspace {workspace} was removed under this run again and again")
-
-
-def _alone(fd: int) -> bool:
-    """Whether the lock on ``fd`` (``_hold``'s) could be made exclusive: no other run holds it."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
-
-
-def _runtime_home() -> Path:
-    # Short on purpose: an ipc:// path must fit in 107 bytes.
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isdir(xdg) and len(xdg) < 40:
-        return Path(xdg) / "agentloop"
-    return Path("/tmp") / f"agentloop-{os.getuid()}"
-
-
-def _remove_stale_runs(parent: Path) -> None:
-    """Remove what coordinators that were killed (SIGKILL, a crash) left in ``parent``: run
-    directories are named ``DATE-TIME-PID-HEX``, and one whose PID no longer runs is stale.
-    A PID taken again by another process keeps its directory until that one ends too; a run
-    that was asked to keep its output (a ``.kept`` file) keeps it."""
-    with contextlib.suppress(OSError):
-        for entry in list(parent.iterdir()):
-            fields = entry.name.split("-")
-            if (len(fields) == 4 and fields[2].isdigit() and int(fields[2]) != os.getpid()
-                    and not os.path.exists(f"/proc/{fields[2]}") and entry.is_dir()
-                    and not entry.is_symlink() and entry.lstat().st_uid == os.getuid()
-                    and not (entry / ".kept").exists()):
-                remove_tree(entry)
-
-
 def _file_part(block_id: str) -> str:
     """``block_id`` as a short file-name part: ASCII letters, digits, ``-`` and ``.`` as they
     are, every other character as ``_`` and its UTF-8 bytes in hex (so ``x/y`` and ``x_y``
@@ -146,14 +87,6 @@ def _file_part(block_id: str) -> str:
     out = "".join(c if c.isascii() and (c.isalnum() or c in "-.") else
                   "".join(f"_{b:02x}" for b in c.encode()) for c in block_id)
     return out.lstrip(".")[:48]
-
-
-def _private_dir(path: Path) -> Path:
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.lstat()
-    if st.st_uid != os.getuid() or st.st_mode & 0o077 or path.is_symlink():
-        raise ConfigError(f"{path} is not a private directory of this user; remove it and retry")
-    return path
 
 
 class Launcher:
@@ -181,7 +114,8 @@ class Launcher:
         #: The directories this run made for its workspace, the workspace first, then each missing
         #: parent (``--workspace /new/dir``): removed again, as far as nothing was written there.
         self._made: list[Path] = []
-        self._hold: int | None = None  # the workspace, open and locked shared (``_hold``)
+        self._hold: int | None = None  # the workspace, open and locked shared (``hold_workspace``)
+        self._found: os.stat_result | None = None
         self._uid_claim: str | None = None  # the workspace (real path) whose uid this run claimed
         #: Runtime packages the workers' Python lacks, loaded from agentloop's own copies.
         self.runtime_packages: dict[str, str] = {}
@@ -217,16 +151,18 @@ class Launcher:
         if settings.sandbox.mode != "none":
             interpreter.check_workspace(self.workspace, settings.python)
         try:
-            self._made = _missing(self.workspace)
-            self._hold = _hold(self.workspace)
+            self._made = missing_dirs(self.workspace)
+            self._hold = hold_workspace(self.workspace)
+            if self._hold is not None:
+                self._found = os.fstat(self._hold)  # its owner and mode, given back at close
             self.protected = protected_paths(self.workspace)
             self.output_dir.mkdir(parents=True, exist_ok=True)
             os.chmod(self.run_dir, 0o700)
             if settings.keep_output:
                 (self.run_dir / ".kept").touch()
-            _remove_stale_runs(self.run_dir.parent)
-            runtime = _private_dir(_runtime_home())
-            _remove_stale_runs(runtime)
+            remove_stale_runs(self.run_dir.parent)
+            runtime = private_dir(runtime_home())
+            remove_stale_runs(runtime)
             if self._served_by_shared():
                 assert self.shared is not None
                 self.sock_root = self.shared.run_sockets(runtime)
@@ -272,9 +208,10 @@ class Launcher:
 
     async def close(self) -> None:
         """Kill the fork server, destroy the context, remove the sockets, the cgroups and the
-        run's directory (unless ``keep_output``; then only when empty), and the workspace when
-        this run made it and nothing was written there.  Workers are closed by their owners
-        before this."""
+        run's directory (unless ``keep_output``; then only when empty); give the workspace back
+        its group and mode, or remove it when this run made it and nothing was written there
+        (either only when no other run holds it).  Workers are closed by their owners before
+        this."""
         if self._provisioner is not None and self._provisioner is not self._shared_view:
             await self._provisioner.close()
         if self._spares is not None:
@@ -303,7 +240,10 @@ class Launcher:
             (self.run_dir / ".kept").unlink()
             self.run_dir.rmdir()
         if self._hold is not None:
-            if self._made and _alone(self._hold):  # (another run on it keeps it, with what it made)
+            alone = held_alone(self._hold)  # (another run on it keeps it as it is)
+            if alone and self._found is not None:
+                give_back(self._hold, self._found)
+            if self._made and alone:
                 for leftover in (self.workspace / ".tmp", *self._made):  # (.tmp: the fallback's TMPDIR)
                     try:
                         leftover.rmdir()

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from engine.agent import EMPTY_REPLY_NOTE
 from engine.display import AgentDisplay
 from engine.models import ModelConfig, ModelRegistry
+from engine.reply_guard import EMPTY_REPLY_NOTE
 from engine.runner import run_task
 from engine.scripted import ScriptedServer
 from engine.sequence import sequence_problems

@@ -84,6 +84,24 @@ def test_run_with_write_cwd_writes_the_current_directory_as_the_user(tmp_path):
     assert sorted(os.listdir(project)) == [".git", "made.txt"]
 
 
+def test_a_workspace_of_model_code_gets_its_group_and_mode_back(tmp_path):
+    # As root, model code runs under a uid of the run's and the workspace is shared with it
+    # (group, mode 3770) while the run lasts; the user's directory does not keep that after it.
+    workspace = tmp_path / "project"
+    workspace.mkdir(mode=0o750)
+    before = workspace.stat()
+    code = "open('made.txt', 'w').write('m')\nimport os\nprint(oct(os.stat('.').st_mode & 0o7777))\n"
+    script = {"*": [f"<run_code>\n{code}\n</run_code>", "done"]}
+    with ScriptedServer(script) as server:
+        proc = _agentloop(tmp_path, tmp_path / "state", "run", "write", "-q", "--workspace", str(workspace),
+                          LLM_URL=server.url)
+        result = server.requests[1]["messages"][-1]["content"]
+    assert proc.returncode == 0, proc.stderr
+    assert (workspace / "made.txt").read_text() == "m", result
+    after = workspace.stat()
+    assert (after.st_mode, after.st_uid, after.st_gid) == (before.st_mode, before.st_uid, before.st_gid), result
+
+
 def test_one_table_in_the_readme_and_the_same_words_in_help():
     # Where code may write is said once: --help of every command that has the flag and the
     # README's table use the same words, and each command says its own default.

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine.engine import Engine
-from engine.launcher import _runtime_home
+from engine.run_dirs import runtime_home
 from engine.samples import Sample
 from engine.sandbox import SandboxPolicy
 
@@ -378,9 +378,9 @@ print(open("/proc/self/mountinfo").read(), open("/proc/self/cmdline").read(), sy
     assert "ipc://" not in seen, seen
     if os.geteuid() == 0:
         assert all(line.split()[4].endswith("/samples/workspace") for line in workspace), workspace
-        assert str(_runtime_home()) not in seen, seen
+        assert str(runtime_home()) not in seen, seen
     else:  # the layers of the server's sandbox are locked beneath covers (README): named, never shown
         listed = json.loads(probes["LISTED"])
         for point, names in listed.items():
-            if point.startswith((str(state), str(_runtime_home()))) and not point.endswith("/samples/workspace"):
+            if point.startswith((str(state), str(runtime_home()))) and not point.endswith("/samples/workspace"):
                 assert not names, (point, names)
