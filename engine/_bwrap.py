@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["View", "beneath", "bwrap_argv", "make_parents", "namespace_flags", "outermost"]
+__all__ = ["View", "beneath", "bwrap_argv", "fork_server_argv", "make_parents", "namespace_flags", "outermost"]
 
 
 def namespace_flags(root: bool, network: bool) -> list[str]:
@@ -26,6 +26,23 @@ def namespace_flags(root: bool, network: bool) -> list[str]:
         # Unprivileged: a user namespace, and no further ones inside it.
         flags += ["--unshare-user", "--disable-userns"]
     return flags + ["--die-with-parent", "--new-session"]
+
+
+def fork_server_argv(argv: list[str], *, root: bool, kill: bool = False) -> list[str]:
+    """A sandbox's command line (``bwrap_argv``'s) made a fork server's: with the capabilities
+    it makes each process's namespaces and mounts with, which every process drops before it
+    runs code.  Root's server holds them without a user namespace (``kill``: CAP_KILL too, for
+    a slot whose samples run as another uid).  An unprivileged server holds them in bubblewrap's
+    user namespace, and may make user namespaces: it gives each process one of its own, which
+    then allows none below it (``worker.fork_server``)."""
+    caps = ["--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_NET_ADMIN"]
+    if root:
+        at = argv.index("--cap-drop") + 2
+        caps = ["--cap-add", "CAP_KILL", *caps] if kill else caps
+    else:
+        argv = [a for a in argv if a != "--disable-userns"]
+        at = argv.index("--unshare-user") + 1
+    return [*argv[:at], *caps, *argv[at:]]
 
 
 def outermost(paths: list[str]) -> tuple[str, ...]:

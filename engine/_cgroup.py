@@ -10,9 +10,14 @@ of a uid, which all the workers of a run share: a pids cgroup is each worker's o
 The coordinator makes ``agentloop-<pid>-<run>/w<N>`` beneath its own cgroup in each hierarchy
 (cgroup v2, or the v1 hierarchy of the controller, where it may write there: root, or a
 delegated subtree) and moves a worker's processes in while it starts, checking again after its
-handshake, before it has run any code.  A fork server makes each worker's namespace init ahead
-of its request; ``SpareGroups`` puts that init in cgroups of its own ahead too, so the worker
-is born in them and its start waits for no move.  Where no memory cgroup can be made the sandbox refuses
+handshake, before it has run any code.  An unprivileged user may write a cgroup that was
+delegated to them: systemd's (``systemd-run --user --scope -p Delegate=yes agentloop ...``,
+cgroup v2) or a subtree an administrator handed over.  cgroup v2 hands a controller only to the
+children of a cgroup that holds no process, so in a delegated one the coordinator first moves
+itself into a leaf of its own (``agentloop-<pid>-self``), as systemd's documentation asks.  A
+fork server makes each worker's namespace init ahead of its request; ``SpareGroups`` puts that
+init in cgroups of its own ahead too, so the worker is born in them and its start waits for no
+move.  Where no memory cgroup can be made the sandbox refuses
 the shared-memory calls instead (see ``engine.sandbox``), and says so; where no pids cgroup can
 be made, RLIMIT_NPROC bounds the processes.
 """
@@ -85,8 +90,10 @@ class WorkerCgroups:
             own = _own_dir(mount, v1, controller)
             if own is None or not os.access(own, os.W_OK):
                 continue
-            if not v1 and not _v2_controller_for_children(own, controller):
-                continue
+            if not v1:
+                own = _v2_parent(own, controller)
+                if own is None:
+                    continue
             _remove_stale(own)
             base = own / f"{_PREFIX}{os.getpid()}-{name}"
             try:
@@ -198,6 +205,45 @@ class WorkerCgroups:
         _rmdir(self.base)
 
 
+def _v2_parent(own: Path, controller: str) -> Path | None:
+    """Where this process makes worker cgroups in the v2 hierarchy: its own cgroup where that
+    can hand ``controller`` to children; else, where its own is delegated to it but holds
+    processes (this one), that cgroup, once this process has moved into a leaf of its own there
+    (only itself: another process left there keeps the controller from the children, and then
+    there is no cgroup here).  None: no worker cgroups."""
+    leaf = f"{_PREFIX}{os.getpid()}-self"
+    if own.name == leaf:  # moved there by an earlier call
+        own = own.parent
+    if _v2_controller_for_children(own, controller):
+        return own
+    if not _delegated(own):  # (root may write any cgroup: only one handed over is rearranged)
+        return None
+    try:
+        (own / leaf).mkdir(exist_ok=True)
+        (own / leaf / "cgroup.procs").write_text(str(os.getpid()))
+    except OSError as exc:
+        log.info("cannot leave the cgroup %s for a leaf: %s", own, exc)
+        _rmdir(own / leaf)
+        return None
+    return own if _v2_controller_for_children(own, controller) else None
+
+
+def _delegated(group: Path) -> bool:
+    """Whether ``group`` was handed to this process's user to arrange: it is theirs (not
+    root's), or systemd marked it delegated (``Delegate=yes``: the ``user.delegate`` or
+    ``trusted.delegate`` attribute)."""
+    try:
+        if os.geteuid() != 0 and group.stat().st_uid == os.geteuid():
+            return True
+    except OSError:
+        return False
+    for name in ("user.delegate", "trusted.delegate"):
+        with contextlib.suppress(OSError):
+            if os.getxattr(group, name).strip(b"\0") == b"1":
+                return True
+    return False
+
+
 def _v2_controller_for_children(own: Path, controller: str) -> bool:
     """cgroup v2 hands a controller to children only through ``subtree_control``, and only
     where the parent holds no process (the root excepted)."""
@@ -222,6 +268,28 @@ def _remove_stale(own: Path) -> None:
                     if child.is_dir():
                         _rmdir(child)
                 _rmdir(entry)
+
+
+def delegation_hint() -> str:
+    """How an unprivileged user gets a cgroup of their own here, in a sentence."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/run/user/{os.getuid()}"
+    run = "systemd-run --user --scope -p Delegate=yes agentloop ..."
+    if os.path.exists(os.path.join(runtime, "systemd", "private")):  # a user manager runs
+        return f"run agentloop as `{run}`"
+    if os.path.isdir("/run/systemd/system"):
+        return (f"you have no systemd user manager: `loginctl enable-linger {_user()}` (as root) starts one, "
+                f"then run agentloop as `{run}`")
+    return ("ask an administrator to delegate a cgroup subtree to you (make it, chown it and its "
+            "cgroup.procs to you, start your shell in it)")
+
+
+def _user() -> str:
+    try:
+        import pwd
+
+        return pwd.getpwuid(os.getuid()).pw_name
+    except (ImportError, KeyError):
+        return "$USER"
 
 
 def _read(path: Path) -> bytes:

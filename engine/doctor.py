@@ -13,7 +13,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine._cgroup import WorkerCgroups
+from engine._cgroup import WorkerCgroups, delegation_hint
+from engine.provision import fork_server_problem
 from engine.sandbox import HostSupport, SandboxPolicy, host_support, root_blocker
 
 __all__ = ["Layer", "report"]
@@ -81,8 +82,14 @@ def report(policy: SandboxPolicy) -> list[Layer]:
     cgroups = WorkerCgroups.find()
     if cgroups is not None:
         cgroups.close()
-    cg_why = ("a cgroup per worker: the limit bounds its whole tree, shared memory included"
-              if cgroups else "no writable cgroup (needs root or a delegated one): shared memory is refused instead")
+    if cgroups is not None:
+        where = "" if host.root else f", beneath {cgroups.base.parent}, delegated to you"
+        cg_why = f"a cgroup per worker{where}: the limit bounds its whole tree, shared memory included"
+    elif host.root:
+        cg_why = "no writable cgroup hierarchy with the memory controller: shared memory is refused instead"
+    else:
+        cg_why = ("no cgroup delegated to you: the limit is per process (RLIMIT_DATA) and shared memory "
+                  f"is refused; to get one, {delegation_hint()}")
     layers.append(Layer("memory cgroup", cgroups is not None, on and cgroups is not None, cg_why))
     switches = True
     if host.root:
@@ -119,4 +126,14 @@ def report(policy: SandboxPolicy) -> list[Layer]:
     layers.append(Layer("landlock", abi > 0, on and abi > 0, ll_why))
     sc_why = f"BPF filter for {arch}" if host.seccomp else f"unavailable (kernel or architecture {arch})"
     layers.append(Layer("seccomp", host.seccomp, on and host.seccomp, sc_why))
+    # Not a layer: how each worker's layers are made (forked, or started cold).
+    problem = fork_server_problem()
+    if problem is not None:
+        fs_why = f"{problem}: workers and code samples start cold (~100 ms each)"
+    elif not bw:
+        fs_why = "runs inside bubblewrap, which this sandbox mode does not use: workers start cold"
+    else:
+        fs_why = ("forks workers, sample slots and a batch's workers (~10 ms a worker instead of ~100)"
+                  + ("" if host.root else ", in bubblewrap's user namespace, each in a user namespace of its own"))
+    layers.append(Layer("fork server", problem is None, on and bw and problem is None, fs_why))
     return layers

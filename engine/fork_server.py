@@ -28,10 +28,11 @@ from worker.contract.schema import ContractError
 from worker.contract.start import NAMES as START_NAMES
 from worker.contract.start import StartSpec
 
+from ._bwrap import fork_server_argv
 from ._process import STDERR_TAIL, Launch, Process, descendants, signal_quietly, watch_exit
 from .errors import WorkerStartError
 from .interpreter import runtime_argv
-from .sandbox import LaunchPlan
+from .sandbox import LaunchPlan, host_support
 from .settings import WorkerSettings
 
 __all__ = ["ForkServer", "ForkedProcess"]
@@ -181,13 +182,9 @@ class ForkServer:
 
     async def start(self) -> None:
         plan = self.plan
-        argv = list(plan.argv_prefix)
-        at = argv.index("--cap-drop") + 2
-        argv[at:at] = ["--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_NET_ADMIN"]
-        if self.own_workspace is not None:  # the server of code samples
-            # CAP_KILL: a sample slot kills what its samples (another uid) leave running.  A
-            # worker drops every capability before it runs code.
-            argv[at:at] = ["--cap-add", "CAP_KILL"]
+        # CAP_KILL for the server of code samples: a root slot kills what its samples (another
+        # uid) leave running.
+        argv = fork_server_argv(plan.argv_prefix, root=host_support().root, kill=self.own_workspace is not None)
         env = {k: v for k, v in self.env.items() if k not in START_NAMES}  # it confines nothing itself
         env.update(StartSpec(preload=self.settings.preload).to_env())
         self._proc = await asyncio.create_subprocess_exec(

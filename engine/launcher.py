@@ -47,7 +47,7 @@ from .errors import ConfigError, WorkerStartError
 from .fork_server import ForkServer
 from .output import OutputBudget
 from .protected import protected_paths
-from .provision import ColdStart, Provisioner, fork_server_refusal, insisted
+from .provision import ColdStart, Provisioner, cold_note, fork_server_refusal, insisted
 from .results import describe_exit
 from .run_dirs import (
     give_back,
@@ -381,8 +381,9 @@ class Launcher:
             if detail not in _detailed:
                 _detailed.add(detail)
                 log.info("%s", detail)
+        note = cold_note(self.settings)
         return Launch(plan.argv_prefix, command, endpoint, env, Path(plan.cwd) if plan.cwd else self.cwd,
-                      plan.pid_namespace, plan.notes, serves_blocks=entry == WORKER)
+                      plan.pid_namespace, [*plan.notes, note] if note else plan.notes, serves_blocks=entry == WORKER)
 
     def own_uid(self, name: str) -> int | None:
         """A uid of its own for one process of this run (a sample slot: samples that run at

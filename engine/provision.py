@@ -26,17 +26,21 @@ The engine decides; the provisioners touch the OS; nothing here calls back up.
 
 from __future__ import annotations
 
-import os
+import subprocess
 import sys
 from collections.abc import Callable
+from functools import lru_cache
+from pathlib import Path
 from typing import Protocol
 
+from ._bwrap import fork_server_argv, namespace_flags
 from ._process import Launch, Process, spawn
 from .errors import ConfigError
+from .interpreter import runtime_argv
 from .sandbox import host_support
 from .settings import WorkerSettings
 
-__all__ = ["ColdStart", "Provisioner", "fork_server_refusal", "insisted"]
+__all__ = ["ColdStart", "Provisioner", "cold_note", "fork_server_problem", "fork_server_refusal", "insisted"]
 
 
 class Provisioner(Protocol):
@@ -71,20 +75,73 @@ class ColdStart:
         pass
 
 
+@lru_cache(maxsize=1)
+def fork_server_problem() -> str | None:
+    """Why a fork server cannot run here for this user (None: it can), in a few words.
+
+    Root's needs bubblewrap only.  An unprivileged user's runs in bubblewrap's user namespace
+    and gives each process it forks a user namespace of its own: a kernel or policy that allows
+    bubblewrap its namespace may still refuse one below it (AppArmor's restriction of
+    unprivileged user namespaces, a low ``user.max_user_namespaces``).  So that much is made
+    once, as the server makes it (``worker.fork_server.probe``): an interpreter started once
+    per process, in a sandbox of its own."""
+    host = host_support()
+    if host.bwrap is None:
+        return host.bwrap_problem
+    if host.root:
+        return None
+    argv = [host.bwrap, *namespace_flags(False, network=False), "--ro-bind", "/", "/", "--proc", "/proc",
+            "--dev", "/dev", "--"]
+    argv = fork_server_argv(argv, root=False) + runtime_argv(sys.executable, "worker.fork_server:probe")
+    try:
+        done = subprocess.run(argv, capture_output=True, timeout=30, stdin=subprocess.DEVNULL, cwd="/")
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bubblewrap failed to run ({exc})"
+    if done.returncode == 0:
+        return None
+    said = done.stderr.decode(errors="replace").strip().splitlines()
+    why = said[-1].removeprefix("agentloop fork server: worker start failed: ") if said else f"exit {done.returncode}"
+    if _read_sysctl("kernel/apparmor_restrict_unprivileged_userns") == "1":
+        why += "; AppArmor restricts unprivileged user namespaces (kernel.apparmor_restrict_unprivileged_userns=1)"
+    return f"the kernel refuses a user namespace inside bubblewrap's ({why})"
+
+
+def _read_sysctl(name: str) -> str | None:
+    try:
+        return Path("/proc/sys", name).read_text().strip()
+    except OSError:
+        return None
+
+
 def fork_server_refusal(settings: WorkerSettings) -> str | None:
     """Why no fork server can give workers with ``settings`` the isolation a cold start gives
-    them here (None: one can).  Today that takes bubblewrap and a coordinator running as root:
-    the server makes each worker's namespaces with capabilities it holds in the sandbox's."""
+    them here (None: one can).  That takes bubblewrap: the server makes each worker's
+    namespaces with capabilities it holds in the sandbox's (root's; an unprivileged user's in
+    bubblewrap's user namespace, which takes a kernel that allows a user namespace per worker
+    below it: ``fork_server_problem``)."""
     if settings.fork_server is False:
         return "workers start cold (fork_server=False)"
     if settings.sandbox.mode not in ("auto", "bwrap"):
         return f"the fork server runs inside bubblewrap, and the sandbox mode is {settings.sandbox.mode!r}"
-    host = host_support()
-    if host.bwrap is None:
-        return f"the fork server needs bubblewrap ({host.bwrap_problem})"
-    if os.geteuid() != 0 or sys.platform != "linux":
-        return "the fork server needs a coordinator running as root"
+    if sys.platform != "linux":
+        return "the fork server needs Linux"
+    problem = fork_server_problem()
+    if problem is not None:
+        return f"no fork server: {problem}"
     return None
+
+
+def cold_note(settings: WorkerSettings) -> str | None:
+    """One line for a run's start notes where its processes start cold although bubblewrap
+    works here and nothing in ``settings`` asked for that (a kernel that refuses an unprivileged
+    fork server the user namespaces it makes); None otherwise."""
+    if settings.fork_server is not None or settings.sandbox.mode not in ("auto", "bwrap"):
+        return None
+    host = host_support()
+    problem = fork_server_problem() if host.bwrap is not None else None
+    if problem is None:
+        return None
+    return f"sandbox: no fork server: {problem} — workers and code samples start cold (~100 ms each)"
 
 
 def insisted(settings: WorkerSettings, own_workspaces: bool, why: str) -> None:

@@ -13,8 +13,9 @@ Guarantees, for every sample:
   kills and reaps everything a sample started before the next begins.  Nothing a sample
   writes, starts or leaves behind is visible to another; a fork bomb, a memory bomb, an
   endless loop, a sample that kills its process group or fills ``/tmp`` costs its own result
-  only.  Where the fork server cannot run (it needs root and bubblewrap) each sample gets an
-  engine of its own instead: the same isolation, started cold (~100 ms a sample).
+  only.  Where no fork server can run (``provision.fork_server_refusal``: no bubblewrap, or a
+  kernel that refuses an unprivileged one its user namespaces) each sample gets an engine of
+  its own instead: the same isolation, started cold (~100 ms a sample).
 - Samples that run at once cannot reach each other: each has its own terminals (a devpts
   instance), ``/proc`` (its own processes only), PID and network namespaces, and, under a root
   coordinator, a uid of its own (each slot's), so no per-user kernel quota (inotify instances,
@@ -278,9 +279,9 @@ class SampleRunner:
     """Runs samples for ``Engine.map``, with the settings of the engine's launcher (``base``).
 
     Slots come from one launcher of the runner's own, kept from one ``map`` to the next.  Where
-    no fork server can give the isolation of a cold start (``provision.fork_server_refusal``:
-    today it needs root and bubblewrap), each sample gets a launcher and a worker of its own
-    with a workspace of its own instead: the same isolation, started cold."""
+    no fork server can give the isolation of a cold start (``provision.fork_server_refusal``),
+    each sample gets a launcher and a worker of its own with a workspace of its own instead: the
+    same isolation, started cold."""
 
     def __init__(self, base: Launcher) -> None:
         self.base = base

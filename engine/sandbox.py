@@ -414,7 +414,8 @@ def _confinement(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid:
         seccomp = Seccomp(socket_families=tuple(families), lock_session=not use_bwrap, shared_memory=memory_cgroup,
                           set_id_modes=not (host.root and uid is None))  # (uid 0 kept: engine._uid0)
         if not memory_cgroup:
-            details.append("sandbox: no memory cgroup here (it needs root or a delegated cgroup) — "
+            why = "it needs root or a delegated cgroup" if host.root else "none is delegated to you: `agentloop doctor` says how to get one"
+            details.append(f"sandbox: no memory cgroup here ({why}) — "
                            "the memory limit is per process, and memfd_create, SysV shared memory "
                            "and shared anonymous mmap are refused so that it holds")
     else:

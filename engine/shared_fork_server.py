@@ -22,9 +22,10 @@ namespace init ahead of its request, and
 ``_cgroup.SpareGroups`` puts it in cgroups of its own ahead too, which the run that gets it
 takes as its worker's (every run of the batch has the same limits).
 
-Offered where a fork server gives the isolation of a cold start (root with bubblewrap) and to
-runs that are alike: the same sandbox policy, Python and preloaded modules, ipc:// endpoints,
-a workspace, current directory and output directory beneath the runs directory, and no
+Offered where a fork server gives the isolation of a cold start (bubblewrap, as root or in a
+user namespace: ``provision.fork_server_refusal``) and to runs that are alike: the same
+sandbox policy, Python and preloaded modules, ipc:// endpoints, a workspace, current
+directory and output directory beneath the runs directory, and no
 directory of the system or of the Python beneath it (covering the runs directory would hide
 it).  A launcher handed a server that cannot serve it starts its workers cold.
 """

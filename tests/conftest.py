@@ -22,8 +22,15 @@ import pytest
 
 from engine import model_server, sequence
 from engine.engine import Engine
+from engine.provision import fork_server_refusal
+from engine.settings import WorkerSettings
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+#: Why workers start cold here (None: a fork server forks them, as root or unprivileged).
+NO_FORK_SERVER = fork_server_refusal(WorkerSettings())
+needs_fork_server = pytest.mark.skipif(NO_FORK_SERVER is not None, reason=str(NO_FORK_SERVER))
 
 
 @pytest.fixture(autouse=True, scope="session")

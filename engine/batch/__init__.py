@@ -17,7 +17,7 @@ batch in one line (exit 1), rather than recording every run as failed.
 Each run gets its own directory ``<output stem>.runs/<id>/``: ``workspace/`` (its working
 directory, where ``files`` are copied), ``transcript.jsonl`` (every display event, all
 attempts), ``state/`` (block outputs too large to keep in memory).  Runs share nothing else
-but the batch's one fork server (root with bubblewrap: ``RunSettings.shared_fork_server``),
+but the batch's one fork server (bubblewrap, as root or unprivileged: ``RunSettings.shared_fork_server``),
 which forks each run's workers in their run's view, uid, confinement and cgroups.
 
 Failures of the infrastructure (model endpoint unreachable or answering 5xx after the client's

@@ -167,8 +167,10 @@ async def test_agent_cpu_spin_is_killed_at_its_deadline(engine):
 #: Seconds the fork bomb runs before its deadline: about 0.5 s reach the process limit on an
 #: idle machine, several on a loaded one, and the attack asserts the limit was reached.
 BOMB_DEADLINE = 10
-# Every child forks forever; the parent reports the first refusal, then keeps forking and
-# ignores the cooperative cancel, so only the hard kill at the deadline ends it.
+# Every child forks forever; the parent reports the first refusal and how many it made, in
+# one write (among hundreds of spinning children it may not get the CPU for a second one
+# before the deadline), then keeps forking and ignores the cooperative cancel, so only the
+# hard kill at the deadline ends it.
 FORK_BOMB = PRINT_PID_NAMESPACE + '''
 import errno, os
 born = 0
@@ -176,7 +178,7 @@ while True:
     try:
         pid = os.fork()
     except OSError as exc:
-        print("fork:", type(exc).__name__, errno.errorcode[exc.errno], flush=True)
+        print("fork:", type(exc).__name__, errno.errorcode[exc.errno], "born:", born, flush=True)
         break
     if pid == 0:
         while True:
@@ -185,7 +187,6 @@ while True:
             except OSError:
                 pass
     born += 1
-print("born:", born, flush=True)
 while True:
     try:
         while True:
