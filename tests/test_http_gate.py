@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("mcp", reason="the mcp extra is not installed (pip install 'agentloop[test]')")
+pytest.importorskip("mcp", reason="the mcp extra is not installed (scripts/test installs it)")
 
 from engine.integrations.http_gate import host_allowed, origin_allowed  # noqa: E402
 

@@ -28,9 +28,10 @@ from typing import Any
 
 try:
     from mcp.types.version import HANDSHAKE_PROTOCOL_VERSIONS
-except ImportError as exc:  # the optional extra: say which one
-    raise ImportError(f"the MCP server needs the MCP SDK ({exc}); install it with: "
-                      "pip install 'agentloop[mcp]'") from exc
+except ImportError as exc:  # the optional extra: say how to get it
+    from ..extras import install_hint
+
+    raise ImportError(f"the MCP server needs the MCP SDK ({exc}): {install_hint('mcp')}") from exc
 
 __all__ = ["Client", "Clients", "NoClient", "SESSION_ID_HEADER", "session_directories"]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("smolagents", reason="the smolagents extra is not installed (pip install 'agentloop[test]')")
+pytest.importorskip("smolagents", reason="the smolagents extra is not installed (scripts/test installs it)")
 
 from engine.integrations.smolagents import AgentloopExecutor, CodeFailed  # noqa: E402
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("mcp", reason="the mcp extra is not installed (pip install 'agentloop[test]')")
+pytest.importorskip("mcp", reason="the mcp extra is not installed (scripts/test installs it)")
 
 import anyio  # noqa: E402
 import httpx  # noqa: E402
