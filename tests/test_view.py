@@ -143,7 +143,7 @@ def traced_batch(tmp_path_factory) -> dict:
             expected["failed"] += 1
         elif i % 25 == 7:
             # The deadline falls in its model request (its worker has started by then).
-            tasks.append({"id": f"t{i:04d}", "task": f"[slow {i}] this one is too slow", "timeout": "5s"})
+            tasks.append({"id": f"t{i:04d}", "task": f"[slow {i}] this one is too slow", "timeout": "2s"})
             expected["timed_out"] += 1
         else:
             tasks.append({"id": f"t{i:04d}", "task": f"[ok {i}] print a number"})

@@ -1,6 +1,6 @@
 """Messages as typed values: one class per message gives its builder and its checked parser.
 
-A message is a frozen dataclass whose fields say their type and bounds (``text``, ``blob``,
+A message is an immutable value whose fields say their type and bounds (``text``, ``blob``,
 ``integer``, ...).  Building one and calling ``to_wire`` gives the map that is sent (its kind
 under ``t``); ``Catalogue.parse`` turns a received map into an instance, checking every field,
 or raises ``ContractError``.  Past the parser nothing checks a field again: "parse, don't
@@ -13,7 +13,6 @@ never sends.  So a peer that breaks a bound is broken or hostile, and is treated
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, TypeVar
@@ -123,26 +122,86 @@ def is_any(value: Any) -> Any:
     return value
 
 
+class _Field:
+    """A field's declaration: its check and its default (or a factory making one)."""
+
+    __slots__ = ("check", "default", "factory")
+
+    def __init__(self, check: Check, default: Any, factory: Callable[[], Any] | None) -> None:
+        self.check, self.default, self.factory = check, default, factory
+
+
 def field(check: Check, default: Any = _MISSING) -> Any:
     """A message field that received values must pass ``check`` for.  A dict default is copied
     for each message."""
-    meta = {"check": check}
     if type(default) is dict:
-        return dataclasses.field(default_factory=dict, metadata=meta)
-    if default is _MISSING:
-        return dataclasses.field(metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
+        return _Field(check, _MISSING, dict)
+    return _Field(check, default, None)
 
 
 # -- messages ------------------------------------------------------------------------------------
 
 class Message:
-    """Base of every message class.  ``kind`` is its ``t``; subclasses are frozen dataclasses
-    declared with ``@message("kind")``."""
+    """Base of every message class.  ``kind`` is its ``t``; subclasses are declared with
+    ``@message("kind")``: immutable values built from their fields in order (positionally or by
+    name), equal when their class and fields are.
+
+    Not dataclasses: a dataclass compiles an ``__init__``, ``__eq__``, ``__repr__`` and more for
+    each class when it is made, which cost a cold worker ~20 ms for the contract's messages at
+    every start; these share one of each."""
 
     kind: ClassVar[str] = ""
     _checks: ClassVar[tuple[tuple[str, Check, bool], ...]] = ()
+    _specs: ClassVar[tuple[tuple[str, Any, Callable[[], Any] | None], ...]] = ()
+    _order: ClassVar[tuple[str, ...]] = ()
+    _names: ClassVar[frozenset[str]] = frozenset()
     _omit: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        specs = self._specs
+        if len(args) > len(specs):
+            raise TypeError(f"{type(self).__name__}() takes {len(specs)} fields, {len(args)} were given")
+        values = self.__dict__
+        values.update(zip(self._order, args, strict=False))  # (fewer args: the rest by name or default)
+        if kwargs:
+            if not kwargs.keys() <= self._names or not kwargs.keys().isdisjoint(values):
+                raise TypeError(f"{type(self).__name__}() got an unknown or repeated field "
+                                f"{sorted(k for k in kwargs if k not in self._names or k in values)[0]!r}")
+            values.update(kwargs)
+        if len(values) < len(specs):
+            self._fill(values)
+
+    def _fill(self, values: dict[str, Any]) -> None:
+        for name, default, factory in self._specs:
+            if name not in values:
+                if factory is not None:
+                    values[name] = factory()
+                elif default is _MISSING:
+                    raise TypeError(f"{type(self).__name__}() is missing its field {name!r}")
+                else:
+                    values[name] = default
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"a {type(self).__name__} cannot change: {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"a {type(self).__name__} cannot change: {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return self.__dict__ == other.__dict__
+
+    def __hash__(self) -> int:
+        return hash((type(self), *self.__dict__.values()))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={getattr(self, k)!r}' for k in self._order)})"
+
+    @classmethod
+    def fields(cls) -> tuple[tuple[str, Check, bool], ...]:
+        """``(name, check, required)`` of each field, in order."""
+        return cls._checks
 
     def to_wire(self) -> dict[str, Any]:
         """The map that is sent: ``t`` and every field, those at a default of None left out."""
@@ -170,7 +229,10 @@ class Message:
         if len(msg) > len(values) + ("t" in msg):
             extra = sorted(str(k)[:40] for k in msg if k != "t" and k not in values)
             raise ContractError(f"{cls.kind}: unknown field {extra[0]!r}")
-        made = cls(**values)
+        made = cls.__new__(cls)  # (checked above: no argument binding to do again)
+        if len(values) < len(cls._specs):
+            made._fill(values)
+        made.__dict__.update(values)
         made.validate()
         return made
 
@@ -179,25 +241,25 @@ class Message:
 
 
 def message(kind: str) -> Callable[[type[T]], type[T]]:
-    """Declare a message class: a frozen dataclass with slots whose ``t`` is ``kind``."""
+    """Declare a message class whose ``t`` is ``kind``: its annotated class attributes, in
+    order, each a ``field(...)``, are its fields."""
     def make(cls: type[T]) -> type[T]:
-        cls = dataclasses.dataclass(frozen=True, slots=True)(cls)
+        specs, checks, omit = [], [], set()
+        for name in cls.__dict__.get("__annotations__", {}):
+            spec = cls.__dict__.get(name)
+            if not isinstance(spec, _Field):
+                raise TypeError(f"{cls.__name__}.{name} has no check")
+            delattr(cls, name)  # (the instance's value is its own)
+            specs.append((name, spec.default, spec.factory))
+            checks.append((name, spec.check, spec.default is _MISSING and spec.factory is None))
+            if spec.default is None:
+                omit.add(name)
         cls.kind = kind
-        checks = []
-        omit = set()
-        for f in dataclasses.fields(cls):
-            check = f.metadata.get("check")
-            if check is None:
-                raise TypeError(f"{cls.__name__}.{f.name} has no check")
-            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-            checks.append((f.name, check, required))
-            if f.default is None:
-                omit.add(f.name)
-        cls._checks = tuple(checks)
-        cls._omit = frozenset(omit)
+        cls._specs, cls._checks = tuple(specs), tuple(checks)
+        cls._order = tuple(n for n, _, _ in specs)
+        cls._names, cls._omit = frozenset(cls._order), frozenset(omit)
         return cls
     return make
-
 
 
 class Catalogue:
