@@ -168,6 +168,17 @@ def planted_through(model: ScriptedServer, user: User, project: Path, *extra: st
     return [r for r in model.requests if "tidy up" in json.dumps(r)][1]["messages"][-1]["content"]
 
 
+def make_venv(user: User, venv: Path) -> Path:
+    """A virtual environment of ``user``'s at ``venv`` (skip where none can be made); its
+    site-packages."""
+    made = subprocess.run(["setpriv", "--reuid=alice", "--regid=alice", "--init-groups"] * (user.name == "alice")
+                          + [SYSTEM_PYTHON, "-m", "venv", "--without-pip", str(venv)], capture_output=True,
+                          text=True, timeout=WAIT)
+    if made.returncode != 0:
+        pytest.skip(reason=f"cannot make a virtual environment here: {made.stderr[-300:]}")
+    return next(venv.glob("lib/python3*/site-packages"))
+
+
 def evil_config(url: str, **more: str) -> str:
     lines = ['default = "x"', *(f'{k} = "{v}"' for k, v in more.items()), "[models.x]", f'base_url = "{url}"',
              'api_key_env = "LLM_API_KEY"']
@@ -383,12 +394,7 @@ def test_a_directory_a_pth_file_adds_is_looked_at_before_site_runs(user: User):
     assert "planted" in said, said
     tools = user.project("tools")
     venv = tools / "venv"
-    made = subprocess.run(["setpriv", "--reuid=alice", "--regid=alice", "--init-groups"] * (user.name == "alice")
-                          + [SYSTEM_PYTHON, "-m", "venv", "--without-pip", str(venv)], capture_output=True,
-                          text=True, timeout=WAIT)
-    if made.returncode != 0:
-        pytest.skip(reason=f"cannot make a virtual environment here: {made.stderr[-300:]}")
-    site = next(venv.glob("lib/python3*/site-packages"))
+    site = make_venv(user, venv)
     user.write(site / "project.pth", f"{project / 'lib'}\nimport projecthook\n")
     user.write(tools / "x.py", "print(1)\n")
     proc = user.agentloop("exec", "--python", str(venv / "bin" / "python"), "x.py", cwd=tools)
@@ -407,12 +413,7 @@ def test_a_virtual_environment_in_the_workspace_is_kept_or_refused(user: User, s
         pytest.skip(reason="Landlock is not available on this kernel")
     project = user.project()
     venv = project / ".venv"
-    made = subprocess.run(["setpriv", "--reuid=alice", "--regid=alice", "--init-groups"] * (user.name == "alice")
-                          + [SYSTEM_PYTHON, "-m", "venv", "--without-pip", str(venv)], capture_output=True,
-                          text=True, timeout=WAIT)
-    if made.returncode != 0:
-        pytest.skip(reason=f"cannot make a virtual environment here: {made.stderr[-300:]}")
-    site = next(venv.glob("lib/python3*/site-packages"))
+    site = make_venv(user, venv)
     said = planted_by(user, project, "try:\n"
                                      f"    open({str(site / 'sitecustomize.py')!r}, 'w').write('import os\\n')\n"
                                      "    print('planted')\n"
