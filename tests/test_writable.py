@@ -90,7 +90,7 @@ def test_a_workspace_of_model_code_gets_its_group_and_mode_back(tmp_path):
     workspace = tmp_path / "project"
     workspace.mkdir(mode=0o750)
     before = workspace.stat()
-    code = "open('made.txt', 'w').write('m')\nimport os\nprint(oct(os.stat('.').st_mode & 0o7777))\n"
+    code = f"open({str(workspace / 'made.txt')!r}, 'w').write('m')\n"
     script = {"*": [f"<run_code>\n{code}\n</run_code>", "done"]}
     with ScriptedServer(script) as server:
         proc = _agentloop(tmp_path, tmp_path / "state", "run", "write", "-q", "--workspace", str(workspace),
