@@ -5,8 +5,9 @@ runs code samples never loads the agent loop and its HTTP client."""
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .lazy import lazy_names
 
 #: Public name -> the module that defines it.
 _WHERE = {
@@ -37,16 +38,7 @@ if TYPE_CHECKING:
     from .worker import Worker, WorkerState
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names(__name__, _WHERE)
 
 __all__ = [
     "Agent",

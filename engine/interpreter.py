@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -130,12 +131,16 @@ def refuse_untrusted_paths(python: str) -> None:
     planted there would run in the fork server, with privileges.  The directories ``site`` would
     read are looked at first, from a run of ``python -S`` that executes no file of theirs: a
     planted ``.pth`` or ``sitecustomize`` must not run even in the probe."""
-    for paths in (lambda: _site_free_paths(python), lambda: probe(python).paths):  # the second runs site
-        for path in paths():
-            if os.path.isabs(path) and os.path.isdir(path):
-                why = trust.record_refusal(path, tree=path)
-                if why:
-                    raise UntrustedFile(f"the workers' Python {python} imports from {path}, which is not used: {why}")
+    _refuse_any(python, _site_free_paths(python))
+    _refuse_any(python, probe(python).paths)  # (this one runs site: only once the above passed)
+
+
+def _refuse_any(python: str, paths: Iterable[str]) -> None:
+    for path in paths:
+        if os.path.isabs(path) and os.path.isdir(path):
+            why = trust.record_refusal(path, tree=path)
+            if why:
+                raise UntrustedFile(f"the workers' Python {python} imports from {path}, which is not used: {why}")
 
 
 _PROBE = """
@@ -177,7 +182,8 @@ print(json.dumps(paths))
 """
 
 
-def _site_free_paths(python: str) -> list[str]:
+@lru_cache(maxsize=8)
+def _site_free_paths(python: str) -> tuple[str, ...]:
     """The prefixes, the paths, the site directories of ``python`` and the directories their
     ``.pth`` files add, asked with ``-S`` (the ``.pth`` files read as text): without ``-S``,
     ``site`` executes the ``.pth`` files' import lines and a ``sitecustomize`` from any of them."""
@@ -187,7 +193,7 @@ def _site_free_paths(python: str) -> list[str]:
         paths = json.loads(out)
     except (OSError, ValueError, subprocess.SubprocessError) as exc:
         raise SandboxError(f"cannot start the worker's python {python}: {exc}") from exc
-    return [path for path in paths if isinstance(path, str)]
+    return tuple(path for path in paths if isinstance(path, str))
 
 
 @lru_cache(maxsize=8)

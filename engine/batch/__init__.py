@@ -48,8 +48,9 @@ endpoint reaches the terminal) and never as rich markup; RESULTS.jsonl keeps the
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..lazy import lazy_names
 
 # Every name is imported when first used (PEP 562): ``exec --jsonl`` uses this package's
 # driver and results file without loading the agent loop that task runs need.
@@ -68,16 +69,7 @@ if TYPE_CHECKING:
     from .tasks import TaskSpec, read_tasks
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names(__name__, _WHERE)
 
 __all__ = ["BarView", "BatchOutcome", "ResultsFile", "RunSettings", "TaskSpec", "Tally", "default_parallel",
            "execute", "is_infrastructure", "make_record", "print_summary", "read_tasks", "run_batch"]
