@@ -7,20 +7,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .lazy import lazy_names
+from engine.lazy import lazy_names
 
 #: Public name -> the module that defines it.
 _WHERE = {
-    "Agent": "agent", "Engine": "engine", "AgentloopError": "errors", "ConfigError": "errors",
-    "ModelError": "errors", "ModelResponseError": "errors", "ModelUnreachable": "errors", "SandboxError": "errors",
-    "WorkerClosed": "errors", "WorkerError": "errors", "WorkerStartError": "errors", "BlockResult": "results",
-    "OutputChunk": "results", "RunResult": "runner", "make_agent": "runner", "run_task": "runner",
-    "SandboxPolicy": "sandbox", "Worker": "worker", "WorkerState": "worker",
+    "Agent": "agent", "RunResult": "agent", "make_agent": "agent", "run_task": "agent", "AgentloopError": "errors",
+    "ConfigError": "errors", "ModelError": "errors", "ModelResponseError": "errors", "ModelUnreachable": "errors",
+    "SandboxError": "errors", "WorkerClosed": "errors", "WorkerError": "errors", "WorkerStartError": "errors",
+    "BlockResult": "results", "OutputChunk": "results", "SandboxPolicy": "sandbox", "Engine": "workers",
+    "Worker": "workers", "WorkerState": "workers",
 }
 
 if TYPE_CHECKING:
-    from .agent import Agent
-    from .engine import Engine
+    from .agent import Agent, RunResult, make_agent, run_task
     from .errors import (
         AgentloopError,
         ConfigError,
@@ -33,9 +32,8 @@ if TYPE_CHECKING:
         WorkerStartError,
     )
     from .results import BlockResult, OutputChunk
-    from .runner import RunResult, make_agent, run_task
     from .sandbox import SandboxPolicy
-    from .worker import Worker, WorkerState
+    from .workers import Engine, Worker, WorkerState
 
 
 __getattr__, __dir__ = lazy_names(__name__, _WHERE)

@@ -11,7 +11,7 @@ it, which two witnesses tell:
   below is root's or the user's, which nobody else may replace;
 * **the coordinator's record** (``open_grant``): before a run's first worker starts, agentloop
   notes in its state directory which directory the workers may write, what it keeps read-only
-  there (``engine.protected``), and, once the last worker is gone, when the run ended.  A path
+  there (``engine.sandbox``), and, once the last worker is gone, when the run ended.  A path
   beneath such a directory that was not kept read-only and changed — its ctime, which no
   process can set — while workers could write there may be theirs.  As an unprivileged user
   the workers are that user: ownership tells nothing, and this record is the only witness.
@@ -36,13 +36,14 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from ._state import state_home
-from ._uids import UID_BASE, UID_SPAN
-from .errors import ConfigError, UntrustedFile
+from engine.errors import ConfigError, UntrustedFile
 
-__all__ = ["Grant", "check", "open_grant", "owner_refusal", "record_directory", "record_refusal", "refusal",
-           "refuse_holding_record"]
+__all__ = ["UID_BASE", "UID_SPAN", "Grant", "check", "open_grant", "owner_refusal", "record_directory", "record_refusal", "refusal",
+           "refuse_holding_record", "state_home"]
 
+#: The uids a root coordinator runs workers as (``engine.sandbox`` hands them out): a file one
+#: of them owns is a worker's.
+UID_BASE, UID_SPAN = 2_000_000_000, 100_000_000
 #: Seconds added on each side of a window: a ctime comes from the kernel's coarse clock, which
 #: lags the one the window was noted with by up to a tick; a ctime in whole seconds comes from a
 #: file system that keeps no finer one, and gets a second.
@@ -52,6 +53,13 @@ MARGIN, MARGIN_COARSE = 0.05, 1.0
 MAX_WINDOWS = 32
 #: Seconds between two sweeps of the record for directories that are gone.
 PRUNE_EVERY = 3600.0
+
+
+def state_home() -> Path:
+    """Where agentloop keeps what outlives one command: ``$XDG_STATE_HOME/agentloop``, by
+    default ``~/.local/state/agentloop`` (the runs' directories, this record)."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "agentloop"
 
 
 def record_directory() -> Path:

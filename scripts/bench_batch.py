@@ -1,5 +1,5 @@
 """The "batch" section of ``scripts/bench``: what a batch run pays to start its worker, with the
-batch's one fork server (``engine.shared_fork_server``) and cold (a bubblewrap sandbox and a fresh
+batch's one fork server (``engine.launch``) and cold (a bubblewrap sandbox and a fresh
 interpreter per worker: ``RunSettings(worker=WorkerSettings(fork_server=False))``, and every run where the server
 cannot be had).
 
@@ -29,7 +29,7 @@ Figures, milliseconds, p50/p99 over the runs:
 
 The targets: a batch run's worker start costs at most 20 ms with the shared server, and
 ``parallel`` at once (4 on 2 cores) reach 50 runs/s.  Needs a fork server (root's, or an
-unprivileged user's in a user namespace: ``engine.provision.fork_server_refusal``); elsewhere
+unprivileged user's in a user namespace: ``engine.launch.fork_server_refusal``); elsewhere
 both modes start cold and the section says so.
 
 ``python scripts/bench_batch.py [--quick]`` runs the section alone.
@@ -60,11 +60,11 @@ from bench_samples import CpuMeter  # noqa: E402 - scripts/bench_samples.py, bes
 
 from engine.batch import RunSettings, execute, run_batch  # noqa: E402
 from engine.batch.tasks import TaskSpec  # noqa: E402
-from engine.engine import Engine  # noqa: E402
+from engine.workers import Engine  # noqa: E402
 from engine.models import load_models  # noqa: E402
-from engine.provision import fork_server_refusal  # noqa: E402
+from engine.launch import fork_server_refusal  # noqa: E402
 from engine.scripted import ScriptedServer  # noqa: E402
-from engine.settings import WorkerSettings  # noqa: E402
+from engine.launch import WorkerSettings  # noqa: E402
 
 TARGET_MS = 20.0
 TARGET_RUNS_PER_S = 50.0

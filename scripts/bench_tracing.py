@@ -2,7 +2,7 @@
 
 Off, tracing costs nothing to measure here: no observer is attached and OpenTelemetry is not
 imported (compare ``exec_rtt_ms`` and the ``batch`` section with the figures of an earlier
-commit).  On, each run has one ``engine.spans.SpanObserver`` and the SDK's batching processor
+commit).  On, each run has one ``engine.observe._spans.SpanObserver`` and the SDK's batching processor
 sends the spans over OTLP/HTTP protobuf, here to a sink on loopback that answers 200.
 
 Figures:
@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import _section  # noqa: E402 - scripts/_section.py, beside this file
 
-from engine.engine import Engine  # noqa: E402
+from engine.workers import Engine  # noqa: E402
 from engine.models import load_models  # noqa: E402
-from engine.runner import run_task  # noqa: E402
+from engine.agent import run_task  # noqa: E402
 from engine.scripted import ScriptedServer  # noqa: E402
 
 BLOCKS = 20
@@ -59,7 +59,7 @@ def _stats(values: list[float], digits: int = 1) -> dict:
 def _tracing(endpoint: str):
     import os
 
-    from engine import tracing
+    from engine.observe import _tracing as tracing
 
     tracing.shutdown()
     os.environ.update({"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_TRACES_EXPORTER": "otlp"})
@@ -117,7 +117,7 @@ def measure(quick: bool = False, base: Path | None = None) -> dict:
         return {"note": "the OpenTelemetry SDK is not installed (scripts/bench installs it with the bench extra)"}
     sink = ThreadingHTTPServer(("127.0.0.1", 0), _Sink)
     threading.Thread(target=sink.serve_forever, daemon=True).start()
-    from engine import tracing
+    from engine.observe import _tracing as tracing
 
     try:
         current = _tracing(f"http://127.0.0.1:{sink.server_address[1]}")

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import model_server, sequence
-from engine.engine import Engine
-from engine.provision import fork_server_refusal
-from engine.settings import WorkerSettings
+from engine.launch import WorkerSettings, fork_server_refusal
+from engine.models import _server as model_server
+from engine.scripted import _sequence as sequence
+from engine.workers import Engine
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -58,7 +58,7 @@ def _fresh_model_probes():
 @pytest.fixture(autouse=True)
 def _valid_model_requests():
     """Every request a scripted server receives during a test must be a message sequence a
-    strict server accepts (``engine.sequence.sequence_problems``); the test fails otherwise.
+    strict server accepts (``engine.scripted._sequence.sequence_problems``); the test fails otherwise.
     A test that sends invalid ones on purpose takes them itself with ``sequence.take_invalid()``."""
     sequence.take_invalid()
     yield

@@ -1,10 +1,10 @@
-"""The fold from display events to timed pieces (``engine.activity``), on event sequences the
+"""The fold from display events to timed pieces (``engine.observe``), on event sequences the
 engine emits, including the awkward ones: a reply that arrives after its request ended, a
 sub-agent's follow-up task, a run that stops without saying so."""
 
 from __future__ import annotations
 
-from engine.activity import Activity, Piece
+from engine.observe import Activity, Piece
 
 
 class Listener:

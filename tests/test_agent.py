@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import re
 
-from engine.agent import Agent
-from engine.display import AgentDisplay
-from engine.engine import Engine
+from engine.agent import Agent, AgentDisplay, run_task
 from engine.models import ModelConfig, ModelRegistry
-from engine.runner import run_task
 from engine.scripted import Fail, ScriptedServer
+from engine.workers import Engine
 
 
 def registry(url: str, **extra) -> ModelRegistry:
@@ -200,7 +198,7 @@ async def test_unreachable_endpoint_is_one_clear_error(engine):
                                                    model="x", timeout=5)}, "default")
 
     def quick_chat(*args, **kwargs):
-        from engine.llm import Chat
+        from engine.models import Chat
         return Chat(*args, **kwargs, max_retries=1, backoff=0.01)
 
     result = await run_task("anything", models=models, engine=engine, chat_factory=quick_chat)
@@ -213,7 +211,7 @@ async def test_retries_on_server_errors(engine):
     script = {"flaky": [Fail(500, times=2), "<run_code>\nprint('after retries')\n</run_code>", "fine"]}
 
     def fast_chat(*args, **kwargs):
-        from engine.llm import Chat
+        from engine.models import Chat
         return Chat(*args, **kwargs, backoff=0.01)
 
     result, server = await solve(engine, script, "flaky", chat_factory=fast_chat)

@@ -10,8 +10,8 @@ import re
 
 import pytest
 
+from engine.agent import run_task
 from engine.models import ModelConfig, ModelRegistry
-from engine.runner import run_task
 from engine.scripted import ScriptedServer
 
 #: A block no interrupt can reach (it waits in the kernel with every signal blocked), so the

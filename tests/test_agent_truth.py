@@ -8,12 +8,11 @@ import json
 
 import pytest
 
-from engine.display import AgentDisplay
+from engine.agent import AgentDisplay, run_task
+from engine.agent._reply_guard import EMPTY_REPLY_NOTE
 from engine.models import ModelConfig, ModelRegistry
-from engine.reply_guard import EMPTY_REPLY_NOTE
-from engine.runner import run_task
 from engine.scripted import ScriptedServer
-from engine.sequence import sequence_problems
+from engine.scripted._sequence import sequence_problems
 
 
 def registry(url: str, protocol: str = "tags") -> ModelRegistry:

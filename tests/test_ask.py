@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from engine.ask import STOPPED, SYSTEM, AnswerStream
-from engine.display import read_recording
+from engine.agent import ASK_SYSTEM, AnswerStream
+from engine.agent._ask import STOPPED
+from engine.agent._display import read_recording
+from engine.agent._tool_protocol import embedded_calls
 from engine.inert import inert
-from engine.repo_tools import MAX_RESULT, TOOL_SCHEMAS
+from engine.models import strip_think
 from engine.scripted import Delay, Fail, ScriptedServer
-from engine.tags import strip_think
-from engine.tool_protocol import embedded_calls
+from engine.tools import MAX_RESULT, TOOL_SCHEMAS
 
 from .conftest import closed_port
 
@@ -92,7 +93,7 @@ def test_one_shot_uses_the_three_tools_and_cites_path_line(project, tmp_path):
         assert body["tools"] == TOOL_SCHEMAS  # the seed's three, word for word; nothing that runs code
         assert body["tool_choice"] == "auto"
     system, question = requests[0]["messages"]
-    assert system == {"role": "system", "content": SYSTEM.format(root=os.path.realpath(project))}
+    assert system == {"role": "system", "content": ASK_SYSTEM.format(root=os.path.realpath(project))}
     assert str(os.path.realpath(project)) in system["content"] and "path:line" in system["content"]
     assert question == {"role": "user", "content": "where is answer defined?"}
     first = tool_answers(requests[1])

@@ -14,21 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from engine._process import descendants
+from engine.agent import RunResult
+from engine.agent._display import read_recording
 from engine.batch import ResultsFile, RunSettings, default_parallel, is_infrastructure, read_tasks
 from engine.batch.results_file import Lock, redo_selector
 from engine.batch.run import run_slug
-from engine.display import read_recording
-from engine.engine import Engine
 from engine.errors import ConfigError, ModelError, WorkerError, WorkerStartError
-from engine.fork_server import ForkedProcess
-from engine.llm import Chat
-from engine.models import ModelConfig, load_models
-from engine.runner import RunResult
+from engine.launch import SharedForkServer, WorkerSettings, descendants
+from engine.launch._fork_server import ForkedProcess
+from engine.models import Chat, ModelConfig, load_models
 from engine.sandbox import GiB, SandboxPolicy
 from engine.scripted import Delay, Fail, ScriptedServer
-from engine.settings import WorkerSettings
-from engine.shared_fork_server import SharedForkServer
+from engine.workers import Engine
 
 from .conftest import closed_port, needs_fork_server, wait_until
 

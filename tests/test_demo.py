@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from engine.agent._display import read_recording
 from engine.cli.demo import COMPLETE
-from engine.display import read_recording
 
 AGENTLOOP = [sys.executable, "-m", "engine.cli"]
 

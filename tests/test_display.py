@@ -8,17 +8,10 @@ import json
 import pytest
 from rich.console import Console
 
-from engine.console import ConsoleDisplay
-from engine.display import (
-    AgentDisplay,
-    DispatchDisplay,
-    FanoutDisplay,
-    JsonlRecorder,
-    accepted_kwargs,
-    read_recording,
-    replay,
-)
+from engine.agent import AgentDisplay, DispatchDisplay, FanoutDisplay, JsonlRecorder
+from engine.agent._display import accepted_kwargs, read_recording, replay
 from engine.errors import ConfigError
+from engine.observe import ConsoleDisplay
 
 EVENT_TYPES = ["system", "sent", "replied", "delta", "launched", "output", "progress", "finished",
                "cancelled", "failed", "agent_started", "agent_finished", "note", "waiting", "waited", "retrying"]

@@ -12,9 +12,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from engine.engine import Engine
 from engine.sandbox import SandboxPolicy
-from engine.worker import WorkerState
+from engine.workers import Engine, WorkerState
 from worker.contract.framing import encode
 
 from .conftest import NO_FORK_SERVER, processes_with, wait_until
@@ -351,7 +350,7 @@ async def test_output_written_while_no_block_runs_goes_to_the_next_block(worker,
 async def test_concurrent_blocks_calling_host_functions_all_get_their_replies(worker):
     # A block waiting for a host call's reply hands the listening over; with many such blocks
     # at once, sync and awaiting, every reply still reaches its caller.
-    from engine.code_task import host_spec
+    from engine.agent._code_task import host_spec
 
     def double(x):
         return 2 * x

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engine._process import descendants
+from engine.launch import descendants
 from engine.sandbox import host_support
 
 from .conftest import alive, processes_with, read_line, wait_until
@@ -261,7 +261,7 @@ def test_a_sigkilled_exec_leaves_no_process_behind(tmp_path):
 
 COORDINATOR = """
 import asyncio, sys
-from engine.engine import Engine
+from engine.workers import Engine
 DAEMON = ("import os\\n"
           "if os.fork() == 0:\\n"
           "    os.setsid()\\n"

@@ -1,4 +1,4 @@
-"""The plan of ``exec FILE`` (``engine.file_sandbox``): what it keeps read-only, shows, refuses,
+"""The plan of ``exec FILE`` (``engine.exec``): what it keeps read-only, shows, refuses,
 and which environment the script gets."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from engine.errors import ConfigError
-from engine.file_sandbox import kept_read_only, plan_script, script_environment, secret_names
+from engine.exec import plan_script, script_environment
+from engine.exec._plan import kept_read_only, secret_names
 from engine.sandbox import SandboxPolicy, host_support
 
 

@@ -22,15 +22,14 @@ import httpx
 import pytest
 from rich.console import Console
 
-from engine import model_server
-from engine.console import ConsoleDisplay
-from engine.display import AgentDisplay, read_recording
-from engine.model_server import ServerInfo, probe
-from engine.models import ModelConfig, ModelRegistry
-from engine.reasoning import ThinkSplitter
-from engine.runner import run_task
+from engine.agent import AgentDisplay, run_task
+from engine.agent._display import read_recording
+from engine.models import ModelConfig, ModelRegistry, ServerInfo, probe
+from engine.models import _server as model_server
+from engine.models._reasoning import ThinkSplitter
+from engine.observe import ConsoleDisplay
 from engine.scripted import ScriptedServer
-from engine.scripted_servers import like_llama_server, like_ollama, like_vllm
+from engine.scripted._flavours import like_llama_server, like_ollama, like_vllm
 
 AGENTLOOP = [sys.executable, "-m", "engine.cli"]
 

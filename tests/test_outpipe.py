@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine._outpipe import OutputError, OutputPipes
+from engine.launch import OutputError, OutputPipes
 from worker._outpipe import PipeWriter, open_fifos
 from worker.contract import wire
 from worker.contract.framing import HEADER, encode

@@ -10,16 +10,8 @@ from pathlib import Path
 import pytest
 
 from engine.errors import ConfigError
-from engine.repo_tools import (
-    MAX_RESULT,
-    SKIP_DIRS,
-    TOOL_SCHEMAS,
-    RepoTools,
-    ToolError,
-    execute_tool_call,
-    schema_for,
-    truncate,
-)
+from engine.tools import MAX_RESULT, TOOL_SCHEMAS, RepoTools, schema_for
+from engine.tools._repo import SKIP_DIRS, ToolError, execute_tool_call, truncate
 
 NOTE = "narrow the request (offset/limit, tighter pattern)"
 

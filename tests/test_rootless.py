@@ -37,7 +37,7 @@ pytestmark = pytest.mark.skipif(ROOTED and _NOBODY_PROBLEM is not None, reason=s
 _PRELUDE = """
 import asyncio, json, os, sys
 from pathlib import Path
-from engine.engine import Engine
+from engine.workers import Engine
 from engine.samples import Sample
 BASE = Path(sys.argv[1])
 def engine(**kw):
@@ -73,8 +73,8 @@ def _as_user(base: Path, script: str, *, inside: list[str] = (), cgroups: list[P
 
 def test_workers_batches_and_samples_are_forked_in_a_user_namespace(base: Path):
     got = _as_user(base, """
-        from engine.provision import fork_server_refusal
-        from engine.settings import WorkerSettings
+        from engine.launch import fork_server_refusal
+        from engine.launch import WorkerSettings
         async def main():
             async with engine() as e:
                 a, b = await e.start_worker("a"), await e.start_worker("b")
@@ -140,7 +140,7 @@ print("survived")
 
 def test_a_delegated_cgroup_bounds_each_workers_memory(base: Path, delegated: list[Path]):
     got = _as_user(base, f"""
-        from engine.doctor import report
+        from engine.launch import report
         from engine.sandbox import SandboxPolicy
         async def main():
             async with engine(sandbox=SandboxPolicy(memory_bytes=128 << 20)) as e:
@@ -164,7 +164,7 @@ def test_a_delegated_cgroup_bounds_each_workers_memory(base: Path, delegated: li
 
 def test_without_a_delegated_cgroup_memory_is_per_process_and_doctor_says_how(base: Path):
     got = _as_user(base, f"""
-        from engine.doctor import report
+        from engine.launch import report
         from engine.sandbox import SandboxPolicy
         async def main():
             async with engine() as e:
@@ -194,8 +194,8 @@ def test_no_user_namespaces_means_cold_starts_said_in_one_line(base: Path):
         pytest.skip(reason="needs bubblewrap to build the refusing sandbox")
     refusing = [bwrap, "--unshare-user", "--disable-userns", "--dev-bind", "/", "/", "--proc", "/proc", "--"]
     got = _as_user(base, """
-        from engine.provision import fork_server_refusal
-        from engine.settings import WorkerSettings
+        from engine.launch import fork_server_refusal
+        from engine.launch import WorkerSettings
         async def main():
             async with engine() as e:
                 w = await e.start_worker("w")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.display import read_recording
+from engine.agent._display import read_recording
 from engine.scripted import Delay, Fail, ScriptedServer
 
 AGENTLOOP = [sys.executable, "-m", "engine.cli"]

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from engine._process import descendants
 from engine.batch.sample_file import read_samples
-from engine.engine import Engine
+from engine.launch import descendants
 from engine.samples import Sample
+from engine.workers import Engine
 
 from .conftest import wait_until
 

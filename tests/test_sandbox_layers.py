@@ -28,10 +28,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.doctor import report
 from engine.errors import ConfigError
-from engine.provision import fork_server_problem
-from engine.sandbox import LaunchPlan, SandboxPolicy, host_support, plan, workspace_excess
+from engine.launch import report
+from engine.sandbox import LaunchPlan, SandboxPolicy, host_support, workspace_excess
+from engine.sandbox._host import fork_server_problem
+from engine.sandbox._plan import plan
 from tests.conftest import read_line
 from worker._confine import seccomp_program
 from worker.contract.confinement import Confinement, Seccomp
@@ -957,7 +958,7 @@ def test_fork_server_argv_argument_for_argument() -> None:
     with: root's without a user namespace (CAP_KILL for samples that run as another uid), an
     unprivileged user's in bubblewrap's user namespace, which may then make user namespaces
     (one per process the server forks, which allows none below it)."""
-    from engine._bwrap import fork_server_argv, namespace_flags
+    from engine.sandbox import fork_server_argv, namespace_flags
 
     root = ["bwrap", *namespace_flags(True, network=False), "--proc", "/proc", "--"]
     assert fork_server_argv(root, root=True) == [

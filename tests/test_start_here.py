@@ -47,8 +47,8 @@ def test_the_tour_runs_run_batch_and_ask_against_the_scripted_server(tmp_path):
         assert sorted((r["id"], r["status"]) for r in results) == [
             ("fibonacci", "answered"), ("hello", "answered"), ("squares", "answered")]
         assert (tmp_path / "agentloop-tour.runs" / "hello" / "workspace" / "hello.txt").is_file()
-        assert "engine/tags.py holds the tag protocol" in done.stdout
-        assert ' ⚙ read_file({"path": "engine/tags.py", "limit": 14})' in done.stderr
+        assert "engine/agent/_tags.py holds the tag protocol" in done.stdout
+        assert ' ⚙ read_file({"path": "engine/agent/_tags.py", "limit": 14})' in done.stderr
         assert set(os.listdir(ROOT)) == before  # nothing left in the checkout
     finally:
         assert pid, done.stderr

@@ -7,16 +7,11 @@ from datetime import datetime
 
 import pytest
 
-from engine.durations import format_duration, parse_duration
-from engine.errors import ConfigError
-from engine.tags import (
-    HALLUCINATION_STOPS,
-    SYSTEM,
+from engine.agent import HALLUCINATION_STOPS, SYSTEM, cut_hallucinated, find_tags
+from engine.agent._tags import (
     compaction_reminder,
-    cut_hallucinated,
     describe_namespace,
     describe_object,
-    find_tags,
     format_agent_result,
     format_agent_start_failed,
     format_agent_status,
@@ -29,9 +24,11 @@ from engine.tags import (
     format_vars,
     parse_attrs,
     parse_reply,
-    strip_think,
     wrap,
 )
+from engine.durations import format_duration, parse_duration
+from engine.errors import ConfigError
+from engine.models import strip_think
 
 MALFORMED = ("<error>\nCould not parse the attributes of your <run_code>/<run_agent> tags: {}. "
              "Fix the malformed attribute and resend; nothing was run.\n</error>\n")
@@ -273,7 +270,7 @@ def test_compaction_reminder_text():
 # ---------------------------------------------------------------- system prompt
 
 def _system(minimal, ram="", namespace_block=""):
-    from engine.tags import build_system
+    from engine.agent._tags import build_system
     return build_system(model_alias="flash", model="vendor/flash-1", available_models="- flash\n- gpt",
                         python="3.11.9", os="Linux 6.1", cpu=8, ram=ram, packages=["numpy", "httpx"],
                         namespace_block=namespace_block, minimal=minimal)

@@ -7,7 +7,8 @@ import asyncio
 
 import zmq
 
-from engine._tcp import Door, Gatekeeper, Guard
+from engine.launch import Guard
+from engine.launch._tcp import Door, Gatekeeper
 
 
 async def _greeted(port: int) -> bool:

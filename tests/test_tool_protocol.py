@@ -7,10 +7,10 @@ import re
 
 import pytest
 
+from engine.agent import run_task
+from engine.agent._tool_protocol import embedded_calls
 from engine.models import ModelConfig, ModelRegistry
-from engine.runner import run_task
 from engine.scripted import ScriptedServer
-from engine.tool_protocol import embedded_calls
 
 
 def registry(url: str, protocol: str) -> ModelRegistry:

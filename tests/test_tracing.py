@@ -15,7 +15,10 @@ import pytest
 pytest.importorskip("opentelemetry.sdk", reason="the otel extra is not installed")
 pytest.importorskip("opentelemetry.proto", reason="the otel extra is not installed")
 
-from engine.scripted import Fail, ScriptedServer  # noqa: E402
+from engine.scripted import (
+    Fail,
+    ScriptedServer,  # noqa: E402
+)
 from tests.otlp_receiver import Receiver, shape, trees  # noqa: E402
 
 AGENTLOOP = [sys.executable, "-m", "engine.cli"]
@@ -220,8 +223,8 @@ def test_the_observer_takes_events_of_any_shape() -> None:
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from engine.spans import SpanObserver
-    from engine.tracing import TraceSettings
+    from engine.observe._spans import SpanObserver
+    from engine.observe._tracing import TraceSettings
     from tests.test_activity import odd_events
 
     exporter = InMemorySpanExporter()

@@ -1,4 +1,4 @@
-"""engine._tree and batch's workspace handling on trees of any shape: deep, wide, full of
+"""engine.trees and batch's workspace handling on trees of any shape: deep, wide, full of
 symlinks and special files.  No recursion, no symlink followed, no file descriptor per level."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine._tree import TreeError, copy_tree, disk_usage, remove_tree, walk
 from engine.batch.run import _clear, _place_files
 from engine.batch.tasks import pack_files
+from engine.trees import TreeError, copy_tree, disk_usage, remove_tree, walk
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,7 @@ import pytest
 from engine import trust
 from engine.errors import ConfigError, UntrustedFile
 from engine.models import load_models
-from engine.protected import protected_paths
+from engine.sandbox import protected_paths
 
 
 @pytest.fixture(autouse=True)

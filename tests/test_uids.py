@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import _uids
+from engine.sandbox import _uids
 
 from .conftest import read_line
 

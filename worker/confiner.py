@@ -2,7 +2,7 @@
 program (``python FILE ARGS``), and stays as its init.
 
 Started as ``python -S -I -B -c "...; from worker.confiner import main; main()" SETUP PROGRAM...``
-(``engine.interpreter.runtime_argv``; SETUP is ``contract.confiner.Setup``): while it may
+(``engine.sandbox.runtime_argv``; SETUP is ``contract.confiner.Setup``): while it may
 still hold privileges, nothing of the directory it starts in, nor any ``.pth`` file, is on its
 path.  It applies the confinement ``worker._confine.apply`` installs in a worker (rlimits, uid,
 capabilities, no_new_privs, Landlock, seccomp: all of them survive ``execve``), forks, and the

@@ -1,6 +1,6 @@
 """The tool process: serves the repository tools (``worker.repo_tools``) to the coordinator.
 
-Started by ``engine._tool_process`` as ``command()`` (``python -I -S -c`` with an absolute path:
+Started by ``engine.tools`` as ``command()`` (``python -I -S -c`` with an absolute path:
 nothing in the current directory or in site-packages' ``.pth`` hooks runs), with cwd ``/`` and
 an environment holding nothing but PATH and LANG.  In order, before it reads a single request:
 it dies with its parent (PR_SET_PDEATHSIG), opens the root, then confines itself with

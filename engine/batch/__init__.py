@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..lazy import lazy_names
+from engine.lazy import lazy_names
 
 # Every name is imported when first used (PEP 562): ``exec --jsonl`` uses this package's
 # driver and results file without loading the agent loop that task runs need.
@@ -61,12 +61,12 @@ _WHERE = {
 }
 
 if TYPE_CHECKING:
-    from .capacity import default_parallel
-    from .local import BatchOutcome, run_batch
-    from .progress import BarView, Tally, print_summary
-    from .results_file import ResultsFile
-    from .run import RunSettings, execute, is_infrastructure, make_record
-    from .tasks import TaskSpec, read_tasks
+    from engine.batch.capacity import default_parallel
+    from engine.batch.local import BatchOutcome, run_batch
+    from engine.batch.progress import BarView, Tally, print_summary
+    from engine.batch.results_file import ResultsFile
+    from engine.batch.run import RunSettings, execute, is_infrastructure, make_record
+    from engine.batch.tasks import TaskSpec, read_tasks
 
 
 __getattr__, __dir__ = lazy_names(__name__, _WHERE)

@@ -7,7 +7,7 @@ import math
 import os
 from pathlib import Path
 
-from ..sandbox import GiB
+from engine.sandbox import GiB
 
 __all__ = ["MAX_DEFAULT_PARALLEL", "MEMORY_PER_RUN", "available_memory", "default_parallel", "usable_cpus"]
 

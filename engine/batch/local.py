@@ -11,17 +11,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import EXIT_INTERRUPTED, AgentloopError, ModelUnreachable
-from ..model_server import probe
-from ..models import ModelConfig
-from .capacity import default_parallel
-from .progress import LinesView, Meter, Tally, make_view, short
-from .results_file import Lock, ResultsFile, lock_runs_dir, open_results
-from .stopping import Stopper, infra_threshold
-from .tasks import TaskSpec, read_tasks, refuse_invalid
+from engine.batch.capacity import default_parallel
+from engine.batch.progress import LinesView, Meter, Tally, make_view, short
+from engine.batch.results_file import Lock, ResultsFile, lock_runs_dir, open_results
+from engine.batch.stopping import Stopper, infra_threshold
+from engine.batch.tasks import TaskSpec, read_tasks, refuse_invalid
+from engine.errors import EXIT_INTERRUPTED, AgentloopError, ModelUnreachable
+from engine.models import ModelConfig, probe
 
 if TYPE_CHECKING:
-    from .run import RunSettings
+    from engine.batch.run import RunSettings
 
 __all__ = ["BatchOutcome", "EXIT_STOPPED", "drive", "run_batch"]
 
@@ -44,7 +43,7 @@ class BatchOutcome:
 
 async def _run_local(pending: list[TaskSpec], settings: RunSettings, results: ResultsFile, tally: Tally,
                      view: LinesView, parallel: int, stopper: Stopper) -> None:
-    from .run import execute  # (the agent loop and its HTTP client: loaded for task batches only)
+    from engine.batch.run import execute  # (the agent loop and its HTTP client: loaded for task batches only)
 
     loop = asyncio.get_running_loop()
     running: dict[asyncio.Task, TaskSpec] = {}
@@ -165,7 +164,7 @@ def run_batch(tasks_path: str | Path, output: str | Path, settings: RunSettings,
 
     def run(pending: list, tally: Tally, view: LinesView, stopper: Stopper) -> None:
         if ray_address is not None:
-            from . import on_ray
+            from engine.batch import on_ray
 
             on_ray.run_on_ray(ray_address, pending, settings, results=results, tally=tally, view=view,
                               parallel=parallel, stopper=stopper)

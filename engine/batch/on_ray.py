@@ -58,13 +58,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .. import tracing
-from ..errors import AgentloopError
-from .progress import LinesView, Tally, short
-from .results_file import ResultsFile
-from .run import RunSettings, execute, make_record
-from .stopping import Stopper, infra_threshold
-from .tasks import TaskSpec, pack_files
+from engine.batch.progress import LinesView, Tally, short
+from engine.batch.results_file import ResultsFile
+from engine.batch.run import RunSettings, execute, make_record
+from engine.batch.stopping import Stopper, infra_threshold
+from engine.batch.tasks import TaskSpec, pack_files
+from engine.errors import AgentloopError
+from engine.observe import _tracing as tracing
 
 __all__ = [
     "GRACE", "NODE_RETRIES", "SLOTS_EVERY", "agent_slots", "connect", "import_ray", "on_cluster", "run_on_node",
@@ -137,7 +137,7 @@ def import_ray() -> Any:
     try:
         import ray
     except ImportError:
-        from ..extras import install_hint
+        from engine.extras import install_hint
 
         raise AgentloopError(f"--ray needs Ray: {install_hint('ray')}") from None
     return ray

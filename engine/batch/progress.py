@@ -8,9 +8,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..display import AgentDisplay
-from ..inert import inert
-from .results_file import STATUSES
+from engine.agent import AgentDisplay
+from engine.batch.results_file import STATUSES
+from engine.inert import inert
 
 __all__ = ["BarView", "LinesView", "Meter", "QuietView", "Tally", "make_view", "print_summary", "short"]
 

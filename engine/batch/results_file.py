@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import trust
-from ..errors import ConfigError
+from engine import trust
+from engine.errors import ConfigError
 
 __all__ = [
     "Lock", "ResultsFile", "Resumed", "STATUSES", "lock_runs_dir", "open_results", "read_all",

@@ -16,18 +16,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .. import tracing
-from .._tree import copy_tree, remove_tree, walk
-from ..display import AgentDisplay, FanoutDisplay, JsonlRecorder
-from ..engine import Engine
-from ..errors import ConfigError
-from ..models import ModelRegistry
-from ..output import BATCH_OUTPUT_CAP, OutputBudget
-from ..repo_tools import RepoTools
-from ..runner import RunResult, run_task
-from ..settings import WorkerSettings
-from ..shared_fork_server import SharedForkServer
-from .tasks import TaskSpec
+from engine.agent import AgentDisplay, FanoutDisplay, JsonlRecorder, RunResult, run_task
+from engine.batch.tasks import TaskSpec
+from engine.errors import ConfigError
+from engine.launch import SharedForkServer, WorkerSettings
+from engine.models import ModelRegistry
+from engine.observe import _tracing as tracing
+from engine.results import BATCH_OUTPUT_CAP, OutputBudget
+from engine.tools import RepoTools
+from engine.trees import copy_tree, remove_tree, walk
+from engine.workers import Engine
 
 __all__ = ["BACKOFF_MAX", "RunSettings", "execute", "is_infrastructure", "make_record", "run_slug"]
 
@@ -239,7 +237,7 @@ async def _attempt(spec: TaskSpec, settings: RunSettings, attempt: int, display:
     try:
         placed = await asyncio.to_thread(_place_files, workspace, spec, packed)
         engine.open()
-        await asyncio.to_thread(_give_to_run, placed, engine.launcher.run_uid())
+        await asyncio.to_thread(_give_to_run, placed, engine.launch._launcher.run_uid())
         if settings.tools == "repo":  # other runs' directories and results are not this run's to read
             tools = RepoTools(settings.root, exclude=settings.exclude)
         result = await run_task(spec.task, models=settings.models, model=spec.model or settings.model,

@@ -27,19 +27,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import tracing
-from ..durations import parse_duration
-from ..engine import Engine
-from ..errors import ConfigError
-from ..launcher import ENV_ALLOWLIST
-from ..samples import FILES_CAP, STATUSES, Sample, SampleResult, cancelled, check_env
-from ..settings import WorkerSettings
-from .capacity import default_parallel
-from .local import BatchOutcome, drive
-from .progress import LinesView, Tally
-from .results_file import Lock, ResultsFile, open_results
-from .stopping import Stopper
-from .tasks import pack_files, read_lines, refuse_invalid, task_files
+from engine.batch.capacity import default_parallel
+from engine.batch.local import BatchOutcome, drive
+from engine.batch.progress import LinesView, Tally
+from engine.batch.results_file import Lock, ResultsFile, open_results
+from engine.batch.stopping import Stopper
+from engine.batch.tasks import pack_files, read_lines, refuse_invalid, task_files
+from engine.durations import parse_duration
+from engine.errors import ConfigError
+from engine.launch import ENV_ALLOWLIST, WorkerSettings
+from engine.observe import _tracing as tracing
+from engine.samples import FILES_CAP, STATUSES, Sample, SampleResult, cancelled, check_env
+from engine.workers import Engine
 
 __all__ = ["REDO", "SampleSpec", "read_samples", "run_samples"]
 
@@ -208,7 +207,7 @@ def run_samples(samples_path: str | Path, output: str | Path, settings: WorkerSe
     def run(pending: list, tally: Tally, view: LinesView, stopper: Stopper) -> None:
         view = traced(view)
         if ray_address is not None:
-            from . import sample_file_ray
+            from engine.batch import sample_file_ray
 
             sample_file_ray.run_on_ray(ray_address, pending, settings, results=results, tally=tally, view=view,
                                        parallel=parallel, stopper=stopper, timeout=timeout)

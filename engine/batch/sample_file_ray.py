@@ -16,12 +16,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from ..engine import Engine
-from ..settings import WorkerSettings
-from .on_ray import NODE_RETRIES, agent_slots, on_cluster
-from .progress import LinesView, Tally
-from .results_file import ResultsFile
-from .stopping import Stopper
+from engine.batch.on_ray import NODE_RETRIES, agent_slots, on_cluster
+from engine.batch.progress import LinesView, Tally
+from engine.batch.results_file import ResultsFile
+from engine.batch.stopping import Stopper
+from engine.launch import WorkerSettings
+from engine.workers import Engine
 
 __all__ = ["CHUNK", "run_chunk", "run_on_ray"]
 

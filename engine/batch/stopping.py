@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from ..errors import EXIT_INTERRUPTED
+from engine.errors import EXIT_INTERRUPTED
 
 __all__ = ["Stopper", "infra_threshold"]
 

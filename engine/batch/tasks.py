@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import trust
-from .._tree import walk
-from ..durations import parse_duration
-from ..errors import ConfigError
-from ..inert import inert
-from ..models import ModelRegistry
-from .results_file import read_all
+from engine import trust
+from engine.batch.results_file import read_all
+from engine.durations import parse_duration
+from engine.errors import ConfigError
+from engine.inert import inert
+from engine.models import ModelRegistry
+from engine.trees import walk
 
 __all__ = ["TaskSpec", "pack_files", "read_lines", "read_tasks", "refuse_invalid", "task_files"]
 

@@ -15,7 +15,7 @@ import signal
 
 import click
 
-from .options import (
+from engine.cli.options import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     EXIT_OWN,
@@ -75,8 +75,8 @@ def main(ctx: click.Context, verbose: bool, trace: bool) -> None:
     """agentloop: run model-written code in sandboxed worker processes."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="agentloop: %(message)s")
-    from .. import tracing
-    from ..errors import AgentloopError
+    from engine.errors import AgentloopError
+    from engine.observe import _tracing as tracing
 
     try:
         if tracing.start(trace) is not None:

@@ -1,5 +1,5 @@
 """``python -m engine.cli``: the ``agentloop`` command."""
 
-from . import main
+from engine.cli import main
 
 main(prog_name="agentloop")

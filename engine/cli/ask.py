@@ -1,5 +1,5 @@
 """``agentloop ask``'s terminal side: the one-shot question, the prompt loop and the command
-(the assistant itself, and the contract it keeps, are ``engine.ask``'s)."""
+(the assistant itself, and the contract it keeps, are ``engine.agent``'s)."""
 
 from __future__ import annotations
 
@@ -14,15 +14,23 @@ from typing import Any
 
 import click
 
-from .. import tracing
-from ..ask import EXIT_FAILED, PROMPT, SYSTEM, Answer, AnswerStream, Assistant, ClientEvents
-from ..display import FanoutDisplay
-from ..errors import AgentloopError, ModelError
-from ..inert import inert
-from ..llm import Chat
-from ..repo_tools import RepoTools
-from .options import EXIT_INTERRUPTED, close_display, fail, load_registry
-from .options import terminated as stop_like_ctrl_c
+from engine.agent import (
+    ASK_SYSTEM,
+    EXIT_FAILED,
+    PROMPT,
+    Answer,
+    AnswerStream,
+    Assistant,
+    ClientEvents,
+    FanoutDisplay,
+)
+from engine.cli.options import EXIT_INTERRUPTED, close_display, fail, load_registry
+from engine.cli.options import terminated as stop_like_ctrl_c
+from engine.errors import AgentloopError, ModelError
+from engine.inert import inert
+from engine.models import Chat
+from engine.observe import _tracing as tracing
+from engine.tools import RepoTools
 
 __all__ = ["ask"]
 
@@ -176,7 +184,7 @@ def ask(question: tuple[str, ...], root: Path | None, max_turns: int, model: str
         fail(str(exc))
     recorder = None
     if record is not None:
-        from ..display import JsonlRecorder
+        from engine.agent import JsonlRecorder
 
         try:
             recorder = JsonlRecorder(record)
@@ -190,7 +198,7 @@ def ask(question: tuple[str, ...], root: Path | None, max_turns: int, model: str
         recorder = FanoutDisplay([d for d in (recorder, spans) if d is not None])
     stream = AnswerStream(_out) if _isatty(sys.stdout) and not as_json else None
     events = _events(recorder, stream)
-    chat = Chat(SYSTEM.format(root=tools.root), config, display=events, name="ask")
+    chat = Chat(ASK_SYSTEM.format(root=tools.root), config, display=events, name="ask")
     assistant = Assistant(chat, tools, max_turns=max_turns, stream=stream, gear=_err)
     code = EXIT_FAILED
     try:

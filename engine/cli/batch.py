@@ -7,11 +7,8 @@ from pathlib import Path
 
 import click
 
-from ..batch import RunSettings, print_summary, run_batch
-from ..errors import AgentloopError, ModelUnreachable
-from ..inert import inert
-from ..models import load_models
-from .options import (
+from engine.batch import RunSettings, print_summary, run_batch
+from engine.cli.options import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     Duration,
@@ -22,6 +19,9 @@ from .options import (
     worker_options,
     worker_settings,
 )
+from engine.errors import AgentloopError, ModelUnreachable
+from engine.inert import inert
+from engine.models import load_models
 
 __all__ = ["batch"]
 

@@ -38,12 +38,8 @@ import time
 
 import click
 
-from ..agent import Agent
-from ..engine import Engine
-from ..errors import AgentloopError
-from ..inert import inert
-from ..runner import make_agent
-from .options import (
+from engine.agent import Agent, make_agent
+from engine.cli.options import (
     EXIT_INTERRUPTED,
     agent_options,
     close_display,
@@ -56,6 +52,9 @@ from .options import (
     worker_settings,
     write_options,
 )
+from engine.errors import AgentloopError
+from engine.inert import inert
+from engine.workers import Engine
 
 __all__ = ["DOUBLE_INTERRUPT_S", "PROMPT", "STEER", "chat"]
 

@@ -19,13 +19,12 @@ from typing import Any
 
 import click
 
-from ..engine import Engine
-from ..inert import inert
-from ..models import ModelConfig, ModelRegistry
-from ..runner import run_task
-from ..scripted import ScriptedServer
-from ..tags import find_tags
-from .options import ending, make_display, run_until_done, worker_options, worker_settings
+from engine.agent import find_tags, run_task
+from engine.cli.options import ending, make_display, run_until_done, worker_options, worker_settings
+from engine.inert import inert
+from engine.models import ModelConfig, ModelRegistry
+from engine.scripted import ScriptedServer
+from engine.workers import Engine
 
 __all__ = [
     "COMPLETE", "DEMO_SCRIPT", "DEMO_TASK", "HELPER_TASK", "NOTICE", "OFF_SCRIPT", "demo", "demo_registry",

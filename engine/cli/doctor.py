@@ -8,12 +8,12 @@ from pathlib import Path
 
 import click
 
-from ..doctor import report
-from ..engine import Engine
-from ..errors import AgentloopError
-from ..inert import inert
-from ..interpreter import probe as probe_python
-from .options import fail, load_registry, worker_options, worker_settings
+from engine.cli.options import fail, load_registry, worker_options, worker_settings
+from engine.errors import AgentloopError
+from engine.inert import inert
+from engine.launch import report
+from engine.sandbox import probe as probe_python
+from engine.workers import Engine
 
 __all__ = ["doctor_cmd"]
 
@@ -65,8 +65,7 @@ def doctor_cmd(models_file, model) -> None:
         config = registry.get(model)
     except AgentloopError as exc:
         fail(str(exc))
-    from ..model_server import probe
-    from ..models import which_wins
+    from engine.models import probe, which_wins
 
     if wins := which_wins(registry, models_file):
         click.echo(inert(f"models: {wins}"))

@@ -1,7 +1,7 @@
 """``agentloop exec``: ``python FILE ARGS`` in a sandbox, or many code samples (``--jsonl``).
 
-A file is run by ``engine.file_runner`` as ``python FILE ARGS`` itself, in a sandbox planned
-by ``engine.file_sandbox``: its streams, exit status and signals are python's.  agentloop's
+A file is run by ``engine.exec`` as ``python FILE ARGS`` itself, in a sandbox planned
+by ``engine.exec``: its streams, exit status and signals are python's.  agentloop's
 own errors, usage errors included, are one line on stderr and exit status 125, so they never
 look like the script's (an argparse error exits 2).  Samples run in slots of a fork server
 (``engine.samples``).
@@ -17,11 +17,7 @@ from pathlib import Path
 
 import click
 
-from ..durations import DEFAULT_BLOCK_TIMEOUT
-from ..errors import AgentloopError, ConfigError
-from ..inert import inert
-from ..output import OUTPUT_CAP
-from .options import (
+from engine.cli.options import (
     EXIT_INTERRUPTED,
     Duration,
     fail,
@@ -29,6 +25,10 @@ from .options import (
     worker_settings,
     write_options,
 )
+from engine.durations import DEFAULT_BLOCK_TIMEOUT
+from engine.errors import AgentloopError, ConfigError
+from engine.inert import inert
+from engine.results import OUTPUT_CAP
 
 __all__ = ["SAMPLE_REDO", "exec_cmd"]
 
@@ -119,10 +119,16 @@ def exec_cmd(file: str | None, args: tuple[str, ...], timeout: float | None, env
 def _run_file(file: str, args: list[str], timeout: float | None, env_names: tuple[str, ...], as_json: bool,
               allow_sgr: bool) -> None:
     """``exec FILE``: plan, run, and end as the script ended."""
-    from .. import trust
-    from ..file_runner import ScriptCgroups, exit_as, inherited_ignored, run_script
-    from ..file_sandbox import plan_script, script_environment
-    from ..interpreter import choose_python
+    from engine import trust
+    from engine.exec import (
+        ScriptCgroups,
+        exit_as,
+        inherited_ignored,
+        plan_script,
+        run_script,
+        script_environment,
+    )
+    from engine.sandbox import choose_python
 
     ignored = inherited_ignored()  # before any handler of ours
     settings = worker_settings()
@@ -192,7 +198,7 @@ def _program_file(file: str) -> str:
 
 def _key_variables() -> set[str]:
     """The variables the model configuration names as holding API keys (never a script's)."""
-    from ..models import load_models
+    from engine.models import load_models
 
     try:
         registry = load_models()
@@ -214,8 +220,8 @@ def _remove_if_left_empty(made: tuple[str, ...]) -> None:
 def _run_samples(samples: Path, output: Path | None, file, as_json: bool, timeout: float, parallel: int | None,
                  redo: tuple[str, ...], skip_invalid: bool, progress: str, ray_address: str | None) -> None:
     """``exec --jsonl``: every sample of the file, to the results file (``engine.batch.sample_file``)."""
-    from ..batch.progress import print_summary
-    from ..batch.sample_file import run_samples
+    from engine.batch.progress import print_summary
+    from engine.batch.sample_file import run_samples
 
     if file is not None or output is None or as_json:
         fail("--jsonl SAMPLES takes -o RESULTS, and neither FILE nor --json")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import click
 
-from ..errors import AgentloopError
-from .options import Duration, fail, worker_options, worker_settings
+from engine.cli.options import Duration, fail, worker_options, worker_settings
+from engine.errors import AgentloopError
 
 __all__ = ["mcp"]
 
@@ -45,8 +45,8 @@ def mcp(http: str | None, allowed_hosts: tuple[str, ...], idle_timeout: float, m
     limit options, --python and --preload apply to every session.  The server stops, killing
     every worker, when the client closes the connection or on SIGTERM."""
     try:
-        from ..integrations import mcp as server
-        from ..integrations import mcp_transports as transports
+        from engine.integrations import mcp as server
+        from engine.integrations import mcp_transports as transports
     except ImportError as exc:  # its message names the extra to install
         fail(str(exc))
     address = None

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from ..inert import inert
-from .options import load_registry
+from engine.cli.options import load_registry
+from engine.inert import inert
 
 __all__ = ["models_cmd"]
 
@@ -21,8 +21,7 @@ def models_cmd(models_file) -> None:
     tool support); a server that does not answer within a few seconds is listed as configured."""
     from dataclasses import replace
 
-    from ..model_server import probe
-    from ..models import which_wins
+    from engine.models import probe, which_wins
 
     registry = load_registry(models_file)
     if wins := which_wins(registry, models_file):

@@ -2,7 +2,7 @@
 
 Every command that starts workers takes ``worker_options`` (one decorator, so ``--help`` of
 each lists the same sandbox, limit and interpreter options) and reads them back with
-``worker_settings()``, which builds the command's ``engine.settings.WorkerSettings`` once; the
+``worker_settings()``, which builds the command's ``engine.launch.WorkerSettings`` once; the
 options never become parameters of the command functions.
 """
 
@@ -17,13 +17,12 @@ from pathlib import Path
 
 import click
 
-from ..durations import parse_duration
-from ..errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OWN, EXIT_TIMEOUT, AgentloopError
-from ..inert import inert
-from ..interpreter import which_python
-from ..output import OUTPUT_CAP
-from ..sandbox import SandboxPolicy
-from ..settings import WorkerSettings
+from engine.durations import parse_duration
+from engine.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OWN, EXIT_TIMEOUT, AgentloopError
+from engine.inert import inert
+from engine.launch import WorkerSettings
+from engine.results import OUTPUT_CAP
+from engine.sandbox import SandboxPolicy, which_python
 
 
 class Duration(click.ParamType):
@@ -97,7 +96,7 @@ class _WorkerOptions:
         return SandboxPolicy(mode=self.sandbox, network=self.network, as_caller=bool(self.write_cwd), **self.limits)
 
     def python_choice(self) -> tuple[str, str]:
-        """The workers' interpreter and which source chose it (``engine.interpreter.which_python``,
+        """The workers' interpreter and which source chose it (``engine.sandbox.which_python``,
         ./agentloop.toml read as every command reads it); a bad choice or file ends the command
         in one line."""
         try:
@@ -214,7 +213,7 @@ def write_options(write_cwd: bool):
 def _subagent_limit(ctx, param, value):
     """``--max-subagents``: the limit of the agents this command makes, for as long as it runs
     (so ``run`` and ``chat`` need no parameter for it)."""
-    from ..subagents import subagent_limit
+    from engine.agent import subagent_limit
 
     token = subagent_limit.set(value)
     ctx.call_on_close(lambda: subagent_limit.reset(token))
@@ -262,7 +261,7 @@ def agent_options(f):
 def load_registry(models_file: Path | None):
     """The model aliases (the file, else LLM_URL/LLM_MODEL), with the command's ``--max-tokens``
     applied to every one; a bad file ends the command in one line."""
-    from ..models import load_models
+    from engine.models import load_models
 
     try:
         return apply_max_tokens(load_models(models_file))
@@ -279,7 +278,7 @@ def apply_max_tokens(registry):
 
 def host_functions(tools: str, root: Path) -> dict:
     if tools == "repo":
-        from ..repo_tools import RepoTools
+        from engine.tools import RepoTools
 
         return RepoTools(root).functions()
     return {}
@@ -289,9 +288,9 @@ def make_display(record: Path | None, quiet: bool, models=None):
     """The live console on stderr (unless quiet), plus a JSONL recorder when asked (a file it
     cannot write ends the command in one line), plus the spans of the run when tracing is on
     (``models`` names its model ids and servers)."""
-    from .. import tracing
-    from ..console import ConsoleDisplay
-    from ..display import AgentDisplay, FanoutDisplay, JsonlRecorder
+    from engine.agent import AgentDisplay, FanoutDisplay, JsonlRecorder
+    from engine.observe import ConsoleDisplay
+    from engine.observe import _tracing as tracing
 
     displays = [] if quiet else [ConsoleDisplay()]
     if record is not None:

@@ -7,10 +7,7 @@ import sys
 
 import click
 
-from ..engine import Engine
-from ..errors import AgentloopError
-from ..inert import inert
-from .options import (
+from engine.cli.options import (
     EXIT_INTERRUPTED,
     EXIT_TIMEOUT,
     Duration,
@@ -26,6 +23,9 @@ from .options import (
     worker_settings,
     write_options,
 )
+from engine.errors import AgentloopError
+from engine.inert import inert
+from engine.workers import Engine
 
 __all__ = ["run_cmd"]
 
@@ -46,7 +46,7 @@ def run_cmd(task: str, model, models_file, max_messages, record, tools, root, qu
 
     The answer is printed inert (escape sequences and control characters but newline and tab
     removed, a lone carriage return made a newline); --json holds it exactly."""
-    from ..runner import run_task
+    from engine.agent import run_task
 
     registry = load_registry(models_file)
     try:

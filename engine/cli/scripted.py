@@ -22,10 +22,9 @@ from pathlib import Path
 
 import click
 
-from ..models import DEFAULT_MODEL_ID
-from ..scripted import ScriptedServer
-from ..turns import Script
-from .options import Duration, fail
+from engine.cli.options import Duration, fail
+from engine.models import DEFAULT_MODEL_ID
+from engine.scripted import Script, ScriptedServer
 
 __all__ = ["BACKGROUND_IDLE", "EXAMPLE", "scripted"]
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import click
 
-from ..errors import AgentloopError
-from ..inert import inert
-from .options import fail
+from engine.cli.options import fail
+from engine.errors import AgentloopError
+from engine.inert import inert
 
 __all__ = ["view_cmd"]
 
@@ -37,7 +37,7 @@ def view_cmd(file: Path, output: Path | None, open_it: bool | None) -> None:
     --jsonl becomes a report: counts by status and failure reason, durations, tokens and cost,
     the slowest and failed runs (a batch's linked to their timelines, written beside the
     report).  A file cut short is shown as far as it goes, with a warning."""
-    from .. import view
+    from engine import view
 
     try:
         written = view.write(file, output)

@@ -24,7 +24,7 @@ from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .mcp_clients import SESSION_ID_HEADER
+from engine.integrations.mcp_clients import SESSION_ID_HEADER
 
 __all__ = ["Gate", "host_allowed", "origin_allowed"]
 

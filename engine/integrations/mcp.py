@@ -61,17 +61,24 @@ try:
     from mcp.server.lowlevel import Server
     from mcp.shared.exceptions import MCPError
 except ImportError as exc:  # the optional extra: say how to get it
-    from ..extras import install_hint
+    from engine.extras import install_hint
 
     raise ImportError(f"the MCP server needs the MCP SDK ({exc}): {install_hint('mcp')}") from exc
 
-from ..code_task import OUTPUT_BUDGET  # what a block's result carries, as an agent sees it
-from ..durations import format_duration, parse_duration
-from ..errors import AgentloopError
-from ..results import BlockResult, OutputChunk, writable_note
-from .mcp_clients import Client, Clients, NoClient
-from .mcp_sessions import CallRefused, ServerConfig, Sessions
-from .workspace_files import MAX_LISTED_FILES, list_files, mime_type, parse_uri, read_file, resource_uri
+from engine.agent import OUTPUT_BUDGET  # what a block's result carries, as an agent sees it
+from engine.durations import format_duration, parse_duration
+from engine.errors import AgentloopError
+from engine.integrations.mcp_clients import Client, Clients, NoClient
+from engine.integrations.mcp_sessions import CallRefused, ServerConfig, Sessions
+from engine.integrations.workspace_files import (
+    MAX_LISTED_FILES,
+    list_files,
+    mime_type,
+    parse_uri,
+    read_file,
+    resource_uri,
+)
+from engine.results import BlockResult, OutputChunk, writable_note
 
 __all__ = [
     "AgentloopMCP", "DEFAULT_SESSION", "DEFAULT_TIMEOUT", "PROGRESS_INTERVAL", "PROGRESS_TEXT", "Progress",

@@ -29,7 +29,7 @@ from typing import Any
 try:
     from mcp.types.version import HANDSHAKE_PROTOCOL_VERSIONS
 except ImportError as exc:  # the optional extra: say how to get it
-    from ..extras import install_hint
+    from engine.extras import install_hint
 
     raise ImportError(f"the MCP server needs the MCP SDK ({exc}): {install_hint('mcp')}") from exc
 

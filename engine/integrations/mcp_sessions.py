@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..durations import format_duration
-from ..engine import Engine
-from ..errors import AgentloopError
-from ..settings import WorkerSettings
-from ..worker import Worker
-from .mcp_clients import Client, session_directories
+from engine.durations import format_duration
+from engine.errors import AgentloopError
+from engine.integrations.mcp_clients import Client, session_directories
+from engine.launch import WorkerSettings
+from engine.workers import Engine, Worker
 
 __all__ = ["CLOSE_TIMEOUT", "SESSION_NAME", "ServerConfig", "Session", "Sessions", "CallRefused", "check_name"]
 

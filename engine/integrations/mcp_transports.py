@@ -17,14 +17,14 @@ try:
     from mcp.server.stdio import stdio_server
     from mcp.server.transport_security import TransportSecuritySettings
 except ImportError as exc:  # the optional extra: say how to get it
-    from ..extras import install_hint
+    from engine.extras import install_hint
 
     raise ImportError(f"the MCP server needs the MCP SDK ({exc}): {install_hint('mcp')}") from exc
 
-from ..errors import AgentloopError
-from .http_gate import Gate
-from .mcp import AgentloopMCP
-from .mcp_sessions import CLOSE_TIMEOUT, ServerConfig
+from engine.errors import AgentloopError
+from engine.integrations.http_gate import Gate
+from engine.integrations.mcp import AgentloopMCP
+from engine.integrations.mcp_sessions import CLOSE_TIMEOUT, ServerConfig
 
 __all__ = ["MAX_MCP_SESSIONS", "MAX_MESSAGE", "parse_address", "run", "serve_http", "serve_stdio"]
 

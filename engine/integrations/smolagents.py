@@ -51,17 +51,16 @@ from typing import Any
 try:
     from smolagents.local_python_executor import CodeOutput, PythonExecutor
 except ImportError as exc:  # the optional extra: say how to get it
-    from ..extras import install_hint
+    from engine.extras import install_hint
 
     raise ImportError(f"AgentloopExecutor needs smolagents ({exc}): {install_hint('smolagents')}") from exc
 
-from ..code_task import OUTPUT_BUDGET  # what a block's result carries, as an agent sees it
-from ..durations import parse_duration
-from ..engine import Engine
-from ..errors import AgentloopError, WorkerError
-from ..results import BlockResult
-from ..sandbox import SandboxPolicy
-from ..worker import Worker
+from engine.agent import OUTPUT_BUDGET  # what a block's result carries, as an agent sees it
+from engine.durations import parse_duration
+from engine.errors import AgentloopError, WorkerError
+from engine.results import BlockResult
+from engine.sandbox import SandboxPolicy
+from engine.workers import Engine, Worker
 
 __all__ = ["AgentloopExecutor", "CodeFailed", "MAX_REPR", "is_plain", "with_last_value"]
 

@@ -22,9 +22,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import report, timeline
-from ._page import page
-from ._read import BATCH, RECORDING, kind_of, read_lines
+from engine.view import report, timeline
+from engine.view._page import page
+from engine.view._read import BATCH, RECORDING, kind_of, read_lines
 
 #: Timelines a batch report writes for the runs it lists.
 TIMELINES = 200
@@ -94,7 +94,7 @@ def _timelines(records: list[dict], out: Path) -> tuple[dict[str, str], int]:
     """Write the timelines of the runs a batch report lists; run id -> link relative to ``out``."""
     folder = out.with_name(out.stem + ".timelines")
     links: dict[str, str] = {}
-    from ..batch.run import run_slug
+    from engine.batch.run import run_slug
 
     for record in report.listed(records, BATCH, TIMELINES):
         transcript = record.get("transcript")

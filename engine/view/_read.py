@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from engine.errors import ConfigError
 
 RECORDING, BATCH, SAMPLES = "recording", "batch", "samples"
 BATCH_STATUSES = ("answered", "failed", "timed_out", "cancelled")

@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ._read import BATCH, BATCH_STATUSES, SAMPLE_STATUSES
+from engine.view._read import BATCH, BATCH_STATUSES, SAMPLE_STATUSES
 
 #: Slowest runs listed; failed runs carried (the rest are counted).
 SLOWEST, MAX_FAILED = 20, 20_000

@@ -1,4 +1,4 @@
-"""A run's timeline: its recording folded into lanes and bars (``engine.activity``), for the page.
+"""A run's timeline: its recording folded into lanes and bars (``engine.observe``), for the page.
 
 One lane per agent (sub-agents below their parent), model requests and code blocks as bars on
 one time axis, heartbeats as ticks, interrupts and kills marked by the block's outcome.  What
@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..activity import AGENT, ATTEMPT, BLOCK, REQUEST, TOOL, Activity, Piece
+from engine.observe import AGENT, ATTEMPT, BLOCK, REQUEST, TOOL, Activity, Piece
 
 #: Characters of code, a result or a message kept for a bar.
 TEXT_CHARS = 20_000

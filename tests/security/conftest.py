@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.engine import Engine
-from engine.worker import Worker
+from engine.workers import Engine, Worker
 
 from .harness import API_KEY, OTHER_SECRETS, Host
 

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.engine import Engine
+from engine.agent import RunResult, run_task
 from engine.models import ModelConfig, ModelRegistry
 from engine.results import BlockResult
-from engine.runner import RunResult, run_task
 from engine.sandbox import host_support
 from engine.scripted import ScriptedServer
-from engine.worker import Worker
+from engine.workers import Engine, Worker
 from tests.conftest import processes_with, wait_until
 
 #: The bound on every wait in this suite, in seconds.

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.engine import Engine
+from engine.launch import SharedForkServer, WorkerSettings
 from engine.scripted import ScriptedServer
-from engine.settings import WorkerSettings
-from engine.shared_fork_server import SharedForkServer
+from engine.workers import Engine
 
 from ..conftest import NO_FORK_SERVER
 from ..test_batch import CODE, echo_last, records, run_batch, write_tasks

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.engine import Engine
-from engine.sandbox import MiB, SandboxPolicy, host_support, plan
+from engine.sandbox import SandboxPolicy, host_support
+from engine.sandbox._plan import MiB, plan
+from engine.workers import Engine
 
 from ..conftest import REPO, wait_until
 from .harness import WAIT, Host, assert_still_works, attack, needs_namespaces
@@ -241,8 +242,7 @@ async def test_directories_of_homes_are_not_shown(where: str, tmp_path: Path):
     if cwd is None or not os.path.isdir(cwd):
         pytest.skip(reason="this machine has no such directory")
     # What the view holds beneath cwd anyway: the system and the Python the worker runs.
-    from engine.interpreter import python_paths
-    from engine.sandbox import system_paths
+    from engine.sandbox import python_paths, system_paths
 
     needed = [*system_paths()[0], *python_paths(sys.executable)]
     allowed = {os.path.relpath(p, cwd).split("/")[0] for p in needed if p.startswith(cwd.rstrip("/") + "/")}
@@ -304,7 +304,7 @@ async def test_shared_memory_counts_against_the_memory_limit(how: str, host: Hos
                       pool=0) as engine:
         worker = await engine.start_worker("hog")
         got = await attack(worker, _SHARED_MEMORY + f"probe({how!r}, {_HOGS[how]})\n")
-        if engine.launcher.memory_cgroups is not None:
+        if engine.launch._launcher.memory_cgroups is not None:
             assert got.result.status == "died" and "memory limit" in got.result.message, got.result
         else:
             assert got[how] == "PermissionError EPERM", got.probes
@@ -392,7 +392,7 @@ def test_a_link_where_a_run_directory_belongs_is_not_followed(tmp_path: Path):
     """Root gives the run's directories to its group; a worker that swapped one it can write
     (the fallback's files/.tmp) for a link to a host file must not get that file's mode or
     owner changed — the directory is put back instead."""
-    from engine.sandbox import _set_dir
+    from engine.sandbox._plan import _set_dir
 
     host_file = tmp_path / "host.conf"
     host_file.write_text("root's\n")
@@ -412,7 +412,7 @@ def test_a_python_a_worker_could_have_written_is_never_run(tmp_path):
     # The coordinator asks the workers' interpreter what it is, and the fork server runs it with
     # privileges: one planted in the workspace, or (root) in a directory a worker's uid owns, is
     # refused before it runs at all.
-    from engine import _uids
+    from engine.sandbox import _uids
 
     marker = tmp_path / "ran"
     planted = f'#!/bin/sh\ntouch {marker}\nexec {sys.executable} "$@"\n'

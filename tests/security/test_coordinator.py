@@ -18,17 +18,16 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from engine import subagents
-from engine._tree import disk_usage, remove_tree
-from engine.agent import MAX_AGENT_NAME
+from engine.agent import _subagents as subagents
+from engine.agent import run_task
+from engine.agent._loop import MAX_AGENT_NAME
 from engine.batch.run import _clear
-from engine.console import ConsoleDisplay
-from engine.engine import Engine
 from engine.models import ModelConfig, ModelRegistry
-from engine.runner import run_task
+from engine.observe import ConsoleDisplay
 from engine.sandbox import workspace_excess
 from engine.scripted import ScriptedServer
-from engine.worker import WorkerState
+from engine.trees import disk_usage, remove_tree
+from engine.workers import Engine, WorkerState
 
 from .harness import WAIT, Host, agent_attack, assert_still_works, attack, block
 
@@ -77,7 +76,7 @@ async def test_deep_workspace_tree_is_measured_removed_and_cleared_by_batch(engi
     got = await attack(worker, deep_tree(str(host.workspace), host.outside))
     assert got.result.ok and "built 2000" in got.result.output, got.result
     # The workspace size check between blocks, and the measure of the tree, at full depth.
-    assert await asyncio.to_thread(workspace_excess, engine.settings.sandbox, host.workspace) is None
+    assert await asyncio.to_thread(workspace_excess, engine.launch._settings.sandbox, host.workspace) is None
     assert await asyncio.to_thread(disk_usage, host.workspace) > 0
     await assert_still_works(worker)
     await engine.shutdown()  # the fixture's shutdown then does nothing
@@ -410,7 +409,7 @@ async def _stopped_for_the_protocol(worker, code: str):
 
 # -- 18b: garbage in the worker's own output pipe -----------------------------------------------
 
-# The worker's code finds the write end of its output pipe (engine._outpipe) and writes on it.
+# The worker's code finds the write end of its output pipe (engine.launch) and writes on it.
 FIND_PIPE = '''
 import gc, os, time
 import msgpack

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 import worker as worker_pkg
-from engine.engine import Engine
-from engine.repo_tools import RepoTools
+from engine.tools import RepoTools
+from engine.workers import Engine
 
 from .harness import ABSENT, Host, agent_attack, assert_still_works, attack, block, needs_namespaces
 

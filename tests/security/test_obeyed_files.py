@@ -55,7 +55,8 @@ def _alice_problem() -> str | None:
 
 #: What the commands import, for ``_alice_path``: everything a run, a batch, exec, ask and
 #: doctor load, the HTTP client's lazily imported parts included.
-_IMPORTS = ("import engine.cli, engine.runner, engine.llm, engine.ask, engine.doctor, engine.batch.local, "
+_IMPORTS = ("import engine.cli, engine.agent._task, engine.models._client, engine.agent._ask, engine.launch._doctor, "
+            "engine.batch.local, "
             "engine.batch.sample_file, httpx, httpcore, anyio._backends._asyncio, sniffio; httpx.create_ssl_context()")
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.output import FILE_CAP, OUTPUT_CAP
+from engine.results import FILE_CAP, OUTPUT_CAP
 from engine.scripted import ScriptedServer
 
 from ..test_batch import CODE, records, run_batch, write_tasks

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.repo_tools import RepoTools, ToolError, execute_tool_call, execute_tool_call_async
+from engine.tools import RepoTools, execute_tool_call_async
+from engine.tools._repo import ToolError, execute_tool_call
 from tests.conftest import wait_until
 from worker.contract import confinement as _confine
 
@@ -395,7 +396,7 @@ def test_a_root_inside_an_excluded_path_is_refused(batch_root: Path):
 
 def _server(pid: int) -> int:
     """The Python serving the tools: ``pid`` itself, or the innermost process bubblewrap runs."""
-    from engine._process import descendants
+    from engine.launch import descendants
 
     for candidate in [*reversed(descendants(pid)), pid]:
         with open(f"/proc/{candidate}/comm") as f:
@@ -454,7 +455,7 @@ def test_the_tool_process_ends_with_its_coordinator(evil_root: Path, ending: str
     script = f"""
 import os, signal, sys
 sys.path.insert(0, {str(REPO)!r})
-from engine.repo_tools import RepoTools
+from engine.tools import RepoTools
 tools = RepoTools({str(evil_root)!r})
 tools.list_dir()
 print(tools.pid, flush=True)

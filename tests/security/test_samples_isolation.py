@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.engine import Engine
-from engine.run_dirs import runtime_home
+from engine.launch._run_dirs import runtime_home
 from engine.samples import Sample
 from engine.sandbox import SandboxPolicy
+from engine.workers import Engine
 
 from ..conftest import NO_FORK_SERVER
 

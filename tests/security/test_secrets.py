@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.interpreter import python_paths
+from engine.sandbox import python_paths
 
 from .harness import (
     ABSENT,

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from engine.engine import Engine
 from engine.sandbox import SandboxPolicy
+from engine.workers import Engine
 
 from .harness import WAIT, assert_still_works
 

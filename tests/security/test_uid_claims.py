@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import _uids
-from engine.engine import Engine
+from engine.sandbox import _uids
+from engine.workers import Engine
 from tests.conftest import read_line
 
 from .harness import WAIT, assert_still_works, attack, needs_namespaces
@@ -47,7 +47,7 @@ def _colliding(parent: Path) -> tuple[Path, Path]:
 #: prints its uid and ``ready``, and stays; SIGTERM ends it as it ends agentloop's commands.
 COORDINATOR = """
 import asyncio, signal, sys
-from engine.engine import Engine
+from engine.workers import Engine
 
 def stop(signum, frame):
     raise KeyboardInterrupt

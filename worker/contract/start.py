@@ -3,7 +3,7 @@
 The coordinator builds a ``StartSpec`` and passes ``to_env()``; the process calls ``take()``
 first thing, which reads the variables and removes them from ``os.environ`` before any code it
 runs could see them.  Secrets never travel here: the token is one-time, and the environment
-itself is built from an allowlist (``engine.launcher``).
+itself is built from an allowlist (``engine.launch``).
 """
 
 from __future__ import annotations

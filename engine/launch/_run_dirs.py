@@ -1,0 +1,103 @@
+"""A run's directories on the host: its workspace, held while the run uses it, and the private
+directories its sockets and outputs live in, cleared of what killed runs left."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import stat
+from pathlib import Path
+
+from engine.errors import ConfigError
+from engine.trees import remove_tree
+
+__all__ = ["give_back", "held_alone", "hold_workspace", "missing_dirs", "private_dir", "remove_stale_runs", "runtime_home"]
+
+
+def missing_dirs(path: Path) -> list[Path]:
+    """``path`` and each of its parents that does not exist, deepest first."""
+    missing = []
+    for place in (path.absolute(), *path.absolute().parents):
+        if os.path.lexists(place):
+            break
+        missing.append(place)
+    return missing
+
+
+def hold_workspace(workspace: Path) -> int | None:
+    """``workspace``, made if missing, open with a shared ``flock`` on it: every run on a
+    workspace holds one while it lives, and the run that made it removes it only when it can
+    lock it alone (``Launcher.close``), so that no run removes a workspace another one (of this
+    process or another) has started to use.  None when something else holds it exclusively (a
+    worker may): then no run removes it while that lasts."""
+    for _ in range(8):  # each turn lost to a run removing it at that moment: a few at most
+        workspace.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(workspace, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(workspace)):
+                return fd
+        os.close(fd)  # removed between the look and the lock: make it again
+    raise OSError(errno.EAGAIN, f"the workspace {workspace} was removed under this run again and again")
+
+
+def held_alone(fd: int) -> bool:
+    """Whether the lock on ``fd`` (``hold_workspace``'s) could be made exclusive: no other run holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def give_back(fd: int, found: os.stat_result) -> None:
+    """The directory open as ``fd`` gets back the group and mode it had when ``found`` was taken:
+    a run as root shares its workspace with its workers' group (``sandbox``, mode 3770), and the
+    user's directory must not keep that after the run."""
+    with contextlib.suppress(OSError):
+        now = os.fstat(fd)
+        if now.st_gid != found.st_gid and now.st_uid == found.st_uid:
+            os.fchown(fd, -1, found.st_gid)
+        if stat.S_IMODE(now.st_mode) != stat.S_IMODE(found.st_mode):
+            os.fchmod(fd, stat.S_IMODE(found.st_mode))
+
+
+def runtime_home() -> Path:
+    # Short on purpose: an ipc:// path must fit in 107 bytes.
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg) and len(xdg) < 40:
+        return Path(xdg) / "agentloop"
+    return Path("/tmp") / f"agentloop-{os.getuid()}"
+
+
+def remove_stale_runs(parent: Path) -> None:
+    """Remove what coordinators that were killed (SIGKILL, a crash) left in ``parent``: run
+    directories are named ``DATE-TIME-PID-HEX``, and one whose PID no longer runs is stale.
+    A PID taken again by another process keeps its directory until that one ends too; a run
+    that was asked to keep its output (a ``.kept`` file) keeps it."""
+    with contextlib.suppress(OSError):
+        for entry in list(parent.iterdir()):
+            fields = entry.name.split("-")
+            if (len(fields) == 4 and fields[2].isdigit() and int(fields[2]) != os.getpid()
+                    and not os.path.exists(f"/proc/{fields[2]}") and entry.is_dir()
+                    and not entry.is_symlink() and entry.lstat().st_uid == os.getuid()
+                    and not (entry / ".kept").exists()):
+                remove_tree(entry)
+
+
+def private_dir(path: Path) -> Path:
+    """``path``, made mode 0700 if missing; ConfigError unless it is this user's and no one else's."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.lstat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o077 or path.is_symlink():
+        raise ConfigError(f"{path} is not a private directory of this user; remove it and retry")
+    return path

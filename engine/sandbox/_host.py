@@ -1,0 +1,119 @@
+"""What this machine's sandbox can do for the current user: bubblewrap and its namespaces,
+Landlock, seccomp, a fork server below bubblewrap's user namespace; probed once per process."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from engine.sandbox._bwrap import beneath, fork_server_argv, namespace_flags
+from engine.sandbox._interpreter import python_paths, runtime_argv
+from worker.contract.confinement import landlock_abi, seccomp_supported
+
+__all__ = ["HostSupport", "fork_server_problem", "host_support", "readable_in_view", "root_blocker"]
+
+
+@dataclass(frozen=True)
+class HostSupport:
+    """The sandbox layers this machine supports for the current user (probed once)."""
+
+    root: bool
+    bwrap: str | None          # path of a bwrap that can build our namespaces
+    bwrap_problem: str         # why not, when bwrap is None
+    landlock_abi: int          # 0: unavailable
+    seccomp: bool
+
+
+@lru_cache(maxsize=1)
+def host_support() -> HostSupport:
+    """Probe bubblewrap (by running it with the namespaces we use), Landlock and seccomp."""
+    root = os.geteuid() == 0
+    exe = shutil.which("bwrap")
+    problem = ""
+    if exe is None:
+        problem = "bubblewrap not found"
+    else:
+        true = shutil.which("true") or "/bin/true"
+        argv = [exe, *namespace_flags(root, network=False), "--ro-bind", "/", "/", "--proc", "/proc",
+                "--dev", "/dev", "--", true]
+        try:
+            done = subprocess.run(argv, capture_output=True, timeout=30, stdin=subprocess.DEVNULL)
+            if done.returncode != 0:
+                err = done.stderr.decode(errors="replace").strip().splitlines()
+                problem = "bubblewrap cannot create namespaces here" + (f" ({err[-1]})" if err else "")
+                exe = None
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            problem, exe = f"bubblewrap failed to run ({exc})", None
+    return HostSupport(root, exe, problem, landlock_abi(), seccomp_supported())
+
+
+
+@lru_cache(maxsize=1)
+def fork_server_problem() -> str | None:
+    """Why a fork server cannot run here for this user (None: it can), in a few words.
+
+    Root's needs bubblewrap only.  An unprivileged user's runs in bubblewrap's user namespace
+    and gives each process it forks a user namespace of its own: a kernel or policy that allows
+    bubblewrap its namespace may still refuse one below it (AppArmor's restriction of
+    unprivileged user namespaces, a low ``user.max_user_namespaces``).  So that much is made
+    once, as the server makes it (``worker.fork_server.probe``): an interpreter started once
+    per process, in a sandbox of its own."""
+    host = host_support()
+    if host.bwrap is None:
+        return host.bwrap_problem
+    if host.root:
+        return None
+    argv = [host.bwrap, *namespace_flags(False, network=False), "--ro-bind", "/", "/", "--proc", "/proc",
+            "--dev", "/dev", "--"]
+    argv = fork_server_argv(argv, root=False) + runtime_argv(sys.executable, "worker.fork_server:probe")
+    try:
+        done = subprocess.run(argv, capture_output=True, timeout=30, stdin=subprocess.DEVNULL, cwd="/")
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bubblewrap failed to run ({exc})"
+    if done.returncode == 0:
+        return None
+    said = done.stderr.decode(errors="replace").strip().splitlines()
+    why = said[-1].removeprefix("agentloop fork server: worker start failed: ") if said else f"exit {done.returncode}"
+    if _read_sysctl("kernel/apparmor_restrict_unprivileged_userns") == "1":
+        why += "; AppArmor restricts unprivileged user namespaces (kernel.apparmor_restrict_unprivileged_userns=1)"
+    return f"the kernel refuses a user namespace inside bubblewrap's ({why})"
+
+
+def _read_sysctl(name: str) -> str | None:
+    try:
+        return Path("/proc/sys", name).read_text().strip()
+    except OSError:
+        return None
+
+
+def root_blocker(python: str, use_bwrap: bool) -> str | None:
+    """For root: the first directory of the worker's Python that an unprivileged uid could
+    not read (so the worker must keep uid 0), or None when it can switch uid.  Under
+    bubblewrap only the bound directories' own modes count (it creates their parents 0755)."""
+    needed = list(python_paths(python))
+    if use_bwrap:
+        return next((p for p in needed if not readable_in_view(p, needed)), None)
+    return next((p for p in needed if not _readable_by_others(p)), None)
+
+
+def _readable_by_others(path: str, top: str = "/") -> bool:
+    """Whether an unrelated uid can reach `path`: every ancestor from `top` (a bind target,
+    whose own ancestors bubblewrap creates 0755) searchable, the path itself readable (and
+    searchable if a directory)."""
+    p = Path(path)
+    for anc in reversed(p.parents):
+        if beneath(str(anc), top) and not os.stat(anc).st_mode & 0o001:
+            return False
+    mode = os.stat(p).st_mode
+    return bool(mode & 0o004) and (not p.is_dir() or bool(mode & 0o001))
+
+
+def readable_in_view(path: str, binds: list[str]) -> bool:
+    """`_readable_by_others` inside bubblewrap's view, where `path` lies beneath one of `binds`."""
+    top = next((b for b in binds if beneath(path, b)), "/")
+    return _readable_by_others(path, top)

@@ -1,0 +1,283 @@
+"""The coordinator's handle on one tool process (``worker.tool_server``): start, ask, kill.
+
+What it guarantees: a request never holds the coordinator longer than its deadline (the
+process is SIGKILLed past it, and started afresh by the next request); a reply is read in
+bounded frames (``contract.tools.MAX_REPLY``), so whatever the tools meet costs the coordinator at most one
+such frame of memory; no process is left behind — ``close()``, the garbage collector and the
+coordinator's exit (a ``weakref.finalize``) kill it, and its PR_SET_PDEATHSIG kills it when
+the coordinator dies.
+
+Requests are served one at a time (a lock); a caller waits for the lock at most ``queue_wait``.
+The waits are on pipes with ``poll``, in the caller's thread: host functions run in a thread
+(``asyncio.to_thread``), so the event loop is never blocked by a tool.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+
+from engine.sandbox import RUNTIME_ROOT, tools_argv
+from worker.contract import tools
+from worker.contract.confinement import Confinement, Landlock, Seccomp, landlock_abi, seccomp_supported
+from worker.contract.framing import HEADER, FrameError, decode_json, encode_json, frame
+from worker.contract.schema import ContractError
+
+#: Seconds a fresh tool process may take to start and confine itself.
+STARTUP_TIMEOUT = 20.0
+#: The tool process's CPU limit (seconds, its whole life); it is replaced before its requests'
+#: wall time, an upper bound of the CPU it used, could reach it.
+CPU_SECONDS = 600
+#: Limits of the tool process.  DATA bounds what a request can make it allocate; NOFILE
+#: leaves room for a walk's descriptors; FSIZE 0: it writes no file, ever.
+MEMORY_BYTES = 512 << 20
+OPEN_FILES = 256
+
+
+def command(python: str | None = None) -> list[str]:
+    """The argv that starts the tool process: isolated (-I), without site (-S), importing the
+    runtime by its absolute location (appended to sys.path, so it never shadows the stdlib)."""
+    code = (f"import sys; sys.path.append({RUNTIME_ROOT!r}); "
+            "from worker.tool_server import main; main()")
+    return [python or sys.executable, "-I", "-S", "-c", code]
+
+
+def confinement(root: str, cpu_seconds: int = CPU_SECONDS) -> Confinement:
+    """What the tool process applies to itself: read-only beneath ``root``, no network, no
+    privilege; Landlock and seccomp where this kernel has them."""
+    return Confinement(
+        rlimits=(("DATA", MEMORY_BYTES, MEMORY_BYTES), ("CPU", cpu_seconds, cpu_seconds + 1),
+                 ("FSIZE", 0, 0), ("NOFILE", OPEN_FILES, OPEN_FILES), ("CORE", 0, 0)),
+        drop_caps=True, no_new_privs=True,
+        landlock=Landlock(ro=(root,), scope=True, deny_tcp=True) if landlock_abi() >= 1 else None,
+        seccomp=Seccomp(socket_families=(), lock_session=True) if seccomp_supported() else None)
+
+
+class ToolTimeout(Exception):
+    """The request ran past its deadline; the process was killed."""
+
+
+class ToolCrash(Exception):
+    """The process died, could not start, or broke the protocol; the message says how."""
+
+
+class ToolBusy(Exception):
+    """Other requests held the process for longer than the caller may wait."""
+
+
+class ToolClosed(Exception):
+    """The handle was closed: no process is started any more."""
+
+
+# Every tool process is started from this one thread: PR_SET_PDEATHSIG fires when the thread
+# that started a process ends, and the threads calling tools (asyncio.to_thread's) may end
+# long before the coordinator does.  This one ends with the interpreter.
+_spawner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentloop-tools")
+
+
+class ToolProcess:
+    """One tool process serving ``root`` (resolved), with ``exclude`` (component lists below
+    the root) never shown; started on the first request."""
+
+    def __init__(self, root: str, exclude: list[list[str]], queue_wait: float = 60.0) -> None:
+        self.root = root
+        self.exclude = exclude
+        self.queue_wait = queue_wait
+        self.layers: list[str] = []  # the confinement layers the running process applied
+        self._view = tools_argv(root, sys.executable)  # bubblewrap's view of root alone, if usable
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._busy = 0.0  # seconds of requests served by the current process
+        self._closed = False
+        # Kills the process when this handle is collected, and at the coordinator's exit
+        # (finalizers run then too).
+        self._finalizer = weakref.finalize(self, _kill_quietly, [None])
+
+    @property
+    def pid(self) -> int | None:
+        """The running tool process's pid, or None when none runs."""
+        proc = self._proc
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    def request(self, msg: tools.Request, timeout: float) -> tools.Message:
+        """Send ``msg`` and return the reply.  Raises ToolTimeout past ``timeout`` seconds (the
+        process is then killed), ToolCrash when the process dies or misbehaves, ToolBusy when
+        the lock was not free within ``queue_wait``, ToolClosed after ``close()``."""
+        if not self._lock.acquire(timeout=self.queue_wait):
+            raise ToolBusy
+        try:
+            if self._closed:
+                raise ToolClosed
+            if self._proc is not None and (self._proc.poll() is not None
+                                           or self._busy + timeout > CPU_SECONDS * 0.8):
+                self._stop()
+            if self._proc is None:
+                self._start()
+            started = time.monotonic()
+            try:
+                self._send(frame(encode_json(msg)), started + timeout)
+                return self._receive(started + timeout)
+            except ToolTimeout:
+                self._stop()
+                raise
+            except ToolCrash as exc:
+                why = self._stop()
+                raise ToolCrash(f"{exc}{why}") from None
+            finally:
+                self._busy += time.monotonic() - started
+        finally:
+            self._lock.release()
+
+    def close(self) -> None:
+        """Kill the process (if any) and refuse further requests.  Idempotent and quick: a
+        request in flight is ended by the kill (its caller reads a ToolCrash)."""
+        self._closed = True
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.send_signal(signal.SIGKILL)  # without the lock: it may be held by that request
+            except OSError:
+                pass
+        got = self._lock.acquire(timeout=self.queue_wait)
+        try:
+            self._stop()
+        finally:
+            if got:
+                self._lock.release()
+
+    # -- the process ----------------------------------------------------------------------
+
+    def _start(self) -> None:
+        env = {k: os.environ[k] for k in ("PATH", "LANG") if k in os.environ}  # no keys, no PYTHON*
+        try:
+            proc = _spawner.submit(
+                subprocess.Popen, [*self._view, *command()], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, cwd="/", env=env, close_fds=True,
+                start_new_session=True,  # Ctrl-C at the terminal is the coordinator's business
+            ).result(timeout=STARTUP_TIMEOUT)
+        except (OSError, RuntimeError, concurrent.futures.TimeoutError) as exc:
+            raise ToolCrash(f"the tool process could not start: {exc}") from None
+        assert proc.stdin is not None and proc.stdout is not None
+        os.set_blocking(proc.stdin.fileno(), False)
+        self._proc = proc
+        self._busy = 0.0
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _kill_quietly, [proc])
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        try:
+            # Inside bubblewrap's PID namespace the parent is its init; bwrap dies with us.
+            init = tools.Init(self.root, tuple(tuple(e) for e in self.exclude), 0 if self._view else os.getpid(),
+                              confinement(self.root).to_json())
+            self._send(frame(encode_json(init)), deadline)
+            reply = self._receive(deadline)
+        except (ToolTimeout, ToolCrash) as exc:
+            why = self._stop()
+            raise ToolCrash(f"the tool process could not start: {exc}{why}") from None
+        if not isinstance(reply, tools.Ready):
+            self._stop()
+            said = reply.error if isinstance(reply, tools.Fatal) else f"it said {reply.kind!r}"
+            raise ToolCrash(f"the tool process could not confine itself: {said}")
+        self.layers = list(reply.layers)
+
+    def _stop(self) -> str:
+        """Kill and reap the process; returns what it said on stderr, as '' or ' (how: text)'."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return ""
+        _kill(proc)
+        said = ""
+        if proc.stderr is not None and proc.returncode is not None:  # dead: all it said is in the pipe
+            try:
+                os.set_blocking(proc.stderr.fileno(), False)
+                said = (proc.stderr.read(4000) or b"").decode(errors="replace").strip()
+            except (OSError, ValueError):
+                pass
+        _kill_quietly([proc])  # closes the pipes
+        code = proc.returncode
+        status = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
+        return f" ({status}{': ' + said.splitlines()[-1] if said else ''})"
+
+    # -- frames ---------------------------------------------------------------------------
+
+    def _send(self, data: bytes, deadline: float) -> None:
+        proc = self._proc
+        assert proc is not None and proc.stdin is not None
+        fd = proc.stdin.fileno()
+        view = memoryview(data)
+        while view:
+            _wait(fd, select.POLLOUT, deadline)
+            try:
+                view = view[os.write(fd, view):]
+            except BlockingIOError:
+                continue
+            except OSError as exc:  # EPIPE: it died
+                raise ToolCrash(f"the tool process is gone ({exc.strerror})") from None
+
+    def _receive(self, deadline: float) -> tools.Message:
+        proc = self._proc
+        assert proc is not None and proc.stdout is not None
+        fd = proc.stdout.fileno()
+        (size,) = HEADER.unpack(_read_exact(fd, HEADER.size, deadline))
+        if size > tools.MAX_REPLY:
+            raise ToolCrash(f"the tool process sent a reply of {size} bytes (at most {tools.MAX_REPLY})")
+        try:
+            return tools.TO_COORDINATOR.parse(decode_json(_read_exact(fd, size, deadline), tools.MAX_REPLY))
+        except (ContractError, FrameError) as exc:
+            raise ToolCrash(f"the tool process sent a malformed reply: {exc}") from None
+
+
+def _wait(fd: int, event: int, deadline: float) -> None:
+    poller = select.poll()
+    poller.register(fd, event)
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ToolTimeout
+        if poller.poll(max(1, int(left * 1000 + 0.999))):  # rounds up: never a busy loop
+            return
+
+
+def _read_exact(fd: int, n: int, deadline: float) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        _wait(fd, select.POLLIN, deadline)
+        chunk = os.read(fd, min(n - len(buf), 1 << 20))
+        if not chunk:
+            raise ToolCrash("the tool process died")
+        buf += chunk
+    return bytes(buf)
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL ``proc`` and reap it (bounded: SIGKILL cannot be caught)."""
+    if proc.poll() is None:
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except OSError:
+            pass
+        try:
+            proc.wait(timeout=10)  # only a sleep in the kernel (a hung file system) delays it
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _kill_quietly(box: list) -> None:
+    """Kill and reap the process in ``box`` (a list, so a finalizer need not hold the handle's
+    owner) and close its pipes."""
+    proc = box[0]
+    if proc is None:
+        return
+    _kill(proc)
+    for pipe in (proc.stdin, proc.stdout, proc.stderr):
+        if pipe is not None:
+            try:
+                pipe.close()
+            except OSError:
+                pass
