@@ -43,7 +43,7 @@ from typing import Any, Protocol
 
 from engine.durations import DEFAULT_BLOCK_TIMEOUT
 from engine.errors import ConfigError
-from engine.samples._sample._status import STATUSES, cancelled_outcome
+from engine.samples._status import STATUSES, cancelled_outcome
 
 #: Bytes of each stream kept at the head and at the tail of a result (the middle is counted).
 OUTPUT_BYTES = 8 * 1024

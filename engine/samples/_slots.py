@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 from engine.errors import WorkerStartError
 from engine.launch import SLOT
-from engine.samples._sample._status import Ending
+from engine.samples._status import Ending
 from worker.contract import sample
 from worker.contract.framing import HEADER, FrameError, decode, encode, frame
 from worker.contract.sample import SlotSettings
@@ -53,7 +53,7 @@ from worker.contract.schema import ContractError
 
 if TYPE_CHECKING:
     from engine.launch import Launcher, Process
-    from engine.samples._sample._sample import Sample
+    from engine.samples._sample import Sample
 
 _ids = itertools.count(1)
 _MAX_REPLY = 1024 * 1024  # a hello; a result: this, or more where it keeps more output
