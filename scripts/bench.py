@@ -617,7 +617,7 @@ async def bench_agentloop(cfg: Config, base: Path) -> dict:
                             "(the pool is filled by the fork server where one runs)")
     # The rest with Engine's defaults, as a user gets it (the kill's replacement included).
     async with _engine(base, "main") as engine:
-        out["engine_defaults"] = {"grace_s": engine.launch._settings.grace, "pool": getattr(engine, "pool_size", None)}
+        out["engine_defaults"] = {"grace_s": engine.settings.grace, "pool": getattr(engine, "pool_size", None)}
         worker = await engine.start_worker("bench")
         out["sandbox_notes"] = list(dict.fromkeys([*getattr(engine, "notes", []), *getattr(worker, "notes", [])]))
         # The floor right before the round trips: on a busy machine, the same moment matters.
@@ -640,7 +640,7 @@ async def bench_agentloop(cfg: Config, base: Path) -> dict:
         with _section("agentloop: kill to ready"):
             out["kill"] = await kill_cycles(worker, cfg.kills, cfg.kill_deadline)
             out["kill"]["c_loop_total"] = await c_loop_kills(worker, cfg.c_loop_kills, cfg.kill_deadline)
-        out["kill"].update(deadline_s=cfg.kill_deadline, grace_s=engine.launch._settings.grace,
+        out["kill"].update(deadline_s=cfg.kill_deadline, grace_s=engine.settings.grace,
                            pool=getattr(engine, "pool_size", None))
     with _section("agentloop: idle workers"):
         out["max_idle"] = await max_idle(base, cfg.max_workers)

@@ -133,7 +133,7 @@ async def test_a_catastrophic_regex_is_killed_within_deadline_and_grace(engine, 
     result = await worker.run(C_LOOP, timeout=0.5)
     elapsed = time.monotonic() - started
     assert result.status == "timeout" and result.worker_killed, result
-    assert elapsed < 0.5 + engine.launch._settings.grace + 3, elapsed
+    assert elapsed < 0.5 + engine.settings.grace + 3, elapsed
     assert "the worker did not answer the interrupt" in result.message, result.message
     assert "C code held the interpreter" in result.message and "so the worker was killed" in result.message
     assert "lost variables: lost_one" in result.message and result.lost_vars == ["lost_one"]
@@ -155,7 +155,7 @@ async def test_code_that_catches_the_interrupt_and_runs_on_is_killed_after_the_g
             "    except BaseException:\n        pass\n")
     result = await worker.run(code, timeout=0.5)
     assert result.status == "timeout" and result.worker_killed, result
-    assert f"it did not stop within {engine.launch._settings.grace:g} s of the interrupt: TimeoutError was raised in it, " \
+    assert f"it did not stop within {engine.settings.grace:g} s of the interrupt: TimeoutError was raised in it, " \
            "and it kept running" in result.message, result.message
 
 

@@ -393,7 +393,7 @@ class _Wire:
 def probe() -> None:
     """Make one worker's namespace init as the server would (B and C: unprivileged, in a user
     namespace of their own), let it go, and exit 0 when it was made and ended cleanly; else 1,
-    with what was refused on stderr.  ``engine.launch._provision.fork_server_problem`` runs it once, in a
+    with what was refused on stderr.  ``engine.sandbox.fork_server_problem`` runs it once, in a
     fork server's sandbox, to learn whether this kernel (and its AppArmor policy) allows that."""
     libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # C comes back to us
     init = _Init(True, (), _find_sleep())

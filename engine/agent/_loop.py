@@ -170,7 +170,7 @@ class Agent:
     def writable_places(self) -> str:
         """Where this agent's code may write, in one line (the system prompt's ``Files:``)."""
         engine = self.engine
-        return tags.writable_places(str(engine.cwd), str(engine.workspace), engine.launch._settings.sandbox.mode != "none")
+        return tags.writable_places(str(engine.cwd), str(engine.workspace), engine.settings.sandbox.mode != "none")
 
     def adapt(self, server: ServerInfo) -> None:
         """Take in what the endpoint reported: its context window where the configuration sets
@@ -241,7 +241,7 @@ class Agent:
             self.inbox.append(tags.format_already_running(block_id))
             return
         host = BlockHost(self.worker, self._event, lambda report, key: self.on_heartbeat(report, key=key),
-                         self.writable_places, self.engine.launch._settings.sandbox, self.engine.workspace)
+                         self.writable_places, self.engine.settings.sandbox, self.engine.workspace)
         block = CodeTask(host, request, block_id)
         self._event("launched", id=block_id, timeout=request.timeout, heartbeat=block.interval,
                     code=request.code)

@@ -237,7 +237,7 @@ async def _attempt(spec: TaskSpec, settings: RunSettings, attempt: int, display:
     try:
         placed = await asyncio.to_thread(_place_files, workspace, spec, packed)
         engine.open()
-        await asyncio.to_thread(_give_to_run, placed, engine.launch._launcher.run_uid())
+        await asyncio.to_thread(_give_to_run, placed, engine.launcher.run_uid())
         if settings.tools == "repo":  # other runs' directories and results are not this run's to read
             tools = RepoTools(settings.root, exclude=settings.exclude)
         result = await run_task(spec.task, models=settings.models, model=spec.model or settings.model,

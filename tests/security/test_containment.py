@@ -304,7 +304,7 @@ async def test_shared_memory_counts_against_the_memory_limit(how: str, host: Hos
                       pool=0) as engine:
         worker = await engine.start_worker("hog")
         got = await attack(worker, _SHARED_MEMORY + f"probe({how!r}, {_HOGS[how]})\n")
-        if engine.launch._launcher.memory_cgroups is not None:
+        if engine.launcher.memory_cgroups is not None:
             assert got.result.status == "died" and "memory limit" in got.result.message, got.result
         else:
             assert got[how] == "PermissionError EPERM", got.probes

@@ -76,7 +76,7 @@ async def test_deep_workspace_tree_is_measured_removed_and_cleared_by_batch(engi
     got = await attack(worker, deep_tree(str(host.workspace), host.outside))
     assert got.result.ok and "built 2000" in got.result.output, got.result
     # The workspace size check between blocks, and the measure of the tree, at full depth.
-    assert await asyncio.to_thread(workspace_excess, engine.launch._settings.sandbox, host.workspace) is None
+    assert await asyncio.to_thread(workspace_excess, engine.settings.sandbox, host.workspace) is None
     assert await asyncio.to_thread(disk_usage, host.workspace) > 0
     await assert_still_works(worker)
     await engine.shutdown()  # the fixture's shutdown then does nothing

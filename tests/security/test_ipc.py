@@ -34,8 +34,8 @@ REFUSED = (ABSENT, "PermissionError EACCES")
 
 
 def _socket_paths(engine: Engine) -> list[str]:
-    assert engine.launch._launcher.sock_root is not None
-    return sorted(str(p / "sock") for p in engine.launch._launcher.sock_root.glob("w*"))  # (gone once connected)
+    assert engine.launcher.sock_root is not None
+    return sorted(str(p / "sock") for p in engine.launcher.sock_root.glob("w*"))  # (gone once connected)
 
 
 def _own_socket(worker) -> str:
@@ -59,7 +59,7 @@ async def test_other_workers_and_runs_sockets_are_unreachable(engine, worker, ho
 import socket
 for path in {others + [str(host.outside / "service.sock")]!r}:
     probe("connect:" + path, lambda: socket.socket(socket.AF_UNIX).connect(path))
-probe("runtime_dir", lambda: _os.listdir({str(engine.launch._launcher.sock_root.parent)!r}))
+probe("runtime_dir", lambda: _os.listdir({str(engine.launcher.sock_root.parent)!r}))
 ''')
             service.setblocking(False)
             with pytest.raises(BlockingIOError):
@@ -70,7 +70,7 @@ probe("runtime_dir", lambda: _os.listdir({str(engine.launch._launcher.sock_root.
         for path in _socket_paths(engine):
             if path != own:
                 assert got["connect:" + path] in REFUSED, (path, got.probes)
-        assert got["runtime_dir"] == f"ok [{engine.launch._launcher.sock_root.name!r}]", got.probes
+        assert got["runtime_dir"] == f"ok [{engine.launcher.sock_root.name!r}]", got.probes
         for w in (victim, stranger):
             result = await w.run("print('untouched')", timeout=WAIT)
             assert result.output == "untouched\n", result
@@ -82,7 +82,7 @@ async def test_other_workers_socket_directories_are_not_visible(engine, worker):
     holds its own only (it cannot even learn how many workers the run has)."""
     needs_namespaces()
     victim = await engine.start_worker("victim")
-    got = await attack(worker, f'probe("run_dir", lambda: sorted(_os.listdir({str(engine.launch._launcher.sock_root)!r})))\n')
+    got = await attack(worker, f'probe("run_dir", lambda: sorted(_os.listdir({str(engine.launcher.sock_root)!r})))\n')
     own = _own_socket(worker).split("/")[-2]
     assert got["run_dir"] == f"ok [{own!r}]", got.probes
     result = await victim.run("print('untouched')", timeout=WAIT)

@@ -147,7 +147,7 @@ async def test_cpu_spin_past_the_deadline(engine, worker, code, killed):
     assert result.status == "timeout", result
     assert result.message.startswith("timed out after 1 s"), result.message
     assert result.worker_killed is killed, result
-    assert result.duration_s < 1 + engine.launch._settings.grace + 5, result.duration_s
+    assert result.duration_s < 1 + engine.settings.grace + 5, result.duration_s
     if killed:
         assert not os.path.exists(f"/proc/{pid}") or _status_of(pid)["State"].startswith("Z")
     else:
@@ -211,7 +211,7 @@ async def test_fork_bomb_is_contained_and_killed(engine, worker):
     result = await worker.run(PRELUDE + FORK_BOMB, timeout=BOMB_DEADLINE, on_output=count)
     assert "fork: BlockingIOError EAGAIN" in result.output, result  # RLIMIT_NPROC
     born = int(result.output.split("born:")[1].split()[0])
-    assert 0 < born < engine.launch._settings.sandbox.max_processes, result.output
+    assert 0 < born < engine.settings.sandbox.max_processes, result.output
     assert alive and alive[0] > 10, alive  # the bomb really went off
     assert result.status == "timeout" and result.worker_killed, result
     ns = probes_in(result.output)["pidns"]

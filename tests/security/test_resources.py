@@ -59,7 +59,7 @@ async def test_memory_bomb_in_one_allocation(engine, worker):
 async def test_memory_bomb_grows_to_the_limit(engine, worker):
     pid = await _plant_canary(worker)
     got = await attack(worker, MEMORY_GRADUAL)
-    limit_mib = engine.launch._settings.sandbox.memory_bytes // MiB
+    limit_mib = engine.settings.sandbox.memory_bytes // MiB
     assert limit_mib // 2 <= int(got["hoarded"]) < limit_mib, got.probes
     await _keeps_namespace(worker, pid)
 
@@ -161,7 +161,7 @@ async def test_fd_exhaustion(engine, worker):
     got = await attack(worker, FD_BOMB)
     words, _, count = got["fds"].rpartition(" ")
     assert words == "OSError EMFILE", got.probes
-    assert 0 < int(count) < engine.launch._settings.sandbox.max_open_files
+    assert 0 < int(count) < engine.settings.sandbox.max_open_files
     assert got["pipe"] == "OSError EMFILE", got.probes
     await _keeps_namespace(worker, pid)
 
