@@ -176,6 +176,89 @@ def test_no_module_uses_another_modules_private_names():
     assert not offenders, "\n".join(offenders)
 
 
+#: The engine's subpackages, lowest first: a module of one may import the faces of those of a
+#: lower rank only (and the top-level leaves, which import no subpackage).  Equal ranks are
+#: strangers: neither imports the other.
+LAYERS = {
+    "scripted": 1, "models": 1, "sandbox": 1,
+    "launch": 2,
+    "samples": 3, "exec": 3, "tools": 3,
+    "workers": 4,
+    "agent": 5,
+    "observe": 6,
+    "batch": 7, "integrations": 7,
+    "view": 8,
+    "cli": 9,
+}
+#: The modules at the top of engine/: shared leaves every layer may use.
+LEAVES = {"__init__", "config", "durations", "errors", "extras", "inert", "lazy", "results", "trees", "trust"}
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "engine" or len(parts) < 2 or parts[1] not in LAYERS:
+        return None
+    return parts[1]
+
+
+def test_engine_shows_its_layers():
+    """``ls engine/`` is the architecture: the subpackages of ``LAYERS`` and a few shared leaves."""
+    packages = {p.name for p in ENGINE.iterdir() if (p / "__init__.py").is_file()}
+    modules = {p.stem for p in ENGINE.glob("*.py")}
+    assert packages == set(LAYERS), sorted(packages ^ set(LAYERS))
+    assert modules == LEAVES, sorted(modules ^ LEAVES)
+
+
+def test_subpackages_import_each_other_in_layer_order():
+    offenders = []
+    for module, targets in _graph().items():
+        here = _layer(module)
+        for target in targets:
+            there = _layer(target)
+            if there is None or there == here:
+                if here is None and there is not None and module != "engine":
+                    offenders.append(f"{module} (a shared leaf) imports {target}")
+                continue
+            if here is not None and LAYERS[there] >= LAYERS[here]:
+                offenders.append(f"{module} ({here}, layer {LAYERS[here]}) imports {target} "
+                                 f"({there}, layer {LAYERS[there]})")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_a_subpackage_is_entered_through_its_face():
+    """Another subpackage's names come from its ``__init__`` (its ``__all__``), never from its
+    private modules; a module of a subpackage imports its siblings directly, never its own face
+    (the face imports them: that would be a circle)."""
+    offenders = []
+    for module, targets in _graph().items():
+        here = _layer(module)
+        for target in targets:
+            there = _layer(target)
+            if there is None:
+                continue
+            face = f"engine.{there}"
+            inner = target[len(face) + 1:].split(".") if target != face else []
+            if there != here and any(part.startswith("_") for part in inner):
+                offenders.append(f"{module} reaches into {target} (use {face})")
+            elif there == here and target == face and module not in (face, f"{face}.__main__"):
+                offenders.append(f"{module} imports its own face {face}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_every_face_exports_what_it_lists():
+    """A face's ``__all__``, its lazy table and its TYPE_CHECKING imports name the same things,
+    each defined where the table says."""
+    import importlib
+    for package in sorted(LAYERS):
+        face = importlib.import_module(f"engine.{package}")
+        where = getattr(face, "_WHERE", None)
+        if where is None:
+            continue  # (cli, integrations, view: commands and servers, no lazy face)
+        assert sorted(where) == sorted(face.__all__), package
+        for name, module in where.items():
+            assert hasattr(importlib.import_module(f"engine.{package}.{module}"), name), f"engine.{package}.{name}"
+
+
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_module_is_over_600_lines(path):
     assert len(path.read_text().splitlines()) <= 600, f"{path.relative_to(ROOT)}: split it by what it holds"

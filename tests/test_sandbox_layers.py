@@ -79,7 +79,7 @@ def _can_run_as_nobody() -> str | None:
     if same != str(sys.version_info[:2]):
         return f"{SYSTEM_PYTHON} is not Python {sys.version_info[0]}.{sys.version_info[1]}"
     probe = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
-                            SYSTEM_PYTHON, "-c", "import engine.sandbox"], cwd="/",
+                            SYSTEM_PYTHON, "-c", "import engine.sandbox._plan"], cwd="/",
                            env={"PYTHONPATH": NOBODY_PATH, "PATH": "/usr/bin:/bin"},
                            capture_output=True, timeout=WAIT)
     if probe.returncode != 0:

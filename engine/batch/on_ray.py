@@ -64,7 +64,7 @@ from engine.batch.run import RunSettings, execute, make_record
 from engine.batch.stopping import Stopper, infra_threshold
 from engine.batch.tasks import TaskSpec, pack_files
 from engine.errors import AgentloopError
-from engine.observe import _tracing as tracing
+from engine.observe import start_tracing, tracing_env
 
 __all__ = [
     "GRACE", "NODE_RETRIES", "SLOTS_EVERY", "agent_slots", "connect", "import_ray", "on_cluster", "run_on_node",
@@ -98,7 +98,7 @@ def run_on_node(spec: TaskSpec, settings: RunSettings,
             asyncio.get_running_loop().add_signal_handler(signal.SIGINT, me.cancel)
         return await execute(spec, settings, packed=packed)
 
-    traced = tracing.start()  # as the driver's: its tracing variables came in the job's environment
+    traced = start_tracing()  # as the driver's: its tracing variables came in the job's environment
     try:
         record = asyncio.run(main())
     finally:
@@ -145,7 +145,7 @@ def import_ray() -> Any:
 
 def _forwarded_env(settings: RunSettings) -> dict[str, str]:
     names = {config.api_key_env for config in settings.models}
-    return {**{name: os.environ[name] for name in sorted(names) if os.environ.get(name)}, **tracing.forwarded_env()}
+    return {**{name: os.environ[name] for name in sorted(names) if os.environ.get(name)}, **tracing_env()}
 
 
 def _check_reachable(address: str) -> None:

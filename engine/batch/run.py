@@ -21,7 +21,7 @@ from engine.batch.tasks import TaskSpec
 from engine.errors import ConfigError
 from engine.launch import SharedForkServer, WorkerSettings
 from engine.models import ModelRegistry
-from engine.observe import _tracing as tracing
+from engine.observe import trace_observer
 from engine.results import BATCH_OUTPUT_CAP, OutputBudget
 from engine.tools import RepoTools
 from engine.trees import copy_tree, remove_tree, walk
@@ -220,7 +220,7 @@ async def _attempt(spec: TaskSpec, settings: RunSettings, attempt: int, display:
         return RunResult(None, "failed", f"cannot prepare the run's directory {run_dir}: {exc}"), True
     recorder = JsonlRecorder(run_dir / "transcript.jsonl")
     recorder.event("note", name="batch", message=f"run {spec.key!r}, attempt {attempt}")
-    spans = tracing.observer(settings.models, {"agentloop.task.id": spec.key, "agentloop.run.attempt": attempt})
+    spans = trace_observer(settings.models, {"agentloop.task.id": spec.key, "agentloop.run.attempt": attempt})
     shown: AgentDisplay = FanoutDisplay([d for d in (recorder, display, spans) if d is not None])
     # No warm pool: an idle spare worker per run would double a batch's processes for the rare
     # run that starts a sub-agent.  No fork server of the run's own either (starting one costs

@@ -36,7 +36,7 @@ from engine.batch.tasks import pack_files, read_lines, refuse_invalid, task_file
 from engine.durations import parse_duration
 from engine.errors import ConfigError
 from engine.launch import ENV_ALLOWLIST, WorkerSettings
-from engine.observe import _tracing as tracing
+from engine.observe import current_tracing
 from engine.samples import FILES_CAP, STATUSES, Sample, SampleResult, cancelled, check_env
 from engine.workers import Engine
 
@@ -183,7 +183,7 @@ class _TracedView:
 
 def traced(view: Any) -> Any:
     """``view``, sending a span per finished sample when tracing is on."""
-    current = tracing.current()
+    current = current_tracing()
     return view if current is None else _TracedView(view, current)
 
 

@@ -76,11 +76,11 @@ def main(ctx: click.Context, verbose: bool, trace: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="agentloop: %(message)s")
     from engine.errors import AgentloopError
-    from engine.observe import _tracing as tracing
+    from engine.observe import start_tracing, stop_tracing
 
     try:
-        if tracing.start(trace) is not None:
-            ctx.call_on_close(tracing.shutdown)
+        if start_tracing(trace) is not None:
+            ctx.call_on_close(stop_tracing)
     except AgentloopError as exc:
         fail(f"tracing: {exc}")
     # SIGTERM (a service manager, `kill`, a CI timeout) stops a command as Ctrl-C does: the

@@ -29,7 +29,7 @@ from engine.cli.options import terminated as stop_like_ctrl_c
 from engine.errors import AgentloopError, ModelError
 from engine.inert import inert
 from engine.models import Chat
-from engine.observe import _tracing as tracing
+from engine.observe import trace_observer
 from engine.tools import RepoTools
 
 __all__ = ["ask"]
@@ -194,7 +194,7 @@ def ask(question: tuple[str, ...], root: Path | None, max_turns: int, model: str
         except AgentloopError as exc:
             tools.close()
             fail(str(exc))
-    if (spans := tracing.observer(registry)) is not None:  # the tool calls as spans, too
+    if (spans := trace_observer(registry)) is not None:  # the tool calls as spans, too
         recorder = FanoutDisplay([d for d in (recorder, spans) if d is not None])
     stream = AnswerStream(_out) if _isatty(sys.stdout) and not as_json else None
     events = _events(recorder, stream)

@@ -289,8 +289,7 @@ def make_display(record: Path | None, quiet: bool, models=None):
     cannot write ends the command in one line), plus the spans of the run when tracing is on
     (``models`` names its model ids and servers)."""
     from engine.agent import AgentDisplay, FanoutDisplay, JsonlRecorder
-    from engine.observe import ConsoleDisplay
-    from engine.observe import _tracing as tracing
+    from engine.observe import ConsoleDisplay, trace_observer
 
     displays = [] if quiet else [ConsoleDisplay()]
     if record is not None:
@@ -300,7 +299,7 @@ def make_display(record: Path | None, quiet: bool, models=None):
             fail(f"cannot record to {record}: {exc.strerror or exc}")
         except AgentloopError as exc:
             fail(str(exc))
-    if (spans := tracing.observer(models)) is not None:
+    if (spans := trace_observer(models)) is not None:
         displays.append(spans)
     if not displays:
         return AgentDisplay()

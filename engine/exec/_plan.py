@@ -40,9 +40,17 @@ from pathlib import Path
 from engine import trust
 from engine.errors import ConfigError
 from engine.launch import missing_dirs
-from engine.sandbox import _interpreter as interpreter
-from engine.sandbox import _plan as sandbox
-from engine.sandbox import beneath, protected_paths
+from engine.sandbox import (
+    RUNTIME_ROOT,
+    SandboxPolicy,
+    beneath,
+    plan,
+    protected_paths,
+    python_paths,
+    runtime_dirs,
+    shareable_cwd,
+)
+from engine.sandbox import probe as probe_python
 from worker.contract.confinement import Confinement
 
 __all__ = ["SECRET_PATTERNS", "ScriptPlan", "kept_read_only", "plan_script", "script_environment", "secret_names"]
@@ -97,7 +105,7 @@ def script_environment(environ: Mapping[str, str], *, passed: Iterable[str] = ()
     return env
 
 
-def plan_script(policy: sandbox.SandboxPolicy, *, python: str, cwd: Path, script: str | None, write_cwd: bool,
+def plan_script(policy: SandboxPolicy, *, python: str, cwd: Path, script: str | None, write_cwd: bool,
                 workspace: Path | None, environ: Mapping[str, str], memory_cgroup: bool = False,
                 pids_cgroup: bool = False) -> ScriptPlan:
     """The plan for ``python SCRIPT`` (None: the program read from stdin) run from ``cwd``,
@@ -115,7 +123,7 @@ def plan_script(policy: sandbox.SandboxPolicy, *, python: str, cwd: Path, script
         if policy.share_cwd is False:
             raise ConfigError("--no-share-cwd goes with --read-only: with --write-cwd the script writes the "
                               "current directory")
-        shown, why = sandbox.shareable_cwd(cwd, policy.share_cwd)
+        shown, why = shareable_cwd(cwd, policy.share_cwd)
         if not shown:
             raise ConfigError(why.removeprefix("sandbox: ").replace("is not shown to workers", "is not shown to scripts")
                               + ", or --read-only")
@@ -134,28 +142,28 @@ def plan_script(policy: sandbox.SandboxPolicy, *, python: str, cwd: Path, script
                           "XDG_STATE_HOME elsewhere") from None
     kept = kept_read_only(target, python)
     policy = dataclasses.replace(policy, as_caller=True)
-    plan = sandbox.plan(policy, socket_dir=None, workspace=target, cwd=cwd, output_dir=None, python=python,
-                        memory_cgroup=memory_cgroup, pids_cgroup=pids_cgroup, protected=kept,
-                        shown=tuple(_shown(script, python, environ)))
-    if kept and not plan.pid_namespace:
+    planned = plan(policy, socket_dir=None, workspace=target, cwd=cwd, output_dir=None, python=python,
+                   memory_cgroup=memory_cgroup, pids_cgroup=pids_cgroup, protected=kept,
+                   shown=tuple(_shown(script, python, environ)))
+    if kept and not planned.pid_namespace:
         _refuse_unkept_code(kept, target, python)
-    argv = list(plan.argv_prefix)
+    argv = list(planned.argv_prefix)
     if argv:
         # The confiner is the PID namespace's init: it relays signals and reports the exact status.
         argv.insert(1, "--as-pid-1")
         # The host's name, as python sees it (a new UTS namespace starts with it).
         at = argv.index("--hostname")
         del argv[at:at + 2]
-    confine = plan.confine
+    confine = planned.confine
     if confine.landlock is not None:  # (getpass and curses open the terminal by name)
         confine = confine.replace(landlock=dataclasses.replace(confine.landlock, dev=(*confine.landlock.dev, "/dev/tty")))
     if confine.seccomp is not None:
         # Sessions and process groups as under python (a child with start_new_session): without a
         # PID namespace the confiner, a subreaper, and the runner find what is left by its tree.
         confine = confine.replace(seccomp=dataclasses.replace(confine.seccomp, lock_session=False))
-    tmpdir = None if plan.pid_namespace else plan.env.get("TMPDIR")
-    return ScriptPlan(argv, plan.pid_namespace, confine, plan.cwd or str(cwd), list(plan.notes), tmpdir, str(target),
-                      tuple(d for d in made if os.path.isdir(d)), kept)
+    tmpdir = None if planned.pid_namespace else planned.env.get("TMPDIR")
+    return ScriptPlan(argv, planned.pid_namespace, confine, planned.cwd or str(cwd), list(planned.notes), tmpdir,
+                      str(target), tuple(d for d in made if os.path.isdir(d)), kept)
 
 
 def kept_read_only(directory: Path, python: str) -> tuple[str, ...]:
@@ -168,7 +176,7 @@ def kept_read_only(directory: Path, python: str) -> tuple[str, ...]:
 
 def _installation(python: str) -> list[str]:
     """The directories of the interpreter (its prefixes too) and of agentloop's own code, resolved."""
-    return [*(os.path.realpath(p) for p in interpreter.python_paths(python)), *_import_path(python)]
+    return [*(os.path.realpath(p) for p in python_paths(python)), *_import_path(python)]
 
 
 def _import_path(python: str) -> list[str]:
@@ -176,12 +184,12 @@ def _import_path(python: str) -> list[str]:
     virtual environment, agentloop's packages, and the coordinator's own ``sys.path`` (but
     the current directory that ``python -m engine.cli`` puts first on it: files there are the
     user's anyway), resolved."""
-    info = interpreter.probe(python)
+    info = probe_python(python)
     here = os.path.realpath(os.getcwd())
     venvs = [p for p in info.paths[:4] if os.path.isfile(os.path.join(p, "pyvenv.cfg"))]
     ours = [p for p in sys.path if p and os.path.isabs(p) and os.path.realpath(p) != here]
-    places = [*info.paths[4:], *venvs, *interpreter.runtime_dirs(python), *ours,
-              os.path.join(interpreter.RUNTIME_ROOT, "worker"), os.path.join(interpreter.RUNTIME_ROOT, "engine")]
+    places = [*info.paths[4:], *venvs, *runtime_dirs(python), *ours,
+              os.path.join(RUNTIME_ROOT, "worker"), os.path.join(RUNTIME_ROOT, "engine")]
     return [os.path.realpath(p) for p in places if os.path.isdir(p)]
 
 
@@ -218,7 +226,7 @@ def _shown(script: str | None, python: str, environ: Mapping[str, str]) -> list[
                 shown.append(Path(os.path.realpath(path)))
     dirs = [*environ.get("PATH", "").split(":"), *environ.get("PYTHONPATH", "").split(":")]
     home = environ.get("HOME")
-    info = interpreter.probe(python)
+    info = probe_python(python)
     if home and info.paths[0] == info.paths[1] and not environ.get("PYTHONNOUSERSITE"):
         major_minor = ".".join(info.version.split(".")[:2])
         dirs.append(os.path.join(home, ".local", "lib", f"python{major_minor}", "site-packages"))
@@ -232,4 +240,4 @@ def _shown(script: str | None, python: str, environ: Mapping[str, str]) -> list[
 
 def _showable(directory: Path) -> bool:
     """Whether ``directory`` may be shown whole: not ``/``, a home directory or one above a home."""
-    return sandbox.shareable_cwd(directory, None)[0]
+    return shareable_cwd(directory, None)[0]

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.launch._cgroup import WorkerCgroups, delegation_hint
-from engine.sandbox._host import HostSupport, fork_server_problem, host_support, root_blocker
-from engine.sandbox._plan import SandboxPolicy
+from engine.sandbox import HostSupport, SandboxPolicy, fork_server_problem, host_support, root_blocker
 
 __all__ = ["Layer", "report"]
 

@@ -52,9 +52,19 @@ from engine.launch._settings import WorkerSettings
 from engine.launch._shared_fork_server import RunView, SharedForkServer
 from engine.launch._tcp import Gatekeeper, Guard
 from engine.results import OutputBudget, describe_exit
-from engine.sandbox import _interpreter as interpreter
-from engine.sandbox import _plan as _sandbox
-from engine.sandbox import _uids, protected_paths
+from engine.sandbox import (
+    LaunchPlan,
+    check_workspace,
+    claim_uid,
+    not_importable,
+    protected_paths,
+    refuse_untrusted,
+    refuse_untrusted_paths,
+    release_uid,
+    runtime_argv,
+    runtime_packages,
+)
+from engine.sandbox import plan as make_plan
 from engine.trees import remove_tree
 from engine.trust import state_home
 from worker.contract.sample import SlotSettings
@@ -130,7 +140,7 @@ class Launcher:
         self._guards: list[Guard] = []  # closed (again) before the context: see ``_tcp.Door``
         self._spares: SpareGroups | None = None  # cgroups made ahead for its fork server's spare inits
         self._outputs = 0
-        self._first_plan: tuple[Path, _sandbox.LaunchPlan] | None = None
+        self._first_plan: tuple[Path, LaunchPlan] | None = None
         self._shared_view: RunView | None = None
         #: What stays read-only in the workspace (``engine.sandbox``), found when it opens.
         self.protected: tuple[str, ...] = ()
@@ -148,7 +158,7 @@ class Launcher:
         settings = self.settings
         self.check_python()
         if settings.sandbox.mode != "none":
-            interpreter.check_workspace(self.workspace, settings.python)
+            check_workspace(self.workspace, settings.python)
         try:
             self._made = missing_dirs(self.workspace)
             self._hold = hold_workspace(self.workspace)
@@ -175,7 +185,7 @@ class Launcher:
                 and not settings.sandbox.as_caller):  # (code that runs as the caller needs no uid of its own)
             workspace = os.path.realpath(self.workspace)  # (as the sandbox plan names it)
             try:
-                _uids.claim(workspace)  # the run's uid: this run's claim, held while it lives
+                claim_uid(workspace)  # the run's uid: this run's claim, held while it lives
             except OSError as exc:
                 raise ConfigError(f"cannot claim a uid for the workers: {exc}") from exc
             self._uid_claim = workspace
@@ -196,10 +206,10 @@ class Launcher:
         """ConfigError, in one line, unless the workers' Python starts, can run agentloop's
         runtime and imports every ``preload`` module; nor one a worker could have written."""
         python = self.settings.python
-        interpreter.refuse_untrusted(python, self.workspace)
-        interpreter.refuse_untrusted_paths(python)  # before anything else runs it with its site
-        self.runtime_packages = interpreter.runtime_packages(python)
-        missing = interpreter.not_importable(python, self.settings.preload)
+        refuse_untrusted(python, self.workspace)
+        refuse_untrusted_paths(python)  # before anything else runs it with its site
+        self.runtime_packages = runtime_packages(python)
+        missing = not_importable(python, self.settings.preload)
         if missing:
             raise ConfigError(f"--preload: {', '.join(missing)} cannot be imported by the workers' Python "
                               f"{python}; install {'it' if len(missing) == 1 else 'them'} there "
@@ -230,7 +240,7 @@ class Launcher:
         if self._grant is not None:  # every worker is gone: what changes there now is not theirs
             await asyncio.to_thread(self._grant.end)
         if self._uid_claim is not None:
-            _uids.release(self._uid_claim)
+            release_uid(self._uid_claim)
             self._uid_claim = None
         if not self.settings.keep_output:
             await asyncio.to_thread(remove_tree, self.run_dir)
@@ -299,7 +309,7 @@ class Launcher:
         self._outputs += 1
         return self.output_dir / f"w{index}-{self._outputs}-{_file_part(block_id)}.txt"
 
-    def plan(self, sock_dir: Path) -> _sandbox.LaunchPlan:
+    def plan(self, sock_dir: Path) -> LaunchPlan:
         """The sandbox plan for a process that may see ``sock_dir`` (a worker's, or the root).
 
         The plans of one run differ in the socket directory alone: the first is made in full
@@ -310,10 +320,10 @@ class Launcher:
         workers may write the workspace, and what stays read-only there (``engine.trust``)."""
         first = self._first_plan
         if first is None or sock_dir.parent != first[0].parent:
-            plan = _sandbox.plan(self.settings.sandbox, socket_dir=sock_dir, workspace=self.workspace,
-                                 cwd=self.cwd, output_dir=self.output_dir, python=self.settings.python,
-                                 memory_cgroup=self.memory_cgroups is not None,
-                                 pids_cgroup=self.pids_cgroups is not None, protected=self.protected)
+            plan = make_plan(self.settings.sandbox, socket_dir=sock_dir, workspace=self.workspace,
+                             cwd=self.cwd, output_dir=self.output_dir, python=self.settings.python,
+                             memory_cgroup=self.memory_cgroups is not None,
+                             pids_cgroup=self.pids_cgroups is not None, protected=self.protected)
             if self._grant is None and self.settings.sandbox.mode != "none":
                 self._grant = trust.open_grant(self.workspace, self.protected if plan.pid_namespace else ())
             if first is None and sock_dir.parent == self.sock_root:
@@ -334,7 +344,7 @@ class Launcher:
         assert self.sock_root is not None, "open() the launcher first"
         return self.plan(self.sock_root).uid
 
-    def env(self, start: StartSpec, plan: _sandbox.LaunchPlan | None) -> dict[str, str]:
+    def env(self, start: StartSpec, plan: LaunchPlan | None) -> dict[str, str]:
         """A process's whole environment: the allowlist, the sandbox's needs, and ``start``
         (its token, confinement, ...: ``contract.start``) with what the plan decides of it.
         Without a plan: the environment a fork server passes on (it confines nothing itself)."""
@@ -373,7 +383,7 @@ class Launcher:
         # A slot is told its endpoint in its settings, not on its command line (every sample
         # could read that).
         args = (endpoint,) if entry == WORKER else ()
-        command = interpreter.runtime_argv(self.settings.python, entry, *args, packages=self.runtime_packages)
+        command = runtime_argv(self.settings.python, entry, *args, packages=self.runtime_packages)
         env = self.env(StartSpec(token=token, output=str(sock_dir) if output else "", slot=slot,
                                  curve=guard.env if guard is not None else ""), plan)
         for detail in plan.details:
@@ -392,12 +402,12 @@ class Launcher:
         sandbox = self.settings.sandbox
         if sandbox.mode == "none" or os.geteuid() != 0 or sandbox.worker_uid is not None:
             return None
-        return _uids.claim(name)
+        return claim_uid(name)
 
     @staticmethod
     def release_uid(name: str) -> None:
         """Give back the uid ``own_uid(name)`` claimed, once no process runs as it."""
-        _uids.release(name)
+        release_uid(name)
 
     def _served_by_shared(self) -> bool:
         return (self.shared is not None and fork_server_refusal(self.settings) is None

@@ -158,7 +158,7 @@ _current: Tracing | None = None
 _lock = threading.Lock()
 
 
-def start(flag: bool = False, environ: Mapping[str, str] | None = None) -> Tracing | None:
+def start_tracing(flag: bool = False, environ: Mapping[str, str] | None = None) -> Tracing | None:
     """Turn tracing on for this process if the flag or the environment asks for it (see the
     module docstring); the tracing, or None when off.  Raises ConfigError (one line) when the SDK
     is missing or the environment names an exporter or protocol agentloop cannot send with."""
@@ -181,17 +181,17 @@ def start(flag: bool = False, environ: Mapping[str, str] | None = None) -> Traci
     return _current
 
 
-def current() -> Tracing | None:
+def current_tracing() -> Tracing | None:
     """The process's tracing, or None when it is off."""
     return _current
 
 
-def observer(models: ModelRegistry | None = None, root: Mapping[str, Any] | None = None) -> AgentDisplay | None:
+def trace_observer(models: ModelRegistry | None = None, root: Mapping[str, Any] | None = None) -> AgentDisplay | None:
     """A span observer for one run when tracing is on, else None (nothing to add)."""
     return _current.observer(models, root) if _current is not None else None
 
 
-def forwarded_env() -> dict[str, str]:
+def tracing_env() -> dict[str, str]:
     """What a process elsewhere (a Ray task) needs to trace as this one does: the ``OTEL_*``
     variables, and ``OTEL_TRACES_EXPORTER`` when ``--trace`` turned tracing on; nothing when off."""
     if _current is None:
@@ -202,7 +202,7 @@ def forwarded_env() -> dict[str, str]:
     return env
 
 
-def shutdown() -> None:
+def stop_tracing() -> None:
     """End tracing for this process (the command is over): send what is left, bounded."""
     global _current
     tracing, _current = _current, None
@@ -267,5 +267,5 @@ def _version() -> str:
         return "0"
 
 
-__all__ = ["FLUSH_SECONDS", "SEMCONV_DEFAULT", "SEMCONV_LATEST", "TraceSettings", "Tracing", "current",
-           "endpoint", "forwarded_env", "observer", "requested", "shutdown", "start"]
+__all__ = ["FLUSH_SECONDS", "SEMCONV_DEFAULT", "SEMCONV_LATEST", "TraceSettings", "Tracing", "current_tracing",
+           "endpoint", "requested", "start_tracing", "stop_tracing", "trace_observer", "tracing_env"]

@@ -187,8 +187,8 @@ def _worker_uid(policy: SandboxPolicy, workspace: Path) -> int:
     # never gets it (``engine.sandbox``), so ordinary file permissions separate them too.
     if policy.worker_uid is not None:
         return policy.worker_uid
-    held = _uids.of(str(workspace))
-    return held if held is not None else _uids.claim(str(workspace))  # (a plan made outside a Launcher)
+    held = _uids.uid_of(str(workspace))
+    return held if held is not None else _uids.claim_uid(str(workspace))  # (a plan made outside a Launcher)
 
 
 def _tasks_of(uid: int) -> int:

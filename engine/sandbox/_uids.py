@@ -35,7 +35,7 @@ from pathlib import Path
 # judges files by their owner.
 from engine.trust import UID_BASE, UID_SPAN
 
-__all__ = ["UID_BASE", "UID_SPAN", "claim", "first_choice", "of", "release"]
+__all__ = ["UID_BASE", "UID_SPAN", "claim_uid", "first_uid", "release_uid", "uid_of"]
 
 _PLACES = (Path("/var/lib/agentloop/uids"), Path("/run/agentloop-uids"), Path("/tmp/agentloop-0/uids"))
 _KEY = "key"
@@ -111,7 +111,7 @@ def _read_key(registry: Path) -> bytes:
     return key
 
 
-def first_choice(workspace: str) -> int:
+def first_uid(workspace: str) -> int:
     """The uid ``workspace`` tries first (it gets it unless another workspace holds it)."""
     with _lock:
         registry = _registry()
@@ -126,7 +126,7 @@ def _first(key: bytes, workspace: str) -> int:
     return UID_BASE + int.from_bytes(digest[:8], "big") % UID_SPAN
 
 
-def claim(workspace: str) -> int:
+def claim_uid(workspace: str) -> int:
     """The uid of ``workspace``'s workers, claimed until as many ``release`` calls as claims
     (or until this process ends).  Raises OSError when no uid can be claimed."""
     with _lock:
@@ -211,14 +211,14 @@ def _has_id(pid: str, uid: int) -> bool:
     return False
 
 
-def of(workspace: str) -> int | None:
+def uid_of(workspace: str) -> int | None:
     """The uid this process holds for ``workspace``, if it holds one."""
     with _lock:
         held = _held.get(workspace)
         return held[0] if held is not None else None
 
 
-def release(workspace: str) -> None:
+def release_uid(workspace: str) -> None:
     """Give back one claim of ``workspace``'s uid; the last one of this process lets it go."""
     with _lock:
         held = _held.get(workspace)
