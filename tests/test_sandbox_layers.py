@@ -93,6 +93,31 @@ VARIANTS = [("self", "bwrap"), ("self", "landlock"), ("nobody", "bwrap"), ("nobo
 
 
 @dataclasses.dataclass
+class _Planned:
+    """What a plan made by another user says (its command line, spec and words), as a test needs it."""
+
+    argv: list[str]
+    confine: Confinement
+    notes: list[str]
+    env: dict[str, str]
+    cwd: str | None
+    uid: int | None
+    details: list[str]
+
+    @property
+    def argv_prefix(self) -> list[str]:
+        return self.argv
+
+    @property
+    def pid_namespace(self) -> bool:
+        return bool(self.argv)
+
+    def grant(self, path: Path) -> None:
+        if self.uid is not None:
+            os.chown(path, self.uid, self.uid)
+
+
+@dataclasses.dataclass
 class Result:
     rc: int
     out: dict[str, str]
@@ -122,7 +147,7 @@ class Box:
                 os.chown(d, NOBODY, NOBODY)
         self.plan = self._plan(policy)
 
-    def _plan(self, policy: SandboxPolicy) -> LaunchPlan:
+    def _plan(self, policy: SandboxPolicy) -> LaunchPlan | _Planned:
         kwargs = dict(socket_dir=self.socket_dir, workspace=self.workspace, cwd=self.cwd,
                       output_dir=self.output_dir, python=self.python)
         if self.user == "self":
@@ -132,14 +157,15 @@ class Box:
                   "a = json.loads(sys.argv[1])\n"
                   "p = plan(SandboxPolicy(**a.pop('policy')), python=a.pop('python'),"
                   " **{k: Path(v) for k, v in a.items()})\n"
-                  "print(json.dumps({**dataclasses.asdict(p), 'confine': p.confine.to_json()}))\n")
+                  "print(json.dumps({'argv': p.argv_prefix, 'confine': p.confine.to_json(), 'notes': p.notes,"
+                  " 'env': p.env, 'cwd': p.cwd, 'uid': p.uid, 'details': p.details}))\n")
         arg = {"policy": dataclasses.asdict(policy), **{k: str(v) for k, v in kwargs.items()}}
         done = subprocess.run(self._as_user([SYSTEM_PYTHON, "-c", driver, json.dumps(arg)]),
                               cwd=self.cwd, env=self._env({}), capture_output=True, text=True,
                               timeout=WAIT)
         assert done.returncode == 0, done.stderr
         fields = json.loads(done.stdout)
-        return LaunchPlan(**{**fields, "confine": Confinement.from_json(fields["confine"])})
+        return _Planned(**{**fields, "confine": Confinement.from_json(fields["confine"])})
 
     def _as_user(self, argv: list[str]) -> list[str]:
         if self.user == "self":
@@ -953,25 +979,30 @@ def test_bwrap_argv_argument_for_argument() -> None:
     assert "--unshare-net" not in unprivileged and "--cap-add" not in unprivileged
 
 
-def test_fork_server_argv_argument_for_argument() -> None:
-    """A fork server's command line is its sandbox's with the capabilities it makes namespaces
-    with: root's without a user namespace (CAP_KILL for samples that run as another uid), an
+def test_a_fork_servers_sandbox_argument_for_argument() -> None:
+    """A fork server's sandbox is its run's with the capabilities it makes namespaces with:
+    root's without a user namespace (CAP_KILL for samples that run as another uid), an
     unprivileged user's in bubblewrap's user namespace, which may then make user namespaces
-    (one per process the server forks, which allows none below it)."""
-    from engine.sandbox import fork_server_argv, namespace_flags
+    (one per process the server forks, which allows none below it).  The probe of a server's
+    user namespaces runs in the same flags."""
+    from engine.sandbox import namespace_flags, probe_argv
 
-    root = ["bwrap", *namespace_flags(True, network=False), "--proc", "/proc", "--"]
-    assert fork_server_argv(root, root=True) == [
+    assert ["bwrap", *namespace_flags(True, network=False, server="fork")] == [
         "bwrap", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--unshare-net",
         "--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_NET_ADMIN",
         "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP",
-        "--die-with-parent", "--new-session", "--proc", "/proc", "--"]
-    assert fork_server_argv(root, root=True, kill=True)[6:10] == ["--cap-drop", "ALL", "--cap-add", "CAP_KILL"]
-    user = ["bwrap", *namespace_flags(False, network=True), "--proc", "/proc", "--"]
-    assert fork_server_argv(user, root=False) == fork_server_argv(user, root=False, kill=True) == [
-        "bwrap", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--unshare-user",
-        "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_NET_ADMIN",
-        "--die-with-parent", "--new-session", "--proc", "/proc", "--"]
+        "--die-with-parent", "--new-session"]
+    assert namespace_flags(True, network=False, server="fork+kill")[5:9] == ["--cap-drop", "ALL", "--cap-add", "CAP_KILL"]
+    assert namespace_flags(False, network=True, server="fork") == namespace_flags(False, network=True,
+                                                                                 server="fork+kill") == [
+        "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--unshare-user",
+        "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_NET_ADMIN", "--die-with-parent", "--new-session"]
+    assert probe_argv("bwrap", False, server="fork") == [
+        "bwrap", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--unshare-net",
+        "--unshare-user", "--cap-add", "CAP_SYS_ADMIN", "--cap-add", "CAP_NET_ADMIN", "--die-with-parent",
+        "--new-session", "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "--"]
+    with pytest.raises(ValueError):
+        namespace_flags(True, network=False, server="anything")
 
 
 def test_bwrap_argv_of_a_script_argument_for_argument() -> None:

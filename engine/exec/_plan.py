@@ -144,16 +144,9 @@ def plan_script(policy: SandboxPolicy, *, python: str, cwd: Path, script: str | 
     policy = dataclasses.replace(policy, as_caller=True)
     planned = plan(policy, socket_dir=None, workspace=target, cwd=cwd, output_dir=None, python=python,
                    memory_cgroup=memory_cgroup, pids_cgroup=pids_cgroup, protected=kept,
-                   shown=tuple(_shown(script, python, environ)))
+                   shown=tuple(_shown(script, python, environ)), script=True)
     if kept and not planned.pid_namespace:
         _refuse_unkept_code(kept, target, python)
-    argv = list(planned.argv_prefix)
-    if argv:
-        # The confiner is the PID namespace's init: it relays signals and reports the exact status.
-        argv.insert(1, "--as-pid-1")
-        # The host's name, as python sees it (a new UTS namespace starts with it).
-        at = argv.index("--hostname")
-        del argv[at:at + 2]
     confine = planned.confine
     if confine.landlock is not None:  # (getpass and curses open the terminal by name)
         confine = confine.replace(landlock=dataclasses.replace(confine.landlock, dev=(*confine.landlock.dev, "/dev/tty")))
@@ -162,7 +155,7 @@ def plan_script(policy: SandboxPolicy, *, python: str, cwd: Path, script: str | 
         # PID namespace the confiner, a subreaper, and the runner find what is left by its tree.
         confine = confine.replace(seccomp=dataclasses.replace(confine.seccomp, lock_session=False))
     tmpdir = None if planned.pid_namespace else planned.env.get("TMPDIR")
-    return ScriptPlan(argv, planned.pid_namespace, confine, planned.cwd or str(cwd), list(planned.notes), tmpdir,
+    return ScriptPlan(planned.argv_prefix, planned.pid_namespace, confine, planned.cwd or str(cwd), list(planned.notes), tmpdir,
                       str(target), tuple(d for d in made if os.path.isdir(d)), kept)
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from engine.errors import WorkerStartError
 from engine.launch._process import STDERR_TAIL, Launch, Process, descendants, signal_quietly, watch_exit
 from engine.launch._settings import WorkerSettings
-from engine.sandbox import LaunchPlan, fork_server_argv, host_support, runtime_argv
+from engine.sandbox import LaunchPlan, runtime_argv
 from worker.contract import fork
 from worker.contract.framing import HEADER, FrameError, decode, encode, frame
 from worker.contract.schema import ContractError
@@ -181,7 +181,7 @@ class ForkServer:
         plan = self.plan
         # CAP_KILL for the server of code samples: a root slot kills what its samples (another
         # uid) leave running.
-        argv = fork_server_argv(plan.argv_prefix, root=host_support().root, kill=self.own_workspace is not None)
+        argv = plan.as_server("fork+kill" if self.own_workspace is not None else "fork").argv_prefix
         env = {k: v for k, v in self.env.items() if k not in START_NAMES}  # it confines nothing itself
         env.update(StartSpec(preload=self.settings.preload).to_env())
         self._proc = await asyncio.create_subprocess_exec(

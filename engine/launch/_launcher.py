@@ -313,8 +313,9 @@ class Launcher:
         """The sandbox plan for a process that may see ``sock_dir`` (a worker's, or the root).
 
         The plans of one run differ in the socket directory alone: the first is made in full
-        (a few milliseconds: the view, the uid, the confinement), later ones are copies of it
-        naming their own directory, made searchable by the run's uid as the full one would.
+        (a few milliseconds: the view, the uid, the confinement), later ones are that plan shown
+        their own directory (``for_socket_dir``), made searchable by the run's uid as the full
+        one would.
 
         Before the first plan is returned (before any worker can exist), the record notes that
         workers may write the workspace, and what stays read-only there (``engine.trust``)."""
@@ -329,13 +330,10 @@ class Launcher:
             if first is None and sock_dir.parent == self.sock_root:
                 self._first_plan = (sock_dir, plan)
             return plan
-        old, plan = first
+        plan = first[1]
         if plan.uid is not None:
             os.chmod(sock_dir, 0o711)  # as ``sandbox._share_with_run`` leaves a worker's directory
-        return dataclasses.replace(plan, argv_prefix=[str(sock_dir) if a == str(old) else a
-                                                      for a in plan.argv_prefix],
-                                   notes=list(plan.notes),
-                                   env=dict(plan.env))
+        return plan.for_socket_dir(sock_dir)
 
     def run_uid(self) -> int | None:
         """The uid (and gid) this run's workers switch to: a root coordinator's run has one of

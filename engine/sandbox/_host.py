@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from engine.sandbox._bwrap import beneath, fork_server_argv, namespace_flags
+from engine.sandbox._bwrap import beneath, probe_argv
 from engine.sandbox._interpreter import python_paths, runtime_argv
 from worker.contract.confinement import landlock_abi, seccomp_supported
 
@@ -39,8 +39,7 @@ def host_support() -> HostSupport:
         problem = "bubblewrap not found"
     else:
         true = shutil.which("true") or "/bin/true"
-        argv = [exe, *namespace_flags(root, network=False), "--ro-bind", "/", "/", "--proc", "/proc",
-                "--dev", "/dev", "--", true]
+        argv = [*probe_argv(exe, root), true]
         try:
             done = subprocess.run(argv, capture_output=True, timeout=30, stdin=subprocess.DEVNULL)
             if done.returncode != 0:
@@ -68,9 +67,7 @@ def fork_server_problem() -> str | None:
         return host.bwrap_problem
     if host.root:
         return None
-    argv = [host.bwrap, *namespace_flags(False, network=False), "--ro-bind", "/", "/", "--proc", "/proc",
-            "--dev", "/dev", "--"]
-    argv = fork_server_argv(argv, root=False) + runtime_argv(sys.executable, "worker.fork_server:probe")
+    argv = probe_argv(host.bwrap, False, server="fork") + runtime_argv(sys.executable, "worker.fork_server:probe")
     try:
         done = subprocess.run(argv, capture_output=True, timeout=30, stdin=subprocess.DEVNULL, cwd="/")
     except (OSError, subprocess.TimeoutExpired) as exc:

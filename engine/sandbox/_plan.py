@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import errno
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 
 from engine.errors import ConfigError, SandboxError
 from engine.sandbox import _uid0, _uids
-from engine.sandbox._bwrap import View, beneath, bwrap_argv, make_parents, namespace_flags, outermost
+from engine.sandbox._bwrap import Bwrap, View, beneath
 from engine.sandbox._host import HostSupport, host_support, readable_in_view, root_blocker
 from engine.sandbox._interpreter import python_paths
 from engine.sandbox._protected import unkept_note
@@ -41,8 +42,7 @@ from engine.trees import TreeError, disk_usage
 from worker.contract.confinement import Confinement, Landlock, Seccomp
 
 __all__ = [
-    "GiB", "HostSupport", "LaunchPlan", "MODES", "MiB", "SandboxPolicy", "host_support", "plan",
-    "root_blocker", "server_plan", "shareable_cwd", "system_paths", "tools_argv", "workspace_excess"
+    "GiB", "LaunchPlan", "MODES", "MiB", "SandboxPolicy", "plan", "server_plan", "shareable_cwd", "system_paths", "tools_plan", "workspace_excess"
 ]
 
 GiB = 1024**3
@@ -91,21 +91,46 @@ class SandboxPolicy:
 
 @dataclass
 class LaunchPlan:
-    """How to start one worker: argv prefix, whether the kill can rely on a PID namespace,
-    the spec the worker applies to itself before user code (JSON-able), one-line notes (said
-    where it starts) and details (how this machine bounds every worker: ``doctor`` and ``-v``).
+    """How to start one sandboxed process: its bubblewrap sandbox (None without one: the
+    Landlock fallback, or no sandbox), the spec it applies to itself before running anything it
+    was given (JSON-able), one-line notes (said where it starts) and details (how this machine
+    bounds every worker: ``doctor`` and ``-v``).
 
-    `env` holds variables to add to the worker's environment, `cwd` the directory to start it
-    in, `uid` the uid the worker switches to (root only; see `grant`)."""
+    `env` holds variables to add to the process's environment, `cwd` the directory to start it
+    in, `uid` the uid it switches to (root only; see `grant`).  Its command line is made by the
+    one builder (``argv_prefix``); a variant of a plan changes its sandbox's fields
+    (``for_socket_dir``, ``as_server``), never the list."""
 
-    argv_prefix: list[str]
-    pid_namespace: bool
+    bwrap: Bwrap | None
     confine: Confinement = field(default_factory=Confinement)
     notes: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
     uid: int | None = None
     details: list[str] = field(default_factory=list)
+
+    @cached_property
+    def argv_prefix(self) -> list[str]:
+        """bubblewrap's command line, up to and including ``--`` ([] without bubblewrap)."""
+        return self.bwrap.argv() if self.bwrap is not None else []
+
+    @property
+    def pid_namespace(self) -> bool:
+        """Whether the process is the init of a PID namespace of its own (what the kill relies on)."""
+        return self.bwrap is not None
+
+    def for_socket_dir(self, socket_dir: Path) -> LaunchPlan:
+        """This plan for a process shown ``socket_dir`` instead (another process of the run)."""
+        if self.bwrap is None:
+            return replace(self, notes=list(self.notes), env=dict(self.env))
+        view = replace(self.bwrap.view, socket_dir=socket_dir)
+        return replace(self, bwrap=replace(self.bwrap, view=view), notes=list(self.notes), env=dict(self.env))
+
+    def as_server(self, server: str) -> LaunchPlan:
+        """This plan for a fork server (``_bwrap.SERVERS``): the same sandbox, with the
+        capabilities it makes each process's namespaces with."""
+        assert self.bwrap is not None, "a fork server runs in bubblewrap"
+        return replace(self, bwrap=replace(self.bwrap, server=server))
 
     def grant(self, path: Path) -> None:
         """Give the worker's uid ownership of `path` (its socket, once bound).  A unix socket
@@ -210,7 +235,7 @@ def _tasks_of(uid: int) -> int:
 
 def plan(policy: SandboxPolicy, *, socket_dir: Path | None, workspace: Path, cwd: Path,
          output_dir: Path | None, python: str, memory_cgroup: bool = False, pids_cgroup: bool = False,
-         protected: tuple[str, ...] = (), shown: tuple[Path, ...] = ()) -> LaunchPlan:
+         protected: tuple[str, ...] = (), shown: tuple[Path, ...] = (), script: bool = False) -> LaunchPlan:
     """The launch plan for one worker under `policy` on this machine.
 
     `memory_cgroup`: the coordinator puts the worker in a memory cgroup of its own (see
@@ -220,6 +245,8 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path | None, workspace: Path, cwd
     `protected`: paths in the workspace to keep read-only (``engine.sandbox``): bound so
     under bubblewrap (the plan then has a PID namespace), else a note says they are not.
     `shown`: more paths shown read-only.
+    `script`: the plan of ``exec FILE``'s sandbox, whose first process (the confiner) is the PID
+    namespace's init and which keeps the host's name, as python sees it.
     `policy.as_caller`: code runs as the user running agentloop (root: uid 0 without any
     capability, ``engine.sandbox``), no owner or mode changes, `socket_dir` and `output_dir` may be None.
 
@@ -231,7 +258,7 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path | None, workspace: Path, cwd
     if policy.mode not in MODES:
         raise ConfigError(f"sandbox mode {policy.mode!r} is not one of {', '.join(MODES)}")
     if policy.mode == "none":
-        return LaunchPlan([], False, Confinement(), ["sandbox: none — worker code runs with your privileges"])
+        return LaunchPlan(None, Confinement(), ["sandbox: none — worker code runs with your privileges"])
 
     workspace, socket_dir, output_dir, cwd = (p and Path(os.path.realpath(p))
                                               for p in (workspace, socket_dir, output_dir, cwd))
@@ -275,10 +302,10 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path | None, workspace: Path, cwd
     notes += more
     env = {"HOME": tmp, "TMPDIR": tmp}
     if not use_bwrap:
-        return LaunchPlan([], False, confine, notes, env, start_dir, uid, details)
-    argv = bwrap_argv(host.bwrap, root=host.root, network=policy.network, tmp_bytes=policy.tmp_bytes,
-                      view=view, start_dir=start_dir)
-    return LaunchPlan(argv, True, confine, notes, env, start_dir, uid, details)
+        return LaunchPlan(None, confine, notes, env, start_dir, uid, details)
+    box = Bwrap(host.bwrap, host.root, policy.network, policy.tmp_bytes, view, start_dir,
+                hostname=None if script else "agentloop", init=script)
+    return LaunchPlan(box, confine, notes, env, start_dir, uid, details)
 
 
 def server_plan(policy: SandboxPolicy, python: str, root: Path, socket_root: Path) -> LaunchPlan:
@@ -290,9 +317,7 @@ def server_plan(policy: SandboxPolicy, python: str, root: Path, socket_root: Pat
     assert host.bwrap is not None
     system, links = system_paths()
     view = View(tuple(system), tuple(links), python_paths(python), root, socket_root, None, None)
-    argv = bwrap_argv(host.bwrap, root=host.root, network=policy.network, tmp_bytes=policy.tmp_bytes,
-                      view=view, start_dir="/")
-    return LaunchPlan(argv, True, cwd="/")
+    return LaunchPlan(Bwrap(host.bwrap, host.root, policy.network, policy.tmp_bytes, view, "/"), cwd="/")
 
 
 def _layers(policy: SandboxPolicy, host: HostSupport) -> tuple[bool, list[str]]:
@@ -361,23 +386,19 @@ def _confinement(policy: SandboxPolicy, host: HostSupport, use_bwrap: bool, uid:
                        landlock=landlock, seccomp=seccomp), notes, details
 
 
-def tools_argv(root: str, python: str) -> list[str]:
-    """A bubblewrap prefix for the repository tools' process: a view of the system, its
-    Python and `root`, all read-only, with no network and PID namespace of its own; [] where
-    bubblewrap is not usable (the process then relies on its own Landlock and seccomp).  A bug
-    in the tools' own confinement to `root` then still cannot reach beyond it."""
+def tools_plan(root: str, python: str, confine: Confinement) -> LaunchPlan:
+    """The plan of the repository tools' process: a view of the system, its Python and `root`,
+    all read-only, with no network and PID namespace of its own, started in ``/``; without a
+    sandbox where bubblewrap is not usable (the process then relies on ``confine``, its own
+    Landlock and seccomp).  A bug in the tools' own confinement to `root` then still cannot
+    reach beyond it."""
     host = host_support()
     if host.bwrap is None:
-        return []
+        return LaunchPlan(None, confine, cwd="/")
     system, links = system_paths()
-    argv = [host.bwrap, *namespace_flags(host.root, network=False), "--hostname", "agentloop",
-            "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(16 * MiB), "--tmpfs", "/tmp"]
-    made = {"/", "/tmp", "/dev", "/proc"}
-    for path in outermost([*system, *python_paths(python), os.path.realpath(root)]):
-        argv += [*make_parents(path, made), "--ro-bind", path, path]
-    for target, link in links:
-        argv += ["--symlink", target, link]
-    return argv + ["--remount-ro", "/", "--chdir", "/", "--"]
+    view = View(tuple(system), tuple(links), python_paths(python), None, None, None, None,
+                shown=(Path(os.path.realpath(root)),))
+    return LaunchPlan(Bwrap(host.bwrap, host.root, False, 16 * MiB, view, "/"), confine, cwd="/")
 
 
 def _share_with_run(uid: int, workspaces: list[Path], output_dir: Path, socket_dir: Path) -> None:

@@ -24,7 +24,7 @@ import threading
 import time
 import weakref
 
-from engine.sandbox import RUNTIME_ROOT, tools_argv
+from engine.sandbox import RUNTIME_ROOT, tools_plan
 from worker.contract import tools
 from worker.contract.confinement import Confinement, Landlock, Seccomp, landlock_abi, seccomp_supported
 from worker.contract.framing import HEADER, FrameError, decode_json, encode_json, frame
@@ -91,7 +91,7 @@ class ToolProcess:
         self.exclude = exclude
         self.queue_wait = queue_wait
         self.layers: list[str] = []  # the confinement layers the running process applied
-        self._view = tools_argv(root, sys.executable)  # bubblewrap's view of root alone, if usable
+        self._plan = tools_plan(root, sys.executable, confinement(root))  # a view of root alone, if usable
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._busy = 0.0  # seconds of requests served by the current process
@@ -158,7 +158,7 @@ class ToolProcess:
         env = {k: os.environ[k] for k in ("PATH", "LANG") if k in os.environ}  # no keys, no PYTHON*
         try:
             proc = _spawner.submit(
-                subprocess.Popen, [*self._view, *command()], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                subprocess.Popen, [*self._plan.argv_prefix, *command()], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, cwd="/", env=env, close_fds=True,
                 start_new_session=True,  # Ctrl-C at the terminal is the coordinator's business
             ).result(timeout=STARTUP_TIMEOUT)
@@ -173,8 +173,8 @@ class ToolProcess:
         deadline = time.monotonic() + STARTUP_TIMEOUT
         try:
             # Inside bubblewrap's PID namespace the parent is its init; bwrap dies with us.
-            init = tools.Init(self.root, tuple(tuple(e) for e in self.exclude), 0 if self._view else os.getpid(),
-                              confinement(self.root).to_json())
+            init = tools.Init(self.root, tuple(tuple(e) for e in self.exclude),
+                              0 if self._plan.pid_namespace else os.getpid(), self._plan.confine.to_json())
             self._send(frame(encode_json(init)), deadline)
             reply = self._receive(deadline)
         except (ToolTimeout, ToolCrash) as exc:
