@@ -27,7 +27,7 @@ from engine.launch._process import STDERR_TAIL, Launch, Process, descendants, si
 from engine.launch._settings import WorkerSettings
 from engine.sandbox import LaunchPlan, runtime_argv
 from worker.contract import fork
-from worker.contract.framing import HEADER, FrameError, decode, encode, frame
+from worker.contract.framing import decode, encode, frame, read_frame_async
 from worker.contract.schema import ContractError
 from worker.contract.start import NAMES as START_NAMES
 from worker.contract.start import StartSpec
@@ -210,12 +210,10 @@ class ForkServer:
         assert self._proc is not None and self._proc.stdout is not None
         stdout = self._proc.stdout
         try:
-            while True:
-                size = HEADER.unpack(await stdout.readexactly(HEADER.size))[0]
-                if size > fork.MAX_REPORT:
-                    raise FrameError(f"fork server sent a {size}-byte message")
-                self._dispatch(fork.TO_COORDINATOR.parse(decode(await stdout.readexactly(size), fork.MAX_REPORT)))
-        except (asyncio.IncompleteReadError, ContractError) as exc:
+            while (body := await read_frame_async(stdout.readexactly, fork.MAX_REPORT)) is not None:
+                self._dispatch(fork.TO_COORDINATOR.parse(decode(body, fork.MAX_REPORT)))
+            log.info("fork server gone")
+        except ContractError as exc:
             log.info("fork server gone: %s", exc)
         finally:
             for future in self._waiting.values():

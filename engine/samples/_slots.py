@@ -47,7 +47,7 @@ from engine.errors import WorkerStartError
 from engine.launch import SLOT
 from engine.samples._status import Ending
 from worker.contract import sample
-from worker.contract.framing import HEADER, FrameError, decode, encode, frame
+from worker.contract.framing import FrameError, decode, encode, frame, read_frame_async
 from worker.contract.sample import SlotSettings
 from worker.contract.schema import ContractError
 
@@ -146,12 +146,10 @@ class Slot:
     async def _read(self, limit: int = _MAX_REPLY) -> sample.Message:
         assert self._reader is not None
         try:
-            size = HEADER.unpack(await self._reader.readexactly(HEADER.size))[0]
-            if size > limit:
-                raise SlotError(f"it sent a {size}-byte message")
-            return sample.TO_COORDINATOR.parse(decode(await self._reader.readexactly(size), limit))
-        except (asyncio.IncompleteReadError, ConnectionError) as exc:
-            raise SlotError("it died") from exc
+            body = await read_frame_async(self._reader.readexactly, limit)
+            if body is None:
+                raise SlotError("it died")
+            return sample.TO_COORDINATOR.parse(decode(body, limit))
         except (ContractError, FrameError) as exc:
             raise SlotError(f"it sent a malformed message ({exc})") from exc
 

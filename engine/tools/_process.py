@@ -27,7 +27,7 @@ import weakref
 from engine.sandbox import RUNTIME_ROOT, tools_plan
 from worker.contract import tools
 from worker.contract.confinement import Confinement, Landlock, Seccomp, landlock_abi, seccomp_supported
-from worker.contract.framing import HEADER, FrameError, decode_json, encode_json, frame
+from worker.contract.framing import FrameError, decode_json, encode_json, frame, read_frame_before
 from worker.contract.schema import ContractError
 
 #: Seconds a fresh tool process may take to start and confine itself.
@@ -223,12 +223,13 @@ class ToolProcess:
     def _receive(self, deadline: float) -> tools.Message:
         proc = self._proc
         assert proc is not None and proc.stdout is not None
-        fd = proc.stdout.fileno()
-        (size,) = HEADER.unpack(_read_exact(fd, HEADER.size, deadline))
-        if size > tools.MAX_REPLY:
-            raise ToolCrash(f"the tool process sent a reply of {size} bytes (at most {tools.MAX_REPLY})")
         try:
-            return tools.TO_COORDINATOR.parse(decode_json(_read_exact(fd, size, deadline), tools.MAX_REPLY))
+            body = read_frame_before(proc.stdout.fileno(), tools.MAX_REPLY, deadline)
+            if body is None:
+                raise ToolCrash("the tool process died")
+            return tools.TO_COORDINATOR.parse(decode_json(body, tools.MAX_REPLY))
+        except TimeoutError:
+            raise ToolTimeout from None
         except (ContractError, FrameError) as exc:
             raise ToolCrash(f"the tool process sent a malformed reply: {exc}") from None
 
@@ -242,17 +243,6 @@ def _wait(fd: int, event: int, deadline: float) -> None:
             raise ToolTimeout
         if poller.poll(max(1, int(left * 1000 + 0.999))):  # rounds up: never a busy loop
             return
-
-
-def _read_exact(fd: int, n: int, deadline: float) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        _wait(fd, select.POLLIN, deadline)
-        chunk = os.read(fd, min(n - len(buf), 1 << 20))
-        if not chunk:
-            raise ToolCrash("the tool process died")
-        buf += chunk
-    return bytes(buf)
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:

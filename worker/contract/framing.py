@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 try:
@@ -23,7 +24,7 @@ from .limits import MAX_FRAME
 from .schema import ContractError, Message
 
 __all__ = ["HEADER", "FrameBuffer", "FrameError", "decode", "decode_json", "encode", "encode_json", "frame",
-           "read_frame", "write_all"]
+           "read_frame", "read_frame_async", "read_frame_before", "write_all"]
 
 HEADER = struct.Struct(">I")
 
@@ -90,9 +91,11 @@ def read_frame(fd: int, max_size: int) -> bytes | None:
     return _read_exact(fd, size)
 
 
-def _read_exact(fd: int, n: int) -> bytes | None:
+def _read_exact(fd: int, n: int, deadline: float | None = None) -> bytes | None:
     buf = bytearray()
     while len(buf) < n:
+        if deadline is not None:
+            _wait_readable(fd, deadline)
         try:
             chunk = os.read(fd, min(n - len(buf), 1 << 20))
         except InterruptedError:
@@ -101,6 +104,47 @@ def _read_exact(fd: int, n: int) -> bytes | None:
             return None
         buf += chunk
     return bytes(buf)
+
+
+def read_frame_before(fd: int, max_size: int, deadline: float) -> bytes | None:
+    """``read_frame`` from a descriptor, each wait bounded by ``deadline`` (``time.monotonic``):
+    TimeoutError past it (a frame may then be half read: the caller ends the stream)."""
+    head = _read_exact(fd, HEADER.size, deadline)
+    if head is None:
+        return None
+    (size,) = HEADER.unpack(head)
+    if size > max_size:
+        raise FrameError(f"a frame of {size} bytes (at most {max_size})")
+    return _read_exact(fd, size, deadline)
+
+
+async def read_frame_async(readexactly: Callable[[int], Awaitable[bytes]], max_size: int) -> bytes | None:
+    """The next frame's body from an asyncio stream (its ``readexactly``); None at the end of
+    the stream (also inside a frame); FrameError past ``max_size``, before the body is read.
+    Bound the wait with ``asyncio.wait_for`` where the peer may fall silent."""
+    import asyncio
+
+    try:
+        (size,) = HEADER.unpack(await readexactly(HEADER.size))
+        if size > max_size:
+            raise FrameError(f"a frame of {size} bytes (at most {max_size})")
+        return await readexactly(size)
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return None
+
+
+def _wait_readable(fd: int, deadline: float) -> None:
+    import select
+    import time
+
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError
+        if poller.poll(max(1, int(left * 1000 + 0.999))):  # rounds up: never a busy loop
+            return
 
 
 class FrameBuffer:
