@@ -234,3 +234,19 @@ def test_the_coordinator_imports_only_the_contract_of_the_sandbox_side():
 
 def test_every_message_class_has_an_example():
     assert {cls for _, _, cls, _, _ in MESSAGES} == set(EXAMPLES)
+
+
+def test_every_entry_point_names_a_function_of_the_runtime():
+    """The runtime's entry points live in one table (``contract.start.ENTRIES``), each a function
+    its module defines: a process started with a misspelt one would fail only when started."""
+    import ast
+    import importlib.util
+
+    from worker.contract.start import ENTRIES
+
+    for entry in ENTRIES:
+        module, _, function = entry.partition(":")
+        spec = importlib.util.find_spec(module)
+        assert spec is not None and spec.origin, entry
+        tree = ast.parse(open(spec.origin).read())
+        assert any(isinstance(node, ast.FunctionDef) and node.name == function for node in tree.body), entry

@@ -1,7 +1,7 @@
 """The tool process: serves the repository tools (``worker.repo_tools``) to the coordinator.
 
-Started by ``engine.tools`` as ``command()`` (``python -I -S -c`` with an absolute path:
-nothing in the current directory or in site-packages' ``.pth`` hooks runs), with cwd ``/`` and
+Started by ``engine.tools`` with the runtime's one launch command (``engine.sandbox.runtime_argv``,
+without site: nothing in the current directory or in site-packages' ``.pth`` hooks runs), with cwd ``/`` and
 an environment holding nothing but PATH and LANG.  In order, before it reads a single request:
 it dies with its parent (PR_SET_PDEATHSIG), opens the root, then confines itself with
 ``worker._confine.apply`` (rlimits: DATA, CPU, FSIZE 0, NOFILE, CORE 0; every capability
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import unicodedata  # noqa: F401 - for \N{...} in patterns: nothing is importable once Landlock is on
 import warnings
 
@@ -28,20 +27,11 @@ from .contract.framing import FrameError, decode_json, encode_json, frame, read_
 from .contract.schema import ContractError
 from .repo_tools import MAX_TEXT, Refusal, Tree, truncate
 
-__all__ = ["command", "handle", "main"]
+__all__ = ["handle", "main"]
 
 _PR_SET_PDEATHSIG = 1
 _EXIT_PARENT_GONE = 70
 _EXIT_CONFINE = 71
-
-
-def command(python: str | None = None) -> list[str]:
-    """The argv that starts this server: isolated (-I), without site (-S), importing this
-    package by its absolute location (appended to sys.path, so it never shadows the stdlib)."""
-    home = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = (f"import sys; sys.path.append({home!r}); "
-            "from worker.tool_server import main; main()")
-    return [python or sys.executable, "-I", "-S", "-c", code]
 
 
 def _read_request() -> tools.Message | None:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from engine.exec._plan import ScriptPlan
 from engine.exec._terminal import TerminalRelay
-from engine.launch import WorkerCgroups, kill_tree
+from engine.launch import Launch, WorkerCgroups, kill_tree, start
 from engine.sandbox import SandboxPolicy, runtime_argv
 from worker.contract.confiner import (
     MAX_MESSAGE,
@@ -48,6 +48,7 @@ from worker.contract.confiner import (
 )
 from worker.contract.framing import FrameBuffer, decode_json, encode_json, frame, write_all
 from worker.contract.schema import ContractError
+from worker.contract.start import CONFINER
 
 __all__ = ["ScriptCgroups", "ScriptResult", "inherited_ignored", "run_script"]
 
@@ -158,8 +159,8 @@ def run_script(plan: ScriptPlan, program: list[str], env: dict[str, str], *, pyt
     setup = Setup(plan.confine.to_json(), status_w, control_r, program_err,
                   next((fd for fd in (0, 1) if fd in relays), program_err) if relays else None,
                   tuple(ignored), 0 if plan.pid_namespace else os.getpid(), env.get("LC_CTYPE"))
-    boot = runtime_argv(python, "worker.confiner:main", encode_json(setup).decode("ascii"), *program)
-    argv = [*plan.argv_prefix, boot[0], "-S", *boot[1:]]  # -S: not even site-packages' .pth files
+    # site=False: not even site-packages' .pth files run before the program's own interpreter.
+    boot = runtime_argv(python, CONFINER, encode_json(setup).decode("ascii"), *program, site=False)
     if plan.tmpdir:  # no private /tmp (no bubblewrap): one in the workspace
         env = {**env, "TMPDIR": plan.tmpdir}
     handled = (*_TO_GROUP, *_TO_PROGRAM, *_OTHERS)
@@ -168,10 +169,11 @@ def run_script(plan: ScriptPlan, program: list[str], env: dict[str, str], *, pyt
     old_wakeup = signal.set_wakeup_fd(wake_w)
     run = _Run()
     try:
+        launch = Launch(plan.argv_prefix, boot, "", env, Path(plan.cwd), plan.pid_namespace, list(plan.notes),
+                        stdin=given[0], stdout=given[1], stderr=diag_w, pass_fds=(status_w, control_r, program_err),
+                        preexec=cgroups.join if cgroups is not None and cgroups.groups else None)
         try:
-            proc = subprocess.Popen(argv, stdin=given[0], stdout=given[1], stderr=diag_w, env=env, cwd=plan.cwd,
-                                    pass_fds=(status_w, control_r, program_err), start_new_session=True,
-                                    preexec_fn=cgroups.join if cgroups is not None and cgroups.groups else None)
+            proc = start(launch)
         except OSError as exc:
             return ScriptResult("failed", 125, None, 0.0, f"cannot start the sandbox: {exc.strerror or exc}")
         finally:
@@ -179,7 +181,8 @@ def run_script(plan: ScriptPlan, program: list[str], env: dict[str, str], *, pyt
                 os.close(fd)
             for relay in set(relays.values()):
                 relay.close_slave()
-        _loop(proc, run, list(dict.fromkeys(relays.values())), status_r, control_w, diag_r, wake_r, timeout, grace)
+        _loop(proc, plan.pid_namespace, run, list(dict.fromkeys(relays.values())), status_r, control_w, diag_r,
+              wake_r, timeout, grace)
     finally:
         signal.set_wakeup_fd(old_wakeup)
         for sig, handler in previous.items():
@@ -216,8 +219,8 @@ def _noted(signum, frame) -> None:
     """The handler of a relayed signal: the wakeup descriptor carries it to the loop."""
 
 
-def _loop(proc: subprocess.Popen, run: _Run, relays: list[TerminalRelay], status: int, control: int,
-          diagnostics: int, wake: int, timeout: float | None, grace: float) -> None:
+def _loop(proc: subprocess.Popen, pid_namespace: bool, run: _Run, relays: list[TerminalRelay], status: int,
+          control: int, diagnostics: int, wake: int, timeout: float | None, grace: float) -> None:
     """Until the sandbox has ended and said all it had to: relay, keep the deadline."""
     sel = selectors.DefaultSelector()
     pidfd = os.pidfd_open(proc.pid)
@@ -244,7 +247,7 @@ def _loop(proc: subprocess.Popen, run: _Run, relays: list[TerminalRelay], status
                 tell("group", signal.SIGCONT)  # (a stopped script takes its SIGTERM too)
             if kill_at is not None and now >= kill_at and not run.gone:
                 run.killed, kill_at = True, None
-                _kill(proc)
+                _kill(proc, pid_namespace)
             wait = [t - now for t in (deadline if not run.timed_out else None, kill_at) if t is not None]
             for key, events in sel.select(max(0.0, min(wait)) if wait else None):
                 fd = key.fd
@@ -284,7 +287,7 @@ def _loop(proc: subprocess.Popen, run: _Run, relays: list[TerminalRelay], status
                     elif relay.input_pending and relay.master in masters:
                         sel.modify(relay.master, selectors.EVENT_READ | selectors.EVENT_WRITE)
     except BaseException:
-        _kill(proc)
+        _kill(proc, pid_namespace)
         raise
     finally:
         sel.close()
@@ -343,10 +346,10 @@ def _stop_here(relays: list[TerminalRelay]) -> None:
     # Continued: the SIGCONT that woke us is also on its way to the loop, which relays it.
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    """The sandbox and everything in it: bubblewrap, whose death ends its namespace, or without
-    it the confiner and every process below it."""
-    kill_tree(proc.pid)
+def _kill(proc: subprocess.Popen, pid_namespace: bool) -> None:
+    """The sandbox and everything in it: bubblewrap's namespace, or without it the confiner and
+    every process below it."""
+    kill_tree(proc.pid, pid_namespace=pid_namespace)
     with contextlib.suppress(OSError):
         proc.kill()
 

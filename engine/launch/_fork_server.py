@@ -19,18 +19,28 @@ import contextlib
 import itertools
 import logging
 import os
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
 from engine.errors import WorkerStartError
-from engine.launch._process import STDERR_TAIL, Launch, Process, descendants, signal_quietly, watch_exit
+from engine.launch._process import (
+    STDERR_TAIL,
+    Launch,
+    Process,
+    descendants,
+    pipes,
+    signal_quietly,
+    spawn,
+    watch_exit,
+)
 from engine.launch._settings import WorkerSettings
 from engine.sandbox import LaunchPlan, runtime_argv
 from worker.contract import fork
 from worker.contract.framing import decode, encode, frame, read_frame_async
 from worker.contract.schema import ContractError
+from worker.contract.start import FORK_SERVER, StartSpec
 from worker.contract.start import NAMES as START_NAMES
-from worker.contract.start import StartSpec
 
 __all__ = ["ForkServer", "ForkedProcess"]
 
@@ -49,37 +59,14 @@ class ForkedProcess(Process):
     def __init__(self, server: ForkServer, init_pid: int, worker_pid: int, stderr: int | None = None) -> None:
         #: The fork server that forked it.
         self.server = server
+        self.proc = None
         self.worker_pid = worker_pid
         self._status: int | None = None
-        self._init_watch(worker_pid, pid_namespace=True)
+        self._init_watch(worker_pid, True, stderr)
         self._exited.add_done_callback(self._read_status)
         self._init_exited = watch_exit(init_pid)
         self.pid = init_pid
-        self._stderr_fd = stderr
         self._own_tail = b""
-        if stderr is not None:
-            asyncio.get_running_loop().add_reader(stderr, self._read_own_stderr)
-
-    def _read_own_stderr(self) -> None:
-        fd = self._stderr_fd
-        if fd is None:
-            return
-        try:
-            chunk = os.read(fd, 65536)
-        except BlockingIOError:
-            return
-        except OSError:
-            chunk = b""
-        if chunk:
-            self._own_tail = (self._own_tail + chunk)[-STDERR_TAIL:]
-        else:  # every writer is gone
-            self._close_own_stderr()
-
-    def _close_own_stderr(self) -> None:
-        fd, self._stderr_fd = self._stderr_fd, None
-        if fd is not None:
-            asyncio.get_running_loop().remove_reader(fd)
-            os.close(fd)
 
     def _read_status(self, _: asyncio.Future) -> None:
         if self._status is None:
@@ -107,12 +94,7 @@ class ForkedProcess(Process):
 
     @stderr_tail.setter
     def stderr_tail(self, value: bytes) -> None:
-        pass
-
-    async def _close_pipes(self) -> None:
-        if self._stderr_fd is not None:
-            self._read_own_stderr()  # what it said last, already in the fifo
-            self._close_own_stderr()
+        self._own_tail = value
 
 
 def _drain(fd: int) -> bytes:
@@ -162,14 +144,19 @@ class ForkServer:
         #: Told the host pid of each namespace init the server makes ahead of its request
         #: (``_cgroup.SpareGroups.prepare``: its cgroups are made and entered meanwhile).
         self.on_spare: Callable[[int], None] | None = None
-        self._proc: asyncio.subprocess.Process | None = None
+        self._proc: Process | None = None  # the server's sandbox (bubblewrap)
+        self._requests: asyncio.StreamWriter | None = None
         self._reader: asyncio.Task | None = None
         self._waiting: dict[int, asyncio.Future[fork.Message]] = {}
         self._host_pids: dict[int, int] = {}  # server-namespace pid -> host pid
         self._forked: dict[int, Callable[[int], None]] = {}  # request id -> told C's host pid
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
-        self.stderr_tail = b""
+
+    @property
+    def stderr_tail(self) -> bytes:
+        """The end of what the server (and the workers that share its stderr) said."""
+        return self._proc.stderr_tail if self._proc is not None else b""
 
     @property
     def pid(self) -> int | None:
@@ -184,15 +171,13 @@ class ForkServer:
         argv = plan.as_server("fork+kill" if self.own_workspace is not None else "fork").argv_prefix
         env = {k: v for k, v in self.env.items() if k not in START_NAMES}  # it confines nothing itself
         env.update(StartSpec(preload=self.settings.preload).to_env())
-        self._proc = await asyncio.create_subprocess_exec(
-            *argv, *runtime_argv(self.settings.python, "worker.fork_server:serve", packages=self.packages),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
-            cwd=plan.cwd or str(self.cwd), start_new_session=True)
+        launch = Launch(argv, runtime_argv(self.settings.python, FORK_SERVER, packages=self.packages),
+                        "", env, Path(plan.cwd or self.cwd), True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._proc = spawn(launch)
+        stdout, self._requests = await pipes(self._proc.proc)
         ready = asyncio.get_running_loop().create_future()
         self._waiting[0] = ready
-        self._reader = asyncio.get_running_loop().create_task(self._read())
-        asyncio.get_running_loop().create_task(self._read_stderr())
+        self._reader = asyncio.get_running_loop().create_task(self._read(stdout))
         try:
             await asyncio.wait_for(ready, _READY_TIMEOUT)
         except (TimeoutError, EOFError) as exc:
@@ -200,15 +185,7 @@ class ForkServer:
             said = self.stderr_tail.decode("utf-8", "replace").strip()
             raise WorkerStartError(f"the fork server did not start: {said or exc}") from exc
 
-    async def _read_stderr(self) -> None:
-        assert self._proc is not None and self._proc.stderr is not None
-        with contextlib.suppress(Exception):
-            while chunk := await self._proc.stderr.read(65536):
-                self.stderr_tail = (self.stderr_tail + chunk)[-4096:]
-
-    async def _read(self) -> None:
-        assert self._proc is not None and self._proc.stdout is not None
-        stdout = self._proc.stdout
+    async def _read(self, stdout: asyncio.StreamReader) -> None:
         try:
             while (body := await read_frame_async(stdout.readexactly, fork.MAX_REPORT)) is not None:
                 self._dispatch(fork.TO_COORDINATOR.parse(decode(body, fork.MAX_REPORT)))
@@ -254,7 +231,7 @@ class ForkServer:
         async with self._lock:
             if self._proc is None or self._proc.returncode is not None:
                 await self.start()
-        assert self._proc is not None and self._proc.stdin is not None
+        assert self._requests is not None
         rid = next(self._ids)
         stderr, stderr_path = self._stderr_fifo(launch) if self.private_stderr else (None, None)
         view = view or {}
@@ -287,8 +264,8 @@ class ForkServer:
 
     async def _ask(self, request: fork.Spawn, future: asyncio.Future) -> fork.Spawned:
         """Send one spawn request; the server's ``spawned`` reply."""
-        assert self._proc is not None and self._proc.stdin is not None
-        self._proc.stdin.write(frame(encode(request)))
+        assert self._requests is not None
+        self._requests.write(frame(encode(request)))
         try:
             reply = await asyncio.wait_for(asyncio.shield(future), self.settings.start_timeout)
         except (TimeoutError, EOFError, asyncio.CancelledError) as exc:
@@ -345,12 +322,8 @@ class ForkServer:
         """Kill the server's sandbox: every worker it forked goes with it."""
         if self._proc is None:
             return
-        for pid in [*descendants(self._proc.pid), self._proc.pid]:
-            signal_quietly(pid, 9)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._proc.wait(), 5)
+        await self._proc.kill(timeout=5)
         if self._reader is not None:
             self._reader.cancel()
-        transport = getattr(self._proc, "_transport", None)
-        if transport is not None:
-            transport.close()
+        if self._requests is not None:
+            self._requests.close()

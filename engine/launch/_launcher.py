@@ -68,15 +68,11 @@ from engine.sandbox import plan as make_plan
 from engine.trees import remove_tree
 from engine.trust import state_home
 from worker.contract.sample import SlotSettings
-from worker.contract.start import StartSpec
+from worker.contract.start import WORKER, StartSpec
 
-__all__ = ["ENV_ALLOWLIST", "Launcher", "SLOT", "WORKER"]
+__all__ = ["ENV_ALLOWLIST", "Launcher"]
 
 T = TypeVar("T")
-
-#: The runtime entry points a launch starts: a worker, or a sample slot.
-WORKER = "worker.__main__:main"
-SLOT = "worker.slot:main"
 
 #: Variables a worker inherits from the coordinator's environment, if set.  Everything else
 #: (API keys, cloud credentials, tokens) stays behind.

@@ -1,11 +1,17 @@
-"""Starting a worker process and killing it with everything it started.
+"""Starting a sandboxed process and killing it with everything it started.
 
-Killing is one small function, run shielded from cancellation, that always reaps.  With a
-PID namespace (bubblewrap) the kill is atomic: SIGKILL to the namespace's outer process
-takes its init down, and the kernel kills every process in the namespace, daemons that
-double-forked or called ``setsid`` included.  Without one, the worker is a child subreaper
-(orphans stay below it), and we freeze the whole tree with SIGSTOP until it stops growing,
-then SIGKILL all of it: a fork loop cannot outrun a stopped parent.
+Every sandboxed process — a worker, a sample slot, a fork server, the tool process, exec's
+confiner — is started by ``start`` from its ``Launch`` (the plan's command line, then what runs
+inside, its environment and descriptors), and killed by ``kill_tree``.
+
+The kill is one small function that always ends the whole tree.  With a PID namespace
+(bubblewrap) it is atomic: SIGKILL to the namespace's init takes it down, and the kernel kills
+every process in the namespace, daemons that double-forked or called ``setsid`` included; the
+outer process is stopped first and its children read once it is, so that it cannot make the
+init between the look and the kill.  Without one, the process is a child subreaper (orphans
+stay below it), and the whole tree is frozen with SIGSTOP until it stops growing, then
+SIGKILLed: a fork loop cannot outrun a stopped parent.  ``Process.kill`` runs it shielded from
+cancellation and always reaps.
 """
 
 from __future__ import annotations
@@ -15,8 +21,10 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import Sequence
-from dataclasses import dataclass
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger("agentloop")
@@ -31,7 +39,10 @@ class Launch:
     (bubblewrap's; empty without it), then ``command``, what runs inside it (agentloop's
     runtime, started by ``sandbox.runtime_argv``).  ``endpoint``: where the process connects;
     ``serves_blocks``: it is a worker (a fork server's child can serve in place), else its
-    ``command`` is executed (a sample slot)."""
+    ``command`` is executed (a sample slot).  ``stdin``, ``stdout``, ``stderr``, ``pass_fds``:
+    its descriptors, as ``subprocess.Popen`` takes them (by default nothing in, nothing out,
+    stderr kept for diagnostics); ``preexec``: run in the child before it executes (entering
+    cgroups)."""
 
     prefix: list[str]
     command: list[str]
@@ -39,48 +50,78 @@ class Launch:
     env: dict[str, str]
     cwd: Path
     pid_namespace: bool
-    notes: list[str]
+    notes: list[str] = field(default_factory=list)
     serves_blocks: bool = True
+    stdin: int | None = subprocess.DEVNULL
+    stdout: int | None = subprocess.DEVNULL
+    stderr: int | None = subprocess.PIPE
+    pass_fds: tuple[int, ...] = ()
+    preexec: Callable[[], None] | None = None
 
     @property
     def argv(self) -> list[str]:
         return [*self.prefix, *self.command]
 
 
+def start(launch: Launch) -> subprocess.Popen:
+    """Start ``launch``'s process, in a session of its own, with no descriptor of ours but those
+    it is given: the one place a sandboxed process is executed.  OSError when it cannot be."""
+    return subprocess.Popen(launch.argv, stdin=launch.stdin, stdout=launch.stdout, stderr=launch.stderr,
+                            env=launch.env, cwd=str(launch.cwd), start_new_session=True, close_fds=True,
+                            pass_fds=launch.pass_fds, preexec_fn=launch.preexec)
+
+
 class Process:
-    """A started worker process; ``stderr_tail`` holds the end of what it said on its own.
+    """A started sandboxed process, as the event loop watches it; ``stderr_tail`` holds the end
+    of what it said on its own.  Exit is watched through a pidfd and the status reaped from it."""
 
-    Exit is watched through a pidfd, not ``asyncio.subprocess.Process.wait()``: on Python 3.11
-    that waits for the stderr pipe to close too, which a surviving grandchild can hold open.
-    """
-
-    def __init__(self, proc: asyncio.subprocess.Process, pid_namespace: bool) -> None:
+    def __init__(self, proc: subprocess.Popen, pid_namespace: bool) -> None:
         self.proc = proc
-        self._stderr_task = asyncio.get_running_loop().create_task(self._read_stderr())
-        self._init_watch(proc.pid, pid_namespace)
+        self._init_watch(proc.pid, pid_namespace, proc.stderr.fileno() if proc.stderr is not None else None)
 
-    def _init_watch(self, pid: int, pid_namespace: bool) -> None:
+    def _init_watch(self, pid: int, pid_namespace: bool, stderr: int | None) -> None:
+        """Watch process ``pid``'s exit, and keep the end of what it writes to ``stderr`` (the
+        read end of a pipe or fifo that is its stderr, which this handle closes)."""
         self.pid = pid
         self.pid_namespace = pid_namespace
         self.stderr_tail = b""
         self._exited = watch_exit(pid)
         self._killing: asyncio.Future[None] | None = None
+        self._stderr_fd = stderr
+        if stderr is not None:
+            os.set_blocking(stderr, False)
+            asyncio.get_running_loop().add_reader(stderr, self._read_stderr)
 
     def _on_exit(self) -> None:
         if not self._exited.done():
             self._exited.set_result(None)
 
-    async def _read_stderr(self) -> None:
-        stream = self.proc.stderr
-        if stream is None:
+    def _read_stderr(self) -> None:
+        fd = self._stderr_fd
+        if fd is None:
             return
-        with contextlib.suppress(Exception):
-            while chunk := await stream.read(65536):
-                self.stderr_tail = (self.stderr_tail + chunk)[-STDERR_TAIL:]
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if chunk:
+            self.stderr_tail = (self.stderr_tail + chunk)[-STDERR_TAIL:]
+        else:  # every writer is gone
+            self._stop_reading()
+
+    def _stop_reading(self) -> None:
+        fd, self._stderr_fd = self._stderr_fd, None
+        if fd is not None:
+            asyncio.get_running_loop().remove_reader(fd)
+            if self.proc is None:  # (a pipe of Popen's is closed with its other pipes)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     @property
     def returncode(self) -> int | None:
-        return self.proc.returncode
+        return self.proc.poll() if self._exited.done() else self.proc.returncode
 
     async def wait(self) -> int:
         """The exit status, once the process has exited (its own children may live on)."""
@@ -106,37 +147,27 @@ class Process:
         return self._exited.done()
 
     async def _kill(self, timeout: float) -> None:
-        if self._gone():
-            pass  # nothing left to signal, and its pid is not ours any more
-        elif self.pid_namespace:
-            # SIGKILL to the namespace's init (bubblewrap's inner process) takes every process
-            # of the namespace with it.  The outer one is killed too, and the inner one
-            # directly: it may not have armed its parent-death signal yet.  The outer one is
-            # stopped first and its children read once it is, so that it cannot make the inner
-            # one between the look and the kill (which would leave that one running for good).
-            signal_quietly(self.pid, signal.SIGSTOP)
-            await _stopped(self.pid)
-            for pid in [*descendants(self.pid), self.pid]:
-                signal_quietly(pid, signal.SIGKILL)
-        else:
-            kill_tree(self.pid)
+        if not self._gone():  # (gone: nothing left to signal, and its pid is not ours any more)
+            for _ in _kill_steps(self.pid, self.pid_namespace):
+                await asyncio.sleep(0.001)
         try:
             await asyncio.wait_for(self.wait(), timeout)
         except TimeoutError:
-            log.error("worker %d did not exit %.0f s after SIGKILL", self.pid, timeout)
+            log.error("process %d did not exit %.0f s after SIGKILL", self.pid, timeout)
         if not self.pid_namespace:
-            kill_tree(self.pid, include_root=False)  # stragglers reparented while we waited
+            for _ in _kill_steps(self.pid, False, include_root=False):  # stragglers reparented meanwhile
+                await asyncio.sleep(0.001)
         self._on_exit()
         await self._close_pipes()
 
     async def _close_pipes(self) -> None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.shield(self._stderr_task), 0.2)
-        self._stderr_task.cancel()
-        # A descendant may still hold the stderr pipe open; don't leave the transport to the GC.
-        transport = getattr(self.proc, "_transport", None)
-        if transport is not None:
-            transport.close()
+        self._read_stderr()  # what it said last, already in the pipe
+        self._stop_reading()
+        # A descendant may still hold the stderr pipe open: ours is closed all the same.
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr) if self.proc is not None else ():
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
 
 
 def watch_exit(pid: int) -> asyncio.Future[None]:
@@ -159,33 +190,29 @@ def watch_exit(pid: int) -> asyncio.Future[None]:
     return exited
 
 
-async def spawn(argv: Sequence[str], *, env: dict[str, str], cwd: Path,
-                pid_namespace: bool) -> Process:
-    """Start a worker in its own session, stdin empty, stderr kept for diagnostics."""
-    proc = await asyncio.create_subprocess_exec(
-        *argv,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-        cwd=str(cwd),
-        start_new_session=True,
-        close_fds=True,
-    )
-    return Process(proc, pid_namespace)
+async def pipes(proc: subprocess.Popen) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """The event loop's streams on a started process's stdout and stdin (both pipes)."""
+    assert proc.stdout is not None and proc.stdin is not None
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=2**20)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), proc.stdout)
+    transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, proc.stdin)
+    return reader, asyncio.StreamWriter(transport, protocol, None, loop)
 
 
-async def _stopped(pid: int, timeout: float = 0.5) -> None:
-    """Wait, ``timeout`` seconds at most, until process ``pid`` is stopped, a zombie or gone."""
-    for _ in range(int(timeout / 0.001)):
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return
-        if state in (b"T", b"t", b"Z", b"X"):
-            return
-        await asyncio.sleep(0.001)
+def spawn(launch: Launch) -> Process:
+    """Start ``launch``'s process (``start``) and watch it from the running event loop."""
+    return Process(start(launch), launch.pid_namespace)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped, a zombie or gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in (b"T", b"t", b"Z", b"X")
 
 
 def signal_quietly(pid: int, sig: int) -> None:
@@ -244,8 +271,31 @@ def descendants(root: int) -> list[int]:
     return out
 
 
-def kill_tree(root: int, *, include_root: bool = True, rounds: int = 50) -> None:
-    """Freeze the tree below ``root`` until it stops changing, then SIGKILL all of it."""
+def kill_tree(root: int, *, pid_namespace: bool, include_root: bool = True) -> None:
+    """SIGKILL the process ``root`` and everything it started (see the module docstring), from a
+    thread that may wait for it: the kill of every sandboxed process.  ``pid_namespace``: ``root``
+    is the outer process of a PID namespace of its own (bubblewrap's); ``include_root=False``:
+    only what lives below it (stragglers, after it was reaped)."""
+    for _ in _kill_steps(root, pid_namespace, include_root=include_root):
+        time.sleep(0.001)
+
+
+def _kill_steps(root: int, pid_namespace: bool, *, include_root: bool = True, rounds: int = 50,
+                patience: int = 500) -> Iterator[None]:
+    """The kill, one step at a time: yields where it waits a moment for a stopped process (at most
+    ``patience`` times), so that a thread sleeps and an event loop awaits between steps."""
+    if pid_namespace:
+        # SIGKILL to the namespace's init (bubblewrap's inner process) takes every process of the
+        # namespace with it.  The outer one is killed too, and the inner one directly: it may not
+        # have armed its parent-death signal yet.
+        signal_quietly(root, signal.SIGSTOP)
+        for _ in range(patience):
+            if _stopped(root):
+                break
+            yield
+        for pid in [*descendants(root), *([root] if include_root else [])]:
+            signal_quietly(pid, signal.SIGKILL)
+        return
     frozen: set[int] = set()
     if include_root:
         signal_quietly(root, signal.SIGSTOP)
@@ -261,4 +311,4 @@ def kill_tree(root: int, *, include_root: bool = True, rounds: int = 50) -> None
         signal_quietly(pid, signal.SIGKILL)
     if include_root:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(root, signal.SIGKILL)  # the worker's session leader group, if still there
+            os.killpg(root, signal.SIGKILL)  # the process's session leader group, if still there

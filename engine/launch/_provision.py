@@ -61,7 +61,7 @@ class ColdStart:
     kind = "cold"
 
     async def spawn(self, launch: Launch, on_root: Callable[[int], None] | None = None) -> Process:
-        proc = await spawn(launch.argv, env=launch.env, cwd=launch.cwd, pid_namespace=launch.pid_namespace)
+        proc = spawn(launch)
         if on_root is not None:
             on_root(proc.pid)
         return proc

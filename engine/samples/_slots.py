@@ -44,12 +44,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.errors import WorkerStartError
-from engine.launch import SLOT
 from engine.samples._status import Ending
 from worker.contract import sample
 from worker.contract.framing import FrameError, decode, encode, frame, read_frame_async
 from worker.contract.sample import SlotSettings
 from worker.contract.schema import ContractError
+from worker.contract.start import SLOT
 
 if TYPE_CHECKING:
     from engine.launch import Launcher, Process

@@ -14,6 +14,7 @@ from pathlib import Path
 from engine.sandbox._bwrap import beneath, probe_argv
 from engine.sandbox._interpreter import python_paths, runtime_argv
 from worker.contract.confinement import landlock_abi, seccomp_supported
+from worker.contract.start import FORK_PROBE
 
 __all__ = ["HostSupport", "fork_server_problem", "host_support", "readable_in_view", "root_blocker"]
 
@@ -67,7 +68,7 @@ def fork_server_problem() -> str | None:
         return host.bwrap_problem
     if host.root:
         return None
-    argv = probe_argv(host.bwrap, False, server="fork") + runtime_argv(sys.executable, "worker.fork_server:probe")
+    argv = probe_argv(host.bwrap, False, server="fork") + runtime_argv(sys.executable, FORK_PROBE)
     try:
         done = subprocess.run(argv, capture_output=True, timeout=30, stdin=subprocess.DEVNULL, cwd="/")
     except (OSError, subprocess.TimeoutExpired) as exc:

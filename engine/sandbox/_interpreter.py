@@ -272,8 +272,11 @@ def not_importable(python: str, modules: tuple[str, ...]) -> list[str]:
 RUNTIME_ROOT = str(Path(worker.contract.__file__).resolve().parent.parent.parent)
 
 
-def runtime_argv(python: str, entry: str, *args: str, packages: dict[str, str] | None = None) -> list[str]:
-    """The command line that runs ``entry`` (``"module:function"``) of agentloop's runtime.
+def runtime_argv(python: str, entry: str, *args: str, packages: dict[str, str] | None = None,
+                 site: bool = True) -> list[str]:
+    """The command line that runs ``entry`` (``"module:function"``, one of
+    ``contract.start.ENTRIES``) of agentloop's runtime: the one launch command of every process
+    the coordinator starts in a sandbox.
 
     ``-I`` (isolated mode) leaves the current directory, ``PYTHON*`` variables and the user's
     site directory off ``sys.path``, and the runtime is found by its absolute path: a process
@@ -281,7 +284,8 @@ def runtime_argv(python: str, entry: str, *args: str, packages: dict[str, str] |
     nothing from a directory a worker can write, whatever directory it starts in.  ``-B``: the
     runtime never writes bytecode next to its sources.  ``packages`` (``interpreter.
     runtime_packages``): runtime packages that ``python`` lacks, by name, with the directory
-    of agentloop's copy; an import hook finds those names, and only those, there."""
+    of agentloop's copy; an import hook finds those names, and only those, there.  ``site=False``
+    (``-S``): not even site-packages' ``.pth`` files run (exec's confiner, the tool process)."""
     module, _, function = entry.partition(":")
     if not (module.replace(".", "").replace("_", "").isalnum() and function.isidentifier()):
         raise ValueError(f"not a runtime entry point: {entry!r}")
@@ -300,7 +304,7 @@ def runtime_argv(python: str, entry: str, *args: str, packages: dict[str, str] |
                  "if where else None\n"
                  "sys.meta_path.append(_RuntimePackages)\n")
     boot += f"from {module} import {function}; {function}()"
-    return [python, "-I", "-B", "-c", boot, *args]
+    return [python, "-I", "-B", *([] if site else ["-S"]), "-c", boot, *args]
 
 
 @lru_cache(maxsize=8)

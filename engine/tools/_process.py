@@ -23,12 +23,15 @@ import sys
 import threading
 import time
 import weakref
+from pathlib import Path
 
-from engine.sandbox import RUNTIME_ROOT, tools_plan
+from engine.launch import Launch, kill_tree, start
+from engine.sandbox import runtime_argv, tools_plan
 from worker.contract import tools
 from worker.contract.confinement import Confinement, Landlock, Seccomp, landlock_abi, seccomp_supported
 from worker.contract.framing import FrameError, decode_json, encode_json, frame, read_frame_before
 from worker.contract.schema import ContractError
+from worker.contract.start import TOOLS
 
 #: Seconds a fresh tool process may take to start and confine itself.
 STARTUP_TIMEOUT = 20.0
@@ -39,14 +42,6 @@ CPU_SECONDS = 600
 #: leaves room for a walk's descriptors; FSIZE 0: it writes no file, ever.
 MEMORY_BYTES = 512 << 20
 OPEN_FILES = 256
-
-
-def command(python: str | None = None) -> list[str]:
-    """The argv that starts the tool process: isolated (-I), without site (-S), importing the
-    runtime by its absolute location (appended to sys.path, so it never shadows the stdlib)."""
-    code = (f"import sys; sys.path.append({RUNTIME_ROOT!r}); "
-            "from worker.tool_server import main; main()")
-    return [python or sys.executable, "-I", "-S", "-c", code]
 
 
 def confinement(root: str, cpu_seconds: int = CPU_SECONDS) -> Confinement:
@@ -98,7 +93,7 @@ class ToolProcess:
         self._closed = False
         # Kills the process when this handle is collected, and at the coordinator's exit
         # (finalizers run then too).
-        self._finalizer = weakref.finalize(self, _kill_quietly, [None])
+        self._finalizer = weakref.finalize(self, _kill_quietly, [None, False])
 
     @property
     def pid(self) -> int | None:
@@ -156,12 +151,12 @@ class ToolProcess:
 
     def _start(self) -> None:
         env = {k: os.environ[k] for k in ("PATH", "LANG") if k in os.environ}  # no keys, no PYTHON*
+        # Isolated, without site-packages (not even their .pth files), the runtime by its absolute
+        # path; in a session of its own: Ctrl-C at the terminal is the coordinator's business.
+        launch = Launch(self._plan.argv_prefix, runtime_argv(sys.executable, TOOLS, site=False), "", env,
+                        Path("/"), self._plan.pid_namespace, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         try:
-            proc = _spawner.submit(
-                subprocess.Popen, [*self._plan.argv_prefix, *command()], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, cwd="/", env=env, close_fds=True,
-                start_new_session=True,  # Ctrl-C at the terminal is the coordinator's business
-            ).result(timeout=STARTUP_TIMEOUT)
+            proc = _spawner.submit(start, launch).result(timeout=STARTUP_TIMEOUT)
         except (OSError, RuntimeError, concurrent.futures.TimeoutError) as exc:
             raise ToolCrash(f"the tool process could not start: {exc}") from None
         assert proc.stdin is not None and proc.stdout is not None
@@ -169,7 +164,7 @@ class ToolProcess:
         self._proc = proc
         self._busy = 0.0
         self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _kill_quietly, [proc])
+        self._finalizer = weakref.finalize(self, _kill_quietly, [proc, launch.pid_namespace])
         deadline = time.monotonic() + STARTUP_TIMEOUT
         try:
             # Inside bubblewrap's PID namespace the parent is its init; bwrap dies with us.
@@ -191,7 +186,7 @@ class ToolProcess:
         proc, self._proc = self._proc, None
         if proc is None:
             return ""
-        _kill(proc)
+        _kill(proc, self._plan.pid_namespace)
         said = ""
         if proc.stderr is not None and proc.returncode is not None:  # dead: all it said is in the pipe
             try:
@@ -199,7 +194,7 @@ class ToolProcess:
                 said = (proc.stderr.read(4000) or b"").decode(errors="replace").strip()
             except (OSError, ValueError):
                 pass
-        _kill_quietly([proc])  # closes the pipes
+        _kill_quietly([proc, self._plan.pid_namespace])  # closes the pipes
         code = proc.returncode
         status = f"killed by signal {-code}" if code is not None and code < 0 else f"exit status {code}"
         return f" ({status}{': ' + said.splitlines()[-1] if said else ''})"
@@ -245,13 +240,10 @@ def _wait(fd: int, event: int, deadline: float) -> None:
             return
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL ``proc`` and reap it (bounded: SIGKILL cannot be caught)."""
+def _kill(proc: subprocess.Popen[bytes], pid_namespace: bool) -> None:
+    """SIGKILL ``proc`` with its tree and reap it (bounded: SIGKILL cannot be caught)."""
     if proc.poll() is None:
-        try:
-            proc.send_signal(signal.SIGKILL)
-        except OSError:
-            pass
+        kill_tree(proc.pid, pid_namespace=pid_namespace)
         try:
             proc.wait(timeout=10)  # only a sleep in the kernel (a hung file system) delays it
         except subprocess.TimeoutExpired:
@@ -259,12 +251,12 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
 
 
 def _kill_quietly(box: list) -> None:
-    """Kill and reap the process in ``box`` (a list, so a finalizer need not hold the handle's
-    owner) and close its pipes."""
-    proc = box[0]
+    """Kill and reap the process in ``box`` (a list of it and whether it has a PID namespace, so
+    a finalizer need not hold the handle's owner) and close its pipes."""
+    proc, pid_namespace = box
     if proc is None:
         return
-    _kill(proc)
+    _kill(proc, pid_namespace)
     for pipe in (proc.stdin, proc.stdout, proc.stderr):
         if pipe is not None:
             try:

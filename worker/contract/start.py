@@ -16,7 +16,17 @@ from .confinement import Confinement
 from .sample import SlotSettings
 from .schema import ContractError
 
-__all__ = ["NAMES", "StartSpec"]
+__all__ = ["CONFINER", "ENTRIES", "FORK_PROBE", "FORK_SERVER", "NAMES", "SLOT", "TOOLS", "WORKER", "StartSpec"]
+
+#: What each kind of process the coordinator starts in a sandbox runs, as ``module:function`` of
+#: the runtime (``engine.sandbox.runtime_argv`` makes the one command line that runs one).
+WORKER = "worker.__main__:main"          # a worker: blocks over its wire channel
+SLOT = "worker.slot:main"                # a sample slot: samples one after another
+FORK_SERVER = "worker.fork_server:serve"  # a fork server: forks workers and slots
+FORK_PROBE = "worker.fork_server:probe"  # whether a fork server's user namespaces work here
+CONFINER = "worker.confiner:main"        # exec FILE's first process: confines, runs python FILE
+TOOLS = "worker.tool_server:main"        # the repository tools' process
+ENTRIES = (WORKER, SLOT, FORK_SERVER, FORK_PROBE, CONFINER, TOOLS)
 
 _TOKEN, _CONFINE, _PARENT = "AGENTLOOP_TOKEN", "AGENTLOOP_CONFINE", "AGENTLOOP_PARENT"
 _OUTPUT, _TTY, _SLOT, _PRELOAD = "AGENTLOOP_OUTPUT", "AGENTLOOP_TTY", "AGENTLOOP_SLOT", "AGENTLOOP_PRELOAD"
