@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: The languages the harness knows, and what it does with each.
 LANGUAGES = {
     "python": "run in a subprocess", "toml": "read as agentloop.toml", "json": "parsed", "jsonl": "parsed",
-    "sh": "commands checked, then run", "console": "commands checked, run, output compared",
+    "sh": "commands checked, then run", "bash": "as sh", "console": "commands checked, run, output compared",
     "xml": "a tags reply, parsed", "text": "a diagram, not run",
 }
 
@@ -246,7 +246,7 @@ def check_line(text: str) -> list[str]:
 def shell_lines(block: Block) -> list[tuple[str, list[str]]]:
     """A shell block as (command, expected output lines): every line of an ``sh`` block is a
     command; a ``console`` block's commands are its ``$ `` lines, each followed by its output."""
-    if block.lang == "sh":
+    if block.lang in ("sh", "bash"):
         return [(line, []) for line in block.body.splitlines() if line.strip() and not line.lstrip().startswith("#")]
     out: list[tuple[str, list[str]]] = []
     for line in block.body.splitlines():

@@ -77,7 +77,7 @@ def _missing_extra(text: str, lang: str) -> str | None:
     wanted = set()
     if lang == "python":
         wanted = {m for m in EXTRAS if re.search(rf"^\s*(?:from|import) {m}\b", text, re.MULTILINE)}
-    elif lang in ("sh", "console"):
+    elif lang in ("sh", "bash", "console"):
         wanted = {"opentelemetry"} if re.search(r"--trace|OTEL_TRACES_EXPORTER=(?:console|otlp)", text) else set()
         wanted |= {"mcp"} if re.search(r"agentloop mcp\b", text) else set()
     for module in sorted(wanted):
@@ -159,7 +159,7 @@ def _check_json(block: docs.Block) -> None:
 
 def _check(block: docs.Block) -> list[str]:
     """What can be checked without running: the commands of a shell block, a python block's syntax."""
-    if block.lang in ("sh", "console"):
+    if block.lang in ("sh", "bash", "console"):
         return [f"{block.where}: {w}" for command, _ in docs.shell_lines(block) for w in docs.check_line(command)]
     if block.lang == "python":
         try:
@@ -187,7 +187,7 @@ def test_the_examples_of_the_page_run_as_written(page, tmp_path, model_url):
         elif block.lang == "xml":
             found = [t for tag in ("run_code", "run_agent") for t in find_tags(block.body, tag)]
             assert found, f"{block.where}: no <run_code> or <run_agent> block the parser finds"
-        if block.not_run is not None or block.lang not in ("python", "sh", "console"):
+        if block.not_run is not None or block.lang not in ("python", "sh", "bash", "console"):
             continue
         if why := _missing_extra(block.body, block.lang):
             pytest.skip(f"{block.where}: {why}")
