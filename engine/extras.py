@@ -1,8 +1,8 @@
 """How to install one of agentloop's optional extras (mcp, ray, smolagents, bench), in words
 that cannot install someone else's code.
 
-The package index holds an unrelated project named ``agentloop``, so ``pip install
-'agentloop[mcp]'`` would fetch it.  The words here never name this project by that bare name:
+The package index holds an unrelated project named ``agentloop``, so installing
+``agentloop[mcp]`` from the index would fetch it.  The words here never name this project by that bare name:
 from a checkout they name the checkout's own ``scripts/agentloop`` (which installs the extra
 into the checkout's ``.venv`` before it runs), or, for another environment installed from the
 checkout, the checkout's path; otherwise they name the extra's own requirements, as this

@@ -38,8 +38,9 @@ def test_an_installed_copy_names_the_extras_own_requirements():
     assert "pip install 'ray" in install_hint("ray", None)
 
 
-#: ``pip install`` and what follows it on the line, up to a closing quote or backtick.
-_PIP = re.compile(r"pip install([^`\n\"]*)")
+#: ``pip install`` and what follows it, up to a closing quote or backtick (a line of prose may
+#: wrap within the instruction: one newline is part of it, a blank line is not).
+_PIP = re.compile(r"pip\s+install((?:[^`\"\n]|\n(?!\s*\n))*)")
 
 
 def _index_installs(text: str) -> list[str]:
@@ -55,10 +56,12 @@ def _index_installs(text: str) -> list[str]:
 
 
 def test_no_install_instruction_can_fetch_another_projects_agentloop():
-    sources = [ROOT / "README.md", *sorted((ROOT / "engine").rglob("*.py")), *sorted((ROOT / "worker").rglob("*.py")),
-               *sorted((ROOT / "scripts").iterdir()), *sorted((ROOT / "tests").rglob("*.py"))]
+    sources = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "engine").rglob("*.py")),
+               *sorted((ROOT / "worker").rglob("*.py")), *sorted((ROOT / "scripts").iterdir()),
+               *sorted((ROOT / "tests").rglob("*.py"))]
     found = {str(path.relative_to(ROOT)): bad for path in sources if path.is_file() and path.name != "test_extras.py"
              for bad in [_index_installs(path.read_text(errors="replace"))] if bad}
     assert found == {}
     assert _index_installs("run `pip install 'agentloop[mcp]'` or pip install agentloop")  # the check itself bites
+    assert _index_installs("an optional extra: `pip\ninstall 'agentloop[otel]'` (scripts/test installs it)")
     assert not _index_installs("pip install '/src/agentloop[mcp]' or pip install -e '.[mcp]'")

@@ -192,10 +192,10 @@ async def test_started_from_root_the_operators_notes_go_to_stderr_once_and_the_m
     assert len(said) == 1 and said[0].startswith("agentloop: sandbox: the current directory / is not shown"), said
 
 
-async def test_the_readmes_client_entry_works_from_root(tmp_path):
-    """The README's entry for an MCP client, its paths made this checkout's and the test's,
-    started as desktop clients start servers: from /."""
-    section = (ROOT / "README.md").read_text().split("### `agentloop mcp`", 1)[1]
+async def test_the_manuals_client_entry_works_from_root(tmp_path):
+    """The entry for an MCP client in docs/commands/mcp.md, its paths made this checkout's and
+    the test's, started as desktop clients start servers: from /."""
+    section = (ROOT / "docs" / "commands" / "mcp.md").read_text()
     entry = json.loads(section.split("```json\n", 1)[1].split("```", 1)[0])["mcpServers"]["agentloop"]
     files = tmp_path / "agentloop-files"
     command = entry["command"].replace("/path/to/agentloop", str(ROOT))

@@ -3,8 +3,8 @@ OTLP receiver), their pages loaded in headless Chromium, the DOM checked, screen
 
 Chromium is Debian's ``chromium`` (``scripts/test`` installs it when run as root), driven by
 Playwright with one browser for the whole module; without it the browser tests are skipped,
-saying why.  ``AGENTLOOP_SCREENSHOTS=DIR`` also saves the screenshots there (the README's come
-from it).
+saying why.  ``AGENTLOOP_SCREENSHOTS=DIR`` also saves the screenshots there (those of
+docs/commands/view.md come from it).
 """
 
 from __future__ import annotations

@@ -102,12 +102,12 @@ def test_a_workspace_of_model_code_gets_its_group_and_mode_back(tmp_path):
     assert (after.st_mode, after.st_uid, after.st_gid) == (before.st_mode, before.st_uid, before.st_gid), result
 
 
-def test_one_table_in_the_readme_and_the_same_words_in_help():
+def test_one_table_in_the_manual_and_the_same_words_in_help():
     # Where code may write is said once: --help of every command that has the flag and the
-    # README's table use the same words, and each command says its own default.
+    # table of docs/worker-options.md use the same words, and each command says its own default.
     from engine.cli.options import WRITE_HELP
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parent.parent / "docs" / "worker-options.md").read_text()
     cells = [part.split(":", 1)[1].strip().rstrip(".") for part in WRITE_HELP.split("  ")
              if part.startswith(("--write-cwd:", "--read-only:"))]
     writes_cwd = cells[0].split("; code runs as")[0]

@@ -194,7 +194,7 @@ def worker_options(f):
     ])
 
 
-#: Where code may write, in the words of ``--help`` (and of the README's table).
+#: Where code may write, in the words of ``--help`` (and of the table in docs/worker-options.md).
 WRITE_HELP = ("Where code may write.  --write-cwd: the current directory, but its .git, agentloop.toml, virtual "
               "environments (directories holding pyvenv.cfg), the interpreter and agentloop's own code stay "
               "read-only; code runs as you (as root: uid 0 without capabilities).  --read-only: the current "

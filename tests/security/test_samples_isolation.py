@@ -246,7 +246,7 @@ async def test_samples_running_at_once_do_not_share_per_user_quotas(tmp_path: Pa
     may have leaves another sample that runs meanwhile with its own."""
     if os.geteuid() != 0:
         pytest.skip(reason="unprivileged, every sample runs as the user, whose per-user kernel quotas "
-                           "it shares (README: concurrent samples)")
+                           "it shares (docs/security.md: concurrent samples)")
     hog = _QUOTAS + """
 took = [len(take_all(make)) for make in (inotify, fanotify, big_pipe)]
 print("took", took, flush=True)
@@ -379,7 +379,7 @@ print(open("/proc/self/mountinfo").read(), open("/proc/self/cmdline").read(), sy
     if os.geteuid() == 0:
         assert all(line.split()[4].endswith("/samples/workspace") for line in workspace), workspace
         assert str(runtime_home()) not in seen, seen
-    else:  # the layers of the server's sandbox are locked beneath covers (README): named, never shown
+    else:  # the layers of the server's sandbox are locked beneath covers (docs/security.md): named, never shown
         listed = json.loads(probes["LISTED"])
         for point, names in listed.items():
             if point.startswith((str(state), str(runtime_home()))) and not point.endswith("/samples/workspace"):
