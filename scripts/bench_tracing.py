@@ -59,11 +59,11 @@ def _stats(values: list[float], digits: int = 1) -> dict:
 def _tracing(endpoint: str):
     import os
 
-    from engine.observe import _tracing as tracing
+    from engine.observe import start_tracing, stop_tracing
 
-    tracing.shutdown()
+    stop_tracing()
     os.environ.update({"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_TRACES_EXPORTER": "otlp"})
-    return tracing.start()
+    return start_tracing()
 
 
 def observer_cost(current, batches: int, per_batch: int = 50) -> dict:
@@ -117,7 +117,7 @@ def measure(quick: bool = False, base: Path | None = None) -> dict:
         return {"note": "the OpenTelemetry SDK is not installed (scripts/bench installs it with the bench extra)"}
     sink = ThreadingHTTPServer(("127.0.0.1", 0), _Sink)
     threading.Thread(target=sink.serve_forever, daemon=True).start()
-    from engine.observe import _tracing as tracing
+    from engine.observe import stop_tracing
 
     try:
         current = _tracing(f"http://127.0.0.1:{sink.server_address[1]}")
@@ -128,7 +128,7 @@ def measure(quick: bool = False, base: Path | None = None) -> dict:
             models = load_models(None, env={"LLM_URL": server.url, "LLM_MODEL": "scripted"})
             took = asyncio.run(_runs(models, 2 if quick else 8, current))
     finally:
-        tracing.shutdown()
+        stop_tracing()
         sink.shutdown()
     off, on = statistics.median(took["off"]), statistics.median(took["on"])
     return {"observer_us_per_block": observer,

@@ -146,6 +146,7 @@ class ForkServer:
         self.on_spare: Callable[[int], None] | None = None
         self._proc: Process | None = None  # the server's sandbox (bubblewrap)
         self._requests: asyncio.StreamWriter | None = None
+        self._close_pipes: Callable[[], None] | None = None
         self._reader: asyncio.Task | None = None
         self._waiting: dict[int, asyncio.Future[fork.Message]] = {}
         self._host_pids: dict[int, int] = {}  # server-namespace pid -> host pid
@@ -171,10 +172,12 @@ class ForkServer:
         argv = plan.as_server("fork+kill" if self.own_workspace is not None else "fork").argv_prefix
         env = {k: v for k, v in self.env.items() if k not in START_NAMES}  # it confines nothing itself
         env.update(StartSpec(preload=self.settings.preload).to_env())
+        if self._close_pipes is not None:  # (a server that died: its successor's pipes are new)
+            self._close_pipes()
         launch = Launch(argv, runtime_argv(self.settings.python, FORK_SERVER, packages=self.packages),
                         "", env, Path(plan.cwd or self.cwd), True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._proc = spawn(launch)
-        stdout, self._requests = await pipes(self._proc.proc)
+        stdout, self._requests, self._close_pipes = await pipes(self._proc.proc)
         ready = asyncio.get_running_loop().create_future()
         self._waiting[0] = ready
         self._reader = asyncio.get_running_loop().create_task(self._read(stdout))
@@ -325,5 +328,6 @@ class ForkServer:
         await self._proc.kill(timeout=5)
         if self._reader is not None:
             self._reader.cancel()
-        if self._requests is not None:
-            self._requests.close()
+        if self._close_pipes is not None:
+            self._close_pipes()
+            self._close_pipes = None

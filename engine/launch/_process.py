@@ -163,11 +163,11 @@ class Process:
     async def _close_pipes(self) -> None:
         self._read_stderr()  # what it said last, already in the pipe
         self._stop_reading()
-        # A descendant may still hold the stderr pipe open: ours is closed all the same.
-        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr) if self.proc is not None else ():
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
+        # A descendant may still hold the stderr pipe open: ours is closed all the same.  (Its
+        # stdin and stdout, when pipes, are whoever connected them: ``pipes``.)
+        if self.proc is not None and self.proc.stderr is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stderr.close()
 
 
 def watch_exit(pid: int) -> asyncio.Future[None]:
@@ -190,14 +190,21 @@ def watch_exit(pid: int) -> asyncio.Future[None]:
     return exited
 
 
-async def pipes(proc: subprocess.Popen) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """The event loop's streams on a started process's stdout and stdin (both pipes)."""
+async def pipes(proc: subprocess.Popen) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Callable[[], None]]:
+    """The event loop's streams on a started process's stdout and stdin (both pipes), and what
+    closes both: the streams own the pipes from here on."""
     assert proc.stdout is not None and proc.stdin is not None
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=2**20)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), proc.stdout)
+    read_end, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), proc.stdout)
     transport, protocol = await loop.connect_write_pipe(asyncio.streams.FlowControlMixin, proc.stdin)
-    return reader, asyncio.StreamWriter(transport, protocol, None, loop)
+    writer = asyncio.StreamWriter(transport, protocol, None, loop)
+
+    def close() -> None:
+        writer.close()
+        read_end.close()
+
+    return reader, writer, close
 
 
 def spawn(launch: Launch) -> Process:
