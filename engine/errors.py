@@ -3,11 +3,24 @@
     AgentloopError                  every error agentloop itself raises
     ├── ConfigError                 bad option, duration, config file; fix the input
     │   └── UntrustedFile           a file to obey that a worker could have written
-    ├── WorkerError                 a worker could not be started or talked to
+    ├── WorkerError                 a sandboxed process could not be started or talked to
     │   ├── WorkerStartError        the process did not come up / handshake failed
-    │   └── WorkerClosed            the handle was closed; start a new worker
+    │   ├── WorkerClosed            the handle was closed; start a new worker
+    │   ├── OutputError             what a worker wrote on its output pipe breaks the protocol
+    │   ├── SlotError               a sample slot broke or misspoke: it is not used again
+    │   └── ToolProcessError        the tool process did not serve a request
+    │       ├── ToolTimeout         past its deadline (the process was killed)
+    │       ├── ToolCrash           it died, could not start, or broke the protocol
+    │       ├── ToolBusy            other requests held it longer than the caller may wait
+    │       └── ToolClosed          its handle was closed
     ├── SandboxError                the requested sandbox cannot be applied here
-    ├── AgentError                  a model's request the agent refuses (said to the model)
+    ├── TreeError                   a walk of a directory tree stopped (too big, moved); an OSError
+    ├── Refused                     a request refused in words, for whoever made it; never fatal
+    │   ├── AgentError              a model's request the agent refuses
+    │   ├── ToolError               a tool call the repository tools refuse
+    │   ├── CallRefused             an MCP client's tool call that cannot be done as asked
+    │   └── NoClient                an MCP request that belongs to no client
+    ├── CodeFailed                  smolagents: a step's code failed (its words, for CodeAgent)
     └── ModelError                  the model endpoint failed us
         ├── ModelUnreachable        connection refused / DNS / timeout, after retries
         └── ModelResponseError      HTTP error status or a body we cannot read
@@ -23,9 +36,10 @@ from __future__ import annotations
 import signal
 
 __all__ = [
-    "AgentError", "AgentloopError", "ConfigError", "EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OWN",
-    "EXIT_TIMEOUT", "ModelError", "ModelResponseError", "ModelUnreachable", "SandboxError", "WorkerClosed",
-    "WorkerError", "WorkerStartError"
+    "AgentError", "AgentloopError", "CallRefused", "CodeFailed", "ConfigError", "EXIT_ERROR", "EXIT_INTERRUPTED",
+    "EXIT_OWN", "EXIT_TIMEOUT", "ModelError", "ModelResponseError", "ModelUnreachable", "NoClient", "OutputError",
+    "Refused", "SandboxError", "SlotError", "ToolBusy", "ToolClosed", "ToolCrash", "ToolError", "ToolProcessError",
+    "ToolTimeout", "TreeError", "UntrustedFile", "WorkerClosed", "WorkerError", "WorkerStartError"
 ]
 
 #: Exit statuses of the command line (``exec`` adds 128+N for a worker killed by signal N).
@@ -60,14 +74,69 @@ class WorkerClosed(WorkerError):
     """The worker handle was closed; start a new worker to run more code."""
 
 
+class OutputError(WorkerError):
+    """What a worker wrote on its output pipe breaks the protocol (the session ends the worker)."""
+
+
+class SlotError(WorkerError):
+    """A sample slot broke, stopped answering or said something it may not: it is not used again."""
+
+
+class ToolProcessError(WorkerError):
+    """The tool process (``engine.tools``) did not serve a request."""
+
+
+class ToolTimeout(ToolProcessError):
+    """The request ran past its deadline; the process was killed."""
+
+
+class ToolCrash(ToolProcessError):
+    """The process died, could not start, or broke the protocol; the message says how."""
+
+
+class ToolBusy(ToolProcessError):
+    """Other requests held the process for longer than the caller may wait."""
+
+
+class ToolClosed(ToolProcessError):
+    """The handle was closed: no process is started any more."""
+
+
 class SandboxError(AgentloopError):
     """The requested sandbox cannot be applied on this machine."""
 
 
-class AgentError(AgentloopError):
+class TreeError(AgentloopError, OSError):
+    """A walk of a directory tree stopped: the tree has more entries than allowed, or it moved
+    under the walk (``engine.trees``; an OSError, as the walk's other failures are)."""
+
+
+class Refused(AgentloopError):
+    """A request refused, in words for whoever made it (a model, a client): never fatal."""
+
+
+class AgentError(Refused):
     """What the agent refuses or cannot do for its model: no answer within the message budget,
     a sub-agent over the limit, an unknown host function.  Said to the model in words, or the
     run's failure."""
+
+
+class ToolError(Refused):
+    """A repository tool refusing a request the model made; the message is what the model reads."""
+
+
+class CallRefused(Refused):
+    """An MCP client's tool call that cannot be done as asked; its message goes back to the client
+    as the tool's result, with ``is_error`` set."""
+
+
+class NoClient(Refused):
+    """An MCP request that belongs to no client: its message says why, for the client to read."""
+
+
+class CodeFailed(AgentloopError):
+    """A smolagents step's code raised, hit its deadline or was killed.  The message says it all
+    (output first, then what went wrong), for ``CodeAgent`` to hand to the model."""
 
 
 class ModelError(AgentloopError):

@@ -27,17 +27,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["MAX_ENTRIES", "Entry", "TreeError", "copy_tree", "disk_usage", "remove_tree", "walk"]
+from engine.errors import TreeError
+
+__all__ = ["MAX_ENTRIES", "Entry", "copy_tree", "disk_usage", "remove_tree", "walk"]
 
 #: Entries one walk lists at most.  Removal of a bigger tree stops there (and says so).
 MAX_ENTRIES = 5_000_000
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _ENTRY, _LEAVE = 0, 1
-
-
-class TreeError(OSError):
-    """The walk stopped: the tree has more entries than allowed, or it moved under the walk."""
 
 
 @dataclass(frozen=True)

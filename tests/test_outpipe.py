@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.launch import OutputError, OutputPipes
+from engine.errors import OutputError
+from engine.launch import OutputPipes
 from worker._outpipe import PipeWriter, open_fifos
 from worker.contract import wire
 from worker.contract.framing import HEADER, encode

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, ToolError
 from engine.tools import MAX_RESULT, TOOL_SCHEMAS, RepoTools, schema_for
-from engine.tools._repo import SKIP_DIRS, ToolError, execute_tool_call, truncate
+from engine.tools._repo import SKIP_DIRS, execute_tool_call, truncate
 
 NOTE = "narrow the request (offset/limit, tighter pattern)"
 

@@ -19,7 +19,8 @@ pytest.importorskip("smolagents", reason="the smolagents extra is not installed 
 from smolagents import CodeAgent, tool  # noqa: E402
 from smolagents.models import ChatMessage, MessageRole, Model  # noqa: E402
 
-from engine.integrations.smolagents import AgentloopExecutor, CodeFailed, with_last_value  # noqa: E402
+from engine.errors import CodeFailed  # noqa: E402
+from engine.integrations.smolagents import AgentloopExecutor, with_last_value  # noqa: E402
 
 from .conftest import wait_until  # noqa: E402
 

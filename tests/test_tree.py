@@ -11,7 +11,8 @@ import pytest
 
 from engine.batch.run import _clear, _place_files
 from engine.batch.tasks import pack_files
-from engine.trees import TreeError, copy_tree, disk_usage, remove_tree, walk
+from engine.errors import TreeError
+from engine.trees import copy_tree, disk_usage, remove_tree, walk
 
 
 @pytest.fixture(autouse=True)

@@ -12,10 +12,9 @@ _WHERE = {
     "Answer": "_ask", "AnswerStream": "_ask", "ASK_SYSTEM": "_ask", "Assistant": "_ask", "ClientEvents":
     "_ask", "EXIT_FAILED": "_ask", "PROMPT": "_ask", "OUTPUT_BUDGET": "_code_task", "AgentDisplay":
     "_display", "DispatchDisplay": "_display", "FanoutDisplay": "_display", "JsonlRecorder": "_display",
-    "read_recording": "_display", "replay": "_display",
-    "Agent": "_loop", "subagent_limit": "_subagents", "cut_hallucinated": "_tags", "find_tags": "_tags",
-    "HALLUCINATION_STOPS": "_tags", "SYSTEM": "_tags", "make_agent": "_task", "run_task": "_task",
-    "RunResult": "_task"
+    "read_recording": "_display", "replay": "_display", "Agent": "_loop", "subagent_limit":
+    "_subagents", "cut_hallucinated": "_tags", "find_tags": "_tags", "HALLUCINATION_STOPS": "_tags",
+    "SYSTEM": "_tags", "make_agent": "_task", "run_task": "_task", "RunResult": "_task"
 }
 
 if TYPE_CHECKING:

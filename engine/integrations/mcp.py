@@ -67,9 +67,9 @@ except ImportError as exc:  # the optional extra: say how to get it
 
 from engine.agent import OUTPUT_BUDGET  # what a block's result carries, as an agent sees it
 from engine.durations import format_duration, parse_duration
-from engine.errors import AgentloopError
-from engine.integrations.mcp_clients import Client, Clients, NoClient
-from engine.integrations.mcp_sessions import CallRefused, ServerConfig, Sessions
+from engine.errors import AgentloopError, CallRefused, NoClient
+from engine.integrations.mcp_clients import Client, Clients
+from engine.integrations.mcp_sessions import ServerConfig, Sessions
 from engine.integrations.workspace_files import (
     MAX_LISTED_FILES,
     list_files,

@@ -33,15 +33,13 @@ except ImportError as exc:  # the optional extra: say how to get it
 
     raise ImportError(f"the MCP server needs the MCP SDK ({exc}): {install_hint('mcp')}") from exc
 
-__all__ = ["Client", "Clients", "NoClient", "SESSION_ID_HEADER", "session_directories"]
+from engine.errors import NoClient
+
+__all__ = ["Client", "Clients", "SESSION_ID_HEADER", "session_directories"]
 
 #: The header by which streamable HTTP names the MCP session of a request.
 SESSION_ID_HEADER = "mcp-session-id"
 _STDIO = "stdio"
-
-
-class NoClient(Exception):
-    """A request that belongs to no client: its message says why, for the client to read."""
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from engine.durations import format_duration
-from engine.errors import AgentloopError
+from engine.errors import AgentloopError, CallRefused
 from engine.integrations.mcp_clients import Client, session_directories
 from engine.launch import WorkerSettings
 from engine.workers import Engine, Worker
 
-__all__ = ["CLOSE_TIMEOUT", "SESSION_NAME", "ServerConfig", "Session", "Sessions", "CallRefused", "check_name"]
+__all__ = ["CLOSE_TIMEOUT", "SESSION_NAME", "ServerConfig", "Session", "Sessions", "check_name"]
 
 log = logging.getLogger("agentloop")
 
@@ -29,11 +29,6 @@ log = logging.getLogger("agentloop")
 CLOSE_TIMEOUT = 15.0
 #: A session name: also a directory name, so no path separator, no dot first.
 SESSION_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
-
-
-class CallRefused(Exception):
-    """A tool call that cannot be done as asked; its message goes back to the client as the
-    tool's result, with ``is_error`` set."""
 
 
 @dataclass

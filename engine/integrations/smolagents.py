@@ -57,12 +57,12 @@ except ImportError as exc:  # the optional extra: say how to get it
 
 from engine.agent import OUTPUT_BUDGET  # what a block's result carries, as an agent sees it
 from engine.durations import parse_duration
-from engine.errors import AgentloopError, WorkerError
+from engine.errors import AgentloopError, CodeFailed, WorkerError
 from engine.results import BlockResult
 from engine.sandbox import SandboxPolicy
 from engine.workers import Engine, Worker
 
-__all__ = ["AgentloopExecutor", "CodeFailed", "MAX_REPR", "is_plain", "with_last_value"]
+__all__ = ["AgentloopExecutor", "MAX_REPR", "is_plain", "with_last_value"]
 
 log = logging.getLogger("agentloop")
 
@@ -73,11 +73,6 @@ _MARGIN = 30.0
 _FINAL = "final_answer"
 _LAST_VALUE = "_agentloop_last_value"
 _PLAIN = (type(None), bool, int, float, str, bytes)
-
-
-class CodeFailed(Exception):
-    """A step's code raised, hit its deadline or was killed.  The message says it all (output
-    first, then what went wrong), for ``CodeAgent`` to hand to the model."""
 
 
 class _FinalAnswerGiven(Exception):

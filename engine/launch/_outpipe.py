@@ -21,6 +21,7 @@ import sys
 import termios
 from pathlib import Path
 
+from engine.errors import OutputError
 from worker.contract.framing import FrameError
 from worker.contract.limits import STDERR, STDOUT
 from worker.contract.output import NAMES, OutputReader
@@ -33,10 +34,6 @@ from worker.contract.wire import Out
 #: past which every new pipe of that user gets one of 8 KiB, and most workers print little.
 OUT_PIPE_BYTES = 512 * 1024  # (larger ones stream no faster here, and 2 MiB streams slower)
 _READ_END = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW
-
-
-class OutputError(ValueError):
-    """What the worker wrote to ``out`` breaks the protocol."""
 
 
 def _queued(fd: int) -> int:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engine.errors import WorkerStartError
+from engine.errors import SlotError, WorkerStartError
 from engine.samples._status import Ending
 from worker.contract import sample
 from worker.contract.framing import FrameError, decode, encode, frame, read_frame_async
@@ -64,10 +64,6 @@ _SLACK = 10.0
 #: that is more; and how long the kernel may take to free the rest (an IPC namespace's
 #: segments go a moment after its last process).
 _KEPT_BYTES, _KEPT_SHARE, _FREED_WITHIN = 32 * 2**20, 1 / 32, 1.0
-
-
-class SlotError(Exception):
-    """A slot broke, stopped answering or said something it may not: it is not used again."""
 
 
 class Slot:
@@ -293,4 +289,4 @@ def _ending(reply: sample.Result, memory: bool) -> Ending:
     return Ending(code=os.WEXITSTATUS(status), timed_out=reply.timed_out, killed=reply.killed)
 
 
-__all__ = ["Ran", "Slot", "SlotError", "SlotPool"]
+__all__ = ["Ran", "Slot", "SlotPool"]

@@ -32,13 +32,13 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
-from engine.errors import ConfigError, SandboxError
+from engine.errors import ConfigError, SandboxError, TreeError
 from engine.sandbox import _uid0, _uids
 from engine.sandbox._bwrap import Bwrap, View, beneath
 from engine.sandbox._host import HostSupport, host_support, readable_in_view, root_blocker
 from engine.sandbox._interpreter import python_paths
 from engine.sandbox._protected import unkept_note
-from engine.trees import TreeError, disk_usage
+from engine.trees import disk_usage
 from worker.contract.confinement import Confinement, Landlock, Seccomp
 
 __all__ = [

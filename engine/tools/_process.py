@@ -25,6 +25,7 @@ import time
 import weakref
 from pathlib import Path
 
+from engine.errors import ToolBusy, ToolClosed, ToolCrash, ToolTimeout
 from engine.launch import Launch, kill_tree, start
 from engine.sandbox import runtime_argv, tools_plan
 from worker.contract import tools
@@ -53,22 +54,6 @@ def confinement(root: str, cpu_seconds: int = CPU_SECONDS) -> Confinement:
         drop_caps=True, no_new_privs=True,
         landlock=Landlock(ro=(root,), scope=True, deny_tcp=True) if landlock_abi() >= 1 else None,
         seccomp=Seccomp(socket_families=(), lock_session=True) if seccomp_supported() else None)
-
-
-class ToolTimeout(Exception):
-    """The request ran past its deadline; the process was killed."""
-
-
-class ToolCrash(Exception):
-    """The process died, could not start, or broke the protocol; the message says how."""
-
-
-class ToolBusy(Exception):
-    """Other requests held the process for longer than the caller may wait."""
-
-
-class ToolClosed(Exception):
-    """The handle was closed: no process is started any more."""
 
 
 # Every tool process is started from this one thread: PR_SET_PDEATHSIG fires when the thread

@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from engine.errors import ConfigError
-from engine.tools._process import ToolBusy, ToolClosed, ToolCrash, ToolProcess, ToolTimeout
+from engine.errors import ConfigError, ToolBusy, ToolClosed, ToolCrash, ToolError, ToolTimeout
+from engine.tools._process import ToolProcess
 from worker.contract import tools
 from worker.contract.tools import (  # noqa: F401 - the tools' bounds, re-exported
     MAX_MATCHES,
@@ -42,7 +42,7 @@ from worker.contract.tools import (  # noqa: F401 - the tools' bounds, re-export
 )
 
 __all__ = [
-    "MAX_ARG_CHARS", "RepoTools", "TOOL_SCHEMAS", "TOOL_TIMEOUT", "ToolError", "execute_tool_call",
+    "MAX_ARG_CHARS", "RepoTools", "TOOL_SCHEMAS", "TOOL_TIMEOUT", "execute_tool_call",
     "execute_tool_call_async", "parse_arguments", "schema_for"
 ]
 
@@ -90,13 +90,6 @@ TOOL_SCHEMAS: list[dict[str, Any]] = [
                      "description": "directory to search, relative to the project root (default: whole root)"},
         }, "required": ["pattern"]}}},
 ]
-
-
-class ToolError(Exception):
-    """A tool refusing a request the model made; the message is what the model reads. Never fatal.
-
-    Deliberately outside ``AgentloopError``: it is a fault of the model's request, reported as words.
-    """
 
 
 class RepoTools:

@@ -45,8 +45,8 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from engine.errors import WorkerStartError
-from engine.launch import Guard, OutputError, OutputPipes, Process
+from engine.errors import OutputError, WorkerStartError
+from engine.launch import Guard, OutputPipes, Process
 from engine.results import describe_exit
 from worker.contract import wire
 from worker.contract.framing import FrameError, encode

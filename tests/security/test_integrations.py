@@ -15,7 +15,8 @@ import pytest
 
 pytest.importorskip("smolagents", reason="the smolagents extra is not installed (scripts/test installs it)")
 
-from engine.integrations.smolagents import AgentloopExecutor, CodeFailed  # noqa: E402
+from engine.errors import CodeFailed  # noqa: E402
+from engine.integrations.smolagents import AgentloopExecutor  # noqa: E402
 
 pytestmark = pytest.mark.attack
 

@@ -25,8 +25,9 @@ from pathlib import Path
 
 import pytest
 
+from engine.errors import ToolError
 from engine.tools import RepoTools, execute_tool_call_async
-from engine.tools._repo import ToolError, execute_tool_call
+from engine.tools._repo import execute_tool_call
 from tests.conftest import wait_until
 from worker.contract import confinement as _confine
 
