@@ -26,7 +26,7 @@ what no later sample can see:
   the code runs; the slot itself runs no code of the sample's;
 - at its end, every process it started is killed (``kill(-1)`` from the slot, which is
   the sample's subreaper) and reaped before the next sample begins, and what it left that
-  outlives its processes is looked for (``Slot._left_behind``): a slot that finds any asks to
+  outlives its processes is looked for (``SlotRuntime._left_behind``): a slot that finds any asks to
   be replaced (``retire`` in its result).
 
 A sample runs as ``python sample.py ARGS`` would: ``sys.argv``, ``__file__``, ``__name__ ==
@@ -77,7 +77,7 @@ from .contract.sample import SlotSettings
 from .contract.schema import ContractError
 from .contract.start import StartSpec
 
-__all__ = ["Slot", "main"]
+__all__ = ["SlotRuntime", "main"]
 
 _PR_SET_CHILD_SUBREAPER = 36
 _READ = 65536
@@ -90,7 +90,7 @@ _AT_FDCWD, _OPEN_TREE_CLONE, _MOVE_MOUNT_F_EMPTY_PATH = -100, 1, 4
 PTYS = 64
 
 
-class Slot:
+class SlotRuntime:
     def __init__(self, conn: socket.socket, settings: SlotSettings, confine: Confinement) -> None:
         self.conn = conn
         self.frames = FrameBuffer(sample.MAX_REQUEST)
@@ -522,7 +522,7 @@ def main() -> None:
             raise ContractError("no slot settings")
         for name in start.slot.preload:  # --preload: imported once, shared by every sample
             __import__(name)
-        slot = Slot(conn, start.slot, start.confine)
+        slot = SlotRuntime(conn, start.slot, start.confine)
         _confine.prepare(start.confine)  # once here for every sample: seccomp built, bounding set empty
     except BaseException as exc:  # noqa: BLE001 - said to the coordinator; the slot is not used
         conn.sendall(frame(encode(sample.Failed(f"{type(exc).__name__}: {exc}"[:2000]))))

@@ -21,7 +21,7 @@ from engine.integrations.mcp_clients import Client, session_directories
 from engine.launch import WorkerSettings
 from engine.workers import Engine, Worker
 
-__all__ = ["CLOSE_TIMEOUT", "SESSION_NAME", "ServerConfig", "Session", "Sessions", "check_name"]
+__all__ = ["CLOSE_TIMEOUT", "SESSION_NAME", "ServerConfig", "McpSession", "Sessions", "check_name"]
 
 log = logging.getLogger("agentloop")
 
@@ -42,7 +42,7 @@ class ServerConfig:
     max_sessions: int = 8
 
 
-class Session:
+class McpSession:
     """One named, persistent namespace: an engine of its own with one worker."""
 
     def __init__(self, client: Client, name: str, engine: Engine, worker: Worker) -> None:
@@ -79,8 +79,8 @@ class Sessions:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self._open: dict[tuple[str, str], Session] = {}
-        self._starting: dict[tuple[str, str], asyncio.Task[Session]] = {}
+        self._open: dict[tuple[str, str], McpSession] = {}
+        self._starting: dict[tuple[str, str], asyncio.Task[McpSession]] = {}
         # The sessions this server started for a client whose root is shared (stdio's, the
         # workspace itself): their files stay readable.  A private root holds nothing else.
         self._seen: set[tuple[str, str]] = set()
@@ -105,7 +105,7 @@ class Sessions:
         return client.root / check_name(name)
 
     @contextlib.asynccontextmanager
-    async def use(self, client: Client, name: str) -> AsyncIterator[tuple[Session, bool]]:
+    async def use(self, client: Client, name: str) -> AsyncIterator[tuple[McpSession, bool]]:
         """``client``'s session ``name``, started if need be (True with it when this call
         started it), held open for the duration: it is not closed for idleness while a call
         uses it."""
@@ -118,7 +118,7 @@ class Sessions:
             if session.running == 0 and self._open.get(session.key) is session:
                 self._arm_idle(session)
 
-    async def _acquire(self, client: Client, name: str) -> tuple[Session, bool]:
+    async def _acquire(self, client: Client, name: str) -> tuple[McpSession, bool]:
         check_name(name)
         if self._closed:
             raise CallRefused("the server is shutting down")
@@ -146,14 +146,14 @@ class Sessions:
         session.running += 1
         return session, started
 
-    def _started(self, task: asyncio.Task[Session]) -> None:
+    def _started(self, task: asyncio.Task[McpSession]) -> None:
         for key, starting in list(self._starting.items()):
             if starting is task:
                 del self._starting[key]
         if not task.cancelled():
             task.exception()  # read here: every caller waiting for it may have given up
 
-    async def _start(self, client: Client, name: str) -> Session:
+    async def _start(self, client: Client, name: str) -> McpSession:
         closing = self._closing.get((client.id, name))
         if closing is not None:
             await asyncio.wait([closing])
@@ -171,7 +171,7 @@ class Sessions:
         except BaseException:
             await asyncio.shield(engine.shutdown())
             raise
-        session = Session(client, name, engine, worker)
+        session = McpSession(client, name, engine, worker)
         if self._closed:  # the server began to stop while this one started
             await engine.shutdown()
             raise CallRefused("the server is shutting down")
@@ -185,20 +185,20 @@ class Sessions:
                 log.warning("%s", note)
         return session
 
-    def _arm_idle(self, session: Session) -> None:
+    def _arm_idle(self, session: McpSession) -> None:
         if session.idle_timer is not None:
             session.idle_timer.cancel()
         loop = asyncio.get_running_loop()
         session.idle_timer = loop.call_later(self.config.idle_timeout, self._expire, session)
 
-    def _expire(self, session: Session) -> None:
+    def _expire(self, session: McpSession) -> None:
         session.idle_timer = None
         if session.running == 0 and self._open.get(session.key) is session:
             log.info("session %s of %s closed after %s idle", session.name, session.client.id,
                      format_duration(self.config.idle_timeout))
             self._close_later(session)
 
-    def _close_later(self, session: Session) -> asyncio.Task:
+    def _close_later(self, session: McpSession) -> asyncio.Task:
         """Take ``session`` out of the open ones and shut it down in the background; a session
         of its name starts only once that ends."""
         del self._open[session.key]
@@ -210,7 +210,7 @@ class Sessions:
         task.add_done_callback(lambda done: self._closing.pop(key) if self._closing.get(key) is done else None)
         return task
 
-    async def reset(self, client: Client, name: str) -> tuple[Session, list[str]] | None:
+    async def reset(self, client: Client, name: str) -> tuple[McpSession, list[str]] | None:
         """End ``client``'s session ``name``: its worker is killed (running blocks end, saying
         so) and its namespace is gone; its files stay.  Returns the session and the variables it
         held, or None when it was not open."""
