@@ -244,6 +244,18 @@ opener = urllib.request.build_opener(urllib.request.ProxyHandler({{}}))
 probe("urllib_no_proxy", lambda: opener.open("http://{index.address}/echo", timeout=5))
 probe("via_proxy", lambda: urllib.request.urlopen("http://{index.address}/echo", timeout=20).status)
 probe("interfaces", lambda: [n for _, n in socket.if_nameindex()])
+# What the forwarder needs never widens the filter: no raw, packet, other netlink or vsock
+# sockets, no io_uring (which opens sockets seccomp never sees).
+probe("raw", lambda: socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP))
+probe("packet", lambda: socket.socket(17, socket.SOCK_RAW, 0))
+probe("uevent", lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 15))
+probe("vsock", lambda: socket.socket(40, socket.SOCK_STREAM, 0))
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+def io_uring():
+    if libc.syscall(425, 8, ctypes.create_string_buffer(120)) == -1:
+        raise OSError(ctypes.get_errno(), "io_uring_setup")
+probe("io_uring", io_uring)
 ''')
     for name in ("tcp_loopback", "tcp_other", "tcp_listed_direct"):
         assert run[name] in ("ConnectionRefusedError ECONNREFUSED", "OSError ENETUNREACH"), (name, run.stdout)
@@ -253,6 +265,8 @@ probe("interfaces", lambda: [n for _, n in socket.if_nameindex()])
     assert "Connection refused" in run["unset"], run.stdout
     assert run["urllib_no_proxy"].startswith("URLError"), run.stdout
     assert run["via_proxy"] == "ok 200" and run["interfaces"] == "ok ['lo']", run.stdout  # (the attack could have worked)
+    for name in ("raw", "packet", "uevent", "vsock", "io_uring"):
+        assert run[name] == "PermissionError EPERM", (name, run.stdout)
     assert [path for _, path, _ in index.requests] == ["/echo"]
 
 
