@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import selectors
 import signal
@@ -34,6 +35,12 @@ from .contract.egress import proxy_environment
 __all__ = ["Forwarder", "open_way_out", "start"]
 
 _CHUNK = 256 * 1024
+_PIPE = 256 * 1024  # per direction of a spliced pair: 64 pairs take at most 32 MiB of pipes
+_SPLICED_PAIRS = 64
+_F_SETPIPE_SZ = 1031
+_SPLICE_FLAGS = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
+#: Whether flows splice (False: every flow copies through a buffer).
+SPLICE = True
 _PR_SET_PDEATHSIG, _PR_SET_NAME, _PR_SET_DUMPABLE = 1, 15, 4
 _AGAIN = (errno.EAGAIN, errno.EWOULDBLOCK)
 
@@ -114,34 +121,65 @@ def _become_forwarder(parent: int, listeners: list[socket.socket]) -> None:
     os.closerange(low, 1 << 20)
 
 
+def _pipe() -> tuple[int, int] | None:
+    """A pipe to splice through (``_PIPE`` bytes), or None: descriptors or pipe memory are short."""
+    try:
+        r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(w, _F_SETPIPE_SZ, _PIPE)
+    return r, w
+
+
 class _Flow:
-    """One direction of a pair: bytes read from ``src`` not yet written to ``dst``."""
+    """One direction of a pair: bytes read from ``src`` not yet written to ``dst``.
 
-    __slots__ = ("src", "dst", "view", "lo", "hi", "ended", "done")
+    The bytes go through a pipe by ``splice`` (the kernel moves pages: no copy through this
+    process), or, where no pipe can be had or splice refuses these sockets, through a buffer."""
 
-    def __init__(self, src: socket.socket, dst: socket.socket) -> None:
+    __slots__ = ("src", "dst", "pipe", "held", "view", "lo", "hi", "ended", "done")
+
+    def __init__(self, src: socket.socket, dst: socket.socket, splice: bool) -> None:
         self.src, self.dst = src, dst
-        self.view = memoryview(bytearray(_CHUNK))
+        self.pipe = _pipe() if splice and SPLICE else None
+        self.held = 0  # bytes in the pipe
+        self.view: memoryview | None = None
         self.lo = self.hi = 0
         self.ended = self.done = False  # src ended; and that end was passed on to dst
 
     def pending(self) -> bool:
-        return self.lo < self.hi
+        return self.held > 0 or self.lo < self.hi
 
     def pull(self) -> None:
         try:
-            n = self.src.recv_into(self.view)
+            if self.pipe is not None:
+                n = os.splice(self.src.fileno(), self.pipe[1], _CHUNK, flags=_SPLICE_FLAGS)
+                self.held = n
+            else:
+                if self.view is None:
+                    self.view = memoryview(bytearray(_CHUNK))
+                n = self.src.recv_into(self.view)
+                self.lo, self.hi = 0, n
         except OSError as exc:
             if exc.errno in _AGAIN:
                 return
+            if self.pipe is not None and exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                self.close()  # (splice refuses these sockets: copy instead)
+                return self.pull()
             raise
         if n == 0:
             self.ended = True
-        else:
-            self.lo, self.hi = 0, n
         self.push()
 
     def push(self) -> None:
+        while self.held:
+            try:
+                self.held -= os.splice(self.pipe[0], self.dst.fileno(), self.held, flags=_SPLICE_FLAGS)
+            except OSError as exc:
+                if exc.errno in _AGAIN:
+                    return
+                raise
         while self.lo < self.hi:
             try:
                 self.lo += self.dst.send(self.view[self.lo:self.hi])
@@ -154,6 +192,12 @@ class _Flow:
             with contextlib.suppress(OSError):
                 self.dst.shutdown(socket.SHUT_WR)
 
+    def close(self) -> None:
+        if self.pipe is not None:
+            for fd in self.pipe:
+                os.close(fd)
+            self.pipe = None
+
 
 class _Pair:
     """A client's connection and its connection to the proxy."""
@@ -162,7 +206,10 @@ class _Pair:
 
     def __init__(self, relay: _Relay, a: socket.socket, b: socket.socket) -> None:
         self.relay, self.a, self.b = relay, a, b
-        self.out, self.back = _Flow(a, b), _Flow(b, a)
+        # The first pairs splice; later ones copy, so that four pipe descriptors a pair never
+        # crowd out the sockets (RLIMIT_NOFILE is the code's own).
+        splice = len(relay.pairs) < _SPLICED_PAIRS
+        self.out, self.back = _Flow(a, b, splice), _Flow(b, a, splice)
 
     def wants(self, sock: socket.socket) -> int:
         inward, outward = (self.out, self.back) if sock is self.a else (self.back, self.out)
@@ -267,5 +314,7 @@ class _Relay:
             with contextlib.suppress(KeyError, ValueError):
                 self.selector.unregister(sock)
             sock.close()
+        pair.out.close()
+        pair.back.close()
         if len(self.pairs) < self.limit:
             self.pause(False)

@@ -35,6 +35,7 @@ from engine.net._decide import after_lookup, before_lookup
 from engine.net._host import show_host
 from engine.net._http import BadRequest, Request, continue_head, parse_request, parse_response, refusal
 from engine.net._records import ConnectionRecord
+from engine.net._relay import both, pump
 
 __all__ = ["Gate", "Limits", "Resolver", "system_resolver"]
 
@@ -43,7 +44,6 @@ log = logging.getLogger("agentloop.net")
 #: ``resolver(name, port)``: the addresses of ``name``, as strings or ``ipaddress`` values.
 Resolver = Callable[[str, int], Awaitable[Sequence[object]]]
 
-_CHUNK = 256 * 1024
 _DISCARD = 1 << 20  # bytes read and dropped after a plain request's body, at most
 _TOKEN_START = frozenset(b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
 _ESTABLISHED = b"HTTP/1.1 200 Connection established\r\n\r\n"
@@ -337,36 +337,16 @@ class Gate:
 
     # -- relaying --------------------------------------------------------------------------
 
-    @staticmethod
-    async def _pump(src: socket.socket, dst: socket.socket, record: ConnectionRecord, outward: bool,
-                    limit: int | None = None) -> None:
-        """Copy ``src`` to ``dst`` until ``src`` ends (or ``limit`` bytes), counting them."""
-        loop = asyncio.get_running_loop()
-        view = memoryview(bytearray(_CHUNK))
-        while limit is None or limit > 0:
-            n = await loop.sock_recv_into(src, view if limit is None else view[:min(_CHUNK, limit)])
-            if not n:
-                if limit is not None:
-                    raise EOFError("the client closed before its request body ended")
-                return
-            await loop.sock_sendall(dst, view[:n])
-            if outward:
-                record.sent += n
-            else:
-                record.received += n
-            if limit is not None:
-                limit -= n
-
     async def _tunnel(self, conn: socket.socket, upstream: socket.socket, record: ConnectionRecord) -> None:
         """Bytes both ways until both sides have ended; an end in one direction is passed on
         (half-close), an error in either ends both."""
 
-        async def one_way(src: socket.socket, dst: socket.socket, outward: bool) -> None:
-            await self._pump(src, dst, record, outward)
+        async def one_way(src: socket.socket, dst: socket.socket, count: Callable[[int], None]) -> None:
+            await pump(src, dst, count)
             with contextlib.suppress(OSError):
                 dst.shutdown(socket.SHUT_WR)
 
-        await _both(one_way(conn, upstream, True), one_way(upstream, conn, False))
+        await both(one_way(conn, upstream, _counter(record, "sent")), one_way(upstream, conn, _counter(record, "received")))
 
     async def _exchange(self, conn: socket.socket, upstream: socket.socket, request: Request, extra: bytes,
                         record: ConnectionRecord) -> None:
@@ -384,7 +364,7 @@ class Gate:
             if first:
                 await loop.sock_sendall(upstream, first)
                 record.sent += len(first)
-            await self._pump(conn, upstream, record, True, request.length - len(first))
+            await pump(conn, upstream, _counter(record, "sent"), request.length - len(first))
             dropped = 0
             while dropped < _DISCARD:  # read what follows and drop it, so closing resets nothing
                 n = len(await loop.sock_recv(conn, 65536))
@@ -392,7 +372,7 @@ class Gate:
                     return
                 dropped += n
 
-        await _both(upload(), self._respond(conn, upstream, request, record), until_second=True)
+        await both(upload(), self._respond(conn, upstream, request, record), until_second=True)
         with contextlib.suppress(OSError):
             conn.shutdown(socket.SHUT_WR)
 
@@ -421,7 +401,7 @@ class Gate:
         left = None if response.length is None else response.length - len(body)
         if left is None or left > 0:
             with contextlib.suppress(EOFError):
-                await self._pump(upstream, conn, record, False, left)
+                await pump(upstream, conn, _counter(record, "received"), left)
 
     async def _response_head(self, upstream: socket.socket, buf: bytes) -> tuple[bytes, bytes]:
         loop = asyncio.get_running_loop()
@@ -438,19 +418,8 @@ class Gate:
             data += chunk
 
 
-async def _both(first: Awaitable[None], second: Awaitable[None], until_second: bool = False) -> None:
-    """Run both; return when both have ended (``until_second``: when the second has), and as
-    soon as either raises, cancelling the other and raising that."""
-    tasks = [asyncio.ensure_future(first), asyncio.ensure_future(second)]
-    try:
-        pending = set(tasks)
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                task.result()  # (raises what it raised)
-            if until_second and tasks[1].done():
-                return
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+def _counter(record: ConnectionRecord, field: str) -> Callable[[int], None]:
+    def count(n: int) -> None:
+        setattr(record, field, getattr(record, field) + n)
+
+    return count
