@@ -37,6 +37,7 @@ __all__ = ["Forwarder", "open_way_out", "start"]
 _CHUNK = 256 * 1024
 _PIPE = 256 * 1024  # per direction of a spliced pair: 64 pairs take at most 32 MiB of pipes
 _SPLICED_PAIRS = 64
+_COPY = 64 * 1024  # the buffer of a direction that copies (pairs beyond the spliced ones)
 _F_SETPIPE_SZ = 1031
 _SPLICE_FLAGS = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
 #: Whether flows splice (False: every flow copies through a buffer).
@@ -158,7 +159,7 @@ class _Flow:
                 self.held = n
             else:
                 if self.view is None:
-                    self.view = memoryview(bytearray(_CHUNK))
+                    self.view = memoryview(bytearray(_COPY))
                 n = self.src.recv_into(self.view)
                 self.lo, self.hi = 0, n
         except OSError as exc:
@@ -253,8 +254,11 @@ class _Relay:
             for key, events in self.selector.select():
                 if key.data is None:
                     self.accept(key.fileobj)  # type: ignore[arg-type]
-                else:
+                    continue
+                try:
                     key.data.on(key.fileobj, events)
+                except Exception:  # noqa: BLE001 - one pair's trouble ends that pair, never the others
+                    self.drop(key.data)
 
     def accept(self, listener: socket.socket) -> None:
         while len(self.pairs) < self.limit:

@@ -165,6 +165,7 @@ class Gate:
             if len(self._open) >= self.limits.connections:
                 words = f"this sandbox already has {self.limits.connections} connections open through the proxy"
                 self._finish(record, _Refuse(503, "busy", words))
+                record.seconds = 0.0
                 if len(self._open) >= 2 * self.limits.connections:
                     conn.close()  # (even the answers wait: no more tasks)
                     continue
@@ -329,6 +330,9 @@ class Gate:
                 sock.close()
                 failure = f"{address}: {exc.strerror or exc}"
                 continue
+            except BaseException:  # (the gate closing meanwhile)
+                sock.close()
+                raise
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             return sock
         timed_out = "did not answer" in failure
