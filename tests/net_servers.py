@@ -15,11 +15,14 @@ import http.server
 import io
 import json
 import socket
+import subprocess
 import threading
 import zipfile
 from ipaddress import ip_address
+from pathlib import Path
 
-__all__ = ["ALLOWED", "BlobSource", "Canary", "Echo", "Index", "Resolver", "Sink", "UdpCanary", "WAIT", "wheel"]
+__all__ = ["ALLOWED", "BlobSource", "Canary", "Echo", "Index", "Resolver", "Sink", "UdpCanary", "WAIT", "certificate",
+           "wheel"]
 
 #: Where the servers a test allows listen.
 ALLOWED = "127.0.0.2"
@@ -40,6 +43,16 @@ def wheel(name: str = "egresstest", version: str = "1.0") -> tuple[str, bytes]:
         for path, data in {**files, f"{dist}/RECORD": record.encode()}.items():
             zf.writestr(path, data)
     return f"{name}-{version}-py3-none-any.whl", buf.getvalue()
+
+
+def certificate(directory: Path, name: str) -> tuple[str, str]:
+    """(cert, key) files of a self-signed certificate for ``name`` and 127.0.0.2 (openssl)."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", f"/CN={name}",
+                    "-addext", f"subjectAltName=DNS:{name},IP:{ALLOWED}", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=WAIT)
+    cert.chmod(0o644)
+    return str(cert), str(key)
 
 
 class _Threaded:
@@ -126,7 +139,7 @@ class Index:
     """A PEP 503 simple index on ``host`` serving ``wheel()``, and ``/echo`` (the request as
     JSON); ``requests`` holds (method, path, headers) of every request, in order."""
 
-    def __init__(self, host: str = ALLOWED) -> None:
+    def __init__(self, host: str = ALLOWED, tls: tuple[str, str] | None = None) -> None:
         self.wheel_name, self.wheel = wheel()
         digest = hashlib.sha256(self.wheel).hexdigest()
         self.requests: list[tuple[str, str, dict[str, str]]] = []
@@ -147,6 +160,11 @@ class Index:
                     body, kind = page, "text/html"
                 elif self.path == f"/files/{index.wheel_name}":
                     body, kind = index.wheel, "application/octet-stream"
+                elif self.path == "/npm/egresstest":  # an npm registry's document of one package
+                    body = json.dumps({"name": "egresstest", "dist-tags": {"latest": "1.0.0"}, "versions": {
+                        "1.0.0": {"name": "egresstest", "version": "1.0.0",
+                                  "dist": {"tarball": f"http://{index.address}/npm/egresstest-1.0.0.tgz"}}}}).encode()
+                    kind = "application/json"
                 elif self.path.startswith("/echo"):
                     length = int(self.headers.get("Content-Length") or 0)
                     data = self.rfile.read(length) if length else b""
@@ -167,6 +185,14 @@ class Index:
 
         self.server = http.server.ThreadingHTTPServer((host, 0), Handler)
         self.server.daemon_threads = True
+        self.scheme = "http"
+        if tls is not None:  # (cert, key): the same index over TLS
+            import ssl
+
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(*tls)
+            self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+            self.scheme = "https"
         self.host, self.port = host, self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -176,7 +202,7 @@ class Index:
 
     @property
     def url(self) -> str:
-        return f"http://{self.address}/simple/"
+        return f"{self.scheme}://{self.address}/simple/"
 
     def close(self) -> None:
         self.server.shutdown()

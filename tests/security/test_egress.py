@@ -24,7 +24,7 @@ import pytest
 from engine.net import Allowlist, Gate, Limits
 from engine.sandbox import SandboxPolicy
 from engine.sandbox._plan import plan
-from tests.net_servers import ALLOWED, WAIT, BlobSource, Canary, Echo, Index, Resolver, Sink, UdpCanary
+from tests.net_servers import ALLOWED, WAIT, BlobSource, Canary, Echo, Index, Resolver, Sink, UdpCanary, certificate
 
 from .harness import needs_namespaces
 
@@ -185,7 +185,8 @@ PIP = '''
 target = "/tmp/site"
 done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-cache-dir", "--disable-pip-version-check",
                        "--no-input", "--retries", "0", "--timeout", "20", "--index-url", ARGS["url"],
-                       "--trusted-host", ARGS["host"], "--target", target, *ARGS.get("pip", []), "egresstest"],
+                       *(["--trusted-host", ARGS["host"]] if ARGS["host"] else []), "--target", target,
+                       *ARGS.get("pip", []), "egresstest"],
                       capture_output=True, text=True, timeout=180)
 print("pip: rc", done.returncode, flush=True)
 print("pip_says: " + " | ".join(l for l in (done.stdout + done.stderr).splitlines() if "agentloop" in l or "ERROR" in l)[-1500:], flush=True)
@@ -219,6 +220,52 @@ async def test_pip_through_a_listed_name_dials_the_checked_address(box, index, c
     assert run["pip"] == "rc 0" and run["import"] == "ok egresstest", run.stdout
     assert index.requests and all(h["host"] == f"pypi.test:{index.port}" for _, _, h in index.requests)
     assert set(resolver.lookups) == {"pypi.test"}
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed: no certificate to serve TLS with")
+async def test_pip_over_https_goes_through_a_checked_tunnel(box, canaries):
+    cert, key = certificate(box.cwd, "pypi.test")
+    index = Index(tls=(cert, key))
+    try:
+        resolver = Resolver({"pypi.test": [ALLOWED]})
+        await box.open([f"pypi.test:{index.port}", index.address], resolver=resolver)
+        run = await box.run(PIP, args={"url": f"https://pypi.test:{index.port}/simple/", "host": "",
+                                       "pip": ["--cert", cert]})
+        assert run["pip"] == "rc 0" and run["import"] == "ok egresstest", run.stdout
+        assert index.requests and all(r.method == "CONNECT" and r.address == ALLOWED and r.status == 200
+                                      for r in box.gate.records)
+        # The same name, unlisted: pip says the proxy's words (its retries show the reason phrase).
+        await box.gate.close()
+        index.requests.clear()
+        await box.open([index.address], resolver=resolver)
+        run = await box.run(PIP, args={"url": f"https://pypi.test:{index.port}/simple/", "host": "",
+                                       "pip": ["--cert", cert, "--retries", "1"]})
+        assert run["pip"] == "rc 1", run.stdout
+        assert (f"Tunnel connection failed: 403 Forbidden: agentloop: the host pypi.test is not on this sandbox's "
+                f"network allowlist; to allow it: --allow-net pypi.test:{index.port}") in run["pip_says"], run.stdout
+        assert index.requests == [] and resolver.lookups == ["pypi.test"]  # (only while it was listed)
+    finally:
+        index.close()
+
+
+@pytest.mark.skipif(shutil.which("npm") is None, reason="npm is not installed")
+async def test_npm_reads_its_proxy_variables(box, index, canaries):
+    code = f'''
+done = subprocess.run(["npm", "view", "egresstest", "version", "--registry", "http://{index.address}/npm/",
+                       "--fetch-retries", "0", "--no-update-notifier"], capture_output=True, text=True, timeout=120)
+print("npm: rc", done.returncode, done.stdout.strip(), flush=True)
+print("npm_says: " + " | ".join(done.stderr.splitlines())[-800:], flush=True)
+'''
+    await box.open([index.address])
+    run = await box.run(code)
+    assert run["npm"] == "rc 0 1.0.0", run.stdout
+    assert [p for _, p, _ in index.requests] == ["/npm/egresstest"]
+    await box.gate.close()
+    index.requests.clear()
+    await box.open([])
+    run = await box.run(code)
+    assert run["npm"].startswith("rc 1") and "403" in run["npm_says"], run.stdout
+    assert index.requests == []
 
 
 async def test_without_the_proxy_nothing_reaches_the_host(box, index, canaries):
