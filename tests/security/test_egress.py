@@ -24,7 +24,18 @@ import pytest
 from engine.net import Allowlist, Gate, Limits
 from engine.sandbox import SandboxPolicy
 from engine.sandbox._plan import plan
-from tests.net_servers import ALLOWED, WAIT, BlobSource, Canary, Echo, Index, Resolver, Sink, UdpCanary, certificate
+from tests.net_servers import (
+    ALLOWED,
+    WAIT,
+    BlobSource,
+    Canary,
+    Echo,
+    Index,
+    Resolver,
+    Sink,
+    UdpCanary,
+    certificate,
+)
 
 from .harness import needs_namespaces
 
