@@ -14,9 +14,11 @@ confined process while it still has a single thread (a fork then copies no lock 
 it inherits the uid, Landlock domain, seccomp filter and rlimits, and needs only what the
 filter allows every worker under bubblewrap (``socket`` of AF_INET, AF_INET6 and AF_UNIX).
 
-One thread, one ``selectors`` loop, a fixed buffer per direction, at most ``connections``
-pairs open (more wait in the listen queue), half-closes passed on, an error in either side
-ending both.  Standard library only: it runs where the runtime's own packages are not loaded.
+One thread, one ``selectors`` loop, at most ``connections`` pairs open (more wait in the
+listen queue), half-closes passed on, an error in either side ending both.  Each direction
+splices through a pipe (the kernel moves the pages, none pass through this process), or copies
+through a buffer for the pairs beyond the first few.  Standard library only: it runs where the
+runtime's own packages are not loaded.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import select
 import selectors
 import signal
 import socket
@@ -34,15 +37,21 @@ from .contract.egress import proxy_environment
 
 __all__ = ["Forwarder", "open_way_out", "start"]
 
-_CHUNK = 256 * 1024
-_PIPE = 256 * 1024  # per direction of a spliced pair: 64 pairs take at most 32 MiB of pipes
-_SPLICED_PAIRS = 64
+_SPLICE = 1 << 20  # the most one splice asks for (what the pipe holds bounds it)
+_BIG = 1 << 20
+#: Pairs that splice (four descriptors each, within the code's own RLIMIT_NOFILE), the first
+#: ``_BIG_PAIRS`` of them through 1 MiB pipes (fewer wake-ups for a bulk transfer), the others
+#: through the default 64 KiB ones; pipe memory counts against the user's limit for all its
+#: processes (``/proc/sys/fs/pipe-user-pages-soft``, 64 MiB by default): at most 16 + 3 MiB.
+_SPLICED_PAIRS = 32
+_BIG_PAIRS = 8
 _COPY = 64 * 1024  # the buffer of a direction that copies (pairs beyond the spliced ones)
 _F_SETPIPE_SZ = 1031
 _SPLICE_FLAGS = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
 #: Whether flows splice (False: every flow copies through a buffer).
 SPLICE = True
 _PR_SET_PDEATHSIG, _PR_SET_NAME, _PR_SET_DUMPABLE = 1, 15, 4
+_START_SECONDS = 10.0
 _AGAIN = (errno.EAGAIN, errno.EWOULDBLOCK)
 
 
@@ -77,15 +86,30 @@ def start(socket_path: str, *, port: int = 0, connections: int = 256) -> Forward
     listeners = _listeners(port)
     chosen = listeners[0].getsockname()[1]
     parent = os.getpid()
+    ready_r, ready_w = os.pipe2(os.O_CLOEXEC)
     pid = os.fork()
     if pid == 0:
         try:
-            _become_forwarder(parent, listeners)
+            os.close(ready_r)
+            _become_forwarder(parent, [*(listener.fileno() for listener in listeners), ready_w])
+            os.write(ready_w, b"1")
+            os.close(ready_w)
             _Relay(listeners, socket_path, connections).run()
         finally:  # whatever ended it, the sandbox's network simply ends with it
             os._exit(1)
     for listener in listeners:
         listener.close()
+    os.close(ready_w)
+    try:
+        # Started means set up: non-dumpable, its descriptors closed, its signals ignored.
+        ready = select.select([ready_r], [], [], _START_SECONDS)[0] and os.read(ready_r, 1) == b"1"
+    finally:
+        os.close(ready_r)
+    if not ready:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        raise OSError(errno.ECHILD, "the egress forwarder did not start")
     return Forwarder(pid, chosen)
 
 
@@ -97,9 +121,9 @@ def open_way_out(socket_path: str, environ: dict | None = None, **kwargs) -> For
     return forwarder
 
 
-def _become_forwarder(parent: int, listeners: list[socket.socket]) -> None:
-    """In the child: die with the process that started it, keep no descriptor but the
-    listeners (the parent's output pipes would otherwise stay open after it ends), ignore
+def _become_forwarder(parent: int, kept: list[int]) -> None:
+    """In the child: die with the process that started it, keep no descriptor but ``kept``
+    (the listeners; the parent's output pipes would otherwise stay open after it ends), ignore
     what a terminal sends its process group."""
     import ctypes
 
@@ -114,7 +138,7 @@ def _become_forwarder(parent: int, listeners: list[socket.socket]) -> None:
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
-    keep = sorted(listener.fileno() for listener in listeners)
+    keep = sorted(kept)
     low = 3
     for fd in keep:
         os.closerange(low, fd)
@@ -122,14 +146,16 @@ def _become_forwarder(parent: int, listeners: list[socket.socket]) -> None:
     os.closerange(low, 1 << 20)
 
 
-def _pipe() -> tuple[int, int] | None:
-    """A pipe to splice through (``_PIPE`` bytes), or None: descriptors or pipe memory are short."""
+def _pipe(big: bool) -> tuple[int, int] | None:
+    """A pipe to splice through (``big``: of 1 MiB, if the user's pipe memory allows), or
+    None: descriptors are short."""
     try:
         r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
-    with contextlib.suppress(OSError):
-        fcntl.fcntl(w, _F_SETPIPE_SZ, _PIPE)
+    if big:
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(w, _F_SETPIPE_SZ, _BIG)
     return r, w
 
 
@@ -141,9 +167,9 @@ class _Flow:
 
     __slots__ = ("src", "dst", "pipe", "held", "view", "lo", "hi", "ended", "done")
 
-    def __init__(self, src: socket.socket, dst: socket.socket, splice: bool) -> None:
+    def __init__(self, src: socket.socket, dst: socket.socket, splice: bool, big: bool) -> None:
         self.src, self.dst = src, dst
-        self.pipe = _pipe() if splice and SPLICE else None
+        self.pipe = _pipe(big) if splice and SPLICE else None
         self.held = 0  # bytes in the pipe
         self.view: memoryview | None = None
         self.lo = self.hi = 0
@@ -155,7 +181,7 @@ class _Flow:
     def pull(self) -> None:
         try:
             if self.pipe is not None:
-                n = os.splice(self.src.fileno(), self.pipe[1], _CHUNK, flags=_SPLICE_FLAGS)
+                n = os.splice(self.src.fileno(), self.pipe[1], _SPLICE, flags=_SPLICE_FLAGS)
                 self.held = n
             else:
                 if self.view is None:
@@ -203,14 +229,14 @@ class _Flow:
 class _Pair:
     """A client's connection and its connection to the proxy."""
 
-    __slots__ = ("a", "b", "out", "back", "relay")
+    __slots__ = ("a", "b", "out", "back", "relay", "big")
 
     def __init__(self, relay: _Relay, a: socket.socket, b: socket.socket) -> None:
         self.relay, self.a, self.b = relay, a, b
-        # The first pairs splice; later ones copy, so that four pipe descriptors a pair never
-        # crowd out the sockets (RLIMIT_NOFILE is the code's own).
         splice = len(relay.pairs) < _SPLICED_PAIRS
-        self.out, self.back = _Flow(a, b, splice), _Flow(b, a, splice)
+        self.big = splice and relay.big < _BIG_PAIRS
+        relay.big += self.big
+        self.out, self.back = _Flow(a, b, splice, self.big), _Flow(b, a, splice, self.big)
 
     def wants(self, sock: socket.socket) -> int:
         inward, outward = (self.out, self.back) if sock is self.a else (self.back, self.out)
@@ -244,6 +270,7 @@ class _Relay:
         self.listeners, self.path, self.limit = listeners, path, connections
         self.selector = selectors.DefaultSelector()
         self.pairs: set[_Pair] = set()
+        self.big = 0  # pairs with 1 MiB pipes
         self.paused = False
         for listener in listeners:
             listener.setblocking(False)
@@ -320,5 +347,6 @@ class _Relay:
             sock.close()
         pair.out.close()
         pair.back.close()
+        self.big -= pair.big
         if len(self.pairs) < self.limit:
             self.pause(False)
