@@ -12,6 +12,9 @@ process of their own; the two sides alternate, round by round, so both see the s
 - ``first_byte_ms``: the same, plus one byte echoed back;
 - ``bulk_mb_s``: ``bulk_mb`` MiB downloaded in one connection (median of the rounds), and
   ``ratio`` tunnel over direct;
+- ``relay_cpu_ms_per_mb``: CPU the two relays spend per MB of a tunnel's run (the proxy's
+  process, which also starts the client; the forwarder, as the kernel counts it): what the
+  tunnel costs whatever the machine's load, which moves the rates;
 - ``forwarder_start_ms``: what starting the forwarder costs a sandbox that has an allowlist
   (binding, forking; a sandbox without one starts nothing, and no proxy runs for it).
 
@@ -28,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,15 +93,21 @@ for _ in range(setups):
     s.close()
     setup.append((t1 - t0) * 1000)
     first.append((t2 - t0) * 1000)
+def cpu():  # the forwarder's CPU seconds (none on the direct side)
+    if not port:
+        return 0.0
+    fields = open(f"/proc/{FWD.pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 buf = bytearray(1 << 18)
-t0 = time.perf_counter()
+c0, t0 = cpu(), time.perf_counter()
 got = 0
 with connect(source) as s:
     while n := s.recv_into(buf):
         got += n
 seconds = time.perf_counter() - t0
 assert got == mib << 20, got
-print(json.dumps({"setup": setup, "first": first, "mb_s": got / seconds / 1e6, "start": START}), flush=True)
+print(json.dumps({"setup": setup, "first": first, "mb_s": got / seconds / 1e6, "start": START,
+                  "forwarder_cpu_s": cpu() - c0}), flush=True)
 '''
 
 INSIDE = r'''
@@ -153,8 +163,11 @@ async def _measure(top: Path, rounds: int, setups: int, mib: int) -> dict:
             for _ in range(rounds):
                 sides["direct"].append(await _client([sys.executable, "-c", "START = None\n" + CLIENT, *args, "0"],
                                                      env, project))
-                sides["tunnel"].append(await _client([*box.argv_prefix, sys.executable, "-c", INSIDE + CLIENT,
-                                                      box.confine.to_json(), str(path), *args], env, box.cwd))
+                gate_cpu = time.process_time()  # (this process runs the gate; the bulk transfer is most of it)
+                run = await _client([*box.argv_prefix, sys.executable, "-c", INSIDE + CLIENT, box.confine.to_json(),
+                                     str(path), *args], env, box.cwd)
+                run["gate_cpu_s"] = time.process_time() - gate_cpu
+                sides["tunnel"].append(run)
             refused = sum(r.verdict != "allowed" for r in gate.records)
     finally:
         servers.kill()
@@ -165,9 +178,12 @@ async def _measure(top: Path, rounds: int, setups: int, mib: int) -> dict:
         figures[name]["added_ms"] = round(figures[name]["tunnel"]["p50"] - figures[name]["direct"]["p50"], 3)
     bulk = {side: round(statistics.median(run["mb_s"] for run in runs)) for side, runs in sides.items()}
     bulk["ratio"] = round(bulk["tunnel"] / bulk["direct"], 2) if bulk["direct"] else None
+    mb = mib * (1 << 20) / 1e6
+    cpu = {who: round(statistics.median(run[f"{who}_cpu_s"] for run in sides["tunnel"]) * 1000 / mb, 3)
+           for who in ("gate", "forwarder")}
     added = figures["setup_ms"]["added_ms"]
     return {
-        **figures, "bulk_mb_s": bulk, "bulk_mb": mib, "rounds": rounds,
+        **figures, "bulk_mb_s": bulk, "bulk_mb": mib, "rounds": rounds, "relay_cpu_ms_per_mb": cpu,
         "forwarder_start_ms": _stats([run["start"] for run in sides["tunnel"]]),
         "targets": {"setup": {"target": "at most ~2 ms added to a connection's set-up", "value": added,
                               "met": added <= 2.0},
@@ -194,7 +210,9 @@ def table(section: dict) -> str:
     return (f"egress: connection set-up p50 {s['tunnel']['p50']} ms through the proxy against {s['direct']['p50']} ms "
             f"direct (+{s['added_ms']} ms, target <= 2 ms: {met[section['targets']['setup']['met']]}); first byte back "
             f"+{f['added_ms']} ms; {section['bulk_mb']} MiB in one connection: {b['tunnel']} MB/s through the tunnel "
-            f"against {b['direct']} MB/s direct (x{b['ratio']}, target >= 0.5: {met[section['targets']['bulk']['met']]}); "
+            f"against {b['direct']} MB/s direct (x{b['ratio']}, target >= 0.5: {met[section['targets']['bulk']['met']]}; "
+            f"CPU per MB: proxy {section['relay_cpu_ms_per_mb']['gate']} ms, forwarder "
+            f"{section['relay_cpu_ms_per_mb']['forwarder']} ms); "
             f"the forwarder starts in {section['forwarder_start_ms']['p50']} ms")
 
 
