@@ -12,7 +12,16 @@ from ipaddress import IPv4Address, IPv6Address, ip_address
 import pytest
 
 from engine.errors import ConfigError
-from engine.net import Allowlist, Entry, after_lookup, before_lookup, canonical_host, show_host, special_class
+from engine.net import (
+    Allowlist,
+    Entry,
+    after_lookup,
+    before_lookup,
+    canonical_host,
+    machine_addresses,
+    show_host,
+    special_class,
+)
 
 # -- canonical hosts ---------------------------------------------------------------------------
 
@@ -253,3 +262,26 @@ def test_refusals_say_why_and_what_would_allow_it():
     assert after_lookup(allow, "example.com", 8080, [IPv4Address("127.0.0.2")]).allowed
     v = before_lookup(allow, "localhost", 443)
     assert v.why == "denied-name" and not v.hint
+
+
+def test_a_name_never_leads_to_the_machine_itself_unless_its_address_is_listed():
+    mine = IPv4Address("8.8.4.4")  # (a public address of this machine, as far as the decision knows)
+    allow = Allowlist.parse(["example.com"])
+    v = after_lookup(allow, "example.com", 443, [IPv4Address("93.184.216.34"), mine], machine={mine})
+    assert (v.why, v.hint) == ("special-address", "--allow-net 8.8.4.4:443")
+    assert "8.8.4.4, an address of this machine" in v.words
+    assert after_lookup(allow, "example.com", 443, [IPv4Address("93.184.216.34")], machine={mine}).allowed
+    listed = Allowlist.parse(["example.com", "8.8.4.4"])
+    assert after_lookup(listed, "example.com", 443, [mine], machine={mine}).allowed
+
+
+def test_the_machines_addresses_are_its_interfaces():
+    import socket
+
+    found = machine_addresses()
+    assert IPv4Address("127.0.0.1") in found and IPv4Address("192.0.2.99") not in found
+    for address in found - {IPv6Address("::1")}:
+        if isinstance(address, IPv4Address):  # each can be bound: it is this machine's
+            with socket.socket() as s:
+                s.bind((str(address), 0))
+

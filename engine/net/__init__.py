@@ -15,14 +15,15 @@ from engine.lazy import lazy_names
 
 #: Public name -> the private module that defines it (imported when first used, PEP 562).
 _WHERE = {
-    "DEFAULT_PORTS": "_allow", "Allowlist": "_allow", "Entry": "_allow", "special_class": "_address",
+    "DEFAULT_PORTS": "_allow", "Allowlist": "_allow", "Entry": "_allow", "machine_addresses": "_address",
+    "special_class": "_address",
     "Verdict": "_decide", "after_lookup": "_decide", "before_lookup": "_decide", "Host": "_host",
     "canonical_host": "_host", "show_host": "_host", "BadRequest": "_http", "Gate": "_proxy",
     "Limits": "_proxy", "Resolver": "_proxy", "system_resolver": "_proxy", "ConnectionRecord": "_records",
 }
 
 if TYPE_CHECKING:
-    from ._address import special_class
+    from ._address import machine_addresses, special_class
     from ._allow import DEFAULT_PORTS, Allowlist, Entry
     from ._decide import Verdict, after_lookup, before_lookup
     from ._host import Host, canonical_host, show_host
@@ -34,5 +35,6 @@ __getattr__, __dir__ = lazy_names(__name__, _WHERE)
 
 __all__ = [
     "DEFAULT_PORTS", "Allowlist", "BadRequest", "ConnectionRecord", "Entry", "Gate", "Host", "Limits", "Resolver",
-    "Verdict", "after_lookup", "before_lookup", "canonical_host", "show_host", "special_class", "system_resolver",
+    "Verdict", "after_lookup", "before_lookup", "canonical_host", "machine_addresses", "show_host", "special_class",
+    "system_resolver",
 ]

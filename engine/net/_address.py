@@ -3,6 +3,8 @@ metadata services, and every range the IANA special-purpose registries set aside
 
 ``special_class`` names the class of an address a proxy must not dial for a name (loopback,
 private, link-local, CGNAT, a metadata service, ...), or None for an ordinary public address.
+``machine_addresses`` are the addresses of this machine's own interfaces: a public one of them
+leads to the machine's own services as surely as 127.0.0.1 does.
 IPv6 forms that carry an IPv4 address (mapped, compatible, SIIT, NAT64, 6to4) are judged by the
 address they carry: ``64:ff9b::a9fe:a9fe`` is 169.254.169.254 behind a NAT64 gateway.
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
 
-__all__ = ["special_class"]
+__all__ = ["machine_addresses", "special_class"]
 
 _LINK_LOCAL = "a link-local address (cloud metadata services live at 169.254.169.254)"
 _PRIVATE = "a private address"
@@ -90,3 +92,30 @@ def special_class(address: IPv4Address | IPv6Address) -> str | None:
         return f"a deprecated IPv4-compatible address (of {inner})"
     words = special_class(inner)
     return None if words is None else f"a {form} form of {inner}, {words}"
+
+
+def machine_addresses() -> frozenset[IPv4Address | IPv6Address]:
+    """Every address of this machine's interfaces, as the kernel lists them now (IPv4 by
+    ``SIOCGIFCONF``, secondary addresses included; IPv6 from ``/proc/net/if_inet6``)."""
+    import array
+    import fcntl
+    import socket
+    import struct
+
+    found: set[IPv4Address | IPv6Address] = set()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        size = 40  # struct ifreq on 64-bit Linux
+        for count in (64, 1024, 16384):
+            buf = array.array("B", bytes(size * count))
+            used = struct.unpack("iL", fcntl.ioctl(sock.fileno(), 0x8912, struct.pack("iL", len(buf),  # SIOCGIFCONF
+                                                                                    buf.buffer_info()[0])))[0]
+            if used < len(buf):
+                break
+        data = buf.tobytes()[:used]
+        found |= {IPv4Address(data[i + 20:i + 24]) for i in range(0, used, size)}  # sin_addr of ifr_addr
+    try:
+        with open("/proc/net/if_inet6") as f:
+            found |= {IPv6Address(int(line.split()[0], 16)) for line in f if line.strip()}
+    except OSError:
+        pass
+    return frozenset(found)

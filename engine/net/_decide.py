@@ -6,15 +6,15 @@ address passes only when that address is listed; a name passes to the lookup.  N
 looked up for a name no entry names, so an unlisted name never reaches a resolver (no DNS
 exfiltration through the proxy).
 
-``after_lookup`` judges what the name resolved to: every address must be public, or listed
-itself with that port; one that is not refuses the whole name (the proxy then dials nothing),
+``after_lookup`` judges what the name resolved to: every address must be public and not one of
+this machine's own, or listed itself with that port; one that is not refuses the whole name (the proxy then dials nothing),
 and the proxy dials only addresses judged here.  Each verdict carries the words a refusal says
 and the option that would allow it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address
 
@@ -61,14 +61,15 @@ def before_lookup(allowlist: Allowlist, host: Host, port: int) -> Verdict:
     return _ALLOWED
 
 
-def after_lookup(allowlist: Allowlist, name: str, port: int,
-                 addresses: Sequence[IPv4Address | IPv6Address]) -> Verdict:
+def after_lookup(allowlist: Allowlist, name: str, port: int, addresses: Sequence[IPv4Address | IPv6Address],
+                 machine: Collection[IPv4Address | IPv6Address] = ()) -> Verdict:
     """The verdict on the addresses ``name`` resolved to (IPv4-mapped ones already made IPv4):
-    allowed only if there is one and each is public or listed itself with ``port``."""
+    allowed only if there is one and each is public and none of ``machine`` (this machine's own,
+    ``machine_addresses``), or listed itself with ``port``."""
     if not addresses:
         return Verdict(False, "no-address", f"{name} has no address", "")
     for address in addresses:
-        cls = special_class(address)
+        cls = special_class(address) or ("an address of this machine" if address in machine else None)
         if cls is not None and not allowlist.lists_address(address, port):
             return Verdict(False, "special-address",
                            f"{name} resolves to {address}, {cls}; a name may never lead to such an address "

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address, ip_address
 from pathlib import Path
 
+from engine.net._address import machine_addresses
 from engine.net._allow import Allowlist
 from engine.net._decide import after_lookup, before_lookup
 from engine.net._host import show_host
@@ -281,7 +282,7 @@ class Gate:
             raise _Refuse(403, verdict.why, verdict.words, verdict.hint)
         if isinstance(request.host, str):
             addresses = await self._addresses(request.host, request.port)
-            verdict = after_lookup(self.allowlist, request.host, request.port, addresses)
+            verdict = after_lookup(self.allowlist, request.host, request.port, addresses, machine_addresses())
             if not verdict.allowed:
                 raise _Refuse(403, verdict.why, verdict.words, verdict.hint)
         else:
