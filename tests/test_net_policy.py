@@ -285,3 +285,11 @@ def test_the_machines_addresses_are_its_interfaces():
             with socket.socket() as s:
                 s.bind((str(address), 0))
 
+
+def test_the_face_names_what_it_exports():
+    import engine.net as net
+
+    assert sorted(net._WHERE) == sorted(net.__all__)
+    for name in net.__all__:
+        assert getattr(net, name) is not None
+

@@ -15,11 +15,10 @@ from engine.lazy import lazy_names
 
 #: Public name -> the private module that defines it (imported when first used, PEP 562).
 _WHERE = {
-    "DEFAULT_PORTS": "_allow", "Allowlist": "_allow", "Entry": "_allow", "machine_addresses": "_address",
-    "special_class": "_address",
-    "Verdict": "_decide", "after_lookup": "_decide", "before_lookup": "_decide", "Host": "_host",
-    "canonical_host": "_host", "show_host": "_host", "BadRequest": "_http", "Gate": "_proxy",
-    "Limits": "_proxy", "Resolver": "_proxy", "system_resolver": "_proxy", "ConnectionRecord": "_records",
+    "special_class": "_address", "machine_addresses": "_address", "DEFAULT_PORTS": "_allow", "Allowlist": "_allow",
+    "Entry": "_allow", "Verdict": "_decide", "after_lookup": "_decide", "before_lookup": "_decide", "Host": "_host",
+    "canonical_host": "_host", "show_host": "_host", "Gate": "_proxy", "Limits": "_proxy", "Resolver": "_proxy",
+    "system_resolver": "_proxy", "ConnectionRecord": "_records",
 }
 
 if TYPE_CHECKING:
@@ -27,14 +26,13 @@ if TYPE_CHECKING:
     from ._allow import DEFAULT_PORTS, Allowlist, Entry
     from ._decide import Verdict, after_lookup, before_lookup
     from ._host import Host, canonical_host, show_host
-    from ._http import BadRequest
     from ._proxy import Gate, Limits, Resolver, system_resolver
     from ._records import ConnectionRecord
 
 __getattr__, __dir__ = lazy_names(__name__, _WHERE)
 
 __all__ = [
-    "DEFAULT_PORTS", "Allowlist", "BadRequest", "ConnectionRecord", "Entry", "Gate", "Host", "Limits", "Resolver",
+    "DEFAULT_PORTS", "Allowlist", "ConnectionRecord", "Entry", "Gate", "Host", "Limits", "Resolver",
     "Verdict", "after_lookup", "before_lookup", "canonical_host", "machine_addresses", "show_host", "special_class",
     "system_resolver",
 ]

@@ -33,7 +33,8 @@ _HOP = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer
 
 
 class BadRequest(AgentloopError):
-    """A request the proxy will not read further: ``status`` (400, 431, 501) and words."""
+    """A request the proxy will not read further: ``status`` (400, 431, 501) and words.
+    The gate's own: it answers the client with it, and it never leaves ``engine.net``."""
 
     def __init__(self, status: int, words: str) -> None:
         super().__init__(words)
