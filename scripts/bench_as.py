@@ -115,6 +115,9 @@ ROWS = (
     ("python FILE, start to exit p50 (ms)", ("exec_file", "start_ms", "python", "p50")),
     ("tracing: observer per block p50 (us)", ("tracing", "observer_us_per_block", "p50")),
     ("tracing: a traced run's cost per block (ms)", ("tracing", "run_ms_per_block", "cost")),
+    ("egress: set-up added by the proxy p50 (ms)", ("egress", "setup_ms", "added_ms")),
+    ("egress: bulk through the tunnel (MB/s)", ("egress", "bulk_mb_s", "tunnel")),
+    ("egress: bulk direct (MB/s)", ("egress", "bulk_mb_s", "direct")),
 )
 
 

@@ -74,6 +74,13 @@ def test_quick_bench_prints_a_complete_report(tmp_path: Path) -> None:
         assert batch["parallel"]["runs_per_s"][mode] > 0
     assert batch["met"] in (True, False, None) and (batch["met"] is None) == (not batch["fork_server"])
 
+    egress = report["egress"]  # a connection through the egress proxy from a sandbox, against a direct one
+    if "note" not in egress:
+        for side in ("direct", "tunnel"):
+            assert egress["setup_ms"][side]["n"] == 40 and egress["setup_ms"][side]["p50"] > 0
+            assert egress["bulk_mb_s"][side] > 0
+        assert egress["refused"] == 0 and egress["forwarder_start_ms"]["p50"] > 0
+
     exec_file = report["exec_file"]  # agentloop exec FILE end to end, against python FILE
     for side in ("agentloop", "python"):
         assert exec_file["start_ms"][side]["n"] == 5 and exec_file["start_ms"][side]["p50"] > 0

@@ -20,7 +20,7 @@ def test_engine_exports():
 
 def test_worker_imports_nothing_from_engine():
     code = ("import sys, worker.serve, worker.fork_server, worker.slot, worker._confine, worker.proxy, "
-            "worker.environment, worker.repo_tools, worker.tool_server\n"
+            "worker.environment, worker.repo_tools, worker.tool_server, worker.egress\n"
             "print(sorted(m for m in sys.modules if m == 'engine' or m.startswith('engine.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
