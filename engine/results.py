@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["BATCH_OUTPUT_CAP", "FILE_CAP", "HEAD_BYTES", "OUTPUT_CAP", "BlockResult", "OutputBudget", "OutputChunk",
-           "OutputSink", "Shown", "Status", "TAIL_BYTES", "describe_exit", "writable_note"]
+__all__ = ["BATCH_OUTPUT_CAP", "DISPLAY_WORDS", "FILE_CAP", "HEAD_BYTES", "OUTPUT_CAP", "BlockResult", "OutputBudget", "OutputChunk",
+           "OutputSink", "Shown", "Status", "TAIL_BYTES", "describe_exit", "displays_words", "writable_note"]
 
 Status = Literal["ok", "error", "timeout", "cancelled", "died", "killed"]
 
@@ -130,9 +130,31 @@ class BlockResult:
         return "[Errno 30] Read-only file system" in tail or "[Errno 13] Permission denied" in tail
 
     def text(self) -> str:
-        """Output, traceback and a ``[what happened]`` suffix, concatenated as the seed does
-        (``output + "[timed out]"``), for a model or a log."""
-        return self.output + self.error + (f"[{self.message}]" if self.message else "")
+        """Output, what it displayed (``displays_words``), traceback and a ``[what happened]``
+        suffix, concatenated as the seed does (``output + "[timed out]"``), for a model or a log."""
+        shown = displays_words(self.displays)
+        if shown and self.output and not self.output.endswith("\n"):
+            shown = "\n" + shown
+        return self.output + shown + self.error + (f"[{self.message}]" if self.message else "")
+
+
+#: Characters of what a block displayed that its result's text holds, at most.
+DISPLAY_WORDS = 16_000
+
+
+def displays_words(displays: list[Shown], limit: int = DISPLAY_WORDS) -> str:
+    """What a reader of text is given for ``displays``: each one's line (an image's size and
+    file) or its text, within ``limit`` characters (the rest counted)."""
+    out: list[str] = []
+    used = 0
+    for position, shown in enumerate(displays):
+        words = shown.words()
+        if used + len(words) > limit:
+            out.append(f"[... {len(displays) - position} more displays not shown as text]\n")
+            break
+        out.append(words)
+        used += len(words)
+    return "".join(out)
 
 
 def writable_note(workspace: str | Path) -> str:

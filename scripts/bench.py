@@ -71,11 +71,11 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from engine.sandbox import _plan as _sandbox
-from engine.launch import descendants
-from engine.workers import Engine
 from engine.errors import AgentloopError
+from engine.launch import descendants
 from engine.sandbox import SandboxPolicy, host_support
+from engine.sandbox import _plan as _sandbox
+from engine.workers import Engine
 
 MiB = 1024 * 1024
 MB = 1_000_000

@@ -60,11 +60,13 @@ from bench_samples import CpuMeter  # noqa: E402 - scripts/bench_samples.py, bes
 
 from engine.batch import RunSettings, execute, run_batch  # noqa: E402
 from engine.batch.tasks import TaskSpec  # noqa: E402
-from engine.workers import Engine  # noqa: E402
+from engine.launch import (
+    WorkerSettings,  # noqa: E402
+    fork_server_refusal,  # noqa: E402
+)
 from engine.models import load_models  # noqa: E402
-from engine.launch import fork_server_refusal  # noqa: E402
 from engine.scripted import ScriptedServer  # noqa: E402
-from engine.launch import WorkerSettings  # noqa: E402
+from engine.workers import Engine  # noqa: E402
 
 TARGET_MS = 20.0
 TARGET_RUNS_PER_S = 50.0

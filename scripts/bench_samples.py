@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import _section  # noqa: E402 - scripts/_section.py, beside this file
 
-from engine.workers import Engine  # noqa: E402
 from engine.samples import Sample  # noqa: E402
+from engine.workers import Engine  # noqa: E402
 
 
 def problems() -> list[dict] | None:

@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import _section  # noqa: E402 - scripts/_section.py, beside this file
 
-from engine.workers import Engine  # noqa: E402
-from engine.models import load_models  # noqa: E402
 from engine.agent import run_task  # noqa: E402
+from engine.models import load_models  # noqa: E402
 from engine.scripted import ScriptedServer  # noqa: E402
+from engine.workers import Engine  # noqa: E402
 
 BLOCKS = 20
 

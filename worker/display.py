@@ -42,7 +42,7 @@ from typing import Any
 from ._after_import import after_import
 from .capture import Router, current_block
 from .contract import wire
-from .contract.display import MIME_TYPES, PNG, SVG, TEXT_TYPES, png_size
+from .contract.display import MIME_TYPES, PNG, SVG, png_size
 from .contract.limits import MAX_DISPLAY_TEXT, MAX_DISPLAYS, MAX_IMAGE
 
 __all__ = ["BACKEND", "Displays", "active", "bundle_of"]
@@ -91,6 +91,9 @@ def figure_png(fig: Any) -> bytes | None:
     buf = io.BytesIO()
     fig.canvas.print_figure(buf, format="png", bbox_inches="tight", facecolor=fig.get_facecolor(),
                             edgecolor=fig.get_edgecolor(), dpi=fig.dpi)
+    # What print_figure set and put back marked it stale; drawing on it from here on marks it
+    # again (a figure displayed and not changed since is not shown again when the block ends).
+    fig.stale = False
     return buf.getvalue()
 
 
@@ -214,6 +217,7 @@ class Displays:
         global _active
         _active = self
         after_import("matplotlib", self._matplotlib)
+        after_import("matplotlib.pyplot", _pyplot)
         after_import("PIL.ImageShow", _pillow)
 
     def _matplotlib(self, module: Any) -> None:
@@ -290,6 +294,15 @@ def _close(fig: Any) -> None:
 
 def _warn(words: str) -> None:
     sys.stderr.write(f"display(): {words}\n")
+
+
+def _pyplot(module: Any) -> None:
+    """pyplot's backend, loaded while pyplot is imported (under the import's lock), not when a
+    figure first needs it: two blocks that make their first figures at once would each load it,
+    and loading a backend closes every open figure (``switch_backend``), the other block's too."""
+    backend = sys.modules["matplotlib"].rcParams._get("backend")
+    if backend == BACKEND:
+        module.switch_backend(BACKEND)
 
 
 def _pillow(module: Any) -> None:

@@ -59,9 +59,9 @@ from collections.abc import Callable
 from . import capture, proxy, script_run
 from ._running import MAIN, Running, deadline_words, has_signal, interrupt_note, task_status
 from .capture import FdCapture, Router, current_block
-from .display import Displays
 from .contract import wire
 from .contract.limits import INTERRUPT_SIGNAL, MAX_VARS
+from .display import Displays
 from .tracebacks import block_filename, format_user_error
 
 __all__ = ["Runtime"]

@@ -11,11 +11,13 @@ from engine.lazy import lazy_names
 _WHERE = {
     "Chat": "_client", "strip_think": "_reasoning", "DEFAULT_MODEL_ID": "_registry", "load_models":
     "_registry", "ModelConfig": "_registry", "ModelRegistry": "_registry", "which_wins": "_registry",
-    "connect": "_server", "probe": "_server", "ServerInfo": "_server"
+    "connect": "_server", "probe": "_server", "ServerInfo": "_server", "image_part": "_images",
+    "MAX_IMAGES_A_MESSAGE": "_images"
 }
 
 if TYPE_CHECKING:
     from ._client import Chat
+    from ._images import MAX_IMAGES_A_MESSAGE, image_part
     from ._reasoning import strip_think
     from ._registry import DEFAULT_MODEL_ID, ModelConfig, ModelRegistry, load_models, which_wins
     from ._server import ServerInfo, connect, probe
@@ -23,6 +25,6 @@ if TYPE_CHECKING:
 __getattr__, __dir__ = lazy_names(__name__, _WHERE)
 
 __all__ = [
-    "Chat", "DEFAULT_MODEL_ID", "ModelConfig", "ModelRegistry", "ServerInfo", "connect", "load_models",
-    "probe", "strip_think", "which_wins"
+    "Chat", "DEFAULT_MODEL_ID", "MAX_IMAGES_A_MESSAGE", "ModelConfig", "ModelRegistry", "ServerInfo", "connect", "load_models",
+    "image_part", "probe", "strip_think", "which_wins"
 ]
