@@ -311,8 +311,8 @@ def _pillow(module: Any) -> None:
     class _Displayed(module.Viewer):
         def show(self, image: Any, **options: Any) -> int:
             displays = active()
-            if displays is None:
-                return 0
+            if displays is None or current_block.get() in displays.scripts:
+                return 0  # (the next viewer's: a script run is python's)
             displays.show(image)
             return 1
 
