@@ -50,20 +50,12 @@ from engine.agent._code_task import (
     words,
 )
 from engine.agent._display import AgentDisplay
+from engine.agent._pictures import Pictures
 from engine.agent._reply_guard import ReplyGuard
 from engine.agent._subagents import SubagentBudget, subagent_limit
 from engine.durations import parse_duration
 from engine.errors import AgentError, ConfigError
-from engine.models import (
-    MAX_IMAGES_A_MESSAGE,
-    Chat,
-    ModelConfig,
-    ModelRegistry,
-    ServerInfo,
-    connect,
-    image_part,
-)
-from engine.results import Shown
+from engine.models import Chat, ModelConfig, ModelRegistry, ServerInfo, connect
 from engine.workers import Engine, Worker
 
 __all__ = ["Agent", "DEFAULT_REMIND_AT", "MAX_AGENT_NAME", "STOP_SEQUENCES"]
@@ -132,8 +124,7 @@ class Agent:
         self.replies = ReplyGuard()  # cut and empty replies in a row
         self.server = ServerInfo()  # what the endpoint said about itself, once started
         self._block_ids = itertools.count(1)
-        #: What finished blocks displayed and the next message has not carried yet.
-        self._displays: list[Shown] = []
+        self.pictures = Pictures()  # what finished blocks displayed, for the next message
 
     # -- set-up -------------------------------------------------------------------------------
     def _event(self, type: str, **fields: Any) -> None:
@@ -265,7 +256,7 @@ class Agent:
         what just finished."""
         done = [w for w in [*self.blocks, *self.sub_agents] if w.task.done()]
         for work in done:
-            self.collect(work)
+            self.pictures.collect(work)
         self.blocks = [b for b in self.blocks if not b.task.done()]
         self.sub_agents = [a for a in self.sub_agents if not a.task.done()]
         events, self.inbox = self.inbox, []
@@ -274,21 +265,9 @@ class Agent:
         events += [report() if callable(report) else report for report in reports.values()]
         return "".join(events + [task_text(w.task) for w in done])
 
-    def collect(self, work: Any) -> None:
-        """Keep what a finished block displayed for the message that carries its result."""
-        if isinstance(work, CodeTask):
-            self._displays.extend(work.displays)
-            work.displays = []  # (carried once)
-
     def take_images(self) -> list[dict[str, Any]]:
-        """The ``image_url`` parts of what the blocks reported since the last message displayed:
-        the PNGs, at most ``MAX_IMAGES_A_MESSAGE``, for a model that takes images (none for one
-        that does not, whose result text names each image's file)."""
-        shown, self._displays = self._displays, []
-        if not self.model.vision or (self.chat is not None and self.chat.images_refused):
-            return []
-        parts = [image_part(s.png) for s in shown if s.png]
-        return [p for p in parts if p is not None][:MAX_IMAGES_A_MESSAGE]
+        """The images for the next message: the PNGs finished blocks displayed (``Pictures``)."""
+        return self.pictures.take(self.model, self.chat)
 
     def is_completed(self) -> bool:
         return not self.blocks and not self.sub_agents and not self.inbox

@@ -283,7 +283,7 @@ class ToolAgent(Agent):
     def _status_or_result(self, work: Any) -> str:
         """The call's answer: the finished result (taken out of what is still owed), or the status."""
         if work.task.done():
-            self.collect(work)
+            self.pictures.collect(work)
             if work in self.blocks:
                 self.blocks.remove(work)
             if work in self.sub_agents:
