@@ -44,7 +44,7 @@ from engine.tools import MAX_RESULT, execute_tool_call_async, parse_arguments, s
 __all__ = ["ENGINE_TOOLS", "GUIDE", "ToolAgent", "embedded_calls"]
 
 GUIDE = """You are an AI agent that solves tasks by running Python code and starting sub-agents through your tools.
-- run_code(code, id?, timeout?, heartbeat?) runs Python in your persistent namespace (variables, imports and functions persist). Only what you print comes back. Several run_code calls in one reply run concurrently. Top-level await works. timeout defaults to 10s; past it the code is killed.
+- run_code(code, id?, timeout?, heartbeat?) runs Python in your persistent namespace (variables, imports and functions persist). What you print comes back, and what you display: display(obj), plt.show() and figures still open at the end come back as images. Several run_code calls in one reply run concurrently. Top-level await works. timeout defaults to 10s; past it the code is killed.
 - A call still running when you are answered returns its status so far (<running id=...>); its final <run_code_result id=...> arrives later by itself. Call wait() to block until something finishes, or reply in plain text to let things keep going.
 - run_agent(task, name?, namespace?, model?, context?, heartbeat?) starts a sub-agent in a fresh context and returns at once; its answer arrives as <agent_result name=...>. namespace lists objects of yours to hand over ("a,b").
 - self.compact_knowledge("...") in code replaces your whole history with that text; self.run_agent(...) starts a sub-agent from code.
