@@ -319,7 +319,10 @@ class Worker:
                 session.violation(str(exc))
                 return None
             if block.on_display is not None:
-                block.on_display(shown, msg.data)
+                try:
+                    block.on_display(shown, msg.data)
+                except Exception:  # a consumer's fault is not the worker's: said, and the block goes on
+                    log.exception("worker %s: block %s: a display could not be shown", self.name, block.id)
         elif isinstance(msg, (wire.Stuck, wire.Stopping)):
             block = self._blocks.get(msg.id)
             if block is not None:  # else stale: the block's done came first, an honest race
