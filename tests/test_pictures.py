@@ -226,6 +226,9 @@ async def test_matplotlib_is_imported_only_by_the_code_and_a_figure_shown_once(w
     # An empty figure shows nothing; plt.show() closed everything it showed.
     result = await worker.run("plt.figure()\nplt.show()\nprint(len(plt.get_fignums()))", timeout=30)
     assert result.output == "0\n" and not result.displays, result
+    # A figure displayed and drawn on afterwards is shown again when the block ends.
+    result = await worker.run("fig, ax = plt.subplots()\nax.plot([1, 2])\ndisplay(fig)\nax.plot([2, 1])", timeout=30)
+    assert len(result.displays) == 2, result
 
 
 def _ihdr(width: int, height: int) -> bytes:
@@ -237,3 +240,26 @@ def test_png_size_reads_the_header_only_and_bounds_it():
     assert png_size(_ihdr(0, 5)) is None and png_size(_ihdr(40000, 5)) is None
     assert png_size(b"GIF89a" + bytes(30)) is None and png_size(_ihdr(3, 3)[:20]) is None
     assert png_size(_ihdr(3, 3).replace(b"IHDR", b"IDAT")) is None
+
+
+def _part(width: int, height: int) -> dict:
+    data = _ihdr(width, height) + b"\x08\x02\x00\x00\x00"
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
+
+
+def test_images_count_in_the_context_estimate_at_the_servers_rate_or_conservatively():
+    from engine.models import Chat
+    from engine.models._images import DEFAULT_IMAGE_TOKENS, image_tokens, keep_last_images
+
+    assert image_tokens(_part(640, 480), openai=True) == 85 + 170 * 2  # two 512-pixel tiles
+    assert image_tokens(_part(4096, 4096), openai=True) == 85 + 170 * 4  # 2048, then 768 a side
+    assert image_tokens(_part(640, 480), openai=False) == DEFAULT_IMAGE_TOKENS
+    messages = [{"role": "user", "content": [{"type": "text", "text": "abc"}, _part(640, 480)]}]
+    elsewhere = Chat("s", ModelConfig(alias="a", base_url="http://127.0.0.1:1/v1", model="m"))
+    openai = Chat("s", ModelConfig(alias="a", base_url="https://api.openai.com/v1", model="m"))
+    assert elsewhere._chars(messages) == 3 + 3 * DEFAULT_IMAGE_TOKENS  # not the base64's length
+    assert openai._chars(messages) == 3 + 3 * 425
+    history = [{"role": "user", "content": [_part(8, 8), _part(8, 8)]} for _ in range(10)]
+    assert keep_last_images(history, 16) == 4
+    assert sum(p["type"] == "image_url" for m in history for p in m["content"]) == 16
+    assert history[0]["content"][0]["type"] == "text" and history[-1]["content"][1]["type"] == "image_url"
