@@ -263,3 +263,14 @@ def test_images_count_in_the_context_estimate_at_the_servers_rate_or_conservativ
     assert keep_last_images(history, 16) == 4
     assert sum(p["type"] == "image_url" for m in history for p in m["content"]) == 16
     assert history[0]["content"][0]["type"] == "text" and history[-1]["content"][1]["type"] == "image_url"
+
+
+def test_a_strict_server_refuses_images_outside_user_messages():
+    from engine.scripted._sequence import sequence_problems
+
+    part = _part(2, 2)
+    ok = [{"role": "user", "content": [{"type": "text", "text": "x"}, part]}]
+    assert sequence_problems(ok) == []
+    bad = [{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function"}]},
+           {"role": "tool", "tool_call_id": "c", "content": [part]}]
+    assert sequence_problems(bad) == ["message 1: an image in a 'tool' message (images go in user messages)"]
