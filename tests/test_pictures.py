@@ -231,6 +231,17 @@ async def test_matplotlib_is_imported_only_by_the_code_and_a_figure_shown_once(w
     assert len(result.displays) == 2, result
 
 
+async def test_a_python_the_code_starts_plots_as_python_does(worker):
+    """The worker's backend is set inside the worker, not by an environment variable a child
+    would inherit (and whose module a child Python may not find)."""
+    code = ("import os, subprocess, sys\nprint(os.environ.get('MPLBACKEND'))\n"
+            "subprocess.run([sys.executable, '-c', 'import matplotlib.pyplot as plt; plt.plot([1]); "
+            "plt.savefig(\"c.png\"); print(plt.get_backend())'], cwd=os.environ['TMPDIR'], check=True)\n")
+    result = await worker.run(code, timeout=60)
+    assert result.ok, result
+    assert result.output.splitlines() == ["None", "agg"] and not result.displays, result.output
+
+
 def _ihdr(width: int, height: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + struct.pack(">I4sII", 13, b"IHDR", width, height)
 
