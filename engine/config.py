@@ -26,7 +26,7 @@ CONFIG_FILE = "agentloop.toml"
 TOP_KEYS = ("default", "models", "python")
 #: What a ``[models.ALIAS]`` section may hold (``engine.models.ModelConfig``'s fields but the alias).
 MODEL_KEYS = ("base_url", "model", "api_key_env", "context_window", "price_in", "price_out", "protocol",
-              "timeout", "max_tokens")
+              "timeout", "max_tokens", "vision")
 #: How a model may be spoken to: ``<run_code>`` tags, or native tool calls.
 PROTOCOLS = ("tags", "tools")
 
@@ -97,6 +97,9 @@ def _check_model(where: str, table: dict[str, Any]) -> None:
     protocol = table.get("protocol", "tags")
     if protocol not in PROTOCOLS:
         raise ConfigError(f"{where}: protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    vision = table.get("vision")
+    if vision is not None and not isinstance(vision, bool):
+        raise ConfigError(f"{where}: vision must be true or false (whether the model takes images), got {vision!r}")
     for key in ("context_window", "max_tokens"):
         value = table.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["BATCH_OUTPUT_CAP", "FILE_CAP", "HEAD_BYTES", "OUTPUT_CAP", "BlockResult", "OutputBudget", "OutputChunk",
-           "OutputSink", "Status", "TAIL_BYTES", "describe_exit", "writable_note"]
+__all__ = ["BATCH_OUTPUT_CAP", "DISPLAY_WORDS", "FILE_CAP", "HEAD_BYTES", "OUTPUT_CAP", "BlockResult", "OutputBudget", "OutputChunk",
+           "OutputSink", "Shown", "Status", "TAIL_BYTES", "describe_exit", "displays_words", "writable_note"]
 
 Status = Literal["ok", "error", "timeout", "cancelled", "died", "killed"]
 
@@ -32,6 +32,50 @@ class OutputChunk:
     block_id: str
     stream: str
     data: bytes
+
+
+@dataclass(frozen=True)
+class Shown:
+    """One display of a block (``display(obj)``, a matplotlib figure, ``Image.show()``), as the
+    coordinator keeps it: each representation a reader looks at (a PNG, an SVG, HTML) in a file
+    of the run, ``files`` mapping its MIME type to the path, and the text a reader of text gets
+    (the bundle's Markdown, else its plain text).  ``width`` and ``height`` are the PNG's, read
+    from its header; ``note`` says what was not kept and why (the run's output cap)."""
+
+    index: int
+    files: dict[str, str] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)
+    text: str = ""
+    text_type: str = ""
+    width: int | None = None
+    height: int | None = None
+    note: str = ""
+
+    @property
+    def png(self) -> str | None:
+        """The PNG's file, if the display is one and it was kept."""
+        return self.files.get("image/png")
+
+    def line(self) -> str:
+        """The display in one line for a reader of text: ``[image 640×480 PNG: PATH]``, or the
+        kind, size and file of what it holds; "" for a display that is text alone."""
+        for mime, words in (("image/png", "PNG"), ("image/svg+xml", "SVG"), ("text/html", "HTML")):
+            if mime not in self.sizes:
+                continue
+            where = self.files.get(mime) or f"not kept: {self.note}"
+            if mime == "image/png":
+                return f"[image {self.width}×{self.height} PNG: {where}]"
+            if mime == "text/html" and self.text:
+                return ""  # its text says it (a table's plain text, say)
+            return f"[{'image ' if mime != 'text/html' else ''}{words}, {_bytes(self.sizes[mime])}: {where}]"
+        return ""
+
+    def words(self) -> str:
+        """What a reader of text is given for the display: its line, or its text."""
+        line = self.line()
+        if line:
+            return line + "\n"
+        return self.text if self.text.endswith("\n") or not self.text else self.text + "\n"
 
 
 @dataclass
@@ -65,6 +109,8 @@ class BlockResult:
     worker_killed: bool = False
     lost_vars: list[str] = field(default_factory=list)
     over_memory: bool = False
+    #: What the block displayed, in order (``Shown``): images and rich representations.
+    displays: list[Shown] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -84,9 +130,31 @@ class BlockResult:
         return "[Errno 30] Read-only file system" in tail or "[Errno 13] Permission denied" in tail
 
     def text(self) -> str:
-        """Output, traceback and a ``[what happened]`` suffix, concatenated as the seed does
-        (``output + "[timed out]"``), for a model or a log."""
-        return self.output + self.error + (f"[{self.message}]" if self.message else "")
+        """Output, what it displayed (``displays_words``), traceback and a ``[what happened]``
+        suffix, concatenated as the seed does (``output + "[timed out]"``), for a model or a log."""
+        shown = displays_words(self.displays)
+        if shown and self.output and not self.output.endswith("\n"):
+            shown = "\n" + shown
+        return self.output + shown + self.error + (f"[{self.message}]" if self.message else "")
+
+
+#: Characters of what a block displayed that its result's text holds, at most.
+DISPLAY_WORDS = 16_000
+
+
+def displays_words(displays: list[Shown], limit: int = DISPLAY_WORDS) -> str:
+    """What a reader of text is given for ``displays``: each one's line (an image's size and
+    file) or its text, within ``limit`` characters (the rest counted)."""
+    out: list[str] = []
+    used = 0
+    for position, shown in enumerate(displays):
+        words = shown.words()
+        if used + len(words) > limit:
+            out.append(f"[... {len(displays) - position} more displays not shown as text]\n")
+            break
+        out.append(words)
+        used += len(words)
+    return "".join(out)
 
 
 def writable_note(workspace: str | Path) -> str:
@@ -159,6 +227,10 @@ class OutputBudget:
 
     def why(self) -> str:
         return f"{self.owner} output files reached their cap of {_size(self.limit)}"
+
+
+def _bytes(n: int) -> str:
+    return f"{max(1, round(n / 1024))} KiB" if n < MiB else f"{n / MiB:.1f} MiB"
 
 
 def _size(n: int) -> str:

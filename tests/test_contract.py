@@ -35,6 +35,8 @@ EXAMPLES: dict[type[Message], Message] = {
     wire.Done: wire.Done("b1", "exit", "", ("x:int",), 3, "a note"),
     wire.Call: wire.Call(5, "lookup", (1, "two"), {"k": 3}, "b1"),
     wire.Resp: wire.Resp(4, False, None, "it failed"),
+    wire.Display: wire.Display("b1", {"image/png": b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00\x02\x00\x00\x00\x03",
+                                      "text/plain": "<Figure size 2x3>"}),
     wire.Stuck: wire.Stuck("b1", "signals blocked"),
     wire.Stopping: wire.Stopping("b1", "it caught the TimeoutError"),
     wire.Bye: wire.Bye(),

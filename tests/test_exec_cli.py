@@ -462,3 +462,16 @@ def test_a_workspace_made_for_the_run_goes_with_its_parents_unless_written(tmp_p
     kept = run_exec(tmp_path, f"open({str(made / 'x.txt')!r}, 'w').write('x')", "--read-only", "--workspace", str(made))
     assert kept.returncode == 0, kept.stderr
     assert (made / "x.txt").read_text() == "x"
+
+
+def test_exec_is_python_without_displays(tmp_path):
+    """``exec FILE`` runs as ``python FILE``: no ``display``, matplotlib's own default backend
+    (``plt.show()`` shows nothing), ``Image.show()`` Pillow's own."""
+    pytest.importorskip("matplotlib")
+    code = ("import builtins, matplotlib\nprint('display' in globals() or hasattr(builtins, 'display'))\n"
+            "import matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.show()\nprint(matplotlib.get_backend())\n"
+            "from PIL import ImageShow\nprint(type(ImageShow._viewers[0]).__module__ if ImageShow._viewers else None)")
+    proc = run_exec(tmp_path, code)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "False" and lines[1].lower() == "agg" and lines[2] != "worker.display", proc.stdout

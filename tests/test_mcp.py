@@ -32,6 +32,7 @@ from mcp.client.streamable_http import streamable_http_client  # noqa: E402
 from mcp.shared.exceptions import MCPError  # noqa: E402
 
 from engine.sandbox import host_support  # noqa: E402
+from worker.contract.display import png_size  # noqa: E402
 
 from .conftest import read_line, wait_until  # noqa: E402
 
@@ -462,3 +463,20 @@ async def test_streamable_http(tmp_path):
             proc.kill()
             proc.wait(GONE)
         proc.stderr.close()
+
+
+# -- images -------------------------------------------------------------------------------------
+
+async def test_run_python_returns_the_images_a_block_displays_as_image_content(tmp_path):
+    pytest.importorskip("matplotlib")
+    code = ("import matplotlib.pyplot as plt\nfrom PIL import Image\nplt.plot([1, 3, 2])\nplt.show()\n"
+            "display(Image.new('RGB', (4, 3), (255, 0, 0)))\nprint('drawn')")
+    async with serving(tmp_path) as server:
+        result = await server.run(code, timeout="60s")
+    assert not result.is_error, text(result)
+    images = [part for part in result.content if part.type == "image"]
+    assert [part.mime_type for part in images] == ["image/png", "image/png"], result.content
+    pngs = [base64.b64decode(part.data) for part in images]
+    assert png_size(pngs[1]) == (4, 3) and png_size(pngs[0])[0] > 100
+    assert "drawn" in text(result) and text(result).count("PNG: ") == 2, text(result)
+    assert [d["width"] for d in result.structured_content["displays"]] == [png_size(pngs[0])[0], 4]

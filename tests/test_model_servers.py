@@ -341,6 +341,15 @@ def test_doctor_checks_the_model_id(tmp_path):
     assert ("✓ the server serves one model (/models/SmolLM2-135M-Instruct.Q4_1.gguf) and ignores the id: "
             "'no-such-model' gets it") in single.stdout
     assert "tools: supported (/props chat_template_caps.supports_tools)" in single.stdout
+    assert "images: not sent: the model takes none (/props modalities.vision)" in single.stdout
+
+
+def test_models_and_doctor_say_whether_images_are_sent(tmp_path):
+    with like_llama_server({"*": ["hi"]}, vision=True) as srv:
+        models = agentloop(tmp_path, "models", url=srv.url, model="m")
+        doctor = agentloop(tmp_path, "doctor", url=srv.url, model="m")
+    assert models.returncode == 0 and "takes images" in models.stdout, models.stdout + models.stderr
+    assert "✓ images: taken (/props modalities.vision)" in doctor.stdout, doctor.stdout
 
 
 async def test_a_run_says_when_the_server_ignores_the_model_id(engine):

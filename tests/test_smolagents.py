@@ -122,7 +122,22 @@ def test_the_last_expression_is_reported_without_changing_what_the_model_reads(e
     assert "    1 / 0\n" in str(failed.value) and "_agentloop" not in str(failed.value)
     assert with_last_value("a = 1") == "a = 1"
     assert with_last_value("print(1)") == "print(1)"
-    assert with_last_value("é = 1; é").splitlines()[0].startswith("é = 1; _agentloop_last_value(repr((é))")
+    assert with_last_value("é = 1; é").splitlines()[0].startswith(
+        "é = 1; _agentloop_last_value(repr((_agentloop_value := (é)))")
+
+
+def test_images_come_back_as_agent_images(executor):
+    pytest.importorskip("PIL")
+    from smolagents.agent_types import AgentImage
+
+    ex = executor(timeout="60s")
+    out = ex("from PIL import Image\nImage.new('RGB', (6, 4), (0, 128, 255))")
+    assert isinstance(out.output, AgentImage) and out.is_final_answer is False, out
+    assert out.output.to_raw().size == (6, 4) and out.output.to_raw().getpixel((0, 0)) == (0, 128, 255)
+    assert "[image 6×4 PNG: " in out.logs and ex.images[0].to_string() == out.output.to_string()
+    # A figure shown along the way is one of the step's images, beside a plain last value.
+    out = ex("import matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.show()\n21 * 2")
+    assert out.output == "42" and len(ex.images) == 1 and ex.images[0].to_raw().size[0] > 100, out
 
 
 #: A step that swallows the cancellation at its deadline: only the kill after the grace ends it.

@@ -331,3 +331,54 @@ def test_a_samples_report_counts_and_says_why(tmp_path: Path) -> None:
     assert data["runs"] == 5 and data["by_status"]["error"] == 3 and data["failed_total"] == 4
     assert data["reasons"] == [["ValueError: nope N", 2], ["exit code N", 1], ["its deadline (N s) passed", 1]]
     assert [r["id"] for r in data["slowest"]][:2] == ["e", "c"]
+
+
+# -- what blocks displayed ------------------------------------------------------------------------
+
+#: A block that plots, shows a Pillow image, and displays an SVG and HTML that try to run script.
+PICTURES = '''
+import matplotlib.pyplot as plt
+from PIL import Image
+plt.plot([1, 2, 3], [3, 1, 2])
+plt.show()
+Image.new("RGB", (40, 20), (0, 160, 0)).show()
+class Hostile:
+    def _repr_svg_(self):
+        return ('<svg xmlns="http://www.w3.org/2000/svg" width="30" height="30" onload="window.pwned=1">'
+                '<script>window.pwned=2</script><circle cx="15" cy="15" r="10"/></svg>')
+    def _repr_html_(self):
+        return '<img src="x" onerror="window.pwned=3"><script>window.pwned=4</script><b>html</b>'
+display(Hostile())
+plt.figure()
+plt.bar([1, 2], [2, 1])
+'''
+
+
+def test_the_images_a_block_displayed_are_on_its_page_and_no_script_of_theirs_runs(browser, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    task = "draw some pictures"
+    with ScriptedServer({task: [f'<run_code id="pics" timeout="60s">\n{PICTURES}</run_code>', "drawn"]}) as server:
+        proc = agentloop(tmp_path, "run", task, "-q", "--record", str(tmp_path / "run.jsonl"),
+                         env={"LLM_URL": server.url, "LLM_MODEL": "scripted"})
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "run.html"
+    assert agentloop(tmp_path, "view", str(tmp_path / "run.jsonl"), "-o", str(out), "--no-open").returncode == 0
+    text = out.read_text()
+    assert text.count("<script") == 2 and "<svg xmlns" not in text and "<img" not in text  # data, never markup
+    page, errors, requests = _open(browser, out)
+    page.click('.bar[data-id="pics"]')
+    page.wait_for_function("[...document.querySelectorAll('#detail figure.shown img')].every(i => i.complete)")
+    images = page.eval_on_selector_all("#detail figure.shown img", """is => is.map(i => ({kind: i.dataset.kind,
+        width: i.naturalWidth, height: i.naturalHeight, src: i.getAttribute('src').slice(0, 26)}))""")
+    assert [i["kind"] for i in images] == ["png", "png", "svg", "png"], images
+    assert all(i["width"] > 0 for i in images) and (images[1]["width"], images[1]["height"]) == (40, 20)
+    assert images[2]["src"] == "data:image/svg+xml;base64,"
+    html = page.inner_text("#detail pre.html")
+    assert "onerror" in html and "<script>window.pwned=4</script>" in html  # shown as text
+    assert "[image 40×20 PNG: " in page.inner_text("#detail")
+    _shoot(page, tmp_path, "displays", full_page=True)
+    assert page.evaluate("window.pwned === undefined"), page.evaluate("window.pwned")
+    assert page.evaluate("document.querySelectorAll('script').length") == 2
+    assert page.evaluate("document.querySelectorAll('iframe, object, embed, svg script').length") == 0
+    assert errors == [] and requests == [out.as_uri()]  # nothing fetched: not even the HTML's "x"
+    page.close()

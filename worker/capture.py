@@ -209,6 +209,15 @@ class Router:
                 self._sending.release()
         return FLUSH_INTERVAL
 
+    def owner(self, block_id: str | None = None) -> str | None:
+        """The running block a write for ``block_id`` (default: the current block) goes to: that
+        block, else the one that started first; None while no block runs."""
+        block = block_id or current_block.get()
+        if block in self.outs:
+            return block
+        with self._lock:
+            return next(iter(self.outs), None)
+
     def flush_block(self, block_id: str | None = None) -> None:
         """Send what ``block_id`` (default: the current block) wrote and is not sent yet."""
         out = self.outs.get(block_id or current_block.get())

@@ -61,6 +61,7 @@ from ._running import MAIN, Running, deadline_words, has_signal, interrupt_note,
 from .capture import FdCapture, Router, current_block
 from .contract import wire
 from .contract.limits import INTERRUPT_SIGNAL, MAX_VARS
+from .display import Displays
 from .tracebacks import block_filename, format_user_error
 
 __all__ = ["Runtime"]
@@ -116,11 +117,12 @@ class Runtime:
     listener itself, see ``serve``, which picks the main thread when it is free): no thread
     hand-off on the way in or out.  Awaiting blocks run as tasks on the user loop, started on
     first use.  ``on_main_free`` is called on the main thread when a block there is over, just
-    before its ``done`` is sent.
+    before its ``done`` is sent.  ``displays``: what ``display()`` in the namespace sends, told
+    when each block ends (``Displays.end``: the figures it left open are shown).
     """
 
     def __init__(self, router: Router, fdcap: FdCapture | None, send: Callable[[dict], None],
-                 call: proxy.Call, namespace: dict | None = None) -> None:
+                 call: proxy.Call, namespace: dict | None = None, displays: Displays | None = None) -> None:
         self._call = call
         self._router = router
         self._fdcap = fdcap
@@ -133,6 +135,9 @@ class Runtime:
         sys.modules["__main__"] = main
         self.namespace: dict = main.__dict__
         self.namespace.update({"__builtins__": builtins, "asyncio": asyncio})
+        self._displays = displays
+        if displays is not None:
+            self.namespace["display"] = displays.display
         if namespace:
             self.namespace.update(namespace)
         self.on_main_free: Callable[[], None] = lambda: None
@@ -170,6 +175,10 @@ class Runtime:
         the code as ``python FILE ARGS`` would (see ``script``)."""
         filename = block_filename(block_id)
         if run_as is not None:
+            if self._displays is not None:  # python's: no display()
+                self._displays.scripts.add(block_id)
+                if self.namespace.get("display") == self._displays.display:
+                    del self.namespace["display"]
             self._stdin = script_run.ScriptInput(run_as.stdin)
             filename = script_run.enter(self.namespace, run_as, self._stdin)
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
@@ -308,6 +317,8 @@ class Runtime:
 
     def _finish(self, block_id: str, status: str, error: str, code: int | None = None,
                 note: str = "") -> None:
+        if self._displays is not None:  # (as a cell's end in Jupyter: the figures left open are shown)
+            self._displays.end(block_id, shown=status != "cancelled")
         self._router.end(block_id)
         if threading.get_ident() == self._main:
             self.on_main_free()

@@ -41,6 +41,7 @@ from .contract import wire
 from .contract.framing import FrameError, encode
 from .contract.limits import INTERRUPT_SIGNAL, MAX_NOTE, STDERR, STDOUT
 from .contract.schema import ContractError
+from .display import Displays
 from .runtime import Runtime
 
 __all__ = ["Crew", "HANDSHAKE_TIMEOUT", "HostCalls", "HostError", "IDLE_TRIM", "SPIN_AFTER_BLOCK", "serve"]
@@ -332,7 +333,9 @@ def serve(endpoint: str, token: str, fifos: Fifos | None = None, tty: str = "", 
 
     baton = Baton()
     calls = HostCalls(channel, baton)
-    runtime = Runtime(router, fdcap, channel.send, calls.call)
+    displays = Displays(channel.send, router)
+    displays.install()
+    runtime = Runtime(router, fdcap, channel.send, calls.call, displays=displays)
     runtime.install_interrupts()
     crew = Crew(channel, router, runtime, calls, baton, fdcap.diag_fd)
     restore_exit = _keep_last_words(fdcap, router, channel)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import inspect
 import time
 from collections.abc import Callable, Hashable
@@ -13,7 +14,7 @@ from typing import Any
 
 from engine.agent import _tags as tags
 from engine.errors import AgentloopError
-from engine.results import BlockResult, OutputChunk
+from engine.results import BlockResult, OutputChunk, Shown
 from engine.sandbox import SandboxPolicy, workspace_excess
 from engine.workers import Worker
 
@@ -104,6 +105,8 @@ class CodeTask:
         self._fresh_skipped = 0
         self._reported = 0  # bytes already shown in earlier heartbeats
         self._shown = _LineCut()
+        #: What the block displayed, once it has ended (``BlockResult.displays``).
+        self.displays: list[Shown] = []
         self._work: asyncio.Future[BlockResult] | None = None
         self.task = asyncio.ensure_future(self._run())
 
@@ -122,13 +125,28 @@ class CodeTask:
         if shown:
             self.host.emit("output", id=self.id, stream=chunk.stream, text=shown.decode("utf-8", "replace"))
 
+    def _on_display(self, shown: Shown, data: dict) -> None:
+        """One line in the live display; the recording gets what a viewer shows of it (the PNG,
+        the SVG, the HTML as text), so that a page made from it needs nothing else."""
+        fields: dict[str, Any] = {"index": shown.index, "line": shown.line(), "text": shown.text,
+                                  "width": shown.width, "height": shown.height, "files": dict(shown.files),
+                                  "note": shown.note}
+        png = data.get("image/png")
+        if isinstance(png, bytes):
+            fields["png"] = base64.b64encode(png).decode("ascii")
+        for mime, key in (("image/svg+xml", "svg"), ("text/html", "html")):
+            if isinstance(data.get(mime), str):
+                fields[key] = data[mime]
+        self.host.emit("display", id=self.id, **fields)
+
     def is_running(self) -> bool:
         return not self.task.done()
 
     async def _run(self) -> str:
         host, req = self.host, self.request
         self._work = asyncio.ensure_future(host.worker.run(
-            req.code, timeout=req.timeout, block_id=self.id, on_output=self._on_output, budget=OUTPUT_BUDGET))
+            req.code, timeout=req.timeout, block_id=self.id, on_output=self._on_output, budget=OUTPUT_BUDGET,
+            on_display=self._on_display))
         try:
             while not self._work.done():
                 await asyncio.wait([self._work], timeout=self.interval)
@@ -143,6 +161,7 @@ class CodeTask:
         facts: dict[str, Any] = {}
         try:
             result = self._work.result()
+            self.displays = result.displays
             body = result.text()
             status = result.status
             facts = {"output_bytes": result.output_bytes, "killed": result.worker_killed,

@@ -48,6 +48,11 @@ class AgentDisplay:
                                                    what the model's server reported about itself
         launched(name, id, timeout, heartbeat, code)   a <run_code> block started
         output(name, id, stream, text)             a live output chunk of a running block ("stdout"/"stderr")
+        display(name, id, index, line, text, width, height, files, note, png, svg, html)
+                                                   block `id` displayed something (its `index`-th):
+                                                   `line` its one line (an image's size and file),
+                                                   `text` what a reader of text gets, and what a
+                                                   viewer shows: `png` (base64), `svg`, `html` (text)
         progress(name, id, current, output)        a heartbeat: seconds so far, output so far
         finished(name, id, duration, cancelled, output, status, output_bytes, killed, lost, message)
                                                    a block ended (output ends in [timed out]/[cancelled]);

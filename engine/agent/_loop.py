@@ -50,6 +50,7 @@ from engine.agent._code_task import (
     words,
 )
 from engine.agent._display import AgentDisplay
+from engine.agent._pictures import Pictures
 from engine.agent._reply_guard import ReplyGuard
 from engine.agent._subagents import SubagentBudget, subagent_limit
 from engine.durations import parse_duration
@@ -123,6 +124,7 @@ class Agent:
         self.replies = ReplyGuard()  # cut and empty replies in a row
         self.server = ServerInfo()  # what the endpoint said about itself, once started
         self._block_ids = itertools.count(1)
+        self.pictures = Pictures()  # what finished blocks displayed, for the next message
 
     # -- set-up -------------------------------------------------------------------------------
     def _event(self, type: str, **fields: Any) -> None:
@@ -178,13 +180,15 @@ class Agent:
         ``endpoint`` event."""
         if server.context_window and not self.model.context_window:
             self.model = replace(self.model, context_window=server.context_window)
+        if server.vision is not None and self.model.vision is None:
+            self.model = replace(self.model, vision=server.vision)
         served, words = server.check_id(self.model.model)
         if words and (not served or server.single_model) and self.first_on_endpoint():
             self._event("note", message=words)
         if server.answered:
             self._event("endpoint", model=self.model.alias, kind=server.kind, context_window=server.context_window,
                         context_source=server.context_source, supports_tools=server.supports_tools,
-                        model_ids=list(server.model_ids or ()))
+                        model_ids=list(server.model_ids or ()), vision=self.model.vision)
 
     def first_on_endpoint(self) -> bool:
         """Whether this agent is the first of its run on its model: notes about the endpoint are
@@ -251,6 +255,8 @@ class Agent:
         """Everything to send back this turn: the inbox, the heartbeat reports, then results of
         what just finished."""
         done = [w for w in [*self.blocks, *self.sub_agents] if w.task.done()]
+        for work in done:
+            self.pictures.collect(work)
         self.blocks = [b for b in self.blocks if not b.task.done()]
         self.sub_agents = [a for a in self.sub_agents if not a.task.done()]
         events, self.inbox = self.inbox, []
@@ -258,6 +264,10 @@ class Agent:
         self._last_message = time.monotonic()
         events += [report() if callable(report) else report for report in reports.values()]
         return "".join(events + [task_text(w.task) for w in done])
+
+    def take_images(self) -> list[dict[str, Any]]:
+        """The images for the next message: the PNGs finished blocks displayed (``Pictures``)."""
+        return self.pictures.take(self.model, self.chat)
 
     def is_completed(self) -> bool:
         return not self.blocks and not self.sub_agents and not self.inbox
@@ -322,7 +332,7 @@ class Agent:
             for _ in range(max_messages or self.max_messages):
                 self.messages_sent += 1
                 self._last_message = time.monotonic()
-                reply = await self.chat.send(message)
+                reply = await self.chat.send(message, self.take_images())
                 reply, cut = tags.cut_hallucinated(reply)
                 if cut:
                     self.chat.messages[-1]["content"] = reply  # the transcript keeps what was acted on

@@ -285,7 +285,7 @@ Each reply is one or more <run_code>/<run_agent> blocks, or plain text to wait w
 <run_code id="x" timeout="30s" heartbeat="5s">
 print("result")
 </run_code>
-Only what you print comes back. Attributes: id (echoed on the result), timeout (default 10s), heartbeat (how often partial output streams while it runs).
+What you print comes back, and what you display: display(obj) (a Pillow image, a figure, anything with _repr_png_/_repr_html_), plt.show() and figures still open when the block ends come back as images. Attributes: id (echoed on the result), timeout (default 10s), heartbeat (how often partial output streams while it runs).
 A finished block returns <run_code_result id=... duration=...>output</run_code_result>. With a heartbeat it also streams <running id=... current=...>partial output</running> as it runs. That is only a status. Reply in plain text to let it keep going. Left alone it runs to its deadline, then is killed.
 Boundaries: a closing tag ends a block only at the start of a line, so </run_code> mid-line (in a string or comment) is inert.
 Rules:

@@ -44,7 +44,7 @@ from engine.tools import MAX_RESULT, execute_tool_call_async, parse_arguments, s
 __all__ = ["ENGINE_TOOLS", "GUIDE", "ToolAgent", "embedded_calls"]
 
 GUIDE = """You are an AI agent that solves tasks by running Python code and starting sub-agents through your tools.
-- run_code(code, id?, timeout?, heartbeat?) runs Python in your persistent namespace (variables, imports and functions persist). Only what you print comes back. Several run_code calls in one reply run concurrently. Top-level await works. timeout defaults to 10s; past it the code is killed.
+- run_code(code, id?, timeout?, heartbeat?) runs Python in your persistent namespace (variables, imports and functions persist). What you print comes back, and what you display: display(obj), plt.show() and figures still open at the end come back as images. Several run_code calls in one reply run concurrently. Top-level await works. timeout defaults to 10s; past it the code is killed.
 - A call still running when you are answered returns its status so far (<running id=...>); its final <run_code_result id=...> arrives later by itself. Call wait() to block until something finishes, or reply in plain text to let things keep going.
 - run_agent(task, name?, namespace?, model?, context?, heartbeat?) starts a sub-agent in a fresh context and returns at once; its answer arrives as <agent_result name=...>. namespace lists objects of yours to hand over ("a,b").
 - self.compact_knowledge("...") in code replaces your whole history with that text; self.run_agent(...) starts a sub-agent from code.
@@ -102,16 +102,6 @@ def embedded_calls(content: str) -> tuple[str, list[dict]]:
     return _EMBEDDED_CALL.sub("", content).strip(), calls
 
 
-def _add_user(messages: list[dict], text: str) -> None:
-    """Append a user message, joined to a user message already last (a compaction summary):
-    many chat templates require the roles to alternate."""
-    last = messages[-1]
-    if last.get("role") == "user" and isinstance(last.get("content"), str):
-        messages[-1] = {**last, "content": f"{last['content']}\n\n{text}"}
-    else:
-        messages.append({"role": "user", "content": text})
-
-
 def _answer_the_rest(messages: list[dict]) -> None:
     """Answer the calls of the last assistant message that have no answer yet (a run ended while
     they were being answered: Ctrl-C in ``chat``), so the transcript stays one a strict server
@@ -166,11 +156,14 @@ class ToolAgent(Agent):
         limit = max_messages or self.max_messages
         try:
             pending_user = self.intro + task
+            images: list[dict[str, Any]] = []
             for _ in range(limit):
                 self.messages_sent += 1
                 self._last_message = time.monotonic()
                 if pending_user:
-                    _add_user(chat.messages, pending_user)
+                    # (a joined user message: many chat templates require the roles to alternate)
+                    chat.add_user(pending_user, images)
+                images = []
                 self._event("sent", message=pending_user, count=len(chat.messages))
                 reply = await chat.request(chat.messages, tools=tools, tool_choice="auto")
                 compactions = chat.compactions  # code still running may compact from here on
@@ -198,6 +191,7 @@ class ToolAgent(Agent):
                     chat.messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
                 if self.empty_reply(content, calls=bool(calls or loose_answers)):
                     pending_user = self.next_message() + self.context_note()
+                    images = self.take_images()
                     continue
                 if not calls and not loose_answers and self.is_completed():
                     return content
@@ -206,6 +200,11 @@ class ToolAgent(Agent):
                     await asyncio.sleep(0)
                 extra = "".join(f"<tool_result call={cid}>\n{text}\n</tool_result>\n" for cid, text in loose_answers)
                 pending_user = extra + self.next_message()
+                # Images of results answered in tool messages go in the user message after them
+                # (OpenAI refuses images in a tool message).
+                images = self.take_images()
+                if images and not pending_user:
+                    pending_user = "The images the results above displayed, in order:\n"
                 if calls and not pending_user:
                     # Nothing to add: the status note rides on the last tool answer.
                     chat.messages[-1]["content"] += "\n" + self.context_note()
@@ -284,6 +283,7 @@ class ToolAgent(Agent):
     def _status_or_result(self, work: Any) -> str:
         """The call's answer: the finished result (taken out of what is still owed), or the status."""
         if work.task.done():
+            self.pictures.collect(work)
             if work in self.blocks:
                 self.blocks.remove(work)
             if work in self.sub_agents:

@@ -109,5 +109,13 @@ def _endpoint_lines(config, server) -> list[tuple[bool, str]]:
         lines.append((True, f"tools: {'supported' if server.supports_tools else 'not supported'} "
                             f"({server.tools_source})" + ("" if server.supports_tools else
                                                           "; --protocol tools falls back to tags")))
+    if config.vision is not None:
+        lines.append((True, f"images: {'taken' if config.vision else 'not sent'} (vision in agentloop.toml)"))
+    elif server.vision is not None:
+        lines.append((True, f"images: {'taken' if server.vision else 'not sent: the model takes none'} "
+                            f"({server.vision_source})"))
+    else:
+        lines.append((True, "images: not sent (the server does not say whether the model takes them; "
+                            "vision = true in agentloop.toml sends them)"))
     lines.append((True, f"reply cap: max_tokens {config.max_tokens}"))
     return lines

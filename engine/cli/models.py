@@ -38,4 +38,6 @@ def models_cmd(models_file) -> None:
         notes = [config.base_url, f"protocol {config.protocol}", f"max_tokens {config.max_tokens}"]
         if server.supports_tools is False:
             notes.append("no tools: tools falls back to tags")
+        if (config.vision if config.vision is not None else server.vision):
+            notes.append("takes images")
         click.echo(inert(f"{mark} {shown.describe(context_from=source).removeprefix('- ')}  [{', '.join(notes)}]"))

@@ -78,11 +78,12 @@ from engine.integrations.workspace_files import (
     read_file,
     resource_uri,
 )
-from engine.results import BlockResult, OutputChunk, writable_note
+from engine.models import MAX_IMAGES_A_MESSAGE, image_part
+from engine.results import BlockResult, OutputChunk, displays_words, writable_note
 
 __all__ = [
     "AgentloopMCP", "DEFAULT_SESSION", "DEFAULT_TIMEOUT", "PROGRESS_INTERVAL", "PROGRESS_TEXT", "Progress",
-    "SCHEME", "ServerConfig", "result_data", "result_text", "tool_definitions"
+    "SCHEME", "ServerConfig", "result_data", "result_images", "result_text", "tool_definitions"
 ]
 
 log = logging.getLogger("agentloop")
@@ -102,7 +103,10 @@ def result_text(result: BlockResult, session: str, notes: list[str] = ()) -> str
     """A block's result as the client's model reads it: the output (head and tail, the cut
     counted), the traceback, any notes, then one line with the status, the duration and what
     happened."""
-    body = result.output + result.error
+    shown = displays_words(result.displays)
+    if shown and result.output and not result.output.endswith("\n"):
+        shown = "\n" + shown
+    body = result.output + shown + result.error
     if body and not body.endswith("\n"):
         body += "\n"
     line = f"status: {result.status}, {format_duration(result.duration_s)}, session {session}"
@@ -117,7 +121,21 @@ def result_data(result: BlockResult, session: str) -> dict[str, Any]:
             "message": result.message, "duration_s": round(result.duration_s, 4),
             "output_bytes": result.output_bytes, "truncated": result.truncated,
             "output_file": result.output_file, "lost_vars": list(result.lost_vars),
-            "exit_code": result.exit_code}
+            "exit_code": result.exit_code,
+            "displays": [{"index": s.index, "files": dict(s.files), "text": s.text, "width": s.width,
+                          "height": s.height} for s in result.displays]}
+
+
+def result_images(result: BlockResult) -> list[types.ImageContent]:
+    """The PNGs a block displayed, as MCP image content (its ``image/png``, base64), at most
+    ``MAX_IMAGES_A_MESSAGE``; what is not attached is named in the result's text."""
+    images = []
+    for shown in result.displays:
+        part = image_part(shown.png) if shown.png else None
+        if part is not None and len(images) < MAX_IMAGES_A_MESSAGE:
+            data = part["image_url"]["url"].split(",", 1)[1]
+            images.append(types.ImageContent(type="image", data=data, mime_type="image/png"))
+    return images
 
 
 class Progress:
@@ -186,8 +204,9 @@ class Progress:
 
 # -- the MCP server ----------------------------------------------------------------------------
 
-def _text(text: str, *, error: bool = False, data: dict | None = None) -> types.CallToolResult:
-    return types.CallToolResult(content=[types.TextContent(type="text", text=text)], is_error=error,
+def _text(text: str, *, error: bool = False, data: dict | None = None,
+          images: list[types.ImageContent] = ()) -> types.CallToolResult:
+    return types.CallToolResult(content=[types.TextContent(type="text", text=text), *images], is_error=error,
                                 structured_content=data)
 
 
@@ -330,7 +349,7 @@ class AgentloopMCP:
         if result.refused_write():
             notes.append(writable_note(session.workspace))
         return _text(result_text(result, name, notes), error=result.status != "ok",
-                     data=result_data(result, name))
+                     data=result_data(result, name), images=result_images(result))
 
     async def reset_session(self, client: Client, args: dict) -> types.CallToolResult:
         name = args.get("session", DEFAULT_SESSION) or DEFAULT_SESSION

@@ -12,9 +12,14 @@ The few lines a user writes::
 It keeps the contract of smolagents' own remote executors (E2B, Docker, Modal):
 
 - A step's code runs in one worker whose namespace persists between steps; ``__call__``
-  returns a ``CodeOutput``: ``logs`` are what it printed (head and tail, the cut counted),
-  ``output`` the ``repr`` of its last expression (as a Jupyter kernel reports it), and
-  ``is_final_answer`` whether it called ``final_answer``.
+  returns a ``CodeOutput``: ``logs`` are what it printed (head and tail, the cut counted) and
+  a line for each image it displayed, ``output`` the ``repr`` of its last expression (as a
+  Jupyter kernel reports it) or, when that is an image (a Pillow image: it has
+  ``_repr_png_``), the image as smolagents' ``AgentImage``, and ``is_final_answer`` whether
+  it called ``final_answer``.  Every PNG the step displayed (``display()``, matplotlib
+  figures, ``Image.show()``) is in ``images`` afterwards, as ``AgentImage``s of the files
+  agentloop kept (for a step callback to put in ``ActionStep.observations_images``, where
+  smolagents shows images to a model); agentloop never decodes them itself.
 - ``final_answer(...)`` ends the step: the final-answer tool runs in this process with the
   arguments, its value is the output, and the rest of the step does not run.
 - ``send_variables`` puts the agent's variables in the namespace; ``send_tools`` offers the
@@ -49,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 try:
+    from smolagents.agent_types import AgentImage
     from smolagents.local_python_executor import CodeOutput, PythonExecutor
 except ImportError as exc:  # the optional extra: say how to get it
     from engine.extras import install_hint
@@ -58,7 +64,7 @@ except ImportError as exc:  # the optional extra: say how to get it
 from engine.agent import OUTPUT_BUDGET  # what a block's result carries, as an agent sees it
 from engine.durations import parse_duration
 from engine.errors import AgentloopError, CodeFailed, WorkerError
-from engine.results import BlockResult
+from engine.results import BlockResult, displays_words
 from engine.sandbox import SandboxPolicy
 from engine.workers import Engine, Worker
 
@@ -72,6 +78,7 @@ MAX_REPR = 20_000
 _MARGIN = 30.0
 _FINAL = "final_answer"
 _LAST_VALUE = "_agentloop_last_value"
+_VALUE = "_agentloop_value"  # (the last expression's value, in the namespace: a name of ours)
 _PLAIN = (type(None), bool, int, float, str, bytes)
 
 
@@ -94,8 +101,9 @@ def is_plain(value: Any, depth: int = 0) -> bool:
 
 def with_last_value(code: str) -> str:
     """``code`` with its last statement, when it is an expression, also reported: its repr
-    (at most ``MAX_REPR`` characters) goes to the host function ``_agentloop_last_value``.
-    The rewrite touches that statement only, so every line keeps its number."""
+    (at most ``MAX_REPR`` characters) goes to the host function ``_agentloop_last_value``,
+    with whether it was an image, which is then displayed.  The rewrite touches that statement
+    only, so every line keeps its number."""
     try:
         tree = compile(code, "<step>", "exec", ast.PyCF_ONLY_AST | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
     except (SyntaxError, ValueError):
@@ -113,7 +121,9 @@ def with_last_value(code: str) -> str:
         return sum(len(x) for x in lines[:lineno - 1]) + len(line.encode()[:col].decode("utf-8", "replace"))
 
     start, end = offset(last.lineno, last.col_offset), offset(last.end_lineno, last.end_col_offset)
-    return f"{code[:start]}{_LAST_VALUE}(repr(({code[start:end]}))[:{MAX_REPR}]){code[end:]}"
+    value = f"({_VALUE} := ({code[start:end]}))"
+    shown = f'hasattr({_VALUE}, "_repr_png_") and display({_VALUE}) is None'
+    return f"{code[:start]}{_LAST_VALUE}(repr({value})[:{MAX_REPR}], {shown}){code[end:]}"
 
 
 def _unwrap(text: str, original: str, rewritten: str) -> str:
@@ -167,6 +177,9 @@ class AgentloopExecutor(PythonExecutor):
         self._step: str | None = None  # the block id of the step running now
         self._final: tuple[Any] | None = None  # (the answer,) once the step gave one
         self._last: str | None = None  # the step's last expression's repr
+        self._last_image = False  # ... which was an image, displayed
+        #: The PNGs the last step displayed, in order (``AgentImage``s of agentloop's files).
+        self.images: list[AgentImage] = []
         self._steps = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="agentloop-smolagents", daemon=True)
@@ -207,7 +220,8 @@ class AgentloopExecutor(PythonExecutor):
         self._steps += 1
         block_id = f"step{self._steps}"
         code = with_last_value(code_action)
-        self._step, self._final, self._last = block_id, None, None
+        self._step, self._final, self._last, self._last_image = block_id, None, None, False
+        self.images = []
         try:
             result: BlockResult = self._do(
                 self.worker.run(code, timeout=self.timeout, block_id=block_id, budget=self.budget),
@@ -215,12 +229,16 @@ class AgentloopExecutor(PythonExecutor):
         except AgentloopError as exc:  # no worker could be started again: that is ours, not the code's
             raise CodeFailed(f"Executing code yielded an error:\nthe worker is unavailable: {exc}") from exc
         finally:
-            given, last = self._final, self._last
+            given, last, last_image = self._final, self._last, self._last_image
             self._step, self._final, self._last = None, None, None
-        logs = result.output
+        shown = displays_words(result.displays)
+        logs = result.output + ("\n" if shown and result.output and not result.output.endswith("\n") else "") + shown
+        self.images = [AgentImage(s.png) for s in result.displays if s.png]
         if given is not None:
             return CodeOutput(output=given[0], logs=logs, is_final_answer=True)
         if result.status == "ok":
+            if last_image and result.displays and result.displays[-1].png:
+                return CodeOutput(output=self.images[-1], logs=logs, is_final_answer=False)
             return CodeOutput(output=last, logs=logs, is_final_answer=False)
         what = (_unwrap(result.error, code_action, code).rstrip() or result.message
                 or f"the step ended with status {result.status}")
@@ -266,7 +284,7 @@ class AgentloopExecutor(PythonExecutor):
         await worker.request("bind", {"host": [
             {"name": _FINAL, "signature": "(answer)", "doc": "Ends the step: answer is the final answer.",
              "is_async": False},
-            {"name": _LAST_VALUE, "signature": "(text)", "doc": "", "is_async": False}]}, keep=True)
+            {"name": _LAST_VALUE, "signature": "(text, image=False)", "doc": "", "is_async": False}]}, keep=True)
         for note in worker.notes:
             log.info("%s", note)
         return worker
@@ -279,6 +297,7 @@ class AgentloopExecutor(PythonExecutor):
         if name == _LAST_VALUE:
             value = args[0] if args else None
             self._last = value[:MAX_REPR] if isinstance(value, str) else None
+            self._last_image = len(args) > 1 and args[1] is True
             return None
         if name == _FINAL:
             tool = self.tools.get(_FINAL)

@@ -305,6 +305,13 @@ class Launcher:
         self._outputs += 1
         return self.output_dir / f"w{index}-{self._outputs}-{_file_part(block_id)}.txt"
 
+    def display_path(self, index: int, block_id: str, number: int) -> Path:
+        """The files of display ``number`` of a block, without their endings (``.png``,
+        ``.svg``, ``.html`` follow), beside the block outputs: named by the block and the
+        number, unique as ``output_path``'s names are."""
+        self._outputs += 1
+        return self.output_dir / f"w{index}-{self._outputs}-{_file_part(block_id)}-{number}"
+
     def plan(self, sock_dir: Path) -> LaunchPlan:
         """The sandbox plan for a process that may see ``sock_dir`` (a worker's, or the root).
 

@@ -8,7 +8,9 @@ or for ``max_tokens``, no ``usage`` at all.  Failures leave as ``ModelUnreachabl
 message, an event or a repr.
 
 Every request carries a reply-length cap (``max_tokens``); ``last_finish_reason`` says whether
-the reply ended or was cut (``"length"``), and the agents act on it.  Reasoning, whether in
+the reply ended or was cut (``"length"``), and the agents act on it.  A user message may carry
+images (``images``); an endpoint that refuses them is asked again without them, once, and the
+conversation keeps none from then on (``images_refused``).  Reasoning, whether in
 a field of its own or inline as ``<think>``, is shown and recorded as ``reasoning`` events and
 never becomes content.
 """
@@ -29,6 +31,14 @@ from typing import Any, Protocol
 import httpx
 
 from engine.errors import ModelResponseError, ModelUnreachable
+from engine.models._images import (
+    content_chars,
+    has_images,
+    image_tokens,
+    join_user,
+    keep_last_images,
+    strip_images,
+)
 from engine.models._reasoning import ThinkSplitter, reasoning_of, strip_think
 from engine.models._registry import ModelConfig
 from engine.models._stream import Assembly, normal_call, timings
@@ -150,6 +160,9 @@ class Chat:
         #: How many times ``compact`` replaced the history: a caller holding positions in
         #: ``messages`` (a tool call waiting for its answer) tells by it that they are gone.
         self.compactions = 0
+        #: Why the endpoint refused images, once it has ("" while it has not): none are sent since.
+        self.images_refused = ""
+        self._openai = "api.openai.com" in model.base_url
         self._emit("system", prompt=system, model=model.alias)
 
     # ------------------------------------------------------------------ public surface
@@ -171,18 +184,15 @@ class Chat:
                 "seconds": self.seconds, "requests": self.requests,
                 "tokens_in": self.tokens_in, "tokens_out": self.tokens_out}
 
-    async def send(self, message: str) -> str:
+    async def send(self, message: str, images: list[dict[str, Any]] | None = None) -> str:
         """Append ``message`` as the user's turn, get the model's reply, append it and return it
         (reasoning stripped).  If the request fails, the transcript is left as it was, so the
         same message can be sent again.  A user message directly after another (as after
-        ``compact``) is merged into it, since many chat templates require alternating roles."""
+        ``compact``) is merged into it, since many chat templates require alternating roles.
+        ``images``: ``image_url`` parts to send with the text (``engine.models.image_part``)."""
         async with self._lock:
             saved = list(self.messages)
-            last = self.messages[-1]
-            if last["role"] == "user" and isinstance(last.get("content"), str):
-                self.messages[-1] = {**last, "content": f"{last['content']}\n\n{message}"}
-            else:
-                self.messages.append({"role": "user", "content": message})
+            self.add_user(message, images)
             self._emit("sent", message=message, count=len(self.messages))
             try:
                 reply = await self.request(self.messages)
@@ -194,6 +204,13 @@ class Chat:
             self._emit("replied", message=text, stats=self.stats, latency=self.last_latency,
                        finish_reason=self.last_finish_reason, reasoning=self.last_reasoning)
             return text
+
+    def add_user(self, text: str, images: list[dict[str, Any]] | None = None) -> None:
+        """Append a user message of ``text`` and ``images`` (none once the endpoint refused
+        them), joined to a user message already last; the conversation keeps its last
+        ``KEPT_IMAGES`` images, the older ones become a line of text."""
+        join_user(self.messages, text, [] if self.images_refused else list(images or ()))
+        keep_last_images(self.messages)
 
     async def request(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
                       tool_choice: Any = None) -> dict[str, Any]:
@@ -215,7 +232,18 @@ class Chat:
                 body["tool_choice"] = tool_choice
         started = time.monotonic()
         try:
-            message, usage = await self._with_retries(body)
+            try:
+                message, usage = await self._with_retries(body)
+            except ModelResponseError as exc:
+                if not (has_images(messages) and _refuses_images(exc)):
+                    raise
+                # A model that takes no images (llama-server without its projector answers 500,
+                # vLLM 400): the images become lines, here and in every later request.
+                self.images_refused = str(exc)[:300]
+                strip_images(messages)
+                self._emit("note", message=f"the endpoint refused images ({self.images_refused}); they are "
+                                           "sent as lines of text from now on")
+                message, usage = await self._with_retries(body)
         except BaseException as exc:
             self._waited(started, error=type(exc).__name__, status=getattr(exc, "status", None))
             raise
@@ -239,16 +267,32 @@ class Chat:
         if not window:
             return cap
         if self.context and 0 < self._counted <= len(messages):  # the server counted most of it
-            prompt = self.context + _chars(messages[self._counted:]) // _CHARS_PER_TOKEN_LOW
+            prompt = self.context + self._chars(messages[self._counted:]) // _CHARS_PER_TOKEN_LOW
         else:
-            prompt = _chars(messages) // _CHARS_PER_TOKEN_LOW
+            prompt = self._chars(messages) // _CHARS_PER_TOKEN_LOW
         return max(min(cap, window - prompt), min(cap, MIN_REPLY_TOKENS))
+
+    def _chars(self, messages: list[dict[str, Any]]) -> int:
+        """Characters ``messages`` count as for an estimate of their tokens: text as it is, each
+        image at its tokens' worth (``image_tokens``), tool calls as their JSON."""
+        return sum(self._content_chars(m.get("content"), _CHARS_PER_TOKEN_LOW)
+                   + (len(json.dumps(m["tool_calls"])) if m.get("tool_calls") else 0) for m in messages)
+
+    def _content_chars(self, content: Any, per_token: int) -> int:
+        if not isinstance(content, list):
+            return len(str(content or ""))
+        images = sum(image_tokens(p, self._openai) for p in content
+                     if isinstance(p, dict) and p.get("type") == "image_url")
+        return content_chars(content, 0) + per_token * images
+
+    def _estimate_prompt(self, messages: list[dict[str, Any]]) -> int:
+        return sum(self._content_chars(m.get("content"), 4) for m in messages) // 4
 
     def compact(self, summary: str) -> None:
         """Replace the whole history after the system prompt with one user message holding
         ``summary``.  What the summary leaves out is gone."""
         self.messages = [self.messages[0], {"role": "user", "content": summary}]
-        self.context = _estimate_prompt(self.messages)
+        self.context = self._estimate_prompt(self.messages)
         self._counted = 0
         self.compactions += 1
 
@@ -457,7 +501,7 @@ class Chat:
         if prompt is None or completion is None:
             self.usage_estimated = True
             if prompt is None:
-                prompt = _estimate_prompt(messages)
+                prompt = self._estimate_prompt(messages)
             if completion is None:
                 args = "".join(c["function"]["arguments"] for c in reply.get("tool_calls", []))
                 completion = (len(reply.get("content") or "") + len(args)) // 4
@@ -480,13 +524,12 @@ async def _lines(text: str) -> AsyncIterator[str]:
     yield ""
 
 
-def _chars(messages: list[dict[str, Any]]) -> int:
-    return sum(len(str(m.get("content") or "")) + (len(json.dumps(m["tool_calls"])) if m.get("tool_calls") else 0)
-               for m in messages)
-
-
-def _estimate_prompt(messages: list[dict[str, Any]]) -> int:
-    return sum(len(str(m.get("content") or "")) for m in messages) // 4
+def _refuses_images(exc: ModelResponseError) -> bool:
+    """Whether an error answer is an endpoint refusing images (llama-server: "image input is not
+    supported", vLLM: "is not a multimodal model", OpenAI: "image_url ... not supported")."""
+    text = str(exc).lower()
+    return getattr(exc, "status", None) in (400, 415, 422, 500) and (
+        "image" in text or "multimodal" in text or "vision" in text)
 
 
 def _int(usage: dict[str, Any] | None, key: str) -> int | None:

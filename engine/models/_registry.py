@@ -16,6 +16,7 @@ describes any number of them::
     protocol = "tags"            # "tags" (<run_code> blocks) or "tools" (native tool calls)
     timeout = 300                # seconds per request
     max_tokens = 8192            # longest reply, sent as max_tokens (a cut reply is never an answer)
+    vision = true                # the model takes images (default: as the server says; else not)
 
 The environment alias is kept next to the file's models when the user set ``LLM_URL`` or
 ``LLM_MODEL`` explicitly, or when the file defines no models; otherwise listing it would offer
@@ -23,7 +24,8 @@ the model an endpoint nobody configured.  Keys are never stored: only the variab
 and it is read at request time.
 
 ``context_window`` left out means "ask the server" (``engine.models``); set, it wins over
-whatever the server reports.
+whatever the server reports.  So with ``vision``: left out, llama-server's ``/props``
+modalities or Ollama's capabilities decide, and a model no server speaks for gets no images.
 
 The file is read and checked whole by ``engine.config``, its one reader.
 """
@@ -69,6 +71,8 @@ class ModelConfig:
     protocol: str = "tags"
     timeout: float = DEFAULT_TIMEOUT
     max_tokens: int = DEFAULT_MAX_TOKENS
+    #: Whether the model takes images (``image_url`` parts); None: as its server says.
+    vision: bool | None = None
 
     def api_key(self) -> str | None:
         """The key from the environment, read now (so a key exported later is picked up); None if unset."""
@@ -233,4 +237,5 @@ def _model(alias: str, table: dict[str, Any], env_model: ModelConfig) -> ModelCo
         protocol=table.get("protocol", "tags"),
         timeout=float(table.get("timeout", env_model.timeout)),
         max_tokens=table.get("max_tokens") or DEFAULT_MAX_TOKENS,
+        vision=table.get("vision"),
     )

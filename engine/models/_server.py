@@ -6,10 +6,11 @@ about themselves lives in different places:
 - ``GET {base}/models`` (every server): the model ids; vLLM adds ``max_model_len``,
   llama-server a ``meta`` object per model;
 - ``GET {root}/props`` (llama-server): ``default_generation_settings.n_ctx`` (one slot's
-  window, what a conversation gets) and ``chat_template_caps.supports_tools`` (false: the chat
-  template drops tool definitions without an error);
-- ``POST {root}/api/show`` (Ollama): ``capabilities`` (``"tools"`` among them or not) and the
-  Modelfile's ``num_ctx``.  Some llama-server versions answer it too, for Ollama clients, but
+  window, what a conversation gets), ``chat_template_caps.supports_tools`` (false: the chat
+  template drops tool definitions without an error) and ``modalities.vision`` (whether a
+  multimodal projector is loaded: images are refused with an HTTP 500 without one);
+- ``POST {root}/api/show`` (Ollama): ``capabilities`` (``"tools"``, ``"vision"`` among them or
+  not) and the Modelfile's ``num_ctx``.  Some llama-server versions answer it too, for Ollama clients, but
   without ``"tools"`` whatever the template does, so it counts only where ``/props`` did not.
 
 ``{root}`` is the base URL without its ``/v1``.  Every probe is bounded by ``PROBE_TIMEOUT``
@@ -60,6 +61,8 @@ class ServerInfo:
     context_source: str = ""  # where the window was read, e.g. "/props n_ctx"
     supports_tools: bool | None = None
     tools_source: str = ""
+    vision: bool | None = None  # the model takes images
+    vision_source: str = ""
 
     @property
     def single_model(self) -> bool:
@@ -215,10 +218,16 @@ def _read(model_id: str, models: tuple[int | None, Any, str], props: tuple[int |
         if isinstance(caps, dict) and isinstance(caps.get("supports_tools"), bool):
             fields["supports_tools"] = caps["supports_tools"]
             fields["tools_source"] = "/props chat_template_caps.supports_tools"
+        modalities = body.get("modalities")
+        if isinstance(modalities, dict) and isinstance(modalities.get("vision"), bool):
+            fields["vision"] = modalities["vision"]
+            fields["vision_source"] = "/props modalities.vision"
     elif isinstance(show[1], dict) and isinstance(show[1].get("capabilities"), list):
         fields["kind"] = fields.get("kind") or "ollama"
         fields["supports_tools"] = "tools" in show[1]["capabilities"]
         fields["tools_source"] = "/api/show capabilities"
+        fields["vision"] = "vision" in show[1]["capabilities"]
+        fields["vision_source"] = "/api/show capabilities"
         parameters = show[1].get("parameters")
         found = _NUM_CTX.search(parameters) if isinstance(parameters, str) else None
         window.append((int(found.group(1)) if found else None, "/api/show num_ctx"))

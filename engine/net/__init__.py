@@ -15,10 +15,11 @@ from engine.lazy import lazy_names
 
 #: Public name -> the private module that defines it (imported when first used, PEP 562).
 _WHERE = {
-    "special_class": "_address", "machine_addresses": "_address", "DEFAULT_PORTS": "_allow", "Allowlist": "_allow",
-    "Entry": "_allow", "Verdict": "_decide", "after_lookup": "_decide", "before_lookup": "_decide", "Host": "_host",
-    "canonical_host": "_host", "show_host": "_host", "Gate": "_proxy", "Limits": "_proxy", "Resolver": "_proxy",
-    "system_resolver": "_proxy", "ConnectionRecord": "_records",
+    "machine_addresses": "_address", "special_class": "_address", "Allowlist": "_allow",
+    "DEFAULT_PORTS": "_allow", "Entry": "_allow", "after_lookup": "_decide", "before_lookup": "_decide",
+    "Verdict": "_decide", "canonical_host": "_host", "Host": "_host", "show_host": "_host", "Gate":
+    "_proxy", "Limits": "_proxy", "Resolver": "_proxy", "system_resolver": "_proxy", "ConnectionRecord":
+    "_records"
 }
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 __getattr__, __dir__ = lazy_names(__name__, _WHERE)
 
 __all__ = [
-    "DEFAULT_PORTS", "Allowlist", "ConnectionRecord", "Entry", "Gate", "Host", "Limits", "Resolver",
-    "Verdict", "after_lookup", "before_lookup", "canonical_host", "machine_addresses", "show_host", "special_class",
-    "system_resolver",
+    "Allowlist", "ConnectionRecord", "DEFAULT_PORTS", "Entry", "Gate", "Host", "Limits", "Resolver",
+    "Verdict", "after_lookup", "before_lookup", "canonical_host", "machine_addresses", "show_host",
+    "special_class", "system_resolver"
 ]

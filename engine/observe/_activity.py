@@ -303,6 +303,7 @@ _HANDLERS = {
     "replied": Activity._replied, "launched": Activity._launched,
     "output": lambda self, agent, fields, at: self._block_mark(agent, fields, at, "output"),
     "progress": lambda self, agent, fields, at: self._block_mark(agent, fields, at, "progress"),
+    "display": lambda self, agent, fields, at: self._block_mark(agent, fields, at, "display"),
     "finished": Activity._finished, "tool_call": Activity._tool_call, "tool_result": Activity._tool_result,
 }
 

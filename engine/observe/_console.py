@@ -394,6 +394,13 @@ class ConsoleDisplay(DispatchDisplay):
         block.live = True
         self._feed(name, id, block, stream, text)
 
+    def display(self, name: str = "?", id: Any = "?", index: Any = None, line: Any = "", text: Any = "") -> None:
+        """One line for what a block displayed: an image's size and file, or its text's first line."""
+        shown = line if isinstance(line, str) and line else (
+            f"[display: {_clean(text).strip().splitlines()[0][:200]}]" if isinstance(text, str) and text.strip()
+            else "[display]")
+        self._line(name, (f"    {name}/{id} ", "dim"), (_clean(shown), "cyan"))
+
     def progress(self, name: str = "?", id: Any = "?", current: Any = None, output: Any = None) -> None:
         block = self._block(name, id)
         if not block.live and isinstance(output, str) and len(output) > block.shown_chars:

@@ -57,7 +57,8 @@ _FALLBACK = "running with Landlock+seccomp+rlimits only (no PID/network namespac
 _ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "nsswitch.conf", "passwd", "group", "hosts",
         "host.conf", "gai.conf", "resolv.conf", "localtime", "timezone", "ssl/certs",
         "ssl/openssl.cnf", "ca-certificates",
-        "ca-certificates.conf", "pki", "crypto-policies", "mime.types", "alternatives", "os-release")
+        "ca-certificates.conf", "pki", "crypto-policies", "mime.types", "alternatives", "os-release",
+        "fonts")  # (fontconfig's configuration: matplotlib and Pillow look fonts up through it)
 _TOP = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # merged-/usr symlinks or dirs
 _DEV_FILES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
 _CPU_INFO = "/sys/devices/system/cpu"  # read by os.cpu_count() and BLAS thread pools

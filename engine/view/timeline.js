@@ -49,6 +49,21 @@ function textBlock(title, text) {
   return text ? [el("h4", {}, title), el("pre", {}, text)] : [];
 }
 
+function shownItem(shown) {
+  // A display: images only as img elements of data the page holds (an SVG too: an image never runs
+  // its scripts), HTML only as text.
+  const figure = el("figure", {class: "shown", "data-index": shown.index});
+  if (shown.png) figure.append(el("img", {src: "data:image/png;base64," + shown.png, alt: shown.line || "image",
+                                          "data-kind": "png"}));
+  if (shown.svg) figure.append(el("img", {src: "data:image/svg+xml;base64," + shown.svg, alt: shown.line || "SVG image",
+                                          "data-kind": "svg"}));
+  if (shown.omitted) figure.append(el("p", {class: "cut"}, `[an image of ${count(shown.omitted)} bytes is not in this page: the page's images reached their size limit]`));
+  if (shown.html) figure.append(el("h5", {}, "HTML (as text)"), el("pre", {class: "html"}, shown.html));
+  if (!shown.png && !shown.svg && shown.text) figure.append(el("pre", {}, shown.text));
+  if (shown.line) figure.append(el("figcaption", {}, shown.line));
+  return figure;
+}
+
 function showDetail(panel, item, lanes) {
   panel.replaceChildren();
   const lane = lanes[item.lane] || {name: "?"};
@@ -82,6 +97,7 @@ function showDetail(panel, item, lanes) {
       pre.append(out.tail);
       panel.append(el("h4", {}, "Output (as it streamed: head and tail)"), pre);
     }
+    if (item.shown && item.shown.length) panel.append(el("h4", {}, "Displayed"), ...item.shown.map(shownItem));
     panel.append(...textBlock("Result (what the model was sent)", item.result));
   } else if (item.k === "request") {
     panel.append(...textBlock("Sent", item.message), ...textBlock("Reply", item.reply));

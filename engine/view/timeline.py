@@ -3,15 +3,22 @@
 One lane per agent (sub-agents below their parent), model requests and code blocks as bars on
 one time axis, heartbeats as ticks, interrupts and kills marked by the block's outcome.  What
 each bar holds is cut to sizes a page carries well: a block's code and result, and its streamed
-output as head and tail with the count of what lies between.
+output as head and tail with the count of what lies between, and what it displayed: a PNG (its
+base64 checked to be one), an SVG (base64 here, so the page shows it only as an image, never as
+markup) and HTML (as text), within ``IMAGE_BYTES`` for the page.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import re
 from pathlib import Path
 from typing import Any
 
 from engine.observe import AGENT, ATTEMPT, BLOCK, REQUEST, TOOL, Activity, Piece
+from worker.contract.display import png_size
+from worker.contract.limits import MAX_DISPLAYS
 
 #: Characters of code, a result or a message kept for a bar.
 TEXT_CHARS = 20_000
@@ -19,6 +26,40 @@ TEXT_CHARS = 20_000
 OUTPUT_CHARS = 6_000
 #: Heartbeat ticks kept per block, notes kept per run.
 MAX_TICKS, MAX_NOTES = 600, 2_000
+#: Bytes of images (base64) one page carries, in all; the displays beyond it are named only.
+IMAGE_BYTES = 64 * 1024 * 1024
+_BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
+
+
+def _shown(fields: dict[str, Any], budget: list[int]) -> dict[str, Any]:
+    """One display for the page: its line and text, and the images it holds while ``budget``
+    (bytes left for the page's images) lasts."""
+    item: dict[str, Any] = {"index": fields.get("index"), "line": _cut(fields.get("line"), 2000),
+                            "text": _cut(fields.get("text"), 4000)}
+    png = fields.get("png")
+    if isinstance(png, str) and _BASE64.fullmatch(png):
+        try:
+            head = base64.b64decode(png[:32])
+        except (binascii.Error, ValueError):
+            head = b""
+        if png_size(head) is not None:
+            item["size"] = png_size(head)
+            if len(png) <= budget[0]:
+                budget[0] -= len(png)
+                item["png"] = png
+            else:
+                item["omitted"] = len(png) * 3 // 4
+    svg = fields.get("svg")
+    if isinstance(svg, str):
+        svg64 = base64.b64encode(svg.encode("utf-8", "replace")).decode("ascii")
+        if len(svg64) <= budget[0]:
+            budget[0] -= len(svg64)
+            item["svg"] = svg64
+        else:
+            item["omitted"] = len(svg)
+    if isinstance(fields.get("html"), str):
+        item["html"] = _cut(fields["html"])
+    return item
 
 
 def _cut(value: Any, limit: int = TEXT_CHARS) -> str:
@@ -55,6 +96,7 @@ class _Collect:
         self._lane: dict[Piece, int] = {}
         self._item: dict[Piece, dict[str, Any]] = {}
         self._output: dict[Piece, _Output] = {}
+        self._budget = [IMAGE_BYTES]  # (a list: shared by every display of the page)
 
     def _lane_of(self, piece: Piece | None) -> int | None:
         while piece is not None and piece.kind != AGENT:
@@ -90,6 +132,10 @@ class _Collect:
         if mark == "output" and piece in self._output:
             text = fields.get("text")
             self._output[piece].add(text if isinstance(text, str) else "")
+        elif mark == "display" and piece in self._item:
+            shown = self._item[piece].setdefault("shown", [])
+            if len(shown) < MAX_DISPLAYS:
+                shown.append(_shown(fields, self._budget))
         elif mark == "progress" and piece in self._item:
             beats = self._item[piece]["beats"]
             if len(beats) < MAX_TICKS:

@@ -23,13 +23,16 @@ import contextlib
 import enum
 import itertools
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.durations import DEFAULT_BLOCK_TIMEOUT
 from engine.errors import WorkerClosed, WorkerError, WorkerStartError
-from engine.results import BlockResult, OutputChunk, OutputSink, describe_exit
+from engine.results import BlockResult, OutputChunk, OutputSink, Shown, describe_exit
+from engine.workers._displays import BlockDisplays, DisplayRefused
 from engine.workers._script_run import ScriptRun, forward_stdin
 from engine.workers._session import Owner, Session
 from worker.contract import wire
@@ -59,10 +62,14 @@ class _RunningBlock:
     """Coordinator-side state of one running block."""
 
     def __init__(self, block_id: str, sink: OutputSink, timeout: float,
-                 on_output: Callable[[OutputChunk], None] | None, budget: int | None = None) -> None:
+                 on_output: Callable[[OutputChunk], None] | None, budget: int | None = None,
+                 displays: BlockDisplays | None = None,
+                 on_display: Callable[[Shown, dict], None] | None = None) -> None:
         self.id = block_id
         self.budget = budget
         self.sink = sink
+        self.displays = displays or BlockDisplays(lambda number: Path(os.devnull), None)
+        self.on_display = on_display
         self.timeout = timeout
         self.on_output = on_output
         self.queue: asyncio.Queue | None = None
@@ -83,7 +90,8 @@ class _RunningBlock:
         self.future.set_result(BlockResult(
             id=self.id, status=status, output=self.sink.render(self.budget), output_bytes=self.sink.total,
             truncated=self.sink.truncated, output_file=str(file) if file else None,
-            duration_s=time.monotonic() - self.started, error=error, message=message, **extra))
+            duration_s=time.monotonic() - self.started, error=error, message=message,
+            displays=list(self.displays.shown), **extra))
 
 
 class Worker:
@@ -300,6 +308,21 @@ class Worker:
                 block.finish("ok" if code == 0 else "error", exit_code=code,
                              message=f"the code exited with {code} (SystemExit); the worker and its namespace "
                                      "are kept")
+        elif isinstance(msg, wire.Display):
+            block = self._blocks.get(msg.id)
+            if block is None:
+                session.drop("display for no running block")
+                return None
+            try:
+                shown = block.displays.add(msg.data)
+            except DisplayRefused as exc:
+                session.violation(str(exc))
+                return None
+            if block.on_display is not None:
+                try:
+                    block.on_display(shown, msg.data)
+                except Exception:  # a consumer's fault is not the worker's: said, and the block goes on
+                    log.exception("worker %s: block %s: a display could not be shown", self.name, block.id)
         elif isinstance(msg, (wire.Stuck, wire.Stopping)):
             block = self._blocks.get(msg.id)
             if block is not None:  # else stale: the block's done came first, an honest race
@@ -380,7 +403,8 @@ class Worker:
     # -- running blocks -----------------------------------------------------------------------
     async def _submit(self, code: str, timeout: float, block_id: str | None,
                       on_output: Callable[[OutputChunk], None] | None, budget: int | None = None,
-                      script: ScriptRun | None = None) -> _RunningBlock:
+                      script: ScriptRun | None = None,
+                      on_display: Callable[[Shown, dict], None] | None = None) -> _RunningBlock:
         session = await self._ensure_ready()
         if block_id is None:
             block_id = f"b{next(self._block_ids)}"
@@ -390,7 +414,9 @@ class Worker:
             raise ValueError(f"block {block_id!r} is already running")
         sink = OutputSink(lambda: self.launcher.output_path(self.index, block_id),
                           file_cap=self.launcher.settings.output_file_cap, budget=self.launcher.output_budget)
-        block = _RunningBlock(block_id, sink, timeout, on_output, budget)
+        displays = BlockDisplays(lambda number: self.launcher.display_path(self.index, block_id, number),
+                                 self.launcher.output_budget)
+        block = _RunningBlock(block_id, sink, timeout, on_output, budget, displays, on_display)
         self._blocks[block_id] = block
         session.send(wire.Run(block_id, code, script.spec() if script is not None else None))
         if script is not None and script.stdin is not None:
@@ -399,17 +425,20 @@ class Worker:
 
     async def run(self, code: str, *, timeout: float = DEFAULT_BLOCK_TIMEOUT, block_id: str | None = None,
                   on_output: Callable[[OutputChunk], None] | None = None,
-                  budget: int | None = None, script: ScriptRun | None = None) -> BlockResult:
+                  budget: int | None = None, script: ScriptRun | None = None,
+                  on_display: Callable[[Shown, dict], None] | None = None) -> BlockResult:
         """Run one block and return how it ended.  Never raises for what the code did.
 
         ``budget`` caps ``result.output`` in bytes (head and tail, with the count cut between).
         ``script``: run the code as ``python FILE ARGS`` would (``agentloop exec``; see
         ``engine.workers``): then a traceback is part of the output, as Python prints it.
+        ``on_display``: told of each display as it arrives (``Shown``, and the bundle it was
+        made of); ``result.displays`` holds them all.
 
         A ``SystemExit`` ends the block, never the worker: ``exit_code`` holds its status (the
         status is ok for 0, else error) and ``exited`` is true.
         """
-        block = await self._submit(code, timeout, block_id, on_output, budget, script)
+        block = await self._submit(code, timeout, block_id, on_output, budget, script, on_display)
         return await self._supervise(block)
 
     async def stream(self, code: str, *, timeout: float = DEFAULT_BLOCK_TIMEOUT,

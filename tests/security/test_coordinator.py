@@ -28,6 +28,7 @@ from engine.sandbox import workspace_excess
 from engine.scripted import ScriptedServer
 from engine.trees import disk_usage, remove_tree
 from engine.workers import Engine, WorkerState
+from worker.contract.limits import MAX_DISPLAYS
 
 from .harness import WAIT, Host, agent_attack, assert_still_works, attack, block
 
@@ -365,6 +366,9 @@ async def test_starting_and_cancelling_sub_agents_in_a_loop_is_bounded(engine: E
 
 # -- 18: garbage on the worker's own channel --------------------------------------------------
 
+#: The start of a PNG (its signature and IHDR chunk, 64x48): what a display's image must begin with.
+PNG_HEADER = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00\x00@\x00\x00\x000\x08\x06\x00\x00\x00"
+
 # The worker's code finds its channel (its socket and the lock around it) and writes on it.
 FIND_CHANNEL = '''
 import gc, time
@@ -382,6 +386,22 @@ GARBAGE = {
     "many parts": 'send(*[b"part"] * 100_000)',
     "oversized frame": 'send(b"\\x00" * (33 << 20))',
     "malformed output": 'import msgpack\nsend(msgpack.packb({"t": "out", "id": "x", "o": [[1, "str, not bytes"]]}))',
+    # Forged displays: a PNG that is text, one over the bound, a frame cut short, data that is
+    # no PNG, a MIME type that is not carried, and more displays than a block may send.
+    "a display of the wrong type": 'import msgpack\nsend(msgpack.packb({"t": "display", "id": "x", '
+                                   '"data": {"image/png": "not bytes"}}))',
+    "a huge display": 'import msgpack\nsend(msgpack.packb({"t": "display", "id": "x", "data": {"image/png": '
+                      f'{PNG_HEADER!r} + bytes(5 << 20)}}}}))',
+    "a truncated display": 'import msgpack\nsend(msgpack.packb({"t": "display", "id": "x", "data": {"image/png": '
+                           f'{PNG_HEADER!r} + bytes(1000)}}}})[:-500])',
+    "a display that is no PNG": 'import msgpack\nsend(msgpack.packb({"t": "display", "id": "x", '
+                                '"data": {"image/png": b"GIF89a" + bytes(100)}}))',
+    "a display of a type not carried": 'import msgpack\nsend(msgpack.packb({"t": "display", "id": "x", '
+                                       '"data": {"application/x-evil": "x"}}))',
+    "too many displays": 'import msgpack\nfrom worker.capture import current_block\n'
+                         'for i in range(MAX_DISPLAYS + 1):\n'
+                         '    send(msgpack.packb({"t": "display", "id": current_block.get(), '
+                         f'"data": {{"image/png": {PNG_HEADER!r}}}}}))\n'.replace("MAX_DISPLAYS", str(MAX_DISPLAYS)),
 }
 
 
@@ -446,6 +466,17 @@ async def test_agent_loop_goes_on_after_a_worker_broke_the_protocol(engine: Engi
     run = await agent_attack(engine, block("attack", code, timeout="60s"), name="garbage")
     assert time.monotonic() - started < 20
     assert "[the worker broke the protocol (undecodable frame" in run.blocks["attack"], run.blocks
+    run.assert_kept_working()
+
+
+async def test_agent_loop_goes_on_after_a_forged_display(engine: Engine):
+    code = (FIND_CHANNEL + 'import msgpack\nsend(msgpack.packb({"t": "display", "id": "x", '
+            '"data": {"image/png": "not bytes"}}))\ntime.sleep(120)\n')
+    started = time.monotonic()
+    run = await agent_attack(engine, block("attack", code, timeout="60s"), name="forged display")
+    assert time.monotonic() - started < 20
+    assert "[the worker broke the protocol (it sent a malformed message: display.data: a display's image/png " \
+           "is not bytes" in run.blocks["attack"], run.blocks
     run.assert_kept_working()
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import signal
 
-__all__ = ["HeadTail", "INTERRUPT_SIGNAL", "MAX_CHUNK", "MAX_ERROR", "MAX_FRAME", "MAX_ID", "MAX_NAME",
-           "MAX_NOTE", "MAX_VARS", "MAX_VAR_NAME", "STDERR", "STDOUT"]
+__all__ = ["HeadTail", "INTERRUPT_SIGNAL", "MAX_CHUNK", "MAX_DISPLAYS", "MAX_DISPLAY_TEXT", "MAX_ERROR", "MAX_FRAME",
+           "MAX_ID", "MAX_IMAGE", "MAX_NAME", "MAX_NOTE", "MAX_VARS", "MAX_VAR_NAME", "STDERR", "STDOUT"]
 
 #: Largest frame either side accepts on any channel (a channel may hold to less).  Big enough
 #: for a batch of output or a pickled object handed to a sub-agent (half of it); anything
@@ -28,6 +28,14 @@ MAX_ERROR = 64 * 1024
 MAX_NOTE = 600
 MAX_VAR_NAME = 100
 MAX_VARS = 200
+#: Bounds of what ``display()`` sends: bytes of one image, characters of one text
+#: representation (HTML, SVG, Markdown, JSON, plain text), and displays per block.  The worker
+#: refuses (an image) or cuts (a text) beyond them and says so in the block's output; the
+#: coordinator treats a display beyond them as a broken worker.  One display's frame stays well
+#: under ``MAX_FRAME`` whatever it holds.
+MAX_IMAGE = 4 * 1024 * 1024
+MAX_DISPLAY_TEXT = 256 * 1024
+MAX_DISPLAYS = 32
 #: Identifiers (block ids, host function names, tokens) and short names.
 MAX_ID = 4096
 MAX_NAME = 256

@@ -31,6 +31,11 @@ Worker -> coordinator (``TO_COORDINATOR``)
                                            what an interrupt did, in words
     call     {cid, name, args, kwargs, block?}  call a host function (``self``, tools)
     resp     {rid, ok, value?, error?}     the answer to a ``req``
+    display  {id, data}                    something the block showed (``display(obj)``, a figure):
+                                           ``data`` a MIME bundle, {type: PNG bytes | text},
+                                           bounded as ``contract.display`` says; at most
+                                           ``MAX_DISPLAYS`` a block.  Sent after the block's
+                                           output written before it, before its ``done``
     stuck    {id, why}                     an interrupt cannot reach the block: only a kill stops it
     stopping {id, why}                     the interrupt was given and the block runs on: the
                                            words for a kill, should the grace run out
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .display import check_bundle
 from .framing import decode, encode
 from .limits import MAX_CHUNK, MAX_ERROR, MAX_FRAME, MAX_ID, MAX_NAME, MAX_NOTE, MAX_VAR_NAME, MAX_VARS
 from .schema import (
@@ -61,11 +67,11 @@ from .schema import (
     message,
 )
 
-__all__ = ["PROTOCOL_VERSION", "Message", "TO_COORDINATOR", "TO_WORKER", "Bye", "Call", "Cancel", "Done", "Hello", "Out",
+__all__ = ["PROTOCOL_VERSION", "Message", "TO_COORDINATOR", "TO_WORKER", "Bye", "Call", "Cancel", "Display", "Done", "Hello", "Out",
            "Reply", "Req", "Resp", "Run", "ScriptSpec", "Shutdown", "Stdin", "Stopping", "Stuck", "Welcome",
            "decode_message", "done", "encode"]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 _id = is_text(MAX_ID)
 _seq = is_int(0, 2**53)
@@ -232,6 +238,15 @@ class Resp(Message):
     error: str | None = field(is_optional(is_text(MAX_FRAME)), None)
 
 
+@message("display")
+class Display(Message):
+    id: str = field(_id)
+    data: dict = field(check_bundle)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"t": "display", "id": self.id, "data": self.data}
+
+
 @message("stuck")
 class Stuck(Message):
     id: str = field(_id)
@@ -249,7 +264,7 @@ class Bye(Message):
     pass
 
 
-TO_COORDINATOR = Catalogue("worker to coordinator", (Hello, Out, Done, Call, Resp, Stuck, Stopping, Bye))
+TO_COORDINATOR = Catalogue("worker to coordinator", (Hello, Out, Done, Call, Resp, Display, Stuck, Stopping, Bye))
 
 
 def decode_message(frame: bytes, catalogue: Catalogue, max_size: int = MAX_FRAME) -> Message:
