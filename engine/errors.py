@@ -10,6 +10,7 @@
     ├── AgentError                  a model's request the agent refuses (said to the model)
     └── ModelError                  the model endpoint failed us
         ├── ModelUnreachable        connection refused / DNS / timeout, after retries
+        │   └── ForeignServer       a server on this machine that another user runs: sent nothing
         └── ModelResponseError      HTTP error status or a body we cannot read
 
 Faults of the *model's code* (exceptions, timeouts, kills, sandbox denials) are not
@@ -24,8 +25,8 @@ import signal
 
 __all__ = [
     "AgentError", "AgentloopError", "ConfigError", "EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OWN",
-    "EXIT_TIMEOUT", "ModelError", "ModelResponseError", "ModelUnreachable", "SandboxError", "WorkerClosed",
-    "WorkerError", "WorkerStartError"
+    "EXIT_TIMEOUT", "ForeignServer", "ModelError", "ModelResponseError", "ModelUnreachable", "SandboxError",
+    "WorkerClosed", "WorkerError", "WorkerStartError"
 ]
 
 #: Exit statuses of the command line (``exec`` adds 128+N for a worker killed by signal N).
@@ -76,6 +77,12 @@ class ModelError(AgentloopError):
 
 class ModelUnreachable(ModelError):
     """The model endpoint could not be reached, even after retries."""
+
+
+class ForeignServer(ModelUnreachable):
+    """The server at an endpoint on this machine belongs to another user (not the caller, not
+    root): any local account can listen on a loopback port, so nothing is sent to it — no key,
+    no prompt, no trace (``engine.models._endpoint``)."""
 
 
 class ModelResponseError(ModelError):

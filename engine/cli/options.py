@@ -260,13 +260,17 @@ def agent_options(f):
 
 def load_registry(models_file: Path | None):
     """The model aliases (the file, else LLM_URL/LLM_MODEL), with the command's ``--max-tokens``
-    applied to every one; a bad file ends the command in one line."""
-    from engine.models import load_models
+    applied to every one; a bad file ends the command in one line.  A key set for an endpoint
+    nobody named (the built-in default) is not sent, and one line on stderr says so."""
+    from engine.models import load_models, unsent_key_note
 
     try:
-        return apply_max_tokens(load_models(models_file))
+        registry = apply_max_tokens(load_models(models_file))
     except AgentloopError as exc:
         fail(str(exc))
+    if note := unsent_key_note(registry):
+        click.echo(inert(f"agentloop: note: {note}"), err=True)
+    return registry
 
 
 def apply_max_tokens(registry):

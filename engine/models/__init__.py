@@ -11,18 +11,29 @@ from engine.lazy import lazy_names
 _WHERE = {
     "Chat": "_client", "strip_think": "_reasoning", "DEFAULT_MODEL_ID": "_registry", "load_models":
     "_registry", "ModelConfig": "_registry", "ModelRegistry": "_registry", "which_wins": "_registry",
-    "connect": "_server", "probe": "_server", "ServerInfo": "_server"
+    "connect": "_server", "probe": "_server", "ServerInfo": "_server", "address_refusal": "_endpoint",
+    "checked_client": "_endpoint", "connection_refusal": "_endpoint", "owner_name": "_endpoint",
+    "raise_if_foreign": "_endpoint", "unsent_key_note": "_registry",
 }
 
 if TYPE_CHECKING:
     from ._client import Chat
+    from ._endpoint import address_refusal, checked_client, connection_refusal, owner_name, raise_if_foreign
     from ._reasoning import strip_think
-    from ._registry import DEFAULT_MODEL_ID, ModelConfig, ModelRegistry, load_models, which_wins
+    from ._registry import (
+        DEFAULT_MODEL_ID,
+        ModelConfig,
+        ModelRegistry,
+        load_models,
+        unsent_key_note,
+        which_wins,
+    )
     from ._server import ServerInfo, connect, probe
 
 __getattr__, __dir__ = lazy_names(__name__, _WHERE)
 
 __all__ = [
-    "Chat", "DEFAULT_MODEL_ID", "ModelConfig", "ModelRegistry", "ServerInfo", "connect", "load_models",
-    "probe", "strip_think", "which_wins"
+    "Chat", "DEFAULT_MODEL_ID", "ModelConfig", "ModelRegistry", "ServerInfo", "address_refusal", "checked_client",
+    "connect", "connection_refusal", "load_models", "owner_name", "probe", "raise_if_foreign", "strip_think",
+    "unsent_key_note", "which_wins"
 ]

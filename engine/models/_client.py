@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import httpx
 
 from engine.errors import ModelResponseError, ModelUnreachable
+from engine.models._endpoint import checked_client
 from engine.models._reasoning import ThinkSplitter, reasoning_of, strip_think
 from engine.models._registry import ModelConfig
 from engine.models._stream import Assembly, normal_call, timings
@@ -58,9 +59,11 @@ def _tls() -> ssl.SSLContext:
 
 
 def open_client(model: ModelConfig, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
-    """The HTTP client for conversations with ``model``'s endpoint (its timeout; the shared TLS context)."""
+    """The HTTP client for conversations with ``model``'s endpoint (its timeout; the shared TLS
+    context), which uses no connection to another user's server on this machine
+    (``engine.models._endpoint``: ForeignServer before anything is sent)."""
     timeout = httpx.Timeout(model.timeout, connect=min(model.timeout, 30.0))
-    return httpx.AsyncClient(transport=transport, timeout=timeout, verify=_tls())
+    return checked_client(transport=transport, timeout=timeout, verify=_tls())
 
 
 def auth_headers(model: ModelConfig) -> dict[str, str]:
