@@ -33,6 +33,7 @@ from engine.models._endpoint import checked_client
 from engine.models._reasoning import ThinkSplitter, reasoning_of, strip_think
 from engine.models._registry import ModelConfig
 from engine.models._stream import Assembly, normal_call, timings
+from worker.contract.bounded_json import loads as bounded_loads
 
 __all__ = [
     "Chat", "Display", "MIN_REPLY_TOKENS", "auth_headers", "nobody_listens", "open_client", "start_hint",
@@ -415,10 +416,11 @@ class Chat:
 
     def _chunk(self, reply: Assembly, splitter: ThinkSplitter, event: str) -> None:
         try:
-            chunk = json.loads(event)
-        except json.JSONDecodeError:
+            chunk = bounded_loads(event)
+        except ValueError as exc:  # not JSON, or JSON beyond the bounds (nested too deep, a number too long)
             raise ModelResponseError(self._redact(
-                f"the model endpoint {self._url} streamed a chunk that is not JSON: {event[:_BODY_PREVIEW]}")) from None
+                f"the model endpoint {self._url} streamed a chunk that is not JSON ({exc}): "
+                f"{event[:_BODY_PREVIEW]}")) from None
         if not isinstance(chunk, dict):
             return
         if chunk.get("error"):
@@ -431,11 +433,11 @@ class Chat:
 
     def _read_plain(self, raw: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
         try:
-            data = json.loads(raw)
+            data = bounded_loads(raw)
             message = data["choices"][0]["message"]
             if not isinstance(message, dict):
                 raise TypeError("message is not an object")
-        except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+        except (ValueError, KeyError, IndexError, TypeError):
             raise ModelResponseError(self._redact(
                 f"the model endpoint {self._url} answered with a body that is not a chat completion: "
                 f"{raw[:_BODY_PREVIEW]}")) from None

@@ -35,6 +35,7 @@ import httpx
 from engine.errors import ForeignServer
 from engine.models._client import auth_headers, nobody_listens, open_client, start_hint, transport_reason
 from engine.models._registry import ModelConfig
+from worker.contract.bounded_json import loads as bounded_loads
 
 __all__ = ["FOREIGN", "NO_SERVER", "PROBE_TIMEOUT", "ServerInfo", "connect", "forget", "probe", "root_of"]
 
@@ -189,8 +190,8 @@ async def _ask(client: httpx.AsyncClient, method: str, url: str, headers: dict[s
     except (httpx.HTTPError, RuntimeError) as exc:  # RuntimeError: a client closed under a shared probe
         return None, None, type(exc).__name__
     try:
-        data = response.json() if response.status_code == 200 else None
-    except ValueError:
+        data = bounded_loads(response.content) if response.status_code == 200 else None
+    except ValueError:  # not JSON, or beyond the bounds: it says nothing then
         data = None
     return response.status_code, data, ""
 
