@@ -3,6 +3,7 @@ directories its sockets and outputs live in, cleared of what killed runs left.""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import fcntl
@@ -116,8 +117,14 @@ def runtime_dir() -> Path:
     base = _temp_base()
     _remove_stale_fallbacks(base)
     _fallback = Path(tempfile.mkdtemp(prefix=f"agentloop-{os.getuid()}-{os.getpid()}-", dir=base))
+    atexit.register(_remove_if_empty, _fallback)
     log.warning("%s; using %s for this process instead", why.removesuffix("; remove it and retry"), _fallback)
     return _fallback
+
+
+def _remove_if_empty(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.rmdir()
 
 
 def _remove_stale_fallbacks(base: Path) -> None:
