@@ -111,10 +111,11 @@ def _read_token(path: Path) -> str:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         raise ConfigError(f"cannot read the token file {path}: {exc.strerror or exc}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ConfigError(f"the token file {path} is not a regular file")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"the token file {path} is not a regular file")
         if st.st_uid != os.geteuid() or st.st_mode & 0o077:
             raise ConfigError(f"the token file {path} must be yours and no one else's (it is uid {st.st_uid}'s, "
                               f"mode {stat.S_IMODE(st.st_mode):04o}): chmod 600 it, or use another")
