@@ -23,6 +23,7 @@
     ├── CodeFailed                  smolagents: a step's code failed (its words, for CodeAgent)
     └── ModelError                  the model endpoint failed us
         ├── ModelUnreachable        connection refused / DNS / timeout, after retries
+        │   └── ForeignServer       a server on this machine that another user runs: sent nothing
         └── ModelResponseError      HTTP error status or a body we cannot read
 
 Faults of the *model's code* (exceptions, timeouts, kills, sandbox denials) are not
@@ -37,9 +38,9 @@ import signal
 
 __all__ = [
     "AgentError", "AgentloopError", "CallRefused", "CodeFailed", "ConfigError", "EXIT_ERROR", "EXIT_INTERRUPTED",
-    "EXIT_OWN", "EXIT_TIMEOUT", "ModelError", "ModelResponseError", "ModelUnreachable", "NoClient", "OutputError",
-    "Refused", "SandboxError", "SlotError", "ToolBusy", "ToolClosed", "ToolCrash", "ToolError", "ToolProcessError",
-    "ToolTimeout", "TreeError", "UntrustedFile", "WorkerClosed", "WorkerError", "WorkerStartError"
+    "EXIT_OWN", "EXIT_TIMEOUT", "ForeignServer", "ModelError", "ModelResponseError", "ModelUnreachable", "NoClient",
+    "OutputError", "Refused", "SandboxError", "SlotError", "ToolBusy", "ToolClosed", "ToolCrash", "ToolError",
+    "ToolProcessError", "ToolTimeout", "TreeError", "UntrustedFile", "WorkerClosed", "WorkerError", "WorkerStartError"
 ]
 
 #: Exit statuses of the command line (``exec`` adds 128+N for a worker killed by signal N).
@@ -145,6 +146,12 @@ class ModelError(AgentloopError):
 
 class ModelUnreachable(ModelError):
     """The model endpoint could not be reached, even after retries."""
+
+
+class ForeignServer(ModelUnreachable):
+    """The server at an endpoint on this machine belongs to another user (not the caller, not
+    root): any local account can listen on a loopback port, so nothing is sent to it — no key,
+    no prompt, no trace (``engine.models._endpoint``)."""
 
 
 class ModelResponseError(ModelError):

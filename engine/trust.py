@@ -39,7 +39,7 @@ from pathlib import Path
 from engine.errors import ConfigError, UntrustedFile
 
 __all__ = ["UID_BASE", "UID_SPAN", "Grant", "check", "open_grant", "owner_refusal", "record_directory", "record_refusal", "refusal",
-           "refuse_holding_record", "state_home"]
+           "refuse_holding_record", "state_dir", "state_home"]
 
 #: The uids a root coordinator runs workers as (``engine.sandbox`` hands them out): a file one
 #: of them owns is a worker's.
@@ -60,6 +60,27 @@ def state_home() -> Path:
     default ``~/.local/state/agentloop`` (the runs' directories, this record)."""
     base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
     return Path(base) / "agentloop"
+
+
+def state_dir(*parts: str, base: str | Path | None = None) -> Path:
+    """``base`` (default ``state_home()``) / ``parts``, each directory from ``base`` down made mode
+    0700 where missing and brought back to 0700 where found with more: what agentloop keeps
+    there (the ids of live runs, this record, a server's token) is its user's alone.  OSError
+    when one of them is not a directory of this user's."""
+    path = Path(base) if base is not None else state_home()
+    path.parent.mkdir(parents=True, exist_ok=True)  # (the user's own ~/.local/state: its mode is theirs)
+    for depth in range(len(parts) + 1):
+        step = path.joinpath(*parts[:depth])
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(step, 0o700)
+        st = os.stat(step)
+        if not stat.S_ISDIR(st.st_mode):
+            raise OSError(errno.ENOTDIR, f"{step} is not a directory")
+        if st.st_uid != os.geteuid():
+            raise OSError(errno.EPERM, f"{step} belongs to uid {st.st_uid}, not to this user; remove it")
+        if st.st_mode & 0o077:
+            os.chmod(step, 0o700)
+    return path.joinpath(*parts)
 
 
 def record_directory() -> Path:
@@ -120,8 +141,7 @@ def _record_file(directory: str) -> Path:
 @contextlib.contextmanager
 def _locked() -> Iterator[None]:
     """The record's lock (one for the whole record: every change to it is a few small writes)."""
-    where = record_directory()
-    where.mkdir(mode=0o700, parents=True, exist_ok=True)
+    where = state_dir(record_directory().name)
     st = where.lstat()
     if st.st_uid != os.geteuid() or st.st_mode & 0o077 or stat.S_ISLNK(st.st_mode):
         raise OSError(errno.EPERM, f"{where} is not a private directory of this user; remove it")

@@ -323,7 +323,7 @@ async def test_a_silent_server_times_out_saying_it_is_slow_not_absent():
 
 
 def test_the_start_hint_uses_the_configured_host_and_port():
-    from engine.models._client import start_hint
+    from engine.models._http import start_hint
 
     assert "llama-server -m MODEL.gguf --port 9123 --jinja" in start_hint("http://127.0.0.1:9123/v1")
     assert "--host 10.0.0.5 --port 80 " in start_hint("http://10.0.0.5/v1")

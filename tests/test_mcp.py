@@ -447,7 +447,8 @@ async def test_streamable_http(tmp_path):
             line = read_line(proc.stderr, deadline - time.monotonic())
             assert line, "the server said nothing more before it served"
         assert "serving MCP at http://127.0.0.1:" in line, line
-        url = line.split(" at ", 1)[1].strip()
+        url = line.split(" at ", 1)[1].split()[0]
+        assert "only to requests that carry its token" in line, line
         async with streamable_http_client(url) as (read, write), ClientSession(read, write) as client:
             with anyio.fail_after(CALL):
                 await client.initialize()

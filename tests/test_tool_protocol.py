@@ -166,3 +166,62 @@ async def test_same_scenario_same_outcomes(engine, protocol):
         "sub-agent": bool(re.search(r"<agent_result name=kid[^>]*>\nchild answer", seen)),
     }
     assert all(outcomes.values()), outcomes
+
+
+# -- JSON beyond the bounds ----------------------------------------------------------------------
+# A tool call whose arguments nest 100,000 arrays deep once ended ``run --protocol tools`` with
+# a RecursionError traceback, and a 1,000,000-digit number the same: the model is told in words
+# and the run goes on (``worker.contract.bounded_json``).
+
+_DEEP_ARRAYS = "[" * 100_000 + "]" * 100_000
+_DEEP_OBJECTS = '{"a": ' * 50_000 + "1" + "}" * 50_000
+_LONG_NUMBER = '{"code": ' + "7" * 1_000_000 + "}"
+_JUST_TOO_DEEP = '{"code": ' + "[" * 100 + "]" * 100 + "}"
+
+
+@pytest.mark.parametrize("arguments, words", [
+    (_DEEP_ARRAYS, "nested more than 100 levels deep"), (_DEEP_OBJECTS, "nested more than 100 levels deep"),
+    (_LONG_NUMBER, "a number of 1000000 digits"), (_JUST_TOO_DEEP, "nested more than 100 levels deep"),
+], ids=["arrays-100k-deep", "objects-50k-deep", "a-1M-digit-number", "101-deep"])
+def test_arguments_beyond_the_bounds_are_said_to_the_model_and_the_run_goes_on(tmp_path, arguments, words):
+    import os
+    import subprocess
+    import sys
+
+    script = {"*": [{"content": "", "tool_calls": [{"id": "deep", "name": "run_code", "arguments": arguments}]},
+                    {"content": "", "tool_calls": [call("run_code", "after", code="print(6 * 7)")]},
+                    f'<tool_call>{{"name": "run_code", "arguments": {arguments}}}</tool_call>',
+                    "Done."]}
+    with ScriptedServer(script) as server:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("LLM_", "OTEL_"))}
+        env.update(LLM_URL=server.url, LLM_MODEL="m", XDG_STATE_HOME=str(tmp_path / "state"))
+        proc = subprocess.run([sys.executable, "-m", "engine.cli", "run", "go", "--protocol", "tools", "-q",
+                               "--max-tokens", "400000"],  # (the scripted server cuts at 4 characters a token)
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+                              stdin=subprocess.DEVNULL)
+        requests = server.requests
+    assert proc.returncode == 0 and proc.stdout.strip() == "Done.", proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "RecursionError" not in proc.stderr
+    said = tool_answers(requests[1])["deep"]
+    assert "arguments were not valid JSON" in said and words in said, said[:500]
+    assert len(said) < 1000  # the words, not the arguments sent back
+    assert "42" in tool_answers(requests[2])["after"]
+    # The same in a <tool_call> left in the content: a call of no known tool, in words.
+    assert "unknown tool '?'" in requests[3]["messages"][-1]["content"]
+
+
+def test_bounded_json_refuses_in_words_and_parses_what_is_within():
+    from worker.contract.bounded_json import MAX_DEPTH, JSONRefused, loads
+    from worker.contract.framing import FrameError, decode_json
+
+    assert loads('{"a": [1, 2.5, {"b": null}], "n": ' + "9" * 1000 + "}")["a"] == [1, 2.5, {"b": None}]
+    assert loads("[" * MAX_DEPTH + "]" * MAX_DEPTH)  # as deep as allowed
+    for text in ("[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1), _DEEP_ARRAYS, _DEEP_OBJECTS, _LONG_NUMBER,
+                 "1" + "0" * 5000 + ".5", "1e" + "9" * 2000):
+        with pytest.raises(JSONRefused):
+            loads(text)
+    with pytest.raises(json.JSONDecodeError):
+        loads("{oops")
+    # A worker's (or the tool process's) JSON frame: refused as a bad frame, not a traceback.
+    with pytest.raises(FrameError, match="nested more than"):
+        decode_json(_DEEP_ARRAYS.encode())

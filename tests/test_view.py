@@ -9,6 +9,7 @@ docs/commands/view.md come from it).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -382,3 +383,110 @@ def test_the_images_a_block_displayed_are_on_its_page_and_no_script_of_theirs_ru
     assert page.evaluate("document.querySelectorAll('iframe, object, embed, svg script').length") == 0
     assert errors == [] and requests == [out.as_uri()]  # nothing fetched: not even the HTML's "x"
     page.close()
+
+
+# -- files of any size ------------------------------------------------------------------------
+# view streams its input: a 600 MB recording once took 2.6 GB and 19 s, 200,000 results 1.4 GB
+# and a 41 MB page.  The memory of the view process is measured by a parent of its own (the
+# suite's other children do not count), its page checked for size and for saying what it left.
+
+#: What view may hold, whatever the file (about twice what it takes here).
+VIEW_RSS = 300 * 1024 * 1024
+TIMELINE_PAGE, REPORT_PAGE = 40_000_000, 10_000_000
+
+_MEASURED = r'''
+import resource, subprocess, sys
+done = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+print(done.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
+sys.stderr.write(done.stderr)
+'''
+
+
+def _viewed(tmp_path: Path, source: Path) -> tuple[int, str, Path]:
+    """(the view process's peak RSS in bytes, its stderr, its page)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    proc = subprocess.run([sys.executable, "-c", _MEASURED, *AGENTLOOP, "view", str(source), "--no-open"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    status, rss = proc.stdout.split()
+    assert status == "0", proc.stderr
+    return int(rss), proc.stderr, default_page(source)
+
+
+def default_page(source: Path) -> Path:
+    return source.with_suffix(".html")
+
+
+def _page_data(page: Path) -> dict:
+    text = page.read_text(encoding="utf-8")
+    start = text.index('<script type="application/json" id="data">') + len('<script type="application/json" id="data">')
+    return json.loads(text[start:text.index("</script>", start)])
+
+
+def _big_recording(path: Path, blocks: int) -> None:
+    """A run of ``blocks`` blocks (about 13 KB each: code, four output chunks, a heartbeat, the
+    result), and two output lines of 20 MiB."""
+    code = json.dumps("print('x')\n" * 180)[1:-1]
+    chunk = json.dumps(("y" * 99 + "\n") * 15)[1:-1]
+    result = json.dumps(("z" * 99 + "\n") * 20)[1:-1]
+    t = 1_700_000_000.0
+    with path.open("w") as f:
+        f.write(json.dumps({"t": t, "type": "run_started", "name": "main", "task": "big", "model": "m"}) + "\n")
+        for i in range(blocks):
+            t += 0.01
+            f.write(f'{{"t": {t}, "type": "launched", "name": "main", "id": "b{i}", "timeout": 30, "code": "{code}"}}\n')
+            for _ in range(4):
+                f.write(f'{{"t": {t}, "type": "output", "name": "main", "id": "b{i}", "text": "{chunk}"}}\n')
+            f.write(f'{{"t": {t}, "type": "progress", "name": "main", "id": "b{i}"}}\n')
+            f.write(f'{{"t": {t + 0.005}, "type": "finished", "name": "main", "id": "b{i}", "status": "ok", '
+                    f'"output": "{result}", "output_bytes": 6000}}\n')
+            if i in (10, 20):
+                f.write(json.dumps({"t": t, "type": "output", "name": "main", "id": f"b{i}", "text": "L" * (20 << 20)}) + "\n")
+        f.write(json.dumps({"t": t + 1, "type": "run_finished", "name": "main", "status": "answered",
+                            "tokens_in": 5, "tokens_out": 6, "cost": 0.0}) + "\n")
+
+
+def test_a_200_mb_recording_costs_bounded_memory_and_a_bounded_page(tmp_path: Path, request) -> None:
+    source = tmp_path / "big.jsonl"
+    _big_recording(source, 16_000)
+    assert source.stat().st_size > 200_000_000
+    rss, stderr, page = _viewed(tmp_path, source)
+    print(f"\nview of a {source.stat().st_size / 1e6:.0f} MB recording: peak RSS {rss / 1e6:.0f} MB, "
+          f"page {page.stat().st_size / 1e6:.1f} MB")
+    assert rss < VIEW_RSS, rss
+    assert page.stat().st_size < TIMELINE_PAGE
+    data = _page_data(page)
+    said = " ".join(data["summarised"])
+    assert "2 lines longer than 16 MiB were left out unread" in said, said
+    assert "only the first 10,000 bars" in said and "6,000 more blocks" in said, said
+    assert "texts are cut to 200 characters" in said, said
+    assert len(data["items"]) == 10_000 and data["totals"]["blocks"] == 16_000
+    assert data["totals"]["status"] == "answered"  # the run's end, after the bound, still counts
+    assert "the page summarises it" in stderr and len([s for s in stderr.splitlines() if "summarises" in s]) == 1
+    if CHROMIUM is not None and importlib.util.find_spec("playwright"):
+        shown, errors, _ = _open(request.getfixturevalue("browser"), page)
+        assert errors == [] and "This page summarises" in shown.inner_text("#summarised")
+        shown.close()
+
+
+def test_200000_results_cost_bounded_memory_and_a_small_page(tmp_path: Path) -> None:
+    source = tmp_path / "results.jsonl"
+    with source.open("w") as f:
+        for i in range(200_000):
+            status = ("answered", "answered", "failed", "timed_out", "answered")[i % 5]
+            error = f"boom {i % 13} at 'x{i}'" + "e" * 300 if status != "answered" else ""
+            f.write(json.dumps({"id": f"task-{i}", "status": status, "answer": "a" * 200, "error": error, "messages": 3,
+                                "tokens": {"in": 1000, "out": 100}, "cost": 0.001, "duration_s": 1 + (i % 997) / 10,
+                                "attempts": 1, "model": "m", "transcript": f"/nowhere/{i}/transcript.jsonl"}) + "\n")
+        # A run redone: its last line counts.
+        f.write(json.dumps({"id": "task-2", "status": "answered", "duration_s": 5000, "tokens": {"in": 1, "out": 1}})
+                + "\n")
+    rss, _, page = _viewed(tmp_path, source)
+    print(f"\nview of 200,000 results ({source.stat().st_size / 1e6:.0f} MB): peak RSS {rss / 1e6:.0f} MB, "
+          f"page {page.stat().st_size / 1e6:.1f} MB")
+    assert rss < VIEW_RSS, rss
+    assert page.stat().st_size < REPORT_PAGE
+    data = _page_data(page)
+    assert data["runs"] == 200_000 and data["lines"] == 200_001 and data["failed_total"] == 79_999
+    assert data["slowest"][0]["id"] == "task-2" and data["by_status"]["answered"] == 120_001
+    assert len(data["failed"]) == 2_000 and "the first 2,000 of 79,999 failed runs are listed" in data["summarised"]
+    assert data["reasons"][0][1] + sum(n for _, n in data["reasons"][1:]) == 79_999

@@ -16,6 +16,7 @@ from typing import Any
 
 from engine import trust
 from engine.errors import ConfigError
+from worker.contract.bounded_json import loads as bounded_loads
 
 __all__ = [
     "AgentDisplay", "DispatchDisplay", "FanoutDisplay", "JsonlRecorder", "accepted_kwargs",
@@ -164,11 +165,11 @@ def read_recording(path: str | Path) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
+            record = bounded_loads(line)
+        except ValueError as error:  # not JSON, or beyond the bounds (nested too deep, a number too long)
             if number == len(lines):
                 break
-            raise ConfigError(f"{path}:{number}: not a recorded event ({error.msg})") from error
+            raise ConfigError(f"{path}:{number}: not a recorded event ({getattr(error, 'msg', error)})") from error
         if not isinstance(record, dict) or "type" not in record:
             raise ConfigError(f"{path}:{number}: not a recorded event (no type)")
         events.append(record)

@@ -40,6 +40,7 @@ from engine.durations import DEFAULT_BLOCK_TIMEOUT, parse_duration
 from engine.errors import AgentError, ConfigError
 from engine.models import ServerInfo, strip_think
 from engine.tools import MAX_RESULT, execute_tool_call_async, parse_arguments, schema_for
+from worker.contract.bounded_json import loads as bounded_loads
 
 __all__ = ["ENGINE_TOOLS", "GUIDE", "ToolAgent", "embedded_calls"]
 
@@ -90,8 +91,8 @@ def embedded_calls(content: str) -> tuple[str, list[dict]]:
     calls = []
     for match in _EMBEDDED_CALL.finditer(content):
         try:
-            data = json.loads(match.group(1))
-        except json.JSONDecodeError:
+            data = bounded_loads(match.group(1))
+        except ValueError:  # not JSON, or beyond the bounds: the call's words say it
             data = {"name": "?", "arguments": match.group(1)}
         if not isinstance(data, dict):
             continue

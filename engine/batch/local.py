@@ -16,7 +16,7 @@ from engine.batch.progress import LinesView, Meter, Tally, make_view, short
 from engine.batch.results_file import Lock, ResultsFile, lock_runs_dir, open_results
 from engine.batch.stopping import Stopper, infra_threshold
 from engine.batch.tasks import TaskSpec, read_tasks, refuse_invalid
-from engine.errors import EXIT_INTERRUPTED, AgentloopError, ModelUnreachable
+from engine.errors import EXIT_INTERRUPTED, AgentloopError, ForeignServer, ModelUnreachable
 from engine.models import ModelConfig, probe
 
 if TYPE_CHECKING:
@@ -137,6 +137,8 @@ async def check_endpoints(models: Iterable[ModelConfig]) -> None:
     same way, seconds each, and be recorded as failed."""
     configs = list({(m.base_url, m.model): m for m in models}.values())
     for config, server in zip(configs, await asyncio.gather(*(probe(c) for c in configs)), strict=True):
+        if server.foreign:
+            raise ForeignServer(f"nothing was run: {server.foreign}")
         if server.models_status is None:
             raise ModelUnreachable(f"nothing was run: {server.silence(config.base_url)} Then run the same "
                                    "command again.")

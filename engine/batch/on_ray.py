@@ -64,6 +64,7 @@ from engine.batch.run import RunSettings, execute, make_record
 from engine.batch.stopping import Stopper, infra_threshold
 from engine.batch.tasks import TaskSpec, pack_files
 from engine.errors import AgentloopError
+from engine.models import raise_if_foreign
 from engine.observe import start_tracing, tracing_env
 
 __all__ = [
@@ -144,7 +145,7 @@ def import_ray() -> Any:
 
 
 def _forwarded_env(settings: RunSettings) -> dict[str, str]:
-    names = {config.api_key_env for config in settings.models}
+    names = {config.api_key_env for config in settings.models if config.url_named}  # (no key for a default)
     return {**{name: os.environ[name] for name in sorted(names) if os.environ.get(name)}, **tracing_env()}
 
 
@@ -154,10 +155,15 @@ def _check_reachable(address: str) -> None:
     if address == "auto" or "://" in address or not colon or not port.isdigit():
         return
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+        probe = socket.create_connection((host.strip("[]"), int(port)), timeout=10)
     except OSError as exc:
         raise AgentloopError(f"cannot connect to the Ray cluster at {address}: {exc.strerror or exc}; "
                              "start it (ray start --head) or check the address") from None
+    # The cluster gets the model keys: a GCS port of another user of this machine gets nothing.
+    # (Ray makes its own connections after this one; a port that changes hands in between is
+    # what this check leaves.)
+    with probe:
+        raise_if_foreign(probe, "the Ray cluster")
 
 
 def _warn_unsent_token() -> None:

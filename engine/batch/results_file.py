@@ -13,6 +13,7 @@ from pathlib import Path
 
 from engine import trust
 from engine.errors import ConfigError
+from worker.contract.bounded_json import loads as bounded_loads
 
 __all__ = [
     "Lock", "ResultsFile", "Resumed", "STATUSES", "lock_runs_dir", "open_results", "read_all",
@@ -63,7 +64,7 @@ class ResultsFile:
                 if not line.strip():
                     continue
                 try:
-                    record = json.loads(line)
+                    record = bounded_loads(line)
                     key = str(record["id"])
                 except (ValueError, TypeError, KeyError):
                     raise ConfigError(f"{self.path}:{number}: not a result record; fix or remove that line "

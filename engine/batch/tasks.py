@@ -20,6 +20,7 @@ from engine.errors import ConfigError
 from engine.inert import inert
 from engine.models import ModelRegistry
 from engine.trees import walk
+from worker.contract.bounded_json import loads as bounded_loads
 
 __all__ = ["TaskSpec", "pack_files", "read_lines", "read_tasks", "refuse_invalid", "task_files"]
 
@@ -74,9 +75,12 @@ def read_lines(path: str | Path, what: str, parse: Callable[[Any, int, Path], An
         if not line.strip():
             continue
         try:
-            spec = parse(json.loads(line), number, base)
+            spec = parse(bounded_loads(line), number, base)
         except json.JSONDecodeError as exc:
             problems.append(f"line {number}: not JSON ({exc.msg} at column {exc.colno})")
+            continue
+        except ValueError as exc:  # JSON beyond the bounds (nested too deep, a number too long)
+            problems.append(f"line {number}: not a task ({exc})")
             continue
         except ConfigError as exc:
             problems.append(f"line {number}: {exc}")

@@ -69,7 +69,8 @@ class _LazyGroup(click.Group):
 @click.option("-v", "--verbose", is_flag=True, help="Log what the engine does to stderr.")
 @click.option("--trace", is_flag=True,
               help="Send OpenTelemetry traces of what runs (OTLP, to OTEL_EXPORTER_OTLP_ENDPOINT, default "
-                   "http://localhost:4318), as OTEL_TRACES_EXPORTER=otlp does.")
+                   "http://localhost:4318), as OTEL_TRACES_EXPORTER=otlp does; a collector on this machine "
+                   "that another user runs gets nothing.")
 @click.pass_context
 def main(ctx: click.Context, verbose: bool, trace: bool) -> None:
     """agentloop: run model-written code in sandboxed worker processes."""

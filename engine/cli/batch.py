@@ -21,7 +21,7 @@ from engine.cli.options import (
 )
 from engine.errors import AgentloopError, ModelUnreachable
 from engine.inert import inert
-from engine.models import load_models
+from engine.models import load_models, unsent_key_note
 
 __all__ = ["batch"]
 
@@ -89,6 +89,8 @@ def batch(tasks_file: Path, output: Path, parallel: int | None, retries: int, re
         registry.get(model)
     except AgentloopError as exc:
         fail(str(exc))
+    if note := unsent_key_note(registry):
+        click.echo(inert(f"agentloop: note: {note}"), err=True)
     workers = worker_settings()
     if workers.workspace is not None:
         fail("batch gives each run a workspace of its own (under --runs-dir); --workspace does not apply")

@@ -6,7 +6,6 @@ rest of the command line keeps working.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from pathlib import Path
 
@@ -20,8 +19,14 @@ __all__ = ["mcp"]
 
 @click.command("mcp")
 @click.option("--http", "http", metavar="HOST:PORT", default=None,
-              help="Serve the streamable HTTP transport at http://HOST:PORT/mcp instead of stdio "
-                   "(port 0 picks a free one; the URL is printed on stderr).")
+              help="Serve the streamable HTTP transport instead of stdio, at http://HOST:PORT/TOKEN/mcp "
+                   "(port 0 picks a free one; the URL is printed on stderr).  Only requests that carry the "
+                   "server's token get in, in the URL's path as printed or as 'Authorization: Bearer TOKEN'; "
+                   "it is kept in ~/.local/state/agentloop/server-token (made on first use, mode 0600).")
+@click.option("--token-file", type=click.Path(dir_okay=False, readable=False, path_type=Path), default=None,
+              help="With --http: the file holding the token to require instead (yours, mode 0600; one line of "
+                   "at least 32 characters among A-Z a-z 0-9 - _ . ~).  There is no option that takes the token "
+                   "itself: every local user can read a command line.")
 @click.option("--allow-host", "allowed_hosts", metavar="NAME", multiple=True,
               help="With --http: a host name clients may use to reach the server (repeatable).  "
                    "Requests name an IP address or localhost otherwise; any other Host or Origin "
@@ -33,7 +38,8 @@ __all__ = ["mcp"]
               help="Sessions open at once on the server, all clients together; run_python naming "
                    "one more is refused in words.")
 @worker_options
-def mcp(http: str | None, allowed_hosts: tuple[str, ...], idle_timeout: float, max_sessions: int) -> None:
+def mcp(http: str | None, token_file: Path | None, allowed_hosts: tuple[str, ...], idle_timeout: float,
+        max_sessions: int) -> None:
     """Serve agentloop's sandboxed workers to an MCP client (stdio by default).
 
     Tools: run_python(code, session="default", timeout="30s") runs code in the session's
@@ -41,44 +47,42 @@ def mcp(http: str | None, allowed_hosts: tuple[str, ...], idle_timeout: float, m
     list_sessions().  Each session is a sandbox of its own whose files, in WORKSPACE/SESSION
     (default ./files/SESSION), are readable as resources agentloop://SESSION/PATH.  Over --http
     each MCP session is a client of its own: its sessions (default included) are its alone,
-    in WORKSPACE/client-ID/SESSION, and close when it ends its MCP session.  The sandbox and
-    limit options, --python and --preload apply to every session.  The server stops, killing
-    every worker, when the client closes the connection or on SIGTERM."""
+    in WORKSPACE/client-ID/SESSION, and close when it ends its MCP session.  Loopback is shared
+    by every account of the machine, so over --http a request without the server's token is
+    answered 401 (403 with another token) before anything runs.  The sandbox and limit
+    options, --python and --preload apply to every session.  The server stops, killing every
+    worker, when the client closes the connection or on SIGTERM."""
     try:
+        from engine.integrations import http_gate
         from engine.integrations import mcp as server
         from engine.integrations import mcp_transports as transports
     except ImportError as exc:  # its message names the extra to install
         fail(str(exc))
-    address = None
+    address = token = None
     if http is not None:
         try:
             address = transports.parse_address(http)
         except ValueError as exc:
             fail(f"--http: {exc}")
-        if not _loopback(address[0]):
-            click.echo(f"agentloop: warning: anyone who reaches {http} can run code in the sandbox "
-                       "(the MCP transport carries no authentication here)", err=True)
-    elif allowed_hosts:
-        fail("--allow-host applies to --http only")
+        try:
+            token = http_gate.ServerToken.load(token_file)
+        except (AgentloopError, OSError) as exc:
+            fail(f"--http: {exc}")
+        if (warning := http_gate.exposure_warning(*address)) is not None:
+            click.echo(f"agentloop: warning: {warning}", err=True)
+    elif allowed_hosts or token_file is not None:
+        fail(f"{'--allow-host' if allowed_hosts else '--token-file'} applies to --http only")
     options = worker_settings()
     config = server.ServerConfig(
         workspace=(options.workspace or Path("files")).resolve(), settings=options.settings(),
         cwd=Path(os.getcwd()).resolve(), idle_timeout=idle_timeout, max_sessions=max_sessions)
 
     def announce(url: str) -> None:
-        click.echo(f"agentloop: serving MCP at {url}", err=True)
+        assert token is not None
+        click.echo(f"agentloop: serving MCP at {url} only to requests that carry its token (in the URL's path "
+                   f"as here, or as 'Authorization: Bearer TOKEN'), kept in {token.path}", err=True)
 
     try:
-        transports.run(config, address, announce, tuple(allowed_hosts))
+        transports.run(config, address, announce, tuple(allowed_hosts), token)
     except AgentloopError as exc:
         fail(str(exc))
-
-
-def _loopback(host: str) -> bool:
-    """Whether ``host`` is a loopback address (all of 127.0.0.0/8 and ::1) or localhost."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

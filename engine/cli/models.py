@@ -18,7 +18,9 @@ __all__ = ["models_cmd"]
               help="Model aliases file (default ./agentloop.toml).")
 def models_cmd(models_file) -> None:
     """List the model aliases agents can use, with what their servers report (context size,
-    tool support); a server that does not answer within a few seconds is listed as configured."""
+    tool support); a server that does not answer within a few seconds is listed as configured.
+    A server on this machine that another user runs is not asked (nothing is sent to it): the
+    line below its alias says whose it is."""
     from dataclasses import replace
 
     from engine.models import probe, which_wins
@@ -41,3 +43,5 @@ def models_cmd(models_file) -> None:
         if (config.vision if config.vision is not None else server.vision):
             notes.append("takes images")
         click.echo(inert(f"{mark} {shown.describe(context_from=source).removeprefix('- ')}  [{', '.join(notes)}]"))
+        if server.foreign:  # not asked: its server is another user's (nothing was sent)
+            click.echo(inert(f"  not used: {server.foreign}"))

@@ -239,7 +239,10 @@ def agent_options(f):
         max_tokens_option,
         click.option("--model", "model", default=None, help="Model alias (see `agentloop models`)."),
         click.option("--models", "models_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
-                     help="Model aliases file (default ./agentloop.toml, else LLM_URL/LLM_MODEL)."),
+                     help="Model aliases file (default ./agentloop.toml, else LLM_URL/LLM_MODEL).  A key "
+                          "($LLM_API_KEY, or the alias's api_key_env) goes only to a URL you named, never to "
+                          "the built-in default; a server on this machine is used only when it is yours or "
+                          "root's."),
         click.option("--protocol", type=click.Choice(["tags", "tools"]), default=None,
                      help="How the model acts: <run_code> tags (the default) or native tool calls; "
                           "default: each model alias's `protocol` in agentloop.toml."),
@@ -260,13 +263,17 @@ def agent_options(f):
 
 def load_registry(models_file: Path | None):
     """The model aliases (the file, else LLM_URL/LLM_MODEL), with the command's ``--max-tokens``
-    applied to every one; a bad file ends the command in one line."""
-    from engine.models import load_models
+    applied to every one; a bad file ends the command in one line.  A key set for an endpoint
+    nobody named (the built-in default) is not sent, and one line on stderr says so."""
+    from engine.models import load_models, unsent_key_note
 
     try:
-        return apply_max_tokens(load_models(models_file))
+        registry = apply_max_tokens(load_models(models_file))
     except AgentloopError as exc:
         fail(str(exc))
+    if note := unsent_key_note(registry):
+        click.echo(inert(f"agentloop: note: {note}"), err=True)
+    return registry
 
 
 def apply_max_tokens(registry):

@@ -36,7 +36,10 @@ def view_cmd(file: Path, output: Path | None, open_it: bool | None) -> None:
     marked; click a bar for its code, output and result.  A results file of batch or exec
     --jsonl becomes a report: counts by status and failure reason, durations, tokens and cost,
     the slowest and failed runs (a batch's linked to their timelines, written beside the
-    report).  A file cut short is shown as far as it goes, with a warning."""
+    report).  A file cut short is shown as far as it goes, with a warning.  A file of any size
+    is read a line at a time: the page keeps at most 10,000 bars and 500 lanes, 12 million
+    characters of text (then 200 a text), the first 2,000 failed runs of a report, and leaves
+    out lines over 16 MiB; what it summarised is said at its top and on stderr."""
     from engine import view
 
     try:
@@ -47,6 +50,9 @@ def view_cmd(file: Path, output: Path | None, open_it: bool | None) -> None:
         fail(f"cannot write the page: {exc.strerror or exc}")
     if written.warning:
         click.echo(inert(f"agentloop: warning: {file}: {written.warning}"), err=True)
+    if written.summarised:
+        click.echo(inert(f"agentloop: note: {file} is large: the page summarises it ({'; '.join(written.summarised)})"),
+                   err=True)
     more = f", {written.timelines} run timelines in {written.path.stem}.timelines/" if written.timelines else ""
     click.echo(inert(f"agentloop: {written.kind} of {written.summary}{more}"), err=True)
     click.echo(inert(str(written.path)))

@@ -9,6 +9,19 @@ IP address (a rebinding page can only name its domain), ``localhost``, or a name
 loopback address, the host the request names, or an allowed name.  Any other request is
 answered 421 (Host) or 403 (Origin) and never reaches the SDK.
 
+**The owner's token.**  Loopback is shared by every account of the machine, so an address alone
+lets anyone in: every request must carry the server's secret token, as the first segment of its
+path (``http://127.0.0.1:PORT/TOKEN/mcp``, stripped before the app sees the path) or as
+``Authorization: Bearer TOKEN``.  A request without it is answered 401, one with another 403,
+compared in constant time, before anything else of the server runs.  The token is random
+(``secrets``), kept in a file only its owner may read (``ServerToken``: by default
+``STATE/agentloop/server-token``, made on first use and kept, so client configurations keep
+working; ``--token-file`` names a fixed one), and never put on a command line, which every
+local user can read in ``/proc/PID/cmdline``.  ``listen`` binds the socket and says, for an
+address beyond loopback, that the token then crosses the network as plain HTTP.
+
+Every server agentloop runs over TCP (``agentloop mcp --http`` today) answers through ``Gate``.
+
 **The end of an MCP session.**  A ``DELETE`` that the SDK accepted ends the MCP session its
 ``Mcp-Session-Id`` names: ``on_end`` is told its id, so that the session's client's workers stop
 at once instead of at their idle timeout.
@@ -16,17 +29,133 @@ at once instead of at their idle timeout.
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
+import os
+import secrets
+import socket
+import stat
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine.errors import ConfigError
 from engine.integrations.mcp_clients import SESSION_ID_HEADER
+from engine.trust import state_dir
 
-__all__ = ["Gate", "host_allowed", "origin_allowed"]
+__all__ = ["Gate", "ServerToken", "TOKEN_FILE", "exposure_warning", "host_allowed", "is_loopback", "listen",
+           "origin_allowed"]
+
+#: The default token file's name, in agentloop's state directory.
+TOKEN_FILE = "server-token"
+#: The characters a token may hold (it travels in a URL's path) and its shortest length.
+_TOKEN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.~")
+_TOKEN_MIN = 32
+
+
+@dataclass(frozen=True)
+class ServerToken:
+    """The secret a TCP server's every request must carry, and the file it is kept in."""
+
+    value: str
+    path: Path
+
+    def __repr__(self) -> str:  # never the value
+        return f"ServerToken(path={str(self.path)!r})"
+
+    @classmethod
+    def load(cls, path: Path | None = None) -> ServerToken:
+        """The token of ``path`` (``--token-file``), or of the default file, made on first use
+        (mode 0600, in agentloop's private state directory).  ConfigError, in one line saying
+        what to do, for a file that is not this user's alone or holds no usable token."""
+        if path is None:
+            path = state_dir() / TOKEN_FILE
+            token = secrets.token_urlsafe(32)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise ConfigError(f"cannot make the token file {path}: {exc.strerror or exc}") from None
+            else:
+                with os.fdopen(fd, "w") as f:
+                    f.write(token + "\n")
+        return cls(_read_token(path), path)
+
+    def carried_by(self, scope: Scope, headers: Headers) -> tuple[bool, str | None]:
+        """(whether the request carries some credential, the path to pass on when it carries
+        this token; None when it does not)."""
+        path = scope.get("path", "")
+        first, _, rest = path.removeprefix("/").partition("/")
+        if _same(first, self.value):
+            return True, "/" + rest
+        given = headers.getlist("authorization")
+        if not given:
+            return False, None
+        kind, _, value = given[0].strip().partition(" ")
+        return True, path if len(given) == 1 and kind.lower() == "bearer" and _same(value.strip(), self.value) else None
+
+
+def _same(given: str, token: str) -> bool:
+    """Constant-time equality (in the token's length) of whatever was sent and the token."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), token.encode("ascii"))
+
+
+def _read_token(path: Path) -> str:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        raise ConfigError(f"cannot read the token file {path}: {exc.strerror or exc}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ConfigError(f"the token file {path} is not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise ConfigError(f"the token file {path} must be yours and no one else's (it is uid {st.st_uid}'s, "
+                              f"mode {stat.S_IMODE(st.st_mode):04o}): chmod 600 it, or use another")
+        text = f.read(4096).decode("ascii", "replace").strip()
+    if len(text) < _TOKEN_MIN or not set(text) <= _TOKEN_CHARS:
+        raise ConfigError(f"the token file {path} must hold one token of at least {_TOKEN_MIN} characters among "
+                          "A-Z a-z 0-9 - _ . ~ (it goes in a URL), e.g. made with: "
+                          "python3 -c 'import secrets; print(secrets.token_urlsafe(32))'")
+    return text
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (all of 127.0.0.0/8 and ::1) or localhost."""
+    if host == "localhost":
+        return True
+    ip = _ip(host)
+    return ip is not None and ip.is_loopback
+
+
+def exposure_warning(host: str, port: int) -> str | None:
+    """The warning for an address beyond loopback: the token crosses the network in clear."""
+    if is_loopback(host):
+        return None
+    return (f"{host}:{port} is reachable beyond this machine and the server speaks plain HTTP: whoever sees "
+            "the traffic sees the token, and with it can run code in the sandbox; keep to 127.0.0.1, or put "
+            "TLS in front")
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: a free one); ConfigError in words."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    return sock
 
 
 def _host_of(authority: str) -> str | None:
@@ -74,20 +203,36 @@ def origin_allowed(origin: str | None, host_header: str | None, names: Iterable[
 
 
 class Gate:
-    """ASGI middleware in front of the SDK's app: the DNS-rebinding checks (see the module
-    docstring) for every HTTP request, and ``on_end(session_id)`` after an accepted DELETE."""
+    """ASGI middleware in front of a server's app: the owner's token and the DNS-rebinding
+    checks (see the module docstring) for every HTTP request, and ``on_end(session_id)`` after
+    an accepted DELETE.  Anything but HTTP (a WebSocket) is refused."""
 
-    def __init__(self, app: ASGIApp, *, allowed_names: Iterable[str] = (),
+    def __init__(self, app: ASGIApp, *, token: ServerToken, allowed_names: Iterable[str] = (),
                  on_end: Callable[[str], None] | None = None) -> None:
         self.app = app
+        self.token = token
         self.names = frozenset(name.lower() for name in allowed_names)
         self.on_end = on_end
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":  # lifespan: the SDK's session manager starts and stops there
+        if scope["type"] == "lifespan":  # the SDK's session manager starts and stops there
             await self.app(scope, receive, send)
             return
+        if scope["type"] != "http":
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+            return
         headers = Headers(scope=scope)
+        carried, path = self.token.carried_by(scope, headers)
+        if path is None:
+            words, status = ("this server answers only requests that carry its token (in the URL's path, or as "
+                             "Authorization: Bearer)", 401) if not carried else ("wrong token", 403)
+            await Response(words, status_code=status)(scope, receive, send)
+            return
+        if path != scope.get("path"):  # the token was the path's first segment: the app never sees it
+            raw, prefix = scope.get("raw_path") or b"", b"/" + self.token.value.encode("ascii")
+            raw = raw[len(prefix):] or b"/" if raw.startswith(prefix) else path.encode("utf-8", "surrogateescape")
+            scope = {**scope, "path": path, "raw_path": raw}
         hosts = headers.getlist("host")
         if len(hosts) != 1 or not host_allowed(hosts[0], self.names):
             await Response("Invalid Host header", status_code=421)(scope, receive, send)

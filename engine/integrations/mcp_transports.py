@@ -1,6 +1,7 @@
 """How ``agentloop mcp`` is reached: stdio (read without a thread, so a signal ends it; one
 client) or the streamable HTTP transport (each MCP session a client of its own, behind the
-DNS-rebinding gate of ``http_gate``); both close every session before the process exits."""
+gate of ``http_gate``: the owner's token, then the DNS-rebinding checks); both close every
+session before the process exits."""
 
 from __future__ import annotations
 
@@ -21,8 +22,7 @@ except ImportError as exc:  # the optional extra: say how to get it
 
     raise ImportError(f"the MCP server needs the MCP SDK ({exc}): {install_hint('mcp')}") from exc
 
-from engine.errors import AgentloopError
-from engine.integrations.http_gate import Gate
+from engine.integrations.http_gate import Gate, ServerToken, listen
 from engine.integrations.mcp import AgentloopMCP
 from engine.integrations.mcp_sessions import CLOSE_TIMEOUT, ServerConfig
 
@@ -112,14 +112,17 @@ def parse_address(text: str) -> tuple[str, int]:
 
 
 async def serve_http(config: ServerConfig, host: str, port: int, announce: Callable[[str], None],
-                     allowed_hosts: tuple[str, ...] = ()) -> None:
-    """Serve MCP over streamable HTTP at ``http://HOST:PORT/mcp`` until the task is cancelled
-    or uvicorn stops (SIGTERM, Ctrl-C).  ``announce`` gets the URL once it is listening (port 0
-    picks a free port).  ``allowed_hosts``: names a request's Host and Origin may carry besides
-    addresses and ``localhost``.  An MCP session the client leaves without a request for
-    ``idle_timeout`` expires, as its idle sessions do."""
+                     allowed_hosts: tuple[str, ...] = (), token: ServerToken | None = None) -> None:
+    """Serve MCP over streamable HTTP at ``http://HOST:PORT/TOKEN/mcp`` until the task is
+    cancelled or uvicorn stops (SIGTERM, Ctrl-C).  Every request must carry ``token`` (default:
+    the one of agentloop's token file), in its path as here or as ``Authorization: Bearer``.
+    ``announce`` gets that URL once it is listening (port 0 picks a free port).
+    ``allowed_hosts``: names a request's Host and Origin may carry besides addresses and
+    ``localhost``.  An MCP session the client leaves without a request for ``idle_timeout``
+    expires, as its idle sessions do."""
     import uvicorn
 
+    token = token or ServerToken.load()
     mcp = AgentloopMCP(config, per_session=True)
     # The SDK logs each MCP session id at INFO (-v): an id is its client's only credential.
     logging.getLogger("mcp").setLevel(max(logging.WARNING, logging.getLogger("mcp").getEffectiveLevel()))
@@ -127,15 +130,9 @@ async def serve_http(config: ServerConfig, host: str, port: int, announce: Calla
         host=host, session_idle_timeout=max(config.idle_timeout, 1.0), max_sessions=MAX_MCP_SESSIONS,
         # The gate checks Host and Origin on every address, the SDK only on three loopback names.
         transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False))
-    gated = Gate(app, allowed_names=allowed_hosts, on_end=mcp.end_mcp_session)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise AgentloopError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    gated = Gate(app, token=token, allowed_names=allowed_hosts, on_end=mcp.end_mcp_session)
+    sock = listen(host, port)
+    family_v6 = sock.family == socket.AF_INET6
     bound = sock.getsockname()[1]
 
     class Uvicorn(uvicorn.Server):
@@ -143,15 +140,16 @@ async def serve_http(config: ServerConfig, host: str, port: int, announce: Calla
         def capture_signals(self) -> Iterator[None]:
             yield  # signals stay ours: they cancel the serving task, which stops uvicorn below
 
-    server = Uvicorn(uvicorn.Config(gated, log_level="warning", lifespan="on"))
+    # No access log: a request's path holds the token.
+    server = Uvicorn(uvicorn.Config(gated, log_level="warning", lifespan="on", access_log=False))
 
     async def serve() -> None:
         started = asyncio.ensure_future(server.serve(sockets=[sock]))
         while not server.started and not started.done():
             await asyncio.sleep(0.01)  # uvicorn offers no event for it
-        shown = f"[{host}]" if family == socket.AF_INET6 else host
+        shown = f"[{host}]" if family_v6 else host
         if server.started:
-            announce(f"http://{shown}:{bound}/mcp")
+            announce(f"http://{shown}:{bound}/{token.value}/mcp")
         try:
             await asyncio.shield(started)
         except asyncio.CancelledError:
@@ -166,10 +164,11 @@ async def serve_http(config: ServerConfig, host: str, port: int, announce: Calla
 
 
 def run(config: ServerConfig, http: tuple[str, int] | None = None,
-        announce: Callable[[str], None] = lambda url: None, allowed_hosts: tuple[str, ...] = ()) -> None:
+        announce: Callable[[str], None] = lambda url: None, allowed_hosts: tuple[str, ...] = (),
+        token: ServerToken | None = None) -> None:
     """Run the server in this process until the client closes stdin (stdio) or a signal
     (SIGTERM, SIGINT) stops it; returns once every session is closed."""
-    coro = serve_stdio(config) if http is None else serve_http(config, *http, announce, allowed_hosts)
+    coro = serve_stdio(config) if http is None else serve_http(config, *http, announce, allowed_hosts, token)
     with contextlib.suppress(KeyboardInterrupt), asyncio.Runner() as runner:
         runner.run(_cancel_on_sigterm(coro))
 

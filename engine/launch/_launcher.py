@@ -44,9 +44,8 @@ from engine.launch._run_dirs import (
     held_alone,
     hold_workspace,
     missing_dirs,
-    private_dir,
     remove_stale_runs,
-    runtime_home,
+    runtime_dir,
 )
 from engine.launch._settings import WorkerSettings
 from engine.launch._shared_fork_server import RunView, SharedForkServer
@@ -161,12 +160,14 @@ class Launcher:
             if self._hold is not None:
                 self._found = os.fstat(self._hold)  # its owner and mode, given back at close
             self.protected = protected_paths(self.workspace)
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            os.chmod(self.run_dir, 0o700)
+            # Each directory of the state, the run's own included, is the user's alone: the run
+            # ids in ``runs`` name live runs (``trust.state_dir``).
+            trust.state_dir("runs", self.run_dir.name, base=self.run_dir.parent.parent)
+            self.output_dir.mkdir(exist_ok=True)
             if settings.keep_output:
                 (self.run_dir / ".kept").touch()
             remove_stale_runs(self.run_dir.parent)
-            runtime = private_dir(runtime_home())
+            runtime = runtime_dir()
             remove_stale_runs(runtime)
             if self._served_by_shared():
                 assert self.shared is not None

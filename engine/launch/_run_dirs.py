@@ -3,17 +3,24 @@ directories its sockets and outputs live in, cleared of what killed runs left.""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import fcntl
+import logging
 import os
+import pwd
 import stat
+import tempfile
 from pathlib import Path
 
 from engine.errors import ConfigError
 from engine.trees import remove_tree
 
-__all__ = ["give_back", "held_alone", "hold_workspace", "missing_dirs", "private_dir", "remove_stale_runs", "runtime_home"]
+__all__ = ["give_back", "held_alone", "hold_workspace", "missing_dirs", "private_dir", "remove_stale_runs", "runtime_dir",
+           "runtime_home"]
+
+log = logging.getLogger("agentloop")
 
 
 def missing_dirs(path: Path) -> list[Path]:
@@ -71,12 +78,67 @@ def give_back(fd: int, found: os.stat_result) -> None:
             os.fchmod(fd, stat.S_IMODE(found.st_mode))
 
 
+#: The longest directory the runtime directory may be made in: an ipc:// path must fit in 107
+#: bytes, and a run's socket paths take about 60 of them beneath it.
+_SHORT = 40
+_fallback: Path | None = None  # this process's private runtime directory, once the usual one was refused
+
+
 def runtime_home() -> Path:
-    # Short on purpose: an ipc:// path must fit in 107 bytes.
+    """Where the runtime directory usually is: ``$XDG_RUNTIME_DIR/agentloop``, else
+    ``$TMPDIR/agentloop-UID`` (``/tmp`` by default, and when ``$TMPDIR`` is too long)."""
     xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isdir(xdg) and len(xdg) < 40:
+    if xdg and os.path.isdir(xdg) and len(xdg) < _SHORT:
         return Path(xdg) / "agentloop"
-    return Path("/tmp") / f"agentloop-{os.getuid()}"
+    return _temp_base() / f"agentloop-{os.getuid()}"
+
+
+def _temp_base() -> Path:
+    tmp = os.environ.get("TMPDIR")
+    return Path(tmp) if tmp and os.path.isabs(tmp) and len(tmp) < _SHORT and os.path.isdir(tmp) else Path("/tmp")
+
+
+def runtime_dir() -> Path:
+    """The private directory a run's sockets live in: ``runtime_home()``, made 0700 if missing.
+
+    In a shared sticky ``/tmp`` another user can make ``agentloop-UID`` first (a directory, a
+    link, a file, a fifo), and this user cannot remove it: then this process makes a directory
+    of its own instead (``agentloop-UID-PID-RANDOM`` beside it, by ``mkdtemp``: a name nobody
+    can make first) and says so once, naming what was in the way.  What a killed process left
+    in such a directory is removed by the next one that falls back."""
+    global _fallback
+    home = runtime_home()
+    try:
+        return private_dir(home)
+    except (ConfigError, OSError) as exc:
+        why = str(exc) if isinstance(exc, ConfigError) else f"{home}: {exc.strerror or exc}"
+    if _fallback is not None and _fallback.is_dir():
+        return _fallback
+    base = _temp_base()
+    _remove_stale_fallbacks(base)
+    _fallback = Path(tempfile.mkdtemp(prefix=f"agentloop-{os.getuid()}-{os.getpid()}-", dir=base))
+    atexit.register(_remove_if_empty, _fallback)
+    log.warning("%s; using %s for this process instead", why.removesuffix("; remove it and retry"), _fallback)
+    return _fallback
+
+
+def _remove_if_empty(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.rmdir()
+
+
+def _remove_stale_fallbacks(base: Path) -> None:
+    """Remove the fallback directories of this user's processes that no longer run."""
+    prefix = f"agentloop-{os.getuid()}-"
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(base):
+            pid = entry.name[len(prefix):].split("-", 1)[0]
+            if not entry.name.startswith(prefix) or not pid.isdigit() or os.path.exists(f"/proc/{pid}"):
+                continue
+            with contextlib.suppress(OSError):
+                st = entry.stat(follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
+                    remove_tree(Path(entry.path))
 
 
 def remove_stale_runs(parent: Path) -> None:
@@ -96,8 +158,20 @@ def remove_stale_runs(parent: Path) -> None:
 
 def private_dir(path: Path) -> Path:
     """``path``, made mode 0700 if missing; ConfigError unless it is this user's and no one else's."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700, parents=True)
     st = path.lstat()
-    if st.st_uid != os.getuid() or st.st_mode & 0o077 or path.is_symlink():
-        raise ConfigError(f"{path} is not a private directory of this user; remove it and retry")
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        kind = "a link" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else \
+            "a fifo" if stat.S_ISFIFO(st.st_mode) else "a file"
+        owner = "yours" if st.st_uid == os.getuid() else f"uid {st.st_uid}'s ({_name(st.st_uid)})"
+        raise ConfigError(f"{path} is not a private directory of this user (it is {kind}, {owner}, mode "
+                          f"{stat.S_IMODE(st.st_mode):04o}); remove it and retry")
     return path
+
+
+def _name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return "no user name"

@@ -18,19 +18,23 @@ never becomes content.
 from __future__ import annotations
 
 import asyncio
-import email.utils
-import functools
 import json
-import socket
-import ssl
 import time
-import types
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 import httpx
 
 from engine.errors import ModelResponseError, ModelUnreachable
+from engine.models._http import (
+    auth_headers,
+    caused_by,
+    nobody_listens,
+    open_client,
+    retry_after,
+    start_hint,
+    transport_reason,
+)
 from engine.models._images import (
     content_chars,
     has_images,
@@ -42,11 +46,9 @@ from engine.models._images import (
 from engine.models._reasoning import ThinkSplitter, reasoning_of, strip_think
 from engine.models._registry import ModelConfig
 from engine.models._stream import Assembly, normal_call, timings
+from worker.contract.bounded_json import loads as bounded_loads
 
-__all__ = [
-    "Chat", "Display", "MIN_REPLY_TOKENS", "auth_headers", "nobody_listens", "open_client", "start_hint",
-    "transport_reason"
-]
+__all__ = ["Chat", "Display", "MIN_REPLY_TOKENS"]
 
 _RETRY_STATUS = {408, 429}
 #: Base URLs that have answered a completion in this process (see ``Chat.request``).
@@ -58,25 +60,6 @@ MIN_REPLY_TOKENS = 256
 #: (code packs fewer characters into a token than prose), since too high a cap is an HTTP 400
 #: on servers that check prompt + max_tokens against their window (vLLM).
 _CHARS_PER_TOKEN_LOW = 3
-
-
-@functools.cache
-def _tls() -> ssl.SSLContext:
-    """One TLS context for the process: building one costs tens of milliseconds, and every
-    client would otherwise build its own (every sub-agent's conversation has a client)."""
-    return httpx.create_ssl_context()
-
-
-def open_client(model: ModelConfig, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
-    """The HTTP client for conversations with ``model``'s endpoint (its timeout; the shared TLS context)."""
-    timeout = httpx.Timeout(model.timeout, connect=min(model.timeout, 30.0))
-    return httpx.AsyncClient(transport=transport, timeout=timeout, verify=_tls())
-
-
-def auth_headers(model: ModelConfig) -> dict[str, str]:
-    """The Authorization header for ``model``'s key, read now; none without a key."""
-    key = model.api_key()
-    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 class Display(Protocol):
@@ -377,7 +360,7 @@ class Chat:
         except httpx.TransportError as exc:
             reason = transport_reason(exc)
             raise _Transient(self._unreachable(reason, exc, start=nobody_listens(exc)), reason,
-                             refused=_caused_by(exc, ConnectionRefusedError)) from exc
+                             refused=caused_by(exc, ConnectionRefusedError)) from exc
 
     def _status_error(self, response: httpx.Response, text: str, *, stream: bool) -> Exception:
         status = response.status_code
@@ -393,7 +376,7 @@ class Chat:
         error = ModelResponseError(self._redact(
             f"the model endpoint {self._url} answered HTTP {status}{hint}: {text[:_BODY_PREVIEW]}"), status)
         if status in _RETRY_STATUS or status >= 500:
-            return _Transient(error, f"HTTP {status}", _retry_after(response.headers.get("retry-after")))
+            return _Transient(error, f"HTTP {status}", retry_after(response.headers.get("retry-after")))
         return error
 
     def _unreachable(self, reason: str, exc: Exception, *, start: bool) -> ModelUnreachable:
@@ -456,10 +439,11 @@ class Chat:
 
     def _chunk(self, reply: Assembly, splitter: ThinkSplitter, event: str) -> None:
         try:
-            chunk = json.loads(event)
-        except json.JSONDecodeError:
+            chunk = bounded_loads(event)
+        except ValueError as exc:  # not JSON, or JSON beyond the bounds (nested too deep, a number too long)
             raise ModelResponseError(self._redact(
-                f"the model endpoint {self._url} streamed a chunk that is not JSON: {event[:_BODY_PREVIEW]}")) from None
+                f"the model endpoint {self._url} streamed a chunk that is not JSON ({exc}): "
+                f"{event[:_BODY_PREVIEW]}")) from None
         if not isinstance(chunk, dict):
             return
         if chunk.get("error"):
@@ -472,11 +456,11 @@ class Chat:
 
     def _read_plain(self, raw: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
         try:
-            data = json.loads(raw)
+            data = bounded_loads(raw)
             message = data["choices"][0]["message"]
             if not isinstance(message, dict):
                 raise TypeError("message is not an object")
-        except (json.JSONDecodeError, KeyError, IndexError, TypeError):
+        except (ValueError, KeyError, IndexError, TypeError):
             raise ModelResponseError(self._redact(
                 f"the model endpoint {self._url} answered with a body that is not a chat completion: "
                 f"{raw[:_BODY_PREVIEW]}")) from None
@@ -537,64 +521,3 @@ def _int(usage: dict[str, Any] | None, key: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _retry_after(value: str | None) -> float | None:
-    """Seconds from a Retry-After header (delta-seconds or an HTTP date); None if absent or unreadable."""
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
-
-
-def start_hint(base_url: str) -> str:
-    """How to start a server where ``base_url`` points (its host and port, not a fixed 8080)."""
-    url = httpx.URL(base_url)
-    port = url.port or (443 if url.scheme == "https" else 80)
-    host = url.host or "127.0.0.1"
-    where = "" if host in ("127.0.0.1", "localhost", "::1") else f" --host {host}"
-    return (f"Start one there: `llama-server -m MODEL.gguf{where} --port {port} --jinja`; or point LLM_URL "
-            "(or base_url in agentloop.toml) at a server that runs, e.g. Ollama's "
-            "(`LLM_URL=http://localhost:11434/v1 LLM_MODEL=qwen3:4b`).")
-
-
-def nobody_listens(exc: BaseException) -> bool:
-    """Whether a failed connection means no server is there: refused, or a host name that does
-    not resolve (as opposed to a reset, a broken stream or a timeout from a server that is up)."""
-    return _caused_by(exc, ConnectionRefusedError | socket.gaierror) or (
-        isinstance(exc, httpx.ConnectError) and "refused" in str(exc).lower())
-
-
-def _caused_by(exc: BaseException, kind: type | types.UnionType) -> bool:
-    """Whether ``exc``, or an exception it was raised from (eight deep at most), is a ``kind``."""
-    cause: BaseException | None = exc
-    for _ in range(8):
-        if cause is None:
-            return False
-        if isinstance(cause, kind):
-            return True
-        cause = cause.__cause__ or cause.__context__
-    return False
-
-
-def transport_reason(exc: httpx.TransportError) -> str:
-    """A few words on why the connection failed, from the OS error underneath when there is one
-    (httpx reports every refused connect as "All connection attempts failed")."""
-    cause: BaseException | None = exc
-    for _ in range(8):
-        if cause is None:
-            break
-        if isinstance(cause, ConnectionRefusedError):
-            return "connection refused"
-        if isinstance(cause, OSError) and cause.strerror:
-            return cause.strerror.lower()
-        cause = cause.__cause__ or cause.__context__
-    text = str(exc)
-    if isinstance(exc, httpx.ConnectError):
-        return f"cannot connect: {text}" if text else "cannot connect"
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -18,6 +18,10 @@ describes any number of them::
     max_tokens = 8192            # longest reply, sent as max_tokens (a cut reply is never an answer)
     vision = true                # the model takes images (default: as the server says; else not)
 
+A key is sent only to an endpoint the user named (``LLM_URL``, or an alias's ``base_url``): the
+built-in default ``DEFAULT_URL`` is a loopback port any local account may have bound first, so a
+model that is there only by default gets no key (``unsent_key_note`` says so in one line).
+
 The environment alias is kept next to the file's models when the user set ``LLM_URL`` or
 ``LLM_MODEL`` explicitly, or when the file defines no models; otherwise listing it would offer
 the model an endpoint nobody configured.  Keys are never stored: only the variable's name is,
@@ -44,7 +48,7 @@ from engine.errors import ConfigError
 
 __all__ = [
     "DEFAULT_ALIAS", "DEFAULT_MAX_TOKENS", "DEFAULT_MODEL_ID", "DEFAULT_TIMEOUT",
-    "DEFAULT_URL", "ModelConfig", "ModelRegistry", "load_models", "which_wins"
+    "DEFAULT_URL", "ModelConfig", "ModelRegistry", "load_models", "unsent_key_note", "which_wins"
 ]
 
 DEFAULT_URL = "http://127.0.0.1:8080/v1"
@@ -59,7 +63,9 @@ DEFAULT_ALIAS = "default"
 @dataclass(frozen=True)
 class ModelConfig:
     """One named model endpoint.  Holds the *name* of the key's environment variable, so the
-    key itself never appears in a repr, a log line or an event."""
+    key itself never appears in a repr, a log line or an event.  ``url_named``: the user named
+    ``base_url`` (``LLM_URL``, or the alias's own); False when it is only ``DEFAULT_URL``, which
+    then gets no key."""
 
     alias: str
     base_url: str
@@ -73,10 +79,12 @@ class ModelConfig:
     max_tokens: int = DEFAULT_MAX_TOKENS
     #: Whether the model takes images (``image_url`` parts); None: as its server says.
     vision: bool | None = None
+    url_named: bool = True
 
     def api_key(self) -> str | None:
-        """The key from the environment, read now (so a key exported later is picked up); None if unset."""
-        return os.environ.get(self.api_key_env) or None
+        """The key from the environment, read now (so a key exported later is picked up); None if
+        unset, and None for an endpoint nobody named (see the module docstring)."""
+        return (os.environ.get(self.api_key_env) or None) if self.url_named else None
 
     def cost(self, tokens_in: int, tokens_out: int) -> float:
         """USD for that many prompt and completion tokens at this model's prices."""
@@ -203,6 +211,17 @@ def which_wins(registry: ModelRegistry, path: str | Path | None = None,
             f"({default.model} at {default.base_url}); {kept}")
 
 
+def unsent_key_note(registry: ModelRegistry, env: Mapping[str, str] = os.environ) -> str:
+    """One sentence when a key is set for an alias whose endpoint is only the built-in default
+    (so the key is not sent); "" otherwise."""
+    for config in registry:
+        if not config.url_named and env.get(config.api_key_env):
+            return (f"${config.api_key_env} is set but no model URL was named, so no key is sent to the built-in "
+                    f"default {config.base_url} (a port any local account may hold); set LLM_URL, or base_url "
+                    "in agentloop.toml, to the server the key is for")
+    return ""
+
+
 def _from_env(env: Mapping[str, str]) -> ModelConfig:
     url = env.get("LLM_URL") or DEFAULT_URL
     timeout_text = env.get("LLM_TIMEOUT") or str(DEFAULT_TIMEOUT)
@@ -215,7 +234,7 @@ def _from_env(env: Mapping[str, str]) -> ModelConfig:
     if not url.startswith(("http://", "https://")):
         raise ConfigError(f"LLM_URL must start with http:// or https://, got {url!r}")
     return ModelConfig(alias=DEFAULT_ALIAS, base_url=url.rstrip("/"), model=env.get("LLM_MODEL") or DEFAULT_MODEL_ID,
-                       timeout=timeout)
+                       timeout=timeout, url_named=bool(env.get("LLM_URL")))
 
 
 def _file_models(data: dict[str, Any], env_model: ModelConfig) -> tuple[dict[str, ModelConfig], str | None]:
@@ -238,4 +257,5 @@ def _model(alias: str, table: dict[str, Any], env_model: ModelConfig) -> ModelCo
         timeout=float(table.get("timeout", env_model.timeout)),
         max_tokens=table.get("max_tokens") or DEFAULT_MAX_TOKENS,
         vision=table.get("vision"),
+        url_named="base_url" in table or env_model.url_named,
     )

@@ -19,6 +19,9 @@ nothing, and a server that answers none is simply not described (never an error)
 are kept per endpoint (base URL and model id) for the life of the process, and callers
 probing the same endpoint at the same time share one probe.  A server that answered nothing
 is asked again next time, since it may just not have been up yet.
+
+A server on this machine that is another user's is not asked at all (``_endpoint``): the probe
+says whose it is (``ServerInfo.foreign``), and ``connect`` raises ForeignServer with those words.
 """
 
 from __future__ import annotations
@@ -30,16 +33,20 @@ from typing import Any
 
 import httpx
 
-from engine.models._client import auth_headers, nobody_listens, open_client, start_hint, transport_reason
+from engine.errors import ForeignServer
+from engine.models._http import auth_headers, nobody_listens, open_client, start_hint, transport_reason
 from engine.models._registry import ModelConfig
+from worker.contract.bounded_json import loads as bounded_loads
 
-__all__ = ["NO_SERVER", "PROBE_TIMEOUT", "ServerInfo", "connect", "forget", "probe", "root_of"]
+__all__ = ["FOREIGN", "NO_SERVER", "PROBE_TIMEOUT", "ServerInfo", "connect", "forget", "probe", "root_of"]
 
 #: Seconds one probe may take, connection included; they run concurrently.
 PROBE_TIMEOUT = 2.0
 
 #: Marks, in a probe's reason, that nobody listens at the address (see ``ServerInfo.no_server``).
 NO_SERVER = "\0no server: "
+#: Marks, in a probe's reason, that the server is another user's (see ``ServerInfo.foreign``).
+FOREIGN = "\0foreign: "
 
 _NUM_CTX = re.compile(r"^\s*num_ctx\s+(\d+)\s*$", re.MULTILINE)
 
@@ -55,6 +62,8 @@ class ServerInfo:
     #: ``GET /models`` found nobody listening (refused, or a host name that does not resolve):
     #: the one case where starting a server is the advice.
     no_server: bool = False
+    #: Why nothing was asked: the server is another user of this machine's (its owner named).
+    foreign: str = ""
     kind: str | None = None  # "llama.cpp", "vllm" or "ollama" when recognised
     model_ids: tuple[str, ...] | None = None
     context_window: int | None = None
@@ -72,6 +81,8 @@ class ServerInfo:
     def silence(self, base_url: str) -> str:
         """Why the endpoint at ``base_url`` gave no answer and what to do, in one sentence or
         two: how to start a server there when nobody listens, else to check the address."""
+        if self.foreign:
+            return self.foreign
         advice = start_hint(base_url) if self.no_server else (
             "Check that the server at that address is up and reachable from here, or set LLM_URL.")
         return f"the model at {base_url} does not answer ({self.models_error}). {advice}"
@@ -130,7 +141,10 @@ async def connect(config: ModelConfig, transport: httpx.AsyncBaseTransport | Non
     completion finds the client made and, on servers that keep connections open, connected."""
     client = open_client(config, transport)
     try:
-        return client, await probe(config, client)
+        info = await probe(config, client)
+        if info.foreign:
+            raise ForeignServer(info.foreign)
+        return client, info
     except BaseException:
         await client.aclose()
         raise
@@ -172,13 +186,15 @@ async def _ask(client: httpx.AsyncClient, method: str, url: str, headers: dict[s
         return None, None, f"no answer within {PROBE_TIMEOUT:g}s"
     except httpx.TimeoutException:
         return None, None, f"no answer within {PROBE_TIMEOUT:g}s"
+    except ForeignServer as exc:
+        return None, None, FOREIGN + str(exc)
     except httpx.TransportError as exc:
         return None, None, (NO_SERVER if nobody_listens(exc) else "") + transport_reason(exc)
     except (httpx.HTTPError, RuntimeError) as exc:  # RuntimeError: a client closed under a shared probe
         return None, None, type(exc).__name__
     try:
-        data = response.json() if response.status_code == 200 else None
-    except ValueError:
+        data = bounded_loads(response.content) if response.status_code == 200 else None
+    except ValueError:  # not JSON, or beyond the bounds: it says nothing then
         data = None
     return response.status_code, data, ""
 
@@ -193,6 +209,9 @@ def _read(model_id: str, models: tuple[int | None, Any, str], props: tuple[int |
     fields: dict[str, Any] = {"answered": any(status is not None for status, _, _ in (models, props, show)),
                               "models_status": models[0], "models_error": models[2].removeprefix(NO_SERVER),
                               "no_server": models[2].startswith(NO_SERVER)}
+    foreign = next((why for _, _, why in (models, props, show) if why.startswith(FOREIGN)), "")
+    if foreign:
+        return ServerInfo(models_error=foreign.removeprefix(FOREIGN), foreign=foreign.removeprefix(FOREIGN))
     window: list[tuple[int | None, str]] = []
 
     entries = models[1].get("data") if isinstance(models[1], dict) else None

@@ -20,6 +20,8 @@ What the spans say (the GenAI semantic conventions, which version, message conte
 opt-in, never the API key) is ``engine.observe``'s docstring.  At the end of a command the spans
 not yet sent are given ``FLUSH_SECONDS`` at most; a collector that cannot be reached costs the
 command that long, once, and one line on stderr saying so instead of the SDK's log lines.
+A collector on this machine that is another user's gets nothing (``_collector``): tracing then
+does not start, in one line.
 """
 
 from __future__ import annotations
@@ -240,14 +242,24 @@ def _provider(flag: bool, environ: Mapping[str, str]) -> tuple[Any, str]:
 
 
 def _otlp_exporter(environ: Mapping[str, str]) -> Any:
+    """The OTLP exporter the environment asks for, to a collector that is not another user's
+    on this machine (``_collector``: checked now, and for HTTP at each new connection)."""
+    from engine.observe import _collector as collector
+
     protocol = (environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
                 or "http/protobuf").strip().lower()
+    if protocol in ("http/protobuf", "grpc"):
+        named = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "").strip() \
+            or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip()
+        where = endpoint(environ) if protocol == "http/protobuf" else named or "http://localhost:4317"
+        if (words := collector.refusal(where)) is not None:
+            raise ConfigError(words)
     if protocol == "http/protobuf":
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError as exc:
             raise ConfigError(f"OTLP over HTTP needs its exporter, which is not installed: {install_hint('otel')}") from exc
-        return OTLPSpanExporter()
+        return OTLPSpanExporter(session=collector.checked_session(environ))
     if protocol == "grpc":
         try:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter

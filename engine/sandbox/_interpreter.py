@@ -304,7 +304,7 @@ def runtime_argv(python: str, entry: str, *args: str, packages: dict[str, str] |
                  "if where else None\n"
                  "sys.meta_path.append(_RuntimePackages)\n")
     boot += f"from {module} import {function}; {function}()"
-    return [python, "-I", "-B", *([] if site else ["-S"]), "-c", boot, *args]
+    return [python, "-I", *([] if site else ["-S"]), "-B", "-c", boot, *args]
 
 
 @lru_cache(maxsize=8)

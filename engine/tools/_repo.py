@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import os
 import re
 import types
@@ -32,6 +31,7 @@ from typing import Any
 from engine.errors import ConfigError, ToolBusy, ToolClosed, ToolCrash, ToolError, ToolTimeout
 from engine.tools._process import ToolProcess
 from worker.contract import tools
+from worker.contract.bounded_json import loads as bounded_loads
 from worker.contract.tools import (  # noqa: F401 - the tools' bounds, re-exported
     MAX_MATCHES,
     MAX_READ_LIMIT,
@@ -270,8 +270,8 @@ def parse_arguments(raw: Any) -> dict | str:
     if isinstance(raw, Mapping):  # some servers send the object already parsed
         return dict(raw)
     try:
-        args = json.loads(raw or "{}")
-    except (json.JSONDecodeError, TypeError) as exc:
+        args = bounded_loads(raw or "{}")
+    except (ValueError, TypeError) as exc:  # not JSON, or beyond the bounds (too deep, a number too long)
         return f"[agent] arguments were not valid JSON ({exc}) — resend the call with corrected JSON"
     if not isinstance(args, dict):
         return "[agent] arguments must be a JSON object"

@@ -9,6 +9,10 @@ and the failed runs.  For a batch, the report links the runs it lists (the slowe
 failed, at most ``TIMELINES``) to their timelines, written beside it in ``NAME.timelines/``
 from the transcripts the results name.
 
+Whatever the file's size, ``view`` reads it a line at a time and the page stays within bounds
+(``timeline``, ``report``): what was left out or shortened is said at the top of the page and in
+``Written.summarised``.
+
 The page draws itself from data embedded as inert JSON (``_page``): nothing a model or a worker
 wrote is ever markup.  A file cut short (its writer killed mid-line, or a run stopped before its
 end) is shown as far as it goes, with one warning; anything else that is not one of these files
@@ -24,7 +28,7 @@ from pathlib import Path
 
 from engine.view import report, timeline
 from engine.view._page import page
-from engine.view._read import BATCH, RECORDING, kind_of, read_lines
+from engine.view._read import BATCH, RECORDING, kind_of, open_lines
 
 #: Timelines a batch report writes for the runs it lists.
 TIMELINES = 200
@@ -32,13 +36,15 @@ TIMELINES = 200
 
 @dataclass
 class Written:
-    """What ``write`` made: the page, its kind, what it shows, and the warning to give (if any)."""
+    """What ``write`` made: the page, its kind, what it shows, the warning to give (if any), and
+    what the page summarised to stay within its bounds (sentences; the page says them too)."""
 
     path: Path
     kind: str
     summary: str
     warning: str | None = None
     timelines: int = 0
+    summarised: tuple[str, ...] = ()
 
 
 def default_output(source: Path) -> Path:
@@ -62,41 +68,40 @@ def _write_file(path: Path, text: str) -> None:
 
 def _timeline(source: Path, lines) -> tuple[str, dict, str | None]:
     """A recording's page, its data and its warning."""
-    data, warning = timeline.build(lines.records, source, lines.cut_line)
+    data, warning = timeline.build(lines, source)
     return page(f"agentloop: {source.name}", "timeline", data), data, warning
 
 
 def write(source: Path, out: Path | None = None) -> Written:
-    """Read ``source``, write its page to ``out`` (default: ``default_output``); ConfigError for a
-    file that is none of those ``view`` reads."""
+    """Read ``source`` (streamed: its size costs time, not memory), write its page to ``out``
+    (default: ``default_output``); ConfigError for a file that is none of those ``view`` reads."""
     out = out or default_output(source)
-    lines = read_lines(source)
+    lines = open_lines(source)
     if lines.kind == RECORDING:
         text, data, warning = _timeline(source, lines)
         _write_file(out, text)
         totals = data["totals"]
         summary = (f"{totals['agents']} agent{'s' * (totals['agents'] != 1)}, {totals['requests']} model "
                    f"requests, {totals['blocks']} blocks, {totals['duration']:.1f} s")
-        return Written(out, "timeline", summary, warning)
-    links, written = {}, 0
-    if lines.kind == BATCH:
-        links, written = _timelines(lines.records, out)
-    data = report.build(lines.records, lines.kind, source, links)
+        return Written(out, "timeline", summary, warning, summarised=tuple(data["summarised"]))
+    summed = report.summarise(lines, lines.kind, TIMELINES if lines.kind == BATCH else 0)
+    links, written = _timelines(summed.listed(), out) if lines.kind == BATCH else ({}, 0)
+    data = summed.data(source, links)
     warning = None
     if lines.cut_line is not None:
         warning = f"line {lines.cut_line} was cut short (its writer stopped mid-line): it is left out"
     data["warning"] = warning
     _write_file(out, page(f"agentloop: {source.name}", "report", data))
-    return Written(out, "report", f"{data['runs']} runs", warning, written)
+    return Written(out, "report", f"{data['runs']} runs", warning, written, tuple(data["summarised"]))
 
 
-def _timelines(records: list[dict], out: Path) -> tuple[dict[str, str], int]:
+def _timelines(listed: list[dict], out: Path) -> tuple[dict[str, str], int]:
     """Write the timelines of the runs a batch report lists; run id -> link relative to ``out``."""
     folder = out.with_name(out.stem + ".timelines")
     links: dict[str, str] = {}
     from engine.batch.run import run_slug
 
-    for record in report.listed(records, BATCH, TIMELINES):
+    for record in listed:
         transcript = record.get("transcript")
         # Only a file called transcript.jsonl that reads as a recording: a results file names it,
         # and a results file is only as trustworthy as whoever wrote it.
@@ -106,7 +111,7 @@ def _timelines(records: list[dict], out: Path) -> tuple[dict[str, str], int]:
         if not path.is_absolute():
             path = out.parent / path
         try:
-            lines = read_lines(path) if path.is_file() else None
+            lines = open_lines(path) if path.is_file() else None
             if lines is None or lines.kind != RECORDING:
                 continue
             text, _, _ = _timeline(path, lines)

@@ -48,4 +48,11 @@ function pill(status) {
   return el("span", {class: "pill", style: `background: var(--${/^[a-z_]+$/.test(status || "") ? status : "cancelled"})`}, status || "–");
 }
 
+function summarised() {
+  // What the page left out or shortened to stay within its bounds, said where it is seen first.
+  const said = DATA.summarised || [];
+  return said.length ? el("div", {class: "warning", id: "summarised", role: "note"},
+    "This page summarises: ", said.join("; "), ".") : null;
+}
+
 function ready() { document.body.dataset.ready = String(Math.round(performance.now())); }

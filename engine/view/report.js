@@ -107,7 +107,7 @@ function render() {
   APP.replaceChildren(
     el("header", {}, el("h1", {}, `agentloop ${what} report · `, DATA.source),
       el("div", {class: "facts"}, fact("runs", count(DATA.runs)), DATA.lines !== DATA.runs ? fact("lines", count(DATA.lines)) : null),
-      DATA.warning ? el("div", {class: "warning", id: "warning", role: "alert"}, "⚠ ", DATA.warning) : null),
+      DATA.warning ? el("div", {class: "warning", id: "warning", role: "alert"}, "⚠ ", DATA.warning) : null, summarised()),
     cards,
     el("h2", {}, "By status"), statusTable(),
     el("h2", {}, "By failure reason"), reasonTable(),

@@ -2,25 +2,38 @@
 
 The sums are made here, so the page carries numbers, not ten thousand records: counts by
 status and by failure reason, a histogram of durations (by status), tokens and cost, the
-slowest runs, and the failed ones (every one, as rows the page shows a page at a time).  A
-failure reason is the run's error (for samples, its message) with numbers and quoted parts
-replaced, so that "no answer within 3600 s" from a thousand runs is one reason, not a
-thousand; a sample without a message gives the last line of its stderr (the exception of a
-traceback), else its exit code.
+slowest runs, and the failed ones (the first ``MAX_FAILED``, as rows the page shows a page at
+a time).  A failure reason is the run's error (for samples, its message) with numbers and
+quoted parts replaced, so that "no answer within 3600 s" from a thousand runs is one reason,
+not a thousand; a sample without a message gives the last line of its stderr (the exception of
+a traceback), else its exit code.
+
+The file is read twice, a line at a time, and never held (``summarise``): the first pass keeps
+a few numbers per run (its last line, status, duration, tokens, cost; at most ``MAX_RUNS``
+runs), the second takes the rows and reasons of the runs the page shows.  What the bounds leave
+out is said on the page (``summarised``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import heapq
 import math
 import re
+from array import array
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.view._read import BATCH, BATCH_STATUSES, SAMPLE_STATUSES
+from engine.view._read import BATCH, BATCH_STATUSES, SAMPLE_STATUSES, Lines
 
 #: Slowest runs listed; failed runs carried (the rest are counted).
-SLOWEST, MAX_FAILED = 20, 20_000
+SLOWEST, MAX_FAILED = 20, 2_000
+#: Runs counted (a few numbers each, about 100 bytes of memory); lines of later runs are left out.
+MAX_RUNS = 500_000
+#: Distinct failure reasons counted, and listed on the page; the rest are "(other reasons)".
+MAX_REASONS, SHOWN_REASONS = 10_000, 200
 #: Characters of an error, an answer or an output kept for one row.
 ROW_CHARS = 600
 BINS = 40
@@ -55,13 +68,14 @@ def _sample_words(record: dict[str, Any]) -> str:
     return lines[-1] if lines else f"exit code {record.get('exit_code')}"
 
 
-def histogram(durations: list[tuple[float, str]], statuses: tuple[str, ...]) -> dict[str, Any]:
-    """Bins of durations, counted by status: linear up to the slowest run, or logarithmic when
-    the slowest took over fifty times the fastest (so a long tail does not squash the rest)."""
+def histogram(durations: Sequence[float], labels: Iterable[str], statuses: tuple[str, ...]) -> dict[str, Any]:
+    """Bins of durations, counted by status (``labels``, one per duration): linear up to the
+    slowest run, or logarithmic when the slowest took over fifty times the fastest (so a long
+    tail does not squash the rest)."""
     if not durations:
         return {"edges": [], "counts": {}, "log": False}
-    low = min(d for d, _ in durations)
-    high = max(d for d, _ in durations)
+    low = min(durations)
+    high = max(durations)
     log = low > 0 and high / low > 50
     if log:
         a, b = math.log10(low), math.log10(high)
@@ -71,7 +85,7 @@ def histogram(durations: list[tuple[float, str]], statuses: tuple[str, ...]) -> 
         edges = [top * i / BINS for i in range(BINS + 1)]
     counts = {status: [0] * BINS for status in statuses}
     span = edges[-1] - edges[0]
-    for value, status in durations:
+    for value, status in zip(durations, labels, strict=True):
         if log:
             where = (math.log10(value) - math.log10(edges[0])) / (math.log10(edges[-1]) - math.log10(edges[0])) \
                 if edges[-1] > edges[0] else 0
@@ -81,80 +95,185 @@ def histogram(durations: list[tuple[float, str]], statuses: tuple[str, ...]) -> 
     return {"edges": [round(e, 4) for e in edges], "counts": counts, "log": log}
 
 
-def build(records: list[dict[str, Any]], kind: str, source: Path,
-          links: dict[str, str] | None = None) -> dict[str, Any]:
-    """The page's data for a results file.  A run resumed or redone has several lines: the last
-    one counts.  ``links``: run id -> the page of its timeline, relative to the report."""
-    latest: dict[str, dict[str, Any]] = {}
-    for record in records:
-        latest[str(record.get("id"))] = record
-    runs = list(latest.values())
-    statuses = BATCH_STATUSES if kind == BATCH else SAMPLE_STATUSES
-    failed_statuses = _FAILED[kind]
-    by_status = Counter(str(r.get("status")) for r in runs)
-    reasons: Counter[str] = Counter()
-    for r in runs:
-        if r.get("status") in failed_statuses:
-            reasons[reason(r.get("error") if kind == BATCH else _sample_words(r), str(r.get("status")))] += 1
-    links = links or {}
+class Summary:
+    """What the page shows of a results file, from two passes over it (``summarise``)."""
 
-    def row(r: dict[str, Any]) -> dict[str, Any]:
-        key = str(r.get("id"))
-        out: dict[str, Any] = {"id": key, "status": r.get("status"), "duration": round(_number(r.get("duration_s")), 3)}
-        if kind == BATCH:
-            tokens = r.get("tokens") if isinstance(r.get("tokens"), dict) else {}
-            out.update(error=_cut(r.get("error")), tokens_in=int(_number(tokens.get("in"))),
-                       tokens_out=int(_number(tokens.get("out"))), cost=_number(r.get("cost")),
-                       attempts=r.get("attempts"), model=_cut(r.get("model")),
-                       infrastructure=bool(r.get("infrastructure")), transcript=_cut(r.get("transcript")))
-        else:
-            out.update(error=_cut(r.get("message")), exit_code=r.get("exit_code"), stdout=_cut(r.get("stdout")),
-                       stderr=_cut(r.get("stderr")), max_rss_mb=r.get("max_rss_mb"))
-        if key in links:
-            out["link"] = links[key]
-        return out
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.statuses = BATCH_STATUSES if kind == BATCH else SAMPLE_STATUSES
+        self.failed_statuses = _FAILED[kind]
+        self._slot: dict[int, int] = {}  # a run's id (hashed) -> its slot in the arrays below
+        self.last = array("q")  # the number of each run's last record (the one that counts)
+        self.status = array("b")
+        self.duration = array("d")
+        self.tokens_in = array("q")
+        self.tokens_out = array("q")
+        self.cost = array("d")
+        self.lines = 0
+        self.beyond = 0  # records of runs past MAX_RUNS: not counted
+        self.reasons: Counter[str] = Counter()
+        self.other_reasons = 0  # failed runs whose reason came after MAX_REASONS others
+        self.rows: dict[int, dict[str, Any]] = {}  # slot -> row, for the runs the page lists
+        self.transcripts: dict[int, Any] = {}  # slot -> its transcript, for the runs given timelines
+        self.long: list[str] = []
 
-    ordered = sorted(runs, key=lambda r: _number(r.get("duration_s")), reverse=True)
-    failed = [r for r in runs if r.get("status") in failed_statuses]
-    tokens_in = tokens_out = 0
-    cost = 0.0
-    for r in runs:
+    def slot(self, record: dict[str, Any], *, make: bool) -> int | None:
+        key = int.from_bytes(hashlib.blake2b(str(record.get("id")).encode("utf-8", "surrogateescape"),
+                                             digest_size=8).digest(), "big")
+        found = self._slot.get(key)
+        if found is None and make and len(self._slot) < MAX_RUNS:
+            found = self._slot[key] = len(self.last)
+            for column in (self.last, self.status, self.tokens_in, self.tokens_out):
+                column.append(0)
+            for column in (self.duration, self.cost):
+                column.append(0.0)
+        return found
+
+    def first_pass(self, records: Iterable[dict[str, Any]]) -> None:
+        for number, record in enumerate(records):
+            self.lines += 1
+            at = self.slot(record, make=True)
+            if at is None:
+                self.beyond += 1
+                continue
+            tokens = record.get("tokens") if isinstance(record.get("tokens"), dict) else {}
+            self.last[at] = number
+            self.status[at] = self.statuses.index(record["status"]) if record.get("status") in self.statuses else -1
+            self.duration[at] = _number(record.get("duration_s"))
+            self.tokens_in[at] = int(_number(tokens.get("in")))
+            self.tokens_out[at] = int(_number(tokens.get("out")))
+            self.cost[at] = _number(record.get("cost"))
+
+    @property
+    def runs(self) -> int:
+        return len(self.last)
+
+    def _failed(self, at: int) -> bool:
+        return self.status[at] >= 0 and self.statuses[self.status[at]] in self.failed_statuses
+
+    def slowest(self) -> list[int]:
+        return heapq.nlargest(SLOWEST, range(self.runs), key=self.duration.__getitem__)
+
+    def failed(self) -> list[int]:
+        return [at for at in range(self.runs) if self._failed(at)]
+
+    def second_pass(self, records: Iterable[dict[str, Any]], listed: int) -> None:
+        """Reasons of every failed run, rows of the runs the page lists, transcripts of the
+        ``listed`` runs given timelines."""
+        slowest, failed = self.slowest(), self.failed()
+        wanted = {*slowest, *failed[:MAX_FAILED]}
+        timelines = set(_first(slowest + failed, listed))
+        for number, record in enumerate(records):
+            at = self.slot(record, make=False)
+            if at is None or self.last[at] != number:
+                continue
+            if self._failed(at):
+                words = reason(record.get("error") if self.kind == BATCH else _sample_words(record),
+                               str(record.get("status")))
+                if words in self.reasons or len(self.reasons) < MAX_REASONS:
+                    self.reasons[words] += 1
+                else:
+                    self.other_reasons += 1
+            if at in wanted:
+                self.rows[at] = _row(record, self.kind)
+            if at in timelines:
+                self.transcripts[at] = {"id": record.get("id"), "transcript": record.get("transcript")}
+
+    def listed(self) -> list[dict[str, Any]]:
+        """The runs a report links to their timelines, most wanted first: the slowest, then the
+        failed (their id and transcript)."""
+        return [self.transcripts[at] for at in _first(self.slowest() + self.failed(), len(self.transcripts))
+                if at in self.transcripts]
+
+    def data(self, source: Path, links: dict[str, str] | None = None) -> dict[str, Any]:
+        """The page's data.  ``links``: run id -> the page of its timeline, relative to the report."""
+        links = links or {}
+
+        def row(at: int) -> dict[str, Any]:
+            found = dict(self.rows[at])
+            if found["id"] in links:
+                found["link"] = links[found["id"]]
+            return found
+
+        by_status = Counter(self.statuses[code] if code >= 0 else "None" for code in self.status)
+        failed = self.failed()
+        ranked = sorted(self.duration)
+        shown_reasons = self.reasons.most_common(SHOWN_REASONS)
+        hidden = sum(self.reasons.values()) - sum(n for _, n in shown_reasons) + self.other_reasons
+        reasons = [[text, n] for text, n in shown_reasons] + ([["(other reasons)", hidden]] if hidden else [])
+        summarised = list(self.long)
+        if self.beyond:
+            summarised.append(f"only the first {MAX_RUNS:,} runs are counted: {self.beyond:,} lines of later runs "
+                              "are left out")
+        if hidden:
+            summarised.append(f"the {SHOWN_REASONS} most common failure reasons are listed; {hidden:,} failed runs "
+                              "are counted under (other reasons)")
+        if len(failed) > MAX_FAILED:
+            summarised.append(f"the first {MAX_FAILED:,} of {len(failed):,} failed runs are listed")
+        return {
+            "source": source.name, "kind": self.kind, "runs": self.runs, "lines": self.lines,
+            "statuses": list(self.statuses),
+            "by_status": {s: by_status.get(s, 0) for s in {*self.statuses, *by_status}},
+            "failed_statuses": list(self.failed_statuses),
+            "reasons": reasons,
+            "histogram": histogram(self.duration, (self.statuses[code] if code >= 0 else "None" for code in self.status),
+                                   self.statuses),
+            "totals": {"tokens_in": sum(self.tokens_in), "tokens_out": sum(self.tokens_out),
+                       "cost": round(sum(self.cost), 6), "duration": round(sum(self.duration), 3),
+                       "p50": round(ranked[len(ranked) // 2], 3) if ranked else 0,
+                       "p99": round(ranked[min(len(ranked) - 1, int(len(ranked) * 0.99))], 3) if ranked else 0},
+            "slowest": [row(at) for at in self.slowest()],
+            "failed": [row(at) for at in failed[:MAX_FAILED]], "failed_total": len(failed),
+            "summarised": summarised,
+        }
+
+
+def _first(slots: list[int], limit: int) -> list[int]:
+    seen: dict[int, None] = {}
+    for at in slots:
+        if len(seen) >= limit:
+            break
+        seen.setdefault(at)
+    return list(seen)
+
+
+def _row(r: dict[str, Any], kind: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": str(r.get("id"))[:ROW_CHARS], "status": r.get("status"),
+                           "duration": round(_number(r.get("duration_s")), 3)}
+    if kind == BATCH:
         tokens = r.get("tokens") if isinstance(r.get("tokens"), dict) else {}
-        tokens_in += int(_number(tokens.get("in")))
-        tokens_out += int(_number(tokens.get("out")))
-        cost += _number(r.get("cost"))
-    durations = [_number(r.get("duration_s")) for r in runs]
-    ranked = sorted(durations)
-    return {
-        "source": source.name, "kind": kind, "runs": len(runs), "lines": len(records),
-        "statuses": list(statuses), "by_status": {s: by_status.get(s, 0) for s in {*statuses, *by_status}},
-        "failed_statuses": list(failed_statuses),
-        "reasons": [[text, count] for text, count in reasons.most_common()],
-        "histogram": histogram([(_number(r.get("duration_s")), str(r.get("status"))) for r in runs], statuses),
-        "totals": {"tokens_in": tokens_in, "tokens_out": tokens_out, "cost": round(cost, 6),
-                   "duration": round(sum(durations), 3),
-                   "p50": round(ranked[len(ranked) // 2], 3) if ranked else 0,
-                   "p99": round(ranked[min(len(ranked) - 1, int(len(ranked) * 0.99))], 3) if ranked else 0},
-        "slowest": [row(r) for r in ordered[:SLOWEST]],
-        "failed": [row(r) for r in failed[:MAX_FAILED]], "failed_total": len(failed),
-    }
-
-
-def listed(records: list[dict[str, Any]], kind: str, limit: int) -> list[dict[str, Any]]:
-    """The runs a report links to their timelines, most wanted first: the slowest, then the
-    failed, at most ``limit`` (each a page to write)."""
-    latest = {str(r.get("id")): r for r in records}
-    runs = list(latest.values())
-    slowest = sorted(runs, key=lambda r: _number(r.get("duration_s")), reverse=True)[:SLOWEST]
-    failed = [r for r in runs if r.get("status") in _FAILED[kind]]
-    seen: set[str] = set()
-    out = []
-    for r in [*slowest, *failed]:
-        key = str(r.get("id"))
-        if key not in seen and len(out) < limit:
-            seen.add(key)
-            out.append(r)
+        attempts = r.get("attempts")
+        out.update(error=_cut(r.get("error")), tokens_in=int(_number(tokens.get("in"))),
+                   tokens_out=int(_number(tokens.get("out"))), cost=_number(r.get("cost")),
+                   attempts=attempts if isinstance(attempts, int) and not isinstance(attempts, bool) else None,
+                   model=_cut(r.get("model")), infrastructure=bool(r.get("infrastructure")),
+                   transcript=_cut(r.get("transcript")))
+    else:
+        exit_code = r.get("exit_code")
+        out.update(error=_cut(r.get("message")),
+                   exit_code=exit_code if isinstance(exit_code, int) and not isinstance(exit_code, bool) else None,
+                   stdout=_cut(r.get("stdout")), stderr=_cut(r.get("stderr")),
+                   max_rss_mb=_number(r["max_rss_mb"]) if isinstance(r.get("max_rss_mb"), int | float) else None)
     return out
 
 
-__all__ = ["build", "histogram", "listed", "reason"]
+def summarise(records: Lines | Sequence[dict[str, Any]], kind: str, listed: int = 0) -> Summary:
+    """The summary of a results file: two passes over ``records`` (a ``Lines`` streams it), the
+    transcripts of the first ``listed`` runs a report links to kept for their timelines."""
+    lines = records if isinstance(records, Lines) else None
+    summary = Summary(kind)
+    summary.first_pass(lines.records() if lines is not None else records)
+    summary.second_pass(lines.records() if lines is not None else records, listed)
+    if lines is not None:
+        summary.long = lines.summary()
+    return summary
+
+
+def build(records: Lines | Sequence[dict[str, Any]], kind: str, source: Path,
+          links: dict[str, str] | None = None) -> dict[str, Any]:
+    """The page's data for a results file.  A run resumed or redone has several lines: the last
+    one counts.  ``links``: run id -> the page of its timeline, relative to the report."""
+    return summarise(records, kind).data(source, links)
+
+
+__all__ = ["MAX_FAILED", "MAX_RUNS", "Summary", "build", "histogram", "reason", "summarise"]

@@ -117,7 +117,7 @@ function render() {
       fact("model requests", count(totals.requests)), fact("blocks", count(totals.blocks)),
       fact("tokens in", count(totals.tokens_in)), fact("tokens out", count(totals.tokens_out)),
       fact("cost", money(totals.cost))),
-    DATA.warning ? el("div", {class: "warning", id: "warning", role: "alert"}, "⚠ ", DATA.warning) : null);
+    DATA.warning ? el("div", {class: "warning", id: "warning", role: "alert"}, "⚠ ", DATA.warning) : null, summarised());
 
   const chart = el("div", {class: "chart", style: `--label: ${LABEL}px`});
   const axis = el("div", {class: "axis"});

@@ -202,3 +202,72 @@ def gone(token: str, timeout: float = WAIT) -> bool:
     """Whether every host process whose command line holds ``token`` has ended (bounded wait)."""
     return wait_until(lambda: not processes_with(token), timeout)
 
+
+
+# -- other local users -------------------------------------------------------------------------
+# Loopback and /tmp are shared by every account of the machine.  The attacks of one user on
+# another run ``alice`` (the victim) and ``bob`` (the attacker) as real processes of theirs,
+# started by a root suite through setpriv with the system's Python: they cannot enter a venv
+# beneath root's home, so what the commands import is copied where they can read it.
+
+#: The interpreter alice and bob run (a venv of root's may sit where they cannot enter).
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+def other_users_problem(*names: str) -> str | None:
+    """Why the suite cannot run commands as ``names`` here (None: it can)."""
+    import pwd
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0:
+        return "only root can run commands as other users"
+    for name in names:
+        try:
+            pwd.getpwnam(name)
+        except KeyError:
+            return f"no user {name} on this machine"
+    if not shutil.which("setpriv"):
+        return "setpriv (util-linux) not installed"
+    same = subprocess.run([SYSTEM_PYTHON, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True,
+                          text=True, timeout=WAIT).stdout.strip() if os.access(SYSTEM_PYTHON, os.X_OK) else ""
+    if same != str(sys.version_info[:2]):
+        return f"{SYSTEM_PYTHON} is not Python {sys.version_info[0]}.{sys.version_info[1]}"
+    return None
+
+
+def as_user(name: str) -> list[str]:
+    """The argv prefix that runs a command as ``name`` (its own groups, nothing of root's)."""
+    return ["setpriv", f"--reuid={name}", f"--regid={name}", "--init-groups"]
+
+
+def readable_pythonpath(imports: str) -> tuple[str, Path]:
+    """A PYTHONPATH any user can use to run what ``imports`` imports: this project, the venv's
+    packages, and copies of the packages taken from directories others cannot enter; and the
+    directory of copies, for the caller to remove."""
+    import shutil
+    import subprocess
+    import sys
+    import sysconfig
+    import tempfile
+
+    from tests.conftest import REPO
+
+    purelib = sysconfig.get_paths()["purelib"]
+    listing = "\nimport sys\nfor m in list(sys.modules.values()):\n    print(getattr(m, '__file__', None) or '')"
+    out = subprocess.run([sys.executable, "-c", imports + listing], capture_output=True, text=True,
+                         timeout=WAIT, cwd="/", check=True).stdout.split()
+    bases = {os.path.realpath(p) for p in sys.path if p.endswith("-packages")} - {os.path.realpath(purelib)}
+    copies = Path(tempfile.mkdtemp(prefix="agentloop-users-path-"))
+    for file in out:
+        base = next((b for b in bases if file.startswith(b + "/")), None)
+        if base is None:
+            continue
+        top = os.path.join(base, os.path.relpath(file, base).split("/")[0])
+        target = copies / os.path.basename(top)
+        if not target.exists() and os.path.exists(top):
+            (shutil.copytree if os.path.isdir(top) else shutil.copy2)(top, target)
+    subprocess.run(["chmod", "-R", "a+rX", str(copies)], check=True, timeout=WAIT)
+    os.chmod(copies, 0o755)
+    return f"{REPO}:{purelib}:{copies}", copies

@@ -18,7 +18,8 @@ stream is framed by ``framing``:
 
 Shared by all: ``confinement`` (the spec a process applies to itself, and what this kernel can
 apply), ``limits`` (bounds, the interrupt signal, head-and-tail output), ``schema`` (how a
-message is declared and parsed).
+message is declared and parsed), ``bounded_json`` (the one JSON parser for text a worker, a
+tool process or a model sent: bounded nesting and numbers, refused in words).
 """
 
 __all__: list[str] = []

@@ -20,6 +20,7 @@ try:
 except ImportError:  # the tool process runs without site-packages: it speaks JSON only
     msgpack = None
 
+from .bounded_json import loads as bounded_loads
 from .limits import MAX_FRAME
 from .schema import ContractError, Message
 
@@ -62,8 +63,8 @@ def decode_json(body: bytes, max_size: int = MAX_FRAME) -> Any:
     if len(body) > max_size:
         raise FrameError(f"frame of {len(body)} bytes exceeds {max_size}")
     try:
-        return json.loads(body)
-    except ValueError as exc:
+        return bounded_loads(body)
+    except ValueError as exc:  # not JSON, or JSON beyond its bounds (too deep, a number too long)
         raise FrameError(f"not JSON: {exc}") from None
 
 
