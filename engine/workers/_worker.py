@@ -385,18 +385,21 @@ class Worker:
         """A reply to a control request: its future's value (``refused``: a WorkerError with
         its words).  A reply whose request is gone is stale (it timed out: an honest race);
         one of the wrong kind for its request breaks the protocol."""
-        waiting = self._requests.pop(msg.rid, None)  # type: ignore[attr-defined]
+        rid = msg.rid  # type: ignore[attr-defined]
+        waiting = self._requests.get(rid)
         if waiting is None or waiting[1].done():
             session.drop("reply to no request")
             return
         expected, future = waiting
+        if type(msg) is not expected and not isinstance(msg, wire.Refused):
+            # (the request stays waiting: the kill ends it, saying why)
+            session.violation(f"it sent {msg.kind!r} where {expected.kind!r} answers the request")
+            return
+        del self._requests[rid]
         if isinstance(msg, wire.Refused):
             future.set_exception(WorkerError(msg.error or "the request failed"))
-        elif type(msg) is expected:
-            future.set_result(msg)
         else:
-            future.set_exception(WorkerError(f"worker {self.name!r} answered with {msg.kind!r}, not {expected.kind!r}"))
-            session.violation(f"it answered a request with {msg.kind!r}, not {expected.kind!r}")
+            future.set_result(msg)
 
     def send(self, msg: wire.Message) -> None:
         """Send a protocol message to the current process (never waits)."""
