@@ -82,7 +82,9 @@ from .contract.framing import (
     FrameBuffer,
     FrameError,
     decode,
+    decode_json,
     encode,
+    encode_json,
     frame,
     read_frame,
     read_frame_before,
@@ -229,7 +231,7 @@ def _child(private_net: bool, control: tuple[int, ...], report: int, requests: i
         check(libc.unshare(_NEW | (NEWNET if private_net else 0)), "unshare")
         init = os.fork()
         if init:
-            write_all(report, frame(encode(fork.Init(init))))
+            write_all(report, frame(encode_json(fork.Init(init))))
             os._exit(0)
         # No parent-death signal for C: it would fire as B leaves.  C lives in the sandbox's
         # PID namespace too, which ends with the server and with the coordinator.
@@ -252,7 +254,7 @@ def _child(private_net: bool, control: tuple[int, ...], report: int, requests: i
                                f"size={request.tmp_bytes},mode=1777".encode()), "workspace")
         worker = os.fork()
         if worker:
-            write_all(report, frame(encode(fork.Child(worker))))
+            write_all(report, frame(encode_json(fork.Child(worker))))
             _idle_init(sleep)
         os.close(report)
         if request.stderr:
@@ -309,7 +311,7 @@ def _read_reports(fd: int, want: type[fork.Message], found: dict[type[fork.Messa
             body = read_frame_before(fd, fork.MAX_INSIDE, deadline)
             if body is None:
                 return
-            report = fork.REPORTS.parse(decode(body, fork.MAX_INSIDE))
+            report = fork.REPORTS.parse(decode_json(body, fork.MAX_INSIDE))
         except (TimeoutError, ContractError):  # (FrameError is one)
             return
         found[type(report)] = report.pid  # type: ignore[attr-defined]

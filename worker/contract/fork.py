@@ -23,8 +23,10 @@ Fork server -> coordinator (``TO_COORDINATOR``)
 Pids are numbered in the server's PID namespace; the coordinator maps them to its own.
 
 The processes the server forks for one worker -> fork server (``REPORTS``, their report pipe;
-see ``worker.fork_server``: B makes the namespaces, C is their init, D the worker.  The server
-hands C its ``spawn`` down a pipe of the same framing)
+see ``worker.fork_server``: B makes the namespaces, C is their init, D the worker.  Each report
+a frame holding ASCII JSON: the process that checks whether this kernel allows the server's
+namespaces, ``worker.fork_server.probe``, may run without msgpack.  The server hands C its
+``spawn`` down a pipe framed as its stdin is)
     init    {pid}          from B: C exists; its pid, in the server's namespace
     child   {pid}          from C: D (the worker, or a sample slot) exists; its pid, in C's
 """
