@@ -1,6 +1,6 @@
 """The fork server's channels: the coordinator writes requests to its stdin, it writes reports
-to its stdout; inside the server, the processes it forks for a worker report on a pipe of
-their own.  Each message a frame (``framing``) holding one msgpack map.
+to its stdout, each a frame (``framing``) holding one msgpack map; inside the server, the
+processes it forks for a worker report on a pipe of their own.
 
 Coordinator -> fork server (``TO_SERVER``)
     spawn  {id, endpoint, env, cwd, private_net, tmp_bytes, own_workspace?, exec?, hide, show,
