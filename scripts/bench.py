@@ -79,6 +79,7 @@ from engine.launch import descendants
 from engine.sandbox import SandboxPolicy, host_support
 from engine.sandbox import _plan as _sandbox
 from engine.workers import Engine
+from worker.contract.start import StartSpec
 
 MiB = 1024 * 1024
 MB = 1_000_000
@@ -886,7 +887,7 @@ async def profile_start(cfg: Config, base: Path, cold_auto: dict) -> dict:
 
     plan = make_plan()
     env_plain = {**_worker_env("profile"), **plan.env}
-    env = {**env_plain, "AGENTLOOP_CONFINE": plan.confine.to_json()}
+    env = {**env_plain, **StartSpec(confine=plan.confine).to_env()}
     prefix = plan.argv_prefix
     imports = "import worker.__main__, worker.serve, worker._confine"
     phases = {
@@ -899,8 +900,8 @@ async def profile_start(cfg: Config, base: Path, cold_auto: dict) -> dict:
     out["phase_p50_ms"] = {name: _p50(stats(_run_ms(argv, env_plain, str(cwd), n), 1)) if argv else None
                            for name, argv in phases.items()}
     confine_code = ("import os, time\nt0 = time.perf_counter()\nfrom worker import _confine\n"
-                    "from worker.contract.confinement import Confinement\n"
-                    "_confine.apply(Confinement.from_json(os.environ['AGENTLOOP_CONFINE']))\n"
+                    "from worker.contract.start import StartSpec\n"
+                    "_confine.apply(StartSpec.take().confine)\n"
                     "print((time.perf_counter() - t0) * 1000)")
     applies = []
     for _ in range(n):
@@ -976,10 +977,11 @@ async def profile_rtt(cfg: Config, base: Path, rtt_auto: dict, tmp: Path) -> dic
 _NULL_WORKER = """
 import os, sys, zmq, msgpack
 from worker.contract import wire
+from worker.contract.start import StartSpec
 s = zmq.Context().socket(zmq.DEALER)
 s.connect(sys.argv[-1])
 s.send(msgpack.packb({"t": "hello", "v": wire.PROTOCOL_VERSION,
-                      "token": os.environ["AGENTLOOP_TOKEN"], "pid": os.getpid()}))
+                      "token": StartSpec.take().token, "pid": os.getpid()}))
 s.recv()
 while True:
     m = msgpack.unpackb(s.recv(), raw=False)
@@ -1046,7 +1048,7 @@ def _worker_env(token: str) -> dict:
     import worker
 
     return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONDONTWRITEBYTECODE": "1",
-            "PYTHONPATH": str(Path(worker.__file__).resolve().parent.parent), "AGENTLOOP_TOKEN": token}
+            "PYTHONPATH": str(Path(worker.__file__).resolve().parent.parent), **StartSpec(token=token).to_env()}
 
 
 def rtt_sync_coordinator(base: Path, n: int, starts: int) -> dict:

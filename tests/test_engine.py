@@ -14,6 +14,7 @@ import zmq.asyncio
 
 from engine.sandbox import SandboxPolicy
 from engine.workers import Engine, WorkerState
+from worker.contract import wire
 from worker.contract.framing import encode
 
 from .conftest import NO_FORK_SERVER, processes_with, wait_until
@@ -270,7 +271,7 @@ async def test_secrets_do_not_reach_the_worker(run_dir, tmp_path, monkeypatch):
             "try:\n    print(open('/proc/self/environ','rb').read().count(b'very-secret'))\n"
             "except PermissionError:\n    print(0)  # a sandbox may hide it altogether\n")
     assert "LLM_API_KEY" not in result.output and "AWS_SECRET_ACCESS_KEY" not in result.output
-    assert "AGENTLOOP_TOKEN" not in result.output
+    assert "AGENTLOOP_START" not in result.output  # (the start: token, confinement)
     assert result.output.splitlines()[-1] == "0"
 
 
@@ -363,7 +364,7 @@ async def test_concurrent_blocks_calling_host_functions_all_get_their_replies(wo
         return double(*args) if name == "double" else await adouble(*args)
 
     worker.on_call = on_call
-    await worker.request("bind", {"host": [host_spec("double", double), host_spec("adouble", adouble)]})
+    await worker.request(wire.Bind((host_spec("double", double), host_spec("adouble", adouble))))
     sync = "print(sum(double(i) for i in range({n})))"
     awaiting = "print(sum([await adouble(i) for i in range({n})]))"
     codes = [(sync if k % 2 else awaiting).format(n=10 + k) for k in range(20)]
@@ -534,7 +535,7 @@ async def test_a_forked_worker_lists_the_distributions_a_cold_one_does(run_dir, 
                           fork_server=fork_server) as engine:
             # The second worker is forked after the server read them for the first.
             workers = [await engine.start_worker(name) for name in ("a", "b")]
-            listed[fork_server] = [(await w.request("env"))["packages"] for w in workers]
+            listed[fork_server] = [(await w.request(wire.Env())).packages for w in workers]
     cold, forked = listed[False], listed[True]
     assert cold[0] == cold[1] == forked[0] == forked[1]
     assert "Planted-Here" in forked[1] and "pyzmq" in forked[1]

@@ -706,7 +706,7 @@ def _run_apply(spec: dict, before: str = "") -> subprocess.CompletedProcess:
     code = (f"import json, sys\n{before}\nfrom worker._confine import apply\n"
             "from worker.contract.confinement import Confinement\n"
             "apply(Confinement.from_json(sys.argv[1]))\nprint('USER CODE RAN')")
-    return subprocess.run([sys.executable, "-c", code, json.dumps(spec)], capture_output=True,
+    return subprocess.run([sys.executable, "-c", code, json.dumps({"t": "confinement", **spec})], capture_output=True,
                           text=True, timeout=WAIT, cwd=ROOT)
 
 
@@ -734,7 +734,7 @@ def test_uid_switch_keeps_the_parent_death_signal() -> None:
             "from worker.contract.confinement import Confinement\n"
             "print(apply(Confinement.from_json(sys.argv[1])))\n"
             "libc.prctl(2, ctypes.byref(sig), 0, 0, 0)\nprint('pdeathsig', sig.value)")
-    spec = {"uid": [2_111_111_111] * 2, "drop_caps": True}
+    spec = {"t": "confinement", "uid": [2_111_111_111] * 2, "drop_caps": True}
     done = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], capture_output=True,
                           text=True, timeout=WAIT, cwd=ROOT)
     assert done.returncode == 0, done.stderr
@@ -761,8 +761,8 @@ def test_without_bubblewrap_the_plan_falls_back_with_a_note(tmp_path: Path) -> N
     code = ("import json, sys\nfrom pathlib import Path\nfrom engine.errors import SandboxError\n"
             "from engine.sandbox import SandboxPolicy, plan\nt = Path(sys.argv[1])\n"
             "kw = dict(socket_dir=t / 's', workspace=t / 'w', cwd=t, output_dir=t / 'o', python=sys.executable)\n"
-            "p = plan(SandboxPolicy(), **kw)\nimport dataclasses\n"
-            "print(json.dumps([p.argv_prefix, p.notes, sorted(k for k, v in dataclasses.asdict(p.confine).items() if v)]))\n"
+            "p = plan(SandboxPolicy(), **kw)\n"
+            "print(json.dumps([p.argv_prefix, p.notes, sorted(k for k, v in p.confine.wire_fields().items() if v)]))\n"
             "try:\n    plan(SandboxPolicy(mode='bwrap'), **kw)\nexcept SandboxError as e:\n    print('ERR', e)\n")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
                           timeout=WAIT, cwd=ROOT, env={"PATH": "/nonexistent"})

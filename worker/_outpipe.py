@@ -2,7 +2,7 @@
 
 A coordinator on the same machine (``ipc://``) makes three FIFOs in the worker's socket
 directory before it starts the worker, holds their read ends, and names the directory in
-``AGENTLOOP_OUTPUT``.  The worker opens them (``open_fifos``) before it confines itself:
+its start (``StartSpec.output``).  The worker opens them (``open_fifos``) before it confines itself:
 
 - ``out``: every output frame (``contract.wire.Out``) is written here instead of to the socket, as a
   4-byte big-endian length and the msgpack frame.  A write to a pipe is in the kernel when

@@ -21,7 +21,7 @@ because a batch filled, or at a tick) before the death.  What was printed and no
 be lost, as CPython loses a block-buffered stdout that was not flushed.  ``os._exit`` called
 from Python sends that too (see ``serve``).  A remote worker (``tcp://``) sends its output over
 the socket, whose I/O thread a SIGKILL can stop before it has written what it was handed.
-Under a terminal (``AGENTLOOP_TTY``: fd 1/2 are a pty), bytes in the pty that the pump had not
+Under a terminal (``StartSpec.tty``: fd 1/2 are a pty), bytes in the pty that the pump had not
 read yet die with the worker.
 """
 

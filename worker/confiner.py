@@ -37,7 +37,6 @@ import sys
 import termios
 
 from . import _confine
-from .contract.confinement import Confinement
 from .contract.confiner import (
     MAX_MESSAGE,
     TO_CONFINER,
@@ -80,7 +79,7 @@ def main() -> None:
         os.set_inheritable(fd, False)
     try:
         _prepare(setup)
-        _confine.apply(Confinement.from_json(setup.confine))
+        _confine.apply(setup.confine)
         _prctl(_PR_SET_DUMPABLE, 0)  # the program, of the same uid, cannot read this process's memory
     except Exception as exc:  # noqa: BLE001 - a half-applied sandbox must not run code
         _say(setup.status, Failed(f"the sandbox could not be applied: {exc}"[:1000]))

@@ -1,6 +1,6 @@
 """The fork server: ``python -m worker.fork_server``, started once per run inside the run's sandbox.
 
-It imports the modules named with ``AGENTLOOP_PRELOAD`` once, and the worker runtime with the
+It imports the modules its start names (``StartSpec.preload``) once, and the worker runtime with the
 first request for a worker (``_prepare_workers``: a server that only starts sample slots, which
 run a fresh interpreter of their own, never pays for it), then forks a worker per request in a
 few milliseconds instead of starting an interpreter.  It runs no user code, holds no threads
@@ -78,7 +78,18 @@ from ._mounts import (
     own_user_namespace,
 )
 from .contract import fork
-from .contract.framing import FrameBuffer, FrameError, decode, encode, frame, read_frame, write_all
+from .contract.framing import (
+    FrameBuffer,
+    FrameError,
+    decode,
+    decode_json,
+    encode,
+    encode_json,
+    frame,
+    read_frame,
+    read_frame_before,
+    write_all,
+)
 from .contract.schema import ContractError
 
 __all__ = ["probe", "serve"]
@@ -86,8 +97,6 @@ __all__ = ["probe", "serve"]
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _NEW = NEWPID | NEWIPC | NEWUTS | NEWNS
-#: What B and C say on the report pipe, inside the server: who (b"C" or b"D") and its pid.
-_REPORT = struct.Struct(">cI")
 
 
 def _die_with_parent(parent: int | None) -> None:
@@ -222,7 +231,7 @@ def _child(private_net: bool, control: tuple[int, ...], report: int, requests: i
         check(libc.unshare(_NEW | (NEWNET if private_net else 0)), "unshare")
         init = os.fork()
         if init:
-            os.write(report, _REPORT.pack(b"C", init))
+            write_all(report, frame(encode_json(fork.Init(init))))
             os._exit(0)
         # No parent-death signal for C: it would fire as B leaves.  C lives in the sandbox's
         # PID namespace too, which ends with the server and with the coordinator.
@@ -245,7 +254,7 @@ def _child(private_net: bool, control: tuple[int, ...], report: int, requests: i
                                f"size={request.tmp_bytes},mode=1777".encode()), "workspace")
         worker = os.fork()
         if worker:
-            os.write(report, _REPORT.pack(b"D", worker))
+            write_all(report, frame(encode_json(fork.Child(worker))))
             _idle_init(sleep)
         os.close(report)
         if request.stderr:
@@ -290,17 +299,22 @@ def _keep_across_exec(caps: tuple[int, ...]) -> None:
         check(libc.prctl(47, 2, cap, 0, 0), f"ambient capability {cap}")  # PR_CAP_AMBIENT_RAISE
 
 
-def _read_reports(fd: int, want: bytes, found: dict[bytes, int], timeout: float = 10.0) -> None:
-    """Add to ``found`` what B and C say on the report pipe (b"C" -> C's pid, b"D" -> D's, in
-    C's namespace) until ``want`` is there, the pipe ends or ``timeout`` passes."""
+def _read_reports(fd: int, want: type[fork.Message], found: dict[type[fork.Message], int],
+                  timeout: float = 10.0) -> None:
+    """Add to ``found`` what B and C say on the report pipe (``fork.REPORTS``: ``Init`` -> C's
+    pid, ``Child`` -> D's, in C's namespace) until ``want`` is there, the pipe ends or
+    ``timeout`` passes.  Anything but their reports ends the reading as the pipe's end would:
+    the start failed."""
     deadline = time.monotonic() + timeout
     while want not in found:
-        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        record = os.read(fd, _REPORT.size) if ready else b""
-        if len(record) != _REPORT.size:
+        try:
+            body = read_frame_before(fd, fork.MAX_INSIDE, deadline)
+            if body is None:
+                return
+            report = fork.REPORTS.parse(decode_json(body, fork.MAX_INSIDE))
+        except (TimeoutError, ContractError):  # (FrameError is one)
             return
-        who, pid = _REPORT.unpack(record)
-        found[who] = pid
+        found[type(report)] = report.pid  # type: ignore[attr-defined]
 
 
 #: Seconds without a request after which the next worker's init is made: not at once, where
@@ -328,33 +342,33 @@ class _Init:
         os.close(report_w)
         os.close(request_r)
         self.reports, self.requests = report_r, request_w
-        self.found: dict[bytes, int] = {}
+        self.found: dict[type[fork.Message], int] = {}
 
     @property
     def pid(self) -> int | None:
         """C's pid (waiting for B to say it, the first time), None if B failed."""
-        _read_reports(self.reports, b"C", self.found)
-        return self.found.get(b"C")
+        _read_reports(self.reports, fork.Init, self.found)
+        return self.found.get(fork.Init)
 
     def hand_over(self, request: fork.Spawn, on_init: Callable[[int], None]) -> int | None:
         """Give ``request`` to C (``on_init(C's pid)`` first); C's pid once D exists, else None
         (C is killed).  The pipes are closed either way."""
         found = self.found
         if self.pid is not None:
-            on_init(found[b"C"])
+            on_init(found[fork.Init])
             with contextlib.suppress(OSError):  # (C died: D never comes)
                 write_all(self.requests, frame(encode(request)))
             os.close(self.requests)
-            _read_reports(self.reports, b"D", found)
+            _read_reports(self.reports, fork.Child, found)
         else:
             os.close(self.requests)
         os.close(self.reports)
-        if b"D" not in found:
-            if b"C" in found:
+        if fork.Child not in found:
+            if fork.Init in found:
                 with contextlib.suppress(OSError):
-                    os.kill(found[b"C"], signal.SIGKILL)
+                    os.kill(found[fork.Init], signal.SIGKILL)
             return None
-        return found[b"C"]
+        return found[fork.Init]
 
     def discard(self) -> None:
         """Not needed after all: its C reads the end of its request pipe and exits."""
@@ -440,11 +454,18 @@ def _prepare_workers(first: fork.Spawn) -> None:
 
 
 def serve() -> None:
-    for name in filter(None, os.environ.pop("AGENTLOOP_PRELOAD", "").split(",")):
+    from worker.contract.start import StartSpec
+
+    try:
+        preload = StartSpec.take().preload
+    except ContractError as exc:  # (the coordinator's own bug: nothing to serve)
+        sys.stderr.write(f"agentloop fork server: {exc}\n")
+        sys.exit(1)
+    for name in preload:
         try:
-            __import__(name.strip())
+            __import__(name)
         except BaseException as exc:  # noqa: BLE001 - said in one line; the coordinator says the rest
-            sys.stderr.write(f"--preload {name.strip()}: importing it failed: {type(exc).__name__}: {exc}\n")
+            sys.stderr.write(f"--preload {name}: importing it failed: {type(exc).__name__}: {exc}\n")
             sys.exit(1)
     _freeze()
 

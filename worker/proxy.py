@@ -20,6 +20,7 @@ from typing import Any
 from .capture import current_block
 from .contract.framing import encode
 from .contract.limits import MAX_FRAME
+from .contract.wire import HostFunction, Item
 
 __all__ = ["AgentHandle", "AgentSelf", "Call", "HOST_ATTR", "export", "host_stub", "inject"]
 
@@ -47,19 +48,19 @@ def _signature(text: str) -> inspect.Signature | None:
         return None
 
 
-def host_stub(call: Call, spec: dict) -> Callable:
-    """A callable that forwards to host function ``spec['name']``."""
-    name = spec["name"]
-    if spec.get("is_async"):
+def host_stub(call: Call, spec: HostFunction) -> Callable:
+    """A callable that forwards to host function ``spec.name``."""
+    name = spec.name
+    if spec.is_async:
         async def stub(*args, **kwargs):
             return await asyncio.wrap_future(call(name, list(args), kwargs, current_block.get()))
     else:
         def stub(*args, **kwargs):
             return _wait(call(name, list(args), kwargs, current_block.get()))
     stub.__name__ = stub.__qualname__ = name
-    stub.__doc__ = spec.get("doc") or None
+    stub.__doc__ = spec.doc or None
     stub.__module__ = "agentloop.host"
-    signature = _signature(spec.get("signature") or "(*args, **kwargs)")
+    signature = _signature(spec.signature or "(*args, **kwargs)")
     if signature is not None:
         stub.__signature__ = signature  # type: ignore[attr-defined]
     setattr(stub, HOST_ATTR, name)
@@ -105,18 +106,16 @@ def export(namespace: dict, names: list[str]) -> tuple[dict, dict]:
     return items, errors
 
 
-def inject(namespace: dict, items: dict, call: Call) -> list[str]:
-    """Put handed-over objects into ``namespace``; returns their names."""
+def inject(namespace: dict, items: dict[str, Item]) -> list[str]:
+    """Put handed-over objects into ``namespace`` (plain data and pickles: a host function is
+    bound, not injected); returns their names."""
     for name, item in items.items():
-        kind = item.get("kind")
-        if kind == "value":
-            namespace[name] = item.get("value")
-        elif kind == "pickle":
+        if item.kind == "value":
+            namespace[name] = item.value
+        elif item.kind == "pickle":
             import cloudpickle
 
-            namespace[name] = cloudpickle.loads(item["data"])
-        elif kind == "host":
-            namespace[name] = host_stub(call, item["spec"])
+            namespace[name] = cloudpickle.loads(item.data)
     return list(items)
 
 

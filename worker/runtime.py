@@ -55,6 +55,7 @@ import threading
 import time
 import types
 from collections.abc import Callable
+from typing import ClassVar
 
 from . import capture, proxy, script_run
 from ._running import MAIN, Running, deadline_words, has_signal, interrupt_note, task_status
@@ -455,30 +456,39 @@ class Runtime:
                             f"{where}")
 
     # -- control requests from the coordinator ------------------------------------------------
-    def control(self, op: str, args: dict) -> object:
-        """Bind host stubs and ``self``, export or inject objects, describe, report the environment."""
-        if op == "bind":
-            added = {}
-            for spec in args.get("host", []):
-                added[spec["name"]] = proxy.host_stub(self._call, spec)
-            if args.get("self"):
-                added["self"] = proxy.AgentSelf(self._call, self.namespace)
-            self.namespace.update(added)
-            self.base_names(set(added))
-            return sorted(added)
-        if op == "export":
-            items, errors = proxy.export(self.namespace, list(args.get("names", [])))
-            return {"items": items, "errors": errors}
-        if op == "inject":
-            names = proxy.inject(self.namespace, args.get("items", {}), self._call)
-            self.base_names(set(names))
-            return names
-        if op == "describe":
-            from .contract.describe import describe_object
+    def answer(self, request: wire.Message) -> wire.Message:
+        """Do a control request (``wire.REQUESTS``): bind host stubs and ``self``, export or
+        inject objects, describe them, say what the machine is; its reply (``wire.REPLIES``).
+        What it raises is the coordinator's to hear, as words."""
+        return self._answers[type(request)](self, request)
 
-            return [describe_object(n, self.namespace[n]) for n in args.get("names", []) if n in self.namespace]
-        if op == "env":
-            from .environment import describe_environment
+    def _bind(self, request: wire.Bind) -> wire.Bound:
+        added: dict[str, object] = {spec.name: proxy.host_stub(self._call, spec) for spec in request.host}
+        if request.agent:
+            added["self"] = proxy.AgentSelf(self._call, self.namespace)
+        self.namespace.update(added)
+        self.base_names(set(added))
+        return wire.Bound(request.rid, tuple(sorted(added)))
 
-            return describe_environment()
-        raise ValueError(f"unknown request {op!r}")
+    def _export(self, request: wire.Export) -> wire.Exported:
+        items, errors = proxy.export(self.namespace, list(request.names))
+        return wire.exported(request.rid, items, errors)
+
+    def _inject(self, request: wire.Inject) -> wire.Injected:
+        names = proxy.inject(self.namespace, request.items)
+        self.base_names(set(names))
+        return wire.Injected(request.rid, tuple(names))
+
+    def _describe(self, request: wire.Describe) -> wire.Described:
+        from .contract.describe import describe_object
+
+        namespace = self.namespace
+        return wire.described(request.rid, [describe_object(n, namespace[n]) for n in request.names if n in namespace])
+
+    def _environment(self, request: wire.Env) -> wire.Environment:
+        from .environment import describe_environment
+
+        return wire.environment(request.rid, describe_environment())
+
+    _answers: ClassVar[dict[type, Callable]] = {wire.Bind: _bind, wire.Export: _export, wire.Inject: _inject,
+                                                 wire.Describe: _describe, wire.Env: _environment}

@@ -50,7 +50,8 @@ HANDSHAKE_TIMEOUT = 15.0
 IDLE_TRIM = 1.0  # seconds idle before freed memory goes back to the kernel
 SPIN_AFTER_BLOCK = 150e-6  # seconds the listener polls before sleeping, after a block
 _KEEP_IDLE = 2  # idle threads kept beyond the listener
-_HEAVY = ("run", "req")  # messages that may run user code: never handled while listening
+#: Messages that may run user code: never handled while listening.
+_HEAVY = frozenset({wire.Run.kind, *(request.kind for request in wire.REQUESTS)})
 
 
 class HostError(Exception):
@@ -202,7 +203,7 @@ class Crew:
             return self.runtime.submit(msg.id, msg.code, msg.script)
         if isinstance(msg, wire.Stdin):
             self.runtime.feed_stdin(msg.data, msg.eof)
-        elif isinstance(msg, wire.Req):
+        elif isinstance(msg, wire.REQUESTS):
             return lambda: self._answer(msg)
         elif isinstance(msg, wire.Cancel):
             if self.runtime.interrupt(msg.id, msg.reason, msg.after):
@@ -243,18 +244,18 @@ class Crew:
             if verdict[0] == "stuck":
                 return
 
-    def _answer(self, msg: wire.Req) -> None:
-        """Answer a coordinator request (bind tools, export/inject a namespace, describe)."""
-        rid = msg.rid
+    def _answer(self, msg: wire.Message) -> None:
+        """Answer a control request (bind tools, export/inject a namespace, describe, env) with
+        its reply, or with ``refused`` and the words of what went wrong."""
+        rid = msg.rid  # type: ignore[attr-defined]
         try:
-            value = self.runtime.control(msg.op, msg.args)
-            reply = wire.Resp(rid, True, value)
+            reply = self.runtime.answer(msg)
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator as words
-            reply = wire.Resp(rid, False, error=f"{type(exc).__name__}: {exc}")
+            reply = wire.refused(rid, f"{type(exc).__name__}: {exc}")
         try:
             frame = encode(reply)
-        except (TypeError, ValueError) as exc:
-            frame = encode(wire.Resp(rid, False, error=f"unsendable value: {exc}"))
+        except (TypeError, ValueError, OverflowError) as exc:
+            frame = encode(wire.refused(rid, f"unsendable value: {exc}"))
         self.channel.send_frame(frame)
 
 

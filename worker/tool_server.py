@@ -22,7 +22,6 @@ import warnings
 
 from . import _confine
 from .contract import tools
-from .contract.confinement import Confinement
 from .contract.framing import FrameError, decode_json, encode_json, frame, read_frame, write_all
 from .contract.schema import ContractError
 from .repo_tools import MAX_TEXT, Refusal, Tree, truncate
@@ -95,7 +94,7 @@ def main() -> None:
         root_fd = os.open(init.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         devnull = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)  # Landlock would refuse it later
         tree = Tree(root_fd, init.root, [list(e) for e in init.exclude])
-        layers = _confine.apply(Confinement.from_json(init.confine))
+        layers = _confine.apply(init.confine)
     except Exception as exc:  # noqa: BLE001 - a half-confined tool process must not serve
         _write(tools.Fatal(f"{type(exc).__name__}: {exc}"))
         os._exit(_EXIT_CONFINE)

@@ -17,6 +17,7 @@ from engine.errors import AgentloopError
 from engine.results import BlockResult, OutputChunk, Shown
 from engine.sandbox import SandboxPolicy, workspace_excess
 from engine.workers import Worker
+from worker.contract import wire
 
 __all__ = [
     "BlockHost", "CodeTask", "DISPLAY_LINE_BYTES", "HEARTBEAT_FLOOR", "OUTPUT_BUDGET",
@@ -66,14 +67,13 @@ class _LineCut:
         return b"\n".join(shown)
 
 
-def host_spec(name: str, fn: Callable) -> dict:
-    """What a worker needs to build a stub for host function ``fn``."""
+def host_spec(name: str, fn: Callable) -> wire.HostFunction:
+    """What a worker needs to build a stub for host function ``fn`` (a ``wire.Bind``'s)."""
     try:
         signature = str(inspect.signature(fn))
     except (TypeError, ValueError):
         signature = "(*args, **kwargs)"
-    return {"name": name, "signature": signature, "doc": inspect.getdoc(fn) or "",
-            "is_async": inspect.iscoroutinefunction(fn)}
+    return wire.host_function(name, signature, inspect.getdoc(fn) or "", inspect.iscoroutinefunction(fn))
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,8 @@ from engine.durations import parse_duration
 from engine.errors import AgentError, ConfigError
 from engine.models import Chat, ModelConfig, ModelRegistry, ServerInfo, connect
 from engine.workers import Engine, Worker
+from worker.contract import wire
+from worker.contract.schema import ContractError
 
 __all__ = ["Agent", "DEFAULT_REMIND_AT", "MAX_AGENT_NAME", "STOP_SEQUENCES"]
 
@@ -76,7 +78,7 @@ class Agent:
     def __init__(self, *, engine: Engine, models: ModelRegistry, model: ModelConfig | str | None = None,
                  functions: Mapping[str, Callable] | None = None, display: AgentDisplay | None = None,
                  depth: int = 0, max_depth: int = 3, name: str = "main", context: str = "",
-                 max_messages: int = 200, handed: dict | None = None,
+                 max_messages: int = 200, handed: Mapping[str, wire.Item] | None = None,
                  chat_factory: Callable[..., Chat] | None = None, protocol: str | None = None,
                  max_subagents: int | None = None, subagent_budget: SubagentBudget | None = None,
                  agent_factory: Callable[..., Agent] | None = None) -> None:
@@ -142,15 +144,15 @@ class Agent:
             self.worker.on_call = self._on_call
             for note in self.worker.notes:
                 self._event("note", message=note)
-            await self.worker.request("bind", {"host": [host_spec(n, f) for n, f in self.functions.items()],
-                                               "self": True}, keep=True)
-            names: list[str] = []
+            await self.worker.request(wire.Bind(tuple(host_spec(n, f) for n, f in self.functions.items()),
+                                                agent=True), keep=True)
+            names: tuple[str, ...] = ()
             if self._handed:
-                names = await self.worker.request("inject", {"items": self._handed}, keep=True)
-            env = await self.worker.request("env")
+                names = (await self.worker.request(wire.Inject(self._handed), keep=True)).names
+            env = await self.worker.request(wire.Env())
             descriptions = [tags.describe_object(n, f) for n, f in self.functions.items()]
             if names:
-                descriptions += await self.worker.request("describe", {"names": names})
+                descriptions += (await self.worker.request(wire.Describe(names))).entries
             client, self.server = await endpoint
         except BaseException:
             endpoint.cancel()
@@ -162,7 +164,7 @@ class Agent:
         system = tags.build_system(
             model_alias=self.model.alias, model=self.model.model,
             available_models=self.models.describe({self.model.alias: self.model}),
-            python=env["python"], os=env["os"], cpu=env["cpu"], ram=env["ram"], packages=env["packages"],
+            python=env.python, os=env.os, cpu=env.cpu, ram=env.ram, packages=list(env.packages),
             namespace_block=tags.describe_namespace(descriptions),
             minimal=os.environ.get("AGENT_MINIMAL_SYSTEM") == "1", guide=self.guide,
             files=self.writable_places())
@@ -375,7 +377,7 @@ class Agent:
         return name
 
     async def start_agent(self, task: str, *, name: str = "sub", context: str = "",
-                          namespace_names: list[str] | None = None, items: dict | None = None,
+                          namespace_names: list[str] | None = None, items: Mapping[str, wire.Item] | None = None,
                           heartbeat: float | None = None, model: str = "") -> Agent:
         """Start a sub-agent in a fresh context and a worker of its own; returns at once."""
         if self.depth >= self.max_depth:
@@ -389,15 +391,15 @@ class Agent:
         await self.subagent_budget.make_room()
         if namespace_names:
             assert self.worker is not None
-            exported = await self.worker.request("export", {"names": namespace_names})
-            if exported["errors"]:
-                raise AgentError("; ".join(exported["errors"].values()))
-            items = exported["items"]
+            exported = await self.worker.request(wire.Export(tuple(namespace_names)))
+            if exported.errors:
+                raise AgentError("; ".join(exported.errors.values()))
+            items = exported.items
         functions: dict[str, Callable] = {}
-        handed: dict = {}
+        handed: dict[str, wire.Item] = {}
         for key, item in (items or {}).items():
-            if item.get("kind") == "host":
-                fn = self.functions.get(item.get("name"))
+            if item.kind == "host":
+                fn = self.functions.get(item.name)  # type: ignore[arg-type]
                 if fn is None:
                     raise AgentError(f"{key!r} is not a host function of this agent")
                 functions[key] = fn
@@ -562,8 +564,12 @@ class Agent:
             return self.status()
         if op == "run_agent":
             heartbeat = parse_duration(kwargs.get("heartbeat") or None)
+            try:  # (what the worker's ``self.run_agent`` exported there: checked as an ``inject``'s)
+                items = wire.handed_items(kwargs.get("items") or {})
+            except ContractError as exc:
+                raise AgentError(f"the namespace handed over is malformed: {exc}") from None
             child = await self.start_agent(str(args[0]), name=kwargs.get("name") or "sub",
-                                           context=kwargs.get("context", ""), items=kwargs.get("items") or {},
+                                           context=kwargs.get("context", ""), items=items,
                                            heartbeat=heartbeat, model=kwargs.get("model", ""))
             return child.name
         child = self._child(args[0] if args else None)

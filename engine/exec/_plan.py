@@ -149,11 +149,11 @@ def plan_script(policy: SandboxPolicy, *, python: str, cwd: Path, script: str | 
         _refuse_unkept_code(kept, target, python)
     confine = planned.confine
     if confine.landlock is not None:  # (getpass and curses open the terminal by name)
-        confine = confine.replace(landlock=dataclasses.replace(confine.landlock, dev=(*confine.landlock.dev, "/dev/tty")))
+        confine = confine.replace(landlock=confine.landlock.replace(dev=(*confine.landlock.dev, "/dev/tty")))
     if confine.seccomp is not None:
         # Sessions and process groups as under python (a child with start_new_session): without a
         # PID namespace the confiner, a subreaper, and the runner find what is left by its tree.
-        confine = confine.replace(seccomp=dataclasses.replace(confine.seccomp, lock_session=False))
+        confine = confine.replace(seccomp=confine.seccomp.replace(lock_session=False))
     tmpdir = None if planned.pid_namespace else planned.env.get("TMPDIR")
     return ScriptPlan(planned.argv_prefix, planned.pid_namespace, confine, planned.cwd or str(cwd), list(planned.notes), tmpdir,
                       str(target), tuple(d for d in made if os.path.isdir(d)), kept)

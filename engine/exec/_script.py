@@ -156,7 +156,7 @@ def run_script(plan: ScriptPlan, program: list[str], env: dict[str, str], *, pyt
     control_r, control_w = os.pipe()
     diag_r, diag_w = os.pipe()
     program_err = os.dup(given[2]) if given[2] is not None else os.open(os.devnull, os.O_WRONLY)
-    setup = Setup(plan.confine.to_json(), status_w, control_r, program_err,
+    setup = Setup(plan.confine, status_w, control_r, program_err,
                   next((fd for fd in (0, 1) if fd in relays), program_err) if relays else None,
                   tuple(ignored), 0 if plan.pid_namespace else os.getpid(), env.get("LC_CTYPE"))
     # site=False: not even site-packages' .pth files run before the program's own interpreter.

@@ -67,6 +67,7 @@ from engine.errors import AgentloopError, CodeFailed, WorkerError
 from engine.results import BlockResult, displays_words
 from engine.sandbox import SandboxPolicy
 from engine.workers import Engine, Worker
+from worker.contract import wire
 
 __all__ = ["AgentloopExecutor", "MAX_REPR", "is_plain", "with_last_value"]
 
@@ -145,7 +146,7 @@ def _unwrap(text: str, original: str, rewritten: str) -> str:
     return "".join(out)
 
 
-def _spec(name: str, tool: Any) -> dict:
+def _spec(name: str, tool: Any) -> wire.HostFunction:
     """What a worker needs to build the function standing for ``tool`` (see ``worker.proxy``)."""
     target = getattr(tool, "forward", tool)
     try:
@@ -153,7 +154,7 @@ def _spec(name: str, tool: Any) -> dict:
     except (TypeError, ValueError):
         signature = "(*args, **kwargs)"
     doc = getattr(tool, "description", None) or inspect.getdoc(target) or ""
-    return {"name": name, "signature": signature, "doc": str(doc), "is_async": False}
+    return wire.host_function(name, signature, str(doc))
 
 
 class AgentloopExecutor(PythonExecutor):
@@ -201,7 +202,7 @@ class AgentloopExecutor(PythonExecutor):
         self.tools.update(tools)
         if new:
             specs = [_spec(name, tools[name]) for name in new]
-            self._do(self.worker.request("bind", {"host": specs}, keep=True), 60.0)
+            self._do(self.worker.request(wire.Bind(tuple(specs)), keep=True), 60.0)
 
     def send_variables(self, variables: Mapping[str, Any]) -> None:
         """Put ``variables`` in the namespace (plain data only; TypeError names the others)."""
@@ -212,8 +213,8 @@ class AgentloopExecutor(PythonExecutor):
         if refused:
             raise TypeError(f"variables that are not plain data (None, bools, numbers, str, bytes, lists, "
                             f"dicts) cannot be sent to the worker: {', '.join(refused)}")
-        items = {name: {"kind": "value", "value": value} for name, value in variables.items()}
-        self._do(self.worker.request("inject", {"items": items}, keep=True), 60.0)
+        items = {name: wire.Item("value", value) for name, value in variables.items()}
+        self._do(self.worker.request(wire.Inject(items), keep=True), 60.0)
 
     def __call__(self, code_action: str) -> CodeOutput:
         """Run one step; its ``CodeOutput``, or ``CodeFailed`` when the code failed."""
@@ -281,10 +282,8 @@ class AgentloopExecutor(PythonExecutor):
             return await call(name, args, kwargs, block)
 
         worker.on_call = on_call
-        await worker.request("bind", {"host": [
-            {"name": _FINAL, "signature": "(answer)", "doc": "Ends the step: answer is the final answer.",
-             "is_async": False},
-            {"name": _LAST_VALUE, "signature": "(text, image=False)", "doc": "", "is_async": False}]}, keep=True)
+        await worker.request(wire.Bind((wire.HostFunction(_FINAL, "(answer)", "Ends the step: answer is the final answer."),
+                                        wire.HostFunction(_LAST_VALUE, "(text, image=False)"))), keep=True)
         for note in worker.notes:
             log.info("%s", note)
         return worker

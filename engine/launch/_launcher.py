@@ -364,8 +364,8 @@ class Launcher:
             size = shutil.get_terminal_size()
             tty = f"{','.join(map(str, self.settings.tty))}:{size.lines}x{size.columns}"
         # Inside a PID namespace the process's parent is the namespace's init, not us.
-        start = dataclasses.replace(start, confine=plan.confine, tty=start.tty or tty,
-                                    parent=0 if plan.pid_namespace else os.getpid())
+        start = start.replace(confine=plan.confine, tty=start.tty or tty,
+                              parent=0 if plan.pid_namespace else os.getpid())
         env.update(start.to_env())
         return env
 

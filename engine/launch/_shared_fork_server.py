@@ -16,7 +16,7 @@ socket directory (read-only): what a worker of the run started cold is shown, an
 another run — not its directory, its sockets, its outputs nor its transcript.  Its stderr is a
 fifo of its own (``ForkServer.private_stderr``), so no run reads another's last words.  Everything
 else stays the run's: the environment, the uid, the Landlock rules and rlimits (all in
-``AGENTLOOP_CONFINE``), and a memory and a pids cgroup per worker with the run's limits.  Those
+its start's ``confine``), and a memory and a pids cgroup per worker with the run's limits.  Those
 lie under one pair of parents for the batch (``cgroups``): the server makes each worker's
 namespace init ahead of its request, and
 ``_cgroup.SpareGroups`` puts it in cgroups of its own ahead too, which the run that gets it

@@ -180,7 +180,7 @@ class Gatekeeper:
 
 class Guard:
     """What guards one worker's TCP socket: its door and its keys.  ``env`` is what the
-    worker needs to connect (``AGENTLOOP_CURVE``: the server's public key, its own public and
+    worker needs to connect (``StartSpec.curve``: the server's public key, its own public and
     secret keys).  The socket's monitor passes its ``EVENTS`` to ``follow``."""
 
     EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED

@@ -154,7 +154,7 @@ class ToolProcess:
         try:
             # Inside bubblewrap's PID namespace the parent is its init; bwrap dies with us.
             init = tools.Init(self.root, tuple(tuple(e) for e in self.exclude),
-                              0 if self._plan.pid_namespace else os.getpid(), self._plan.confine.to_json())
+                              0 if self._plan.pid_namespace else os.getpid(), self._plan.confine)
             self._send(frame(encode_json(init)), deadline)
             reply = self._receive(deadline)
         except (ToolTimeout, ToolCrash) as exc:

@@ -36,8 +36,9 @@ from engine.workers._displays import BlockDisplays, DisplayRefused
 from engine.workers._script_run import ScriptRun, forward_stdin
 from engine.workers._session import Owner, Session
 from worker.contract import wire
-from worker.contract.framing import encode
+from worker.contract.framing import decode, encode
 from worker.contract.limits import MAX_CHUNK, STDERR, STDOUT
+from worker.contract.schema import ContractError
 
 if TYPE_CHECKING:
     from engine.launch import Launcher
@@ -47,6 +48,8 @@ __all__ = ["Worker", "WorkerState"]
 log = logging.getLogger("agentloop")
 
 _STREAMS = {STDOUT: "stdout", STDERR: "stderr"}
+#: The replies a worker may send to control requests (``refused`` answers any).
+_REPLIES = frozenset({*wire.REPLIES.values(), wire.Refused})
 #: Host calls one worker may have running at once; more are refused in words, not queued.
 _MAX_CALLS = 64
 
@@ -111,11 +114,12 @@ class Worker:
         self.notes: list[str] = []
         #: Runs a host call from code in the worker: (name, args, kwargs, block_id) -> value.
         self.on_call: Callable[[str, list, dict, str | None], Awaitable[Any]] | None = None
-        self._requests: dict[int, asyncio.Future] = {}
+        #: Control requests waiting for their reply: rid -> (the reply's class, its future).
+        self._requests: dict[int, tuple[type[wire.Message], asyncio.Future]] = {}
         self._request_ids = itertools.count(1)
         # Requests that bind a process (host functions, ``self``, handed objects), made again
         # on every replacement before it runs a block; and the names they define.
-        self._bindings: list[tuple[str, dict, float]] = []
+        self._bindings: list[tuple[wire.Message, float]] = []
         self._bound_names: set[str] = set()
         self._call_tasks: set[asyncio.Task] = set()
         self._session: Session | None = None
@@ -165,8 +169,8 @@ class Worker:
         self._session = session
         self.notes = session.notes
         try:
-            for op, args, timeout in self._bindings:  # bound exactly as the first process was
-                await self._ask(session, op, args, timeout)
+            for request, timeout in self._bindings:  # bound exactly as the first process was
+                await self._ask(session, request, timeout)
         except (WorkerError, OSError) as exc:
             await session.kill()
             self._session = None
@@ -221,7 +225,7 @@ class Worker:
         if self.state is not WorkerState.CLOSED:
             self.state = WorkerState.DEAD
         reset = _reset_words(lost)
-        for future in self._requests.values():  # nobody will answer them now
+        for _, future in self._requests.values():  # nobody will answer them now
             if not future.done():
                 future.set_exception(WorkerError(f"worker {self.name!r} was stopped: {why}"))
         for block in list(self._blocks.values()):
@@ -332,14 +336,8 @@ class Worker:
                     block.stuck.set()
                 else:
                     block.stopping_why = msg.why
-        elif isinstance(msg, wire.Resp):
-            future = self._requests.pop(msg.rid, None)
-            if future is None or future.done():
-                session.drop("response to no request")
-            elif msg.ok:
-                future.set_result(msg.value)
-            else:
-                future.set_exception(WorkerError(msg.error or "the request failed"))
+        elif type(msg) in _REPLIES:
+            self._answered(session, msg)
         elif isinstance(msg, wire.Call):
             if self.on_call is None:
                 session.send(wire.Reply(msg.cid, False, error="this worker has no host functions"))
@@ -368,32 +366,63 @@ class Worker:
         if self._session is not None:
             self._session.send_frame(frame)
 
-    async def request(self, op: str, args: dict | None = None, timeout: float = 30.0, *,
-                      keep: bool = False) -> Any:
-        """A control request to the worker (bind, export, inject, describe, env); its value.
+    async def request(self, request: wire.Message, timeout: float = 30.0, *, keep: bool = False) -> Any:
+        """A control request to the worker (``wire.Bind``, ``Export``, ``Inject``,
+        ``Describe``, ``Env``; its ``rid`` is given here); its reply (``wire.Bound``,
+        ``Exported``, ...: ``wire.REPLIES``), every field checked.  WorkerError when the worker
+        refused it (its words), did not answer in ``timeout`` seconds or was stopped, or when
+        the request breaks the contract itself (the worker would refuse to read it).
 
-        ``keep``: the request binds the process (``bind``, ``inject``): once it succeeded it is
+        ``keep``: the request binds the process (``Bind``, ``Inject``): once it succeeded it is
         made again, in order, on every process that replaces this one (after a kill, a crash,
         a restart) before that process runs a block, so only what code defined is ever lost."""
+        if type(request) not in wire.REPLIES:
+            raise TypeError(f"not a control request: {request!r}"[:200])
         session = await self._ensure_ready()
-        value = await self._ask(session, op, args or {}, timeout)
+        reply = await self._ask(session, request, timeout)
         if keep:
-            self._bindings.append((op, args or {}, timeout))
-            if op == "inject" and isinstance(value, list):
-                self._bound_names.update(str(n) for n in value)
-        return value
+            self._bindings.append((request, timeout))
+            if isinstance(reply, wire.Injected):
+                self._bound_names.update(reply.names)
+        return reply
 
-    async def _ask(self, session: Session, op: str, args: dict, timeout: float) -> Any:
+    async def _ask(self, session: Session, request: wire.Message, timeout: float) -> wire.Message:
         rid = next(self._request_ids)
+        request = request.replace(rid=rid)
+        frame = encode(request)
+        try:  # what the worker's parser would refuse is refused here, in words, not left to time out
+            wire.TO_WORKER.parse(decode(frame))
+        except ContractError as exc:
+            raise WorkerError(f"this {request.kind!r} request cannot be sent to a worker: {exc}") from None
         future = asyncio.get_running_loop().create_future()
-        self._requests[rid] = future
+        self._requests[rid] = (wire.REPLIES[type(request)], future)
         try:
-            session.send(wire.Req(rid, op, args))
+            session.send_frame(frame)
             return await asyncio.wait_for(future, timeout)
         except TimeoutError as exc:
-            raise WorkerError(f"worker {self.name!r} did not answer {op!r} within {timeout:g} s") from exc
+            raise WorkerError(f"worker {self.name!r} did not answer {request.kind!r} within {timeout:g} s") from exc
         finally:
             self._requests.pop(rid, None)
+
+    def _answered(self, session: Session, msg: wire.Message) -> None:
+        """A reply to a control request: its future's value (``refused``: a WorkerError with
+        its words).  A reply whose request is gone is stale (it timed out: an honest race);
+        one of the wrong kind for its request breaks the protocol."""
+        rid = msg.rid  # type: ignore[attr-defined]
+        waiting = self._requests.get(rid)
+        if waiting is None or waiting[1].done():
+            session.drop("reply to no request")
+            return
+        expected, future = waiting
+        if type(msg) is not expected and not isinstance(msg, wire.Refused):
+            # (the request stays waiting: the kill ends it, saying why)
+            session.violation(f"it sent {msg.kind!r} where {expected.kind!r} answers the request")
+            return
+        del self._requests[rid]
+        if isinstance(msg, wire.Refused):
+            future.set_exception(WorkerError(msg.error or "the request failed"))
+        else:
+            future.set_result(msg)
 
     def send(self, msg: wire.Message) -> None:
         """Send a protocol message to the current process (never waits)."""

@@ -10,59 +10,76 @@ plans and the confining process checks again.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
-from dataclasses import dataclass
 from typing import Any
 
-from .schema import ContractError, is_flag, is_int, is_list, is_optional, is_text
+from .schema import (
+    Catalogue,
+    ContractError,
+    Message,
+    field,
+    is_choice,
+    is_flag,
+    is_int,
+    is_list,
+    is_message,
+    is_optional,
+    is_text,
+    is_tuple,
+    message,
+)
 
-__all__ = ["Confinement", "Landlock", "Seccomp", "landlock_abi", "seccomp_supported"]
+__all__ = ["CONFINEMENT", "Confinement", "Landlock", "Seccomp", "landlock_abi", "seccomp_supported"]
 
 _RLIMITS = ("AS", "CORE", "CPU", "DATA", "FSIZE", "MEMLOCK", "NOFILE", "NPROC", "STACK")
+_paths = is_list(is_text(4096), 4096)
+_limit = is_int(-1, 2**63)
 
 
-@dataclass(frozen=True)
-class Landlock:
+@message("landlock")
+class Landlock(Message):
     """Read-only beneath ``ro``, read-write beneath ``rw``, the device files in ``dev``; nothing
     else.  ``scope``: no signals to, and no abstract unix sockets of, processes outside (ABI 6);
     ``deny_tcp``: no TCP bind or connect (ABI 4); ``min_abi``: refuse an older kernel."""
 
-    ro: tuple[str, ...] = ()
-    rw: tuple[str, ...] = ()
-    dev: tuple[str, ...] = ()
-    scope: bool = True
-    deny_tcp: bool = False
-    min_abi: int = 1
+    ro: tuple[str, ...] = field(_paths, ())
+    rw: tuple[str, ...] = field(_paths, ())
+    dev: tuple[str, ...] = field(_paths, ())
+    scope: bool = field(is_flag, True)
+    deny_tcp: bool = field(is_flag, False)
+    min_abi: int = field(is_int(1, 1 << 16), 1)
 
 
-@dataclass(frozen=True)
-class Seccomp:
+@message("seccomp")
+class Seccomp(Message):
     """The filter's options.  ``socket_families``: what socket(2) may create (None: any; of
     netlink only routing); ``lock_session``: no setsid/setpgid, so one killpg reaches every
     descendant; ``shared_memory=False``: no memory RLIMIT_DATA cannot count (memfd_create, SysV
     shmget, shared anonymous mmap); ``set_id_modes=False``: no set-user-ID or set-group-ID
     mode (chmod, files created so), for code that keeps uid 0."""
 
-    socket_families: tuple[int, ...] | None = None
-    lock_session: bool = False
-    shared_memory: bool = True
-    set_id_modes: bool = True
+    socket_families: tuple[int, ...] | None = field(is_optional(is_list(is_int(0, 64), 64)), None)
+    lock_session: bool = field(is_flag, False)
+    shared_memory: bool = field(is_flag, True)
+    set_id_modes: bool = field(is_flag, True)
 
 
-@dataclass(frozen=True)
-class Confinement:
+@message("confinement")
+class Confinement(Message):
     """Every layer, each None or empty when not applied.  ``rlimits``: name -> (soft, hard);
-    ``uid``: (uid, gid) to switch to (a root start); ``umask``: set after the switch."""
+    ``uid``: (uid, gid) to switch to (a root start); ``umask``: set after the switch.
 
-    rlimits: tuple[tuple[str, int, int], ...] = ()
-    drop_caps: bool = False
-    no_new_privs: bool = False
-    uid: tuple[int, int] | None = None
-    umask: int | None = None
-    landlock: Landlock | None = None
-    seccomp: Seccomp | None = None
+    A message like every other (``CONFINEMENT`` parses it): it travels as the JSON of its
+    ``to_wire()`` (``to_json``), in a process's start (``contract.start``) or held in another
+    message's field, and every layer is checked, unknown keys refused, wherever it is read."""
+
+    rlimits: tuple[tuple[str, int, int], ...] = field(is_list(is_tuple(is_choice(*_RLIMITS), _limit, _limit), 16), ())
+    drop_caps: bool = field(is_flag, False)
+    no_new_privs: bool = field(is_flag, False)
+    uid: tuple[int, int] | None = field(is_optional(is_tuple(is_int(0, 2**32), is_int(0, 2**32))), None)
+    umask: int | None = field(is_optional(is_int(0, 0o777)), None)
+    landlock: Landlock | None = field(is_optional(is_message(Landlock)), None)
+    seccomp: Seccomp | None = field(is_optional(is_message(Seccomp)), None)
 
     def __bool__(self) -> bool:
         return self != _NONE
@@ -71,11 +88,10 @@ class Confinement:
         """The (soft, hard) rlimit ``name`` sets, if it sets one."""
         return next(((soft, hard) for n, soft, hard in self.rlimits if n == name), None)
 
-    def replace(self, **changes: Any) -> Confinement:
-        return dataclasses.replace(self, **changes)
-
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+        import json
+
+        return json.dumps(self.to_wire(), separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> Confinement:
@@ -83,47 +99,17 @@ class Confinement:
         text is the empty spec (sandbox mode ``none``)."""
         if not text:
             return _NONE
+        import json
+
         try:
-            raw = json.loads(text)
+            raw: Any = json.loads(text)
         except ValueError as exc:
             raise ContractError(f"confinement: not JSON ({exc})") from None
-        if type(raw) is not dict:
-            raise ContractError("confinement: not a map")
-        try:
-            rlimits = tuple((is_text(16)(n), is_int(-1, 2**63)(s), is_int(-1, 2**63)(h))
-                            for n, s, h in is_list(is_list(_scalar, 3), 16)(raw.get("rlimits", ())))
-            if any(name not in _RLIMITS for name, _, _ in rlimits):
-                raise ContractError("confinement: an unknown rlimit")
-            uid = raw.get("uid")
-            uid = None if uid is None else tuple(is_list(is_int(0, 2**32), 2)(uid))
-            if uid is not None and len(uid) != 2:
-                raise ContractError("confinement: uid is not (uid, gid)")
-            landlock = raw.get("landlock")
-            if landlock is not None:
-                paths = is_list(is_text(4096), 4096)
-                landlock = Landlock(paths(landlock.get("ro", ())), paths(landlock.get("rw", ())),
-                                    paths(landlock.get("dev", ())), is_flag(landlock.get("scope", True)),
-                                    is_flag(landlock.get("deny_tcp", False)), is_int(1, 1 << 16)(landlock.get("min_abi", 1)))
-            seccomp = raw.get("seccomp")
-            if seccomp is not None:
-                families = is_optional(is_list(is_int(0, 64), 64))(seccomp.get("socket_families"))
-                seccomp = Seccomp(families, is_flag(seccomp.get("lock_session", False)),
-                                  is_flag(seccomp.get("shared_memory", True)), is_flag(seccomp.get("set_id_modes", True)))
-            known = {f.name for f in dataclasses.fields(cls)}
-            if set(raw) - known:
-                raise ContractError(f"confinement: unknown layer {sorted(set(raw) - known)[0]!r}")
-            return cls(rlimits, is_flag(raw.get("drop_caps", False)), is_flag(raw.get("no_new_privs", False)),
-                       uid, is_optional(is_int(0, 0o777))(raw.get("umask")), landlock, seccomp)  # type: ignore[arg-type]
-        except (AttributeError, TypeError, ValueError) as exc:
-            if isinstance(exc, ContractError):
-                raise
-            raise ContractError(f"confinement: malformed ({exc})") from None
+        return CONFINEMENT.parse(raw)  # type: ignore[return-value]
 
 
-def _scalar(value: Any) -> Any:
-    return value
-
-
+#: The one parser of a confinement on its own (in a message's field, ``is_message`` parses it).
+CONFINEMENT = Catalogue("confinement", (Confinement,))
 _NONE = Confinement()
 
 

@@ -5,7 +5,7 @@ site-packages: no msgpack).
 
 Coordinator -> confiner (``TO_CONFINER``)
     setup    {confine, status, control, stderr, tty?, ignored, parent, lc_ctype?}
-                                the confinement (JSON: ``Confinement.to_json``), the descriptors
+                                the confinement (a ``Confinement``'s map), the descriptors
                                 of the two pipes and of the script's stderr, the pty slave to make
                                 the controlling terminal (none without one), the signals the script
                                 starts with ignored, the coordinator's pid (0 under a PID namespace)
@@ -22,8 +22,20 @@ Confiner -> coordinator (``TO_COORDINATOR``, the status pipe)
 
 from __future__ import annotations
 
+from .confinement import Confinement
 from .limits import MAX_ERROR
-from .schema import Catalogue, Message, field, is_choice, is_int, is_list, is_optional, is_text, message
+from .schema import (
+    Catalogue,
+    Message,
+    field,
+    is_choice,
+    is_int,
+    is_list,
+    is_message,
+    is_optional,
+    is_text,
+    message,
+)
 
 __all__ = ["MAX_MESSAGE", "TO_CONFINER", "TO_COORDINATOR", "Continued", "Exited", "Failed", "Killed", "Setup",
            "Signal", "Stopped"]
@@ -36,7 +48,7 @@ _SIGNAL = is_int(1, 64)
 
 @message("setup")
 class Setup(Message):
-    confine: str = field(is_text(MAX_MESSAGE))
+    confine: Confinement = field(is_message(Confinement))
     status: int = field(_FD)
     control: int = field(_FD)
     stderr: int = field(_FD)

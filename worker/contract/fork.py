@@ -1,5 +1,6 @@
-"""The fork server's channel: the coordinator writes requests to its stdin, it writes reports
-to its stdout, each a frame (``framing``) holding one msgpack map.
+"""The fork server's channels: the coordinator writes requests to its stdin, it writes reports
+to its stdout, each a frame (``framing``) holding one msgpack map; inside the server, the
+processes it forks for a worker report on a pipe of their own.
 
 Coordinator -> fork server (``TO_SERVER``)
     spawn  {id, endpoint, env, cwd, private_net, tmp_bytes, own_workspace?, exec?, hide, show,
@@ -20,6 +21,14 @@ Fork server -> coordinator (``TO_COORDINATOR``)
     exited  {id, pid, status}  a worker's init was reaped (status as a shell's $?)
 
 Pids are numbered in the server's PID namespace; the coordinator maps them to its own.
+
+The processes the server forks for one worker -> fork server (``REPORTS``, their report pipe;
+see ``worker.fork_server``: B makes the namespaces, C is their init, D the worker.  Each report
+a frame holding ASCII JSON: the process that checks whether this kernel allows the server's
+namespaces, ``worker.fork_server.probe``, may run without msgpack.  The server hands C its
+``spawn`` down a pipe framed as its stdin is)
+    init    {pid}          from B: C exists; its pid, in the server's namespace
+    child   {pid}          from C: D (the worker, or a sample slot) exists; its pid, in C's
 """
 
 from __future__ import annotations
@@ -39,12 +48,14 @@ from .schema import (
     message,
 )
 
-__all__ = ["MAX_REPORT", "MAX_REQUEST", "TO_COORDINATOR", "TO_SERVER", "Exited", "Message", "Failed", "Forked", "Ready",
-           "Spare", "Spawn", "Spawned"]
+__all__ = ["MAX_INSIDE", "MAX_REPORT", "MAX_REQUEST", "REPORTS", "TO_COORDINATOR", "TO_SERVER", "Child", "Exited",
+           "Failed", "Forked", "Init", "Message", "Ready", "Spare", "Spawn", "Spawned"]
 
 #: Bounds of one frame each way: a request carries an environment and a few paths.
 MAX_REQUEST = 1024 * 1024
 MAX_REPORT = 64 * 1024
+#: Bound of a frame on the report pipe (a pid in a map).
+MAX_INSIDE = 64
 
 _path = is_text(MAX_ID)
 _pid = is_int(0, 2**31)
@@ -111,3 +122,18 @@ class Exited(Message):
 
 
 TO_COORDINATOR = Catalogue("fork server to coordinator", (Ready, Spare, Forked, Spawned, Failed, Exited))
+
+
+# -- inside the server: a worker's namespace init and the process below it -> the server --------
+
+@message("init")
+class Init(Message):
+    pid: int = field(_pid)
+
+
+@message("child")
+class Child(Message):
+    pid: int = field(_pid)
+
+
+REPORTS = Catalogue("namespace init to fork server", (Init, Child))

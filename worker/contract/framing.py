@@ -150,12 +150,15 @@ def _wait_readable(fd: int, deadline: float) -> None:
 
 class FrameBuffer:
     """Frames cut out of a byte stream read in pieces, each checked against ``max_size`` as
-    soon as its length is known (before its body is buffered)."""
+    soon as its length is known (before its body is buffered).  ``min_size``: a shorter frame
+    is refused too (a channel whose every frame holds something).  A stream whose frames may
+    announce unframed bytes after them (the output pipe) takes those with ``take``."""
 
-    __slots__ = ("max_size", "buf")
+    __slots__ = ("max_size", "min_size", "buf")
 
-    def __init__(self, max_size: int) -> None:
+    def __init__(self, max_size: int, min_size: int = 0) -> None:
         self.max_size = max_size
+        self.min_size = min_size
         self.buf = bytearray()
 
     def feed(self, data: bytes) -> None:
@@ -168,14 +171,26 @@ class FrameBuffer:
         if len(buf) < HEADER.size:
             return None
         (size,) = HEADER.unpack_from(buf)
-        if size > self.max_size:
-            raise FrameError(f"a frame of {size} bytes (at most {self.max_size})")
+        if not self.min_size <= size <= self.max_size:
+            raise FrameError(f"a frame of {size} bytes (at least {self.min_size}, at most {self.max_size})")
         end = HEADER.size + size
         if len(buf) < end:
             return None
         body = bytes(buf[HEADER.size:end])
         del buf[:end]
         return body
+
+    def take(self, n: int) -> bytes:
+        """At most ``n`` of the bytes buffered next, unframed (what a frame said follows it);
+        fewer, or none, until more are fed."""
+        buf = self.buf
+        if n >= len(buf):
+            data = bytes(buf)
+            buf.clear()
+            return data
+        data = bytes(buf[:n])
+        del buf[:n]
+        return data
 
     def __len__(self) -> int:
         return len(self.buf)

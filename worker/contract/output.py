@@ -11,7 +11,7 @@ messages, checking everything; the reading itself (non-blocking, bounded) is the
 
 from __future__ import annotations
 
-from .framing import HEADER, FrameError, decode, encode, frame
+from .framing import FrameBuffer, decode, encode, frame
 from .limits import MAX_FRAME
 from .schema import ContractError
 from .wire import TO_COORDINATOR, Out
@@ -33,43 +33,33 @@ def moved(block_id: str, stream: int, size: int) -> bytes:
 
 
 class OutputReader:
-    """Messages out of the bytes of ``out``, fed as they are read.  ``next`` raises
-    ContractError for anything but well-formed ``Out`` frames; of a moved chunk, each piece that
-    arrived is given as an ``Out`` of its own (a chunk cut by the worker's death is kept so far)."""
+    """Messages out of the bytes of ``out``, fed as they are read (framing's ``FrameBuffer``
+    cuts them).  ``next`` raises ContractError for anything but well-formed ``Out`` frames
+    (an empty one included); of a moved chunk, each piece that arrived is given as an ``Out``
+    of its own (a chunk cut by the worker's death is kept so far)."""
 
     def __init__(self) -> None:
-        self.buf = bytearray()
+        self.frames = FrameBuffer(MAX_FRAME, min_size=1)
         self._raw: tuple[str, int, int] | None = None  # (block, stream, bytes to come) of a moved chunk
 
     def feed(self, data: bytes) -> None:
-        self.buf += data
+        self.frames.feed(data)
 
     def next(self) -> Out | None:
         """The next whole message, or None until more is fed."""
-        buf = self.buf
+        frames = self.frames
         while True:
             if self._raw is not None:
                 block, stream, rest = self._raw
-                take = min(rest, len(buf))
-                if not take:
+                data = frames.take(rest)
+                if not data:
                     return None
-                with memoryview(buf) as view:
-                    data = bytes(view[:take])
-                del buf[:take]
-                self._raw = (block, stream, rest - take) if rest > take else None
+                self._raw = (block, stream, rest - len(data)) if rest > len(data) else None
                 return Out(block, ((stream, data),))
-            if len(buf) < HEADER.size:
+            body = frames.next()
+            if body is None:
                 return None
-            size = HEADER.unpack_from(buf)[0]
-            if not 0 < size <= MAX_FRAME:
-                raise FrameError(f"it wrote an output frame of {size} bytes")
-            end = HEADER.size + size
-            if len(buf) < end:
-                return None
-            with memoryview(buf) as view, view[HEADER.size:end] as body:
-                decoded = decode(body)
-            del buf[:end]
-            msg = TO_COORDINATOR.parse(decoded)
+            msg = TO_COORDINATOR.parse(decode(body))
             if not isinstance(msg, Out):
                 raise ContractError(f"it wrote a {msg.kind!r} message to its output pipe")
             if msg.raw is None:

@@ -19,7 +19,6 @@ Coordinator -> slot (``TO_SLOT``)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from .limits import MAX_FRAME, MAX_ID, MAX_NAME, MAX_NOTE
@@ -119,38 +118,20 @@ class Result(Message):
 TO_COORDINATOR = Catalogue("slot to coordinator", (Hello, Failed, Result))
 
 
-@dataclass(frozen=True)
-class SlotSettings:
+@message("slot")
+class SlotSettings(Message):
     """What a slot is told once, at its start: the workspace path its samples start in, the
     size of their ``/tmp``, ``/dev/shm`` and workspace, the grace between a deadline's interrupt
     and the kill, whether its network namespace is private, its socket directory, the modules
     it imports before the first sample (``--preload``), the run's output directory (which no
     sample is shown) and the endpoint it connects to (here, not on its command line, which
-    every sample could read)."""
+    every sample could read).  Held in the slot's ``StartSpec``."""
 
-    workspace: str
-    tmp_bytes: int
-    grace: float
-    socket_dir: str
-    private_net: bool = True
-    preload: tuple[str, ...] = ()
-    outputs: str = ""
-    endpoint: str = ""
-
-    def to_wire(self) -> dict:
-        return {"workspace": self.workspace, "tmp_bytes": self.tmp_bytes, "grace": self.grace,
-                "socket_dir": self.socket_dir, "private_net": self.private_net, "preload": list(self.preload),
-                "outputs": self.outputs, "endpoint": self.endpoint}
-
-    @classmethod
-    def from_wire(cls, value: Any) -> SlotSettings:
-        if type(value) is not dict:
-            raise ContractError("slot settings: not a map")
-        try:
-            return cls(is_text(MAX_ID)(value["workspace"]), is_int(0, 2**50)(value["tmp_bytes"]),
-                       is_number(0, 60)(value["grace"]), is_text(MAX_ID)(value["socket_dir"]),
-                       is_flag(value.get("private_net", True)),
-                       is_list(is_text(MAX_NAME), 256)(value.get("preload", ())),
-                       is_text(MAX_ID)(value.get("outputs", "")), is_text(MAX_ID)(value.get("endpoint", "")))
-        except KeyError as exc:
-            raise ContractError(f"slot settings: {exc.args[0]} is missing") from None
+    workspace: str = field(is_text(MAX_ID))
+    tmp_bytes: int = field(is_int(0, 2**50))
+    grace: float = field(is_number(0, 60))
+    socket_dir: str = field(is_text(MAX_ID))
+    private_net: bool = field(is_flag, True)
+    preload: tuple[str, ...] = field(is_list(is_text(MAX_NAME), 256), ())
+    outputs: str = field(is_text(MAX_ID), "")
+    endpoint: str = field(is_text(MAX_ID), "")

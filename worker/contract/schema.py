@@ -6,6 +6,10 @@ under ``t``); ``Catalogue.parse`` turns a received map into an instance, checkin
 or raises ``ContractError``.  Past the parser nothing checks a field again: "parse, don't
 validate".
 
+A field may hold a message of its own (``is_message``): on the wire it is that message's map
+without its ``t`` (the field says which message it is), parsed by the same mechanism, so an
+unknown key is refused at every level, not only the top.
+
 Builders bound what they are given where the sender may hold more than fits (``cut``: a
 traceback longer than the limit is cut, not refused); parsers refuse whatever an honest peer
 never sends.  So a peer that breaks a bound is broken or hostile, and is treated so.
@@ -18,7 +22,8 @@ from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, TypeVar
 
 __all__ = ["Catalogue", "ContractError", "Message", "field", "is_any", "is_blob", "is_choice", "is_flag",
-           "is_int", "is_list", "is_map", "is_number", "is_optional", "is_text", "message"]
+           "is_int", "is_list", "is_map", "is_message", "is_number", "is_optional", "is_plain", "is_text",
+           "is_tuple", "message"]
 
 T = TypeVar("T", bound="Message")
 Check = Callable[[Any], Any]
@@ -92,13 +97,22 @@ def is_choice(*values: Any) -> Check:
     return check
 
 
+def is_tuple(*items: Check) -> Check:
+    """A list of exactly ``len(items)`` values, each passing its own check, kept as a tuple."""
+    def check(value: Any) -> tuple:
+        if type(value) not in (list, tuple) or len(value) != len(items):
+            raise ContractError(f"not a list of {len(items)} items")
+        return tuple(item(v) for item, v in zip(items, value, strict=True))
+    return _carry(check, *items)
+
+
 def is_list(item: Check, max_items: int) -> Check:
     """A list of at most ``max_items`` values passing ``item``, kept as a tuple."""
     def check(value: Any) -> tuple:
         if type(value) not in (list, tuple) or len(value) > max_items:
             raise ContractError(f"not a list of at most {max_items} items")
         return tuple(item(v) for v in value)
-    return check
+    return _carry(check, item)
 
 
 def is_map(key: Check, item: Check, max_items: int) -> Check:
@@ -107,13 +121,72 @@ def is_map(key: Check, item: Check, max_items: int) -> Check:
         if type(value) is not dict or len(value) > max_items:
             raise ContractError(f"not a map of at most {max_items} items")
         return {key(k): item(v) for k, v in value.items()}
-    return check
+    return _carry(check, item, mapping=True)
 
 
 def is_optional(inner: Check) -> Check:
     """None, or a value passing ``inner``."""
     def check(value: Any) -> Any:
         return None if value is None else inner(value)
+    return _carry(check, inner, optional=True)
+
+
+def is_message(cls: type[Message]) -> Check:
+    """A message of class ``cls``, held in a field: on the wire its map without ``t``, every
+    key one of its fields (an unknown one is refused, as at the top)."""
+    def check(value: Any) -> Message:
+        if type(value) is not dict:
+            raise ContractError(f"not a {cls.kind} map")
+        return cls.from_wire(value, nested=True)
+    check.wire = _nested_wire  # type: ignore[attr-defined]
+    return check
+
+
+def is_plain(max_depth: int) -> Check:
+    """Plain data as msgpack decodes it (None, bools, numbers, str, bytes, lists and maps of
+    them), nested at most ``max_depth`` deep: a value the receiver relays or hands on without
+    reading it, whose depth must not exhaust a recursion on the way."""
+    def check(value: Any, depth: int = 0) -> Any:
+        kind = type(value)
+        if kind in _SCALARS:
+            return value
+        if depth >= max_depth:
+            raise ContractError(f"not plain data nested at most {max_depth} deep")
+        if kind is list or kind is tuple:
+            return [check(v, depth + 1) for v in value]
+        if kind is dict:
+            if not all(type(k) is str for k in value):
+                raise ContractError("not plain data: a map key that is not a string")
+            return {k: check(v, depth + 1) for k, v in value.items()}
+        raise ContractError("not plain data")
+    return check
+
+
+_SCALARS = frozenset({type(None), bool, int, float, str, bytes})
+
+
+def _nested_wire(value: Message) -> dict[str, Any]:
+    return value.wire_fields()
+
+
+def _carry(check: Check, *inner: Check, mapping: bool = False, optional: bool = False) -> Check:
+    """``check``, given the wire form of the messages inside what it checks (a list of them, a
+    map to them, ...) where one of ``inner`` has one; nothing otherwise (a value is sent as it
+    is: the common case costs nothing)."""
+    wires = [getattr(c, "wire", None) for c in inner]
+    if not any(wires):
+        return check
+    if optional:
+        (one,) = wires
+        check.wire = lambda v: None if v is None else one(v)  # type: ignore[attr-defined]
+    elif mapping:
+        (one,) = wires
+        check.wire = lambda v: {k: one(x) for k, x in v.items()}  # type: ignore[attr-defined]
+    elif len(wires) == 1:
+        (one,) = wires
+        check.wire = lambda v: [one(x) for x in v]  # type: ignore[attr-defined]
+    else:
+        check.wire = lambda v: [w(x) if w else x for w, x in zip(wires, v, strict=True)]  # type: ignore[attr-defined]
     return check
 
 
@@ -156,6 +229,7 @@ class Message:
     _order: ClassVar[tuple[str, ...]] = ()
     _names: ClassVar[frozenset[str]] = frozenset()
     _omit: ClassVar[frozenset[str]] = frozenset()
+    _wires: ClassVar[dict[str, Callable[[Any], Any]]] = {}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         specs = self._specs
@@ -203,20 +277,38 @@ class Message:
         """``(name, check, required)`` of each field, in order."""
         return cls._checks
 
+    def replace(self: T, **changes: Any) -> T:
+        """This message with ``changes`` to some of its fields (built, not checked: a builder)."""
+        return type(self)(**{**self.__dict__, **changes})
+
     def to_wire(self) -> dict[str, Any]:
-        """The map that is sent: ``t`` and every field, those at a default of None left out."""
+        """The map that is sent: ``t`` and every field, those at a default of None left out,
+        a message held in a field as its own map (without its ``t``)."""
         out: dict[str, Any] = {"t": self.kind}
+        out.update(self.wire_fields())
+        return out
+
+    def wire_fields(self) -> dict[str, Any]:
+        """Every field as it is sent (``to_wire`` without ``t``: how a message held in a field
+        of another is sent)."""
+        out: dict[str, Any] = {}
+        wires = self._wires
         for name, _, _ in self._checks:
             value = getattr(self, name)
             if value is None and name in self._omit:
                 continue
-            out[name] = list(value) if type(value) is tuple else value
+            convert = wires.get(name)
+            if convert is not None:
+                out[name] = convert(value)
+            else:
+                out[name] = list(value) if type(value) is tuple else value
         return out
 
     @classmethod
-    def from_wire(cls: type[T], msg: dict) -> T:
-        """The message ``msg`` holds (its ``t`` already matched); ContractError naming the
-        first field that breaks the contract."""
+    def from_wire(cls: type[T], msg: dict, nested: bool = False) -> T:
+        """The message ``msg`` holds (its ``t`` already matched; ``nested``: a map held in a
+        field, which has no ``t``); ContractError naming the first field that breaks the
+        contract, or the first key that is none of its fields."""
         values = {}
         for name, check, required in cls._checks:
             if name in msg:
@@ -226,8 +318,8 @@ class Message:
                     raise ContractError(f"{cls.kind}.{name}: {exc}") from None
             elif required:
                 raise ContractError(f"{cls.kind}: {name} is missing")
-        if len(msg) > len(values) + ("t" in msg):
-            extra = sorted(str(k)[:40] for k in msg if k != "t" and k not in values)
+        if len(msg) > len(values) + (not nested and "t" in msg):
+            extra = sorted(str(k)[:40] for k in msg if (nested or k != "t") and k not in values)
             raise ContractError(f"{cls.kind}: unknown field {extra[0]!r}")
         made = cls.__new__(cls)  # (checked above: no argument binding to do again)
         if len(values) < len(cls._specs):
@@ -244,7 +336,7 @@ def message(kind: str) -> Callable[[type[T]], type[T]]:
     """Declare a message class whose ``t`` is ``kind``: its annotated class attributes, in
     order, each a ``field(...)``, are its fields."""
     def make(cls: type[T]) -> type[T]:
-        specs, checks, omit = [], [], set()
+        specs, checks, omit, wires = [], [], set(), {}
         for name in cls.__dict__.get("__annotations__", {}):
             spec = cls.__dict__.get(name)
             if not isinstance(spec, _Field):
@@ -254,10 +346,12 @@ def message(kind: str) -> Callable[[type[T]], type[T]]:
             checks.append((name, spec.check, spec.default is _MISSING and spec.factory is None))
             if spec.default is None:
                 omit.add(name)
+            if (wire := getattr(spec.check, "wire", None)) is not None:
+                wires[name] = wire  # (a message in it, or in what it holds)
         cls.kind = kind
         cls._specs, cls._checks = tuple(specs), tuple(checks)
         cls._order = tuple(n for n, _, _ in specs)
-        cls._names, cls._omit = frozenset(cls._order), frozenset(omit)
+        cls._names, cls._omit, cls._wires = frozenset(cls._order), frozenset(omit), wires
         return cls
     return make
 

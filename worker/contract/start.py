@@ -1,22 +1,40 @@
 """What a process the coordinator starts in the sandbox is told through its environment.
 
-The coordinator builds a ``StartSpec`` and passes ``to_env()``; the process calls ``take()``
-first thing, which reads the variables and removes them from ``os.environ`` before any code it
-runs could see them.  Secrets never travel here: the token is one-time, and the environment
-itself is built from an allowlist (``engine.launch``).
+The coordinator builds a ``StartSpec`` and passes ``to_env()``: one variable, ``AGENTLOOP_START``,
+holding the JSON of the spec's ``to_wire()`` (the confinement and a slot's settings are
+messages held in its fields).  The process calls ``take()`` first thing, which parses it with
+``START`` (every field checked, an unknown key refused at every level) and removes it from
+``os.environ`` before any code it runs could see it.  Secrets never travel here: the token is
+one-time, and the environment itself is built from an allowlist (``engine.launch``).
+
+Coordinator -> any process it starts (``START``)
+    start  {token, confine, parent, output, tty, slot?, preload, curve}
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import MutableMapping
-from dataclasses import dataclass, field
+from typing import Any
 
 from .confinement import Confinement
+from .limits import MAX_ID, MAX_NAME
 from .sample import SlotSettings
-from .schema import ContractError
+from .schema import (
+    Catalogue,
+    ContractError,
+    Message,
+    field,
+    is_int,
+    is_list,
+    is_message,
+    is_optional,
+    is_text,
+    message,
+)
 
-__all__ = ["CONFINER", "ENTRIES", "FORK_PROBE", "FORK_SERVER", "NAMES", "SLOT", "TOOLS", "WORKER", "StartSpec"]
+__all__ = ["CONFINER", "ENTRIES", "FORK_PROBE", "FORK_SERVER", "NAMES", "SLOT", "START", "TOOLS", "WORKER",
+           "StartSpec"]
 
 #: What each kind of process the coordinator starts in a sandbox runs, as ``module:function`` of
 #: the runtime (``engine.sandbox.runtime_argv`` makes the one command line that runs one).
@@ -28,15 +46,15 @@ CONFINER = "worker.confiner:main"        # exec FILE's first process: confines, 
 TOOLS = "worker.tool_server:main"        # the repository tools' process
 ENTRIES = (WORKER, SLOT, FORK_SERVER, FORK_PROBE, CONFINER, TOOLS)
 
-_TOKEN, _CONFINE, _PARENT = "AGENTLOOP_TOKEN", "AGENTLOOP_CONFINE", "AGENTLOOP_PARENT"
-_OUTPUT, _TTY, _SLOT, _PRELOAD = "AGENTLOOP_OUTPUT", "AGENTLOOP_TTY", "AGENTLOOP_SLOT", "AGENTLOOP_PRELOAD"
-_CURVE = "AGENTLOOP_CURVE"
+_START = "AGENTLOOP_START"
 #: Every variable of the start; none reaches the code a process runs.
-NAMES = (_TOKEN, _CONFINE, _PARENT, _OUTPUT, _TTY, _SLOT, _PRELOAD, _CURVE)
+NAMES = (_START,)
+#: The largest start a process reads: one environment variable holds at most 128 KiB.
+MAX_START = 128 * 1024
 
 
-@dataclass(frozen=True)
-class StartSpec:
+@message("start")
+class StartSpec(Message):
     """``token``: the handshake's one-time secret; ``confine``: what the process applies to
     itself; ``parent``: the coordinator's pid where no PID namespace ends the process with it
     (0: one does); ``output``: the directory of its output pipes (``contract.output``);
@@ -45,54 +63,42 @@ class StartSpec:
     ``curve``: over TCP, the CurveZMQ keys (``"SERVER_PUBLIC PUBLIC SECRET"``, z85) with which
     the coordinator lets this worker in, and no one else."""
 
-    token: str = ""
-    confine: Confinement = field(default_factory=Confinement)
-    parent: int = 0
-    output: str = ""
-    tty: str = ""
-    slot: SlotSettings | None = None
-    preload: tuple[str, ...] = ()
-    curve: str = ""
+    token: str = field(is_text(MAX_NAME), "")
+    confine: Confinement = field(is_message(Confinement), Confinement())
+    parent: int = field(is_int(0, 2**31), 0)
+    output: str = field(is_text(MAX_ID), "")
+    tty: str = field(is_text(64), "")
+    slot: SlotSettings | None = field(is_optional(is_message(SlotSettings)), None)
+    preload: tuple[str, ...] = field(is_list(is_text(MAX_NAME), 256), ())
+    curve: str = field(is_text(1024), "")
 
     def to_env(self) -> dict[str, str]:
-        env = {}
-        if self.token:
-            env[_TOKEN] = self.token
-        if self.confine:
-            env[_CONFINE] = self.confine.to_json()
-        if self.parent:
-            env[_PARENT] = str(self.parent)
-        if self.output:
-            env[_OUTPUT] = self.output
-        if self.tty:
-            env[_TTY] = self.tty
-        if self.slot is not None:
-            import json
+        """The variables that tell a process this spec (none for the empty spec)."""
+        if self == _EMPTY:
+            return {}
+        import json
 
-            env[_SLOT] = json.dumps(self.slot.to_wire())
-        if self.preload:
-            env[_PRELOAD] = ",".join(self.preload)
-        if self.curve:
-            env[_CURVE] = self.curve
-        return env
+        return {_START: json.dumps(self.to_wire(), separators=(",", ":"))}
 
     @classmethod
     def take(cls, environ: MutableMapping[str, str] | None = None) -> StartSpec:
-        """The spec in ``environ`` (default ``os.environ``), its variables removed from it;
-        ContractError when one is malformed (the process must not start then)."""
+        """The spec in ``environ`` (default ``os.environ``), its variable removed from it (the
+        empty spec without one); ContractError when it is malformed (the process must not
+        start then)."""
         env = os.environ if environ is None else environ
-        got = {name: env.pop(name, "") for name in NAMES}
-        slot = None
-        if got[_SLOT]:
-            import json
+        text = env.pop(_START, "")
+        if not text:
+            return _EMPTY
+        if len(text) > MAX_START:
+            raise ContractError(f"{_START}: {len(text)} characters, at most {MAX_START}")
+        import json
 
-            try:
-                slot = SlotSettings.from_wire(json.loads(got[_SLOT]))
-            except ValueError as exc:
-                raise ContractError(f"slot settings: {exc}") from None
         try:
-            parent = int(got[_PARENT] or 0)
-        except ValueError:
-            raise ContractError(f"{_PARENT} is not a pid") from None
-        return cls(got[_TOKEN], Confinement.from_json(got[_CONFINE]), parent, got[_OUTPUT], got[_TTY], slot,
-                   tuple(n.strip() for n in got[_PRELOAD].split(",") if n.strip()), got[_CURVE])
+            raw: Any = json.loads(text)
+        except ValueError as exc:
+            raise ContractError(f"{_START}: not JSON ({exc})") from None
+        return START.parse(raw)  # type: ignore[return-value]
+
+
+START = Catalogue("the coordinator to a process it starts", (StartSpec,))
+_EMPTY = StartSpec()

@@ -5,8 +5,8 @@ undecodable file names travel as escapes, which msgpack's UTF-8 strings cannot c
 Coordinator -> tool process (``TO_TOOLS``)
     init     {root, exclude, parent, confine}   the tree to serve, what of it to leave out, the
                                                 coordinator's pid (0: not its parent), and the
-                                                confinement it applies before serving (JSON:
-                                                ``Confinement.to_json``)
+                                                confinement it applies before serving (a
+                                                ``Confinement``'s map)
     request  {op, args, max_result}             one tool call (``list_dir``, ``read_file``, ``search``)
 Tool process -> coordinator (``TO_COORDINATOR``)
     ready    {layers}     confined (the layers applied) and serving
@@ -18,8 +18,9 @@ Tool process -> coordinator (``TO_COORDINATOR``)
 
 from __future__ import annotations
 
+from .confinement import Confinement
 from .limits import MAX_ID, MAX_NAME
-from .schema import Catalogue, Message, field, is_any, is_int, is_list, is_map, is_text, message
+from .schema import Catalogue, Message, field, is_any, is_int, is_list, is_map, is_message, is_text, message
 
 __all__ = ["MAX_MATCHES", "MAX_READ_LIMIT", "MAX_REPLY", "MAX_REQUEST", "MAX_RESULT", "MAX_SEARCH_FILE", "MAX_TEXT",
            "SKIP_DIRS", "TO_COORDINATOR", "TO_TOOLS", "Failed", "Fatal", "Init", "Message", "Ok", "Ready", "Refused",
@@ -56,7 +57,7 @@ class Init(Message):
     root: str = field(is_text(MAX_ID))
     exclude: tuple = field(is_list(is_list(is_text(MAX_ID), 64), 4096), ())
     parent: int = field(is_int(0, 2**31), 0)
-    confine: str = field(is_text(1 << 20), "")
+    confine: Confinement = field(is_message(Confinement), Confinement())
 
 
 @message("request")
