@@ -23,7 +23,12 @@ if TYPE_CHECKING:
     from ._images import MAX_IMAGES_A_MESSAGE, image_part
     from ._reasoning import strip_think
     from ._registry import (
-        DEFAULT_MODEL_ID, ModelConfig, ModelRegistry, load_models, unsent_key_note, which_wins,
+        DEFAULT_MODEL_ID,
+        ModelConfig,
+        ModelRegistry,
+        load_models,
+        unsent_key_note,
+        which_wins,
     )
     from ._server import ServerInfo, connect, probe
 

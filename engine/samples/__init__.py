@@ -16,7 +16,13 @@ _WHERE = {
 
 if TYPE_CHECKING:
     from ._sample import (
-        FILES_CAP, OUTPUT_BYTES, SCRIPT_NAME, Sample, SampleResult, cancelled, check_env,
+        FILES_CAP,
+        OUTPUT_BYTES,
+        SCRIPT_NAME,
+        Sample,
+        SampleResult,
+        cancelled,
+        check_env,
         map_samples,
     )
     from ._slots import SlotPool

@@ -26,12 +26,28 @@ if TYPE_CHECKING:
     from ._bwrap import View, beneath, bwrap_argv, namespace_flags, probe_argv
     from ._host import HostSupport, fork_server_problem, host_support, root_blocker
     from ._interpreter import (
-        RUNTIME_ROOT, check_workspace, choose_python, not_importable, probe, python_paths,
-        refuse_untrusted, refuse_untrusted_paths, runtime_argv, runtime_dirs, runtime_packages,
+        RUNTIME_ROOT,
+        check_workspace,
+        choose_python,
+        not_importable,
+        probe,
+        python_paths,
+        refuse_untrusted,
+        refuse_untrusted_paths,
+        runtime_argv,
+        runtime_dirs,
+        runtime_packages,
         which_python,
     )
     from ._plan import (
-        GiB, LaunchPlan, SandboxPolicy, plan, server_plan, shareable_cwd, system_paths, tools_plan,
+        GiB,
+        LaunchPlan,
+        SandboxPolicy,
+        plan,
+        server_plan,
+        shareable_cwd,
+        system_paths,
+        tools_plan,
         workspace_excess,
     )
     from ._protected import protected_paths

@@ -15,7 +15,12 @@ _WHERE = {
 
 if TYPE_CHECKING:
     from ._repo import (
-        MAX_RESULT, TOOL_SCHEMAS, RepoTools, execute_tool_call_async, parse_arguments, schema_for,
+        MAX_RESULT,
+        TOOL_SCHEMAS,
+        RepoTools,
+        execute_tool_call_async,
+        parse_arguments,
+        schema_for,
     )
 
 __getattr__, __dir__ = lazy_names(__name__, _WHERE)

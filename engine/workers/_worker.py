@@ -23,16 +23,14 @@ import contextlib
 import enum
 import itertools
 import logging
-import os
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.durations import DEFAULT_BLOCK_TIMEOUT
 from engine.errors import WorkerClosed, WorkerError, WorkerStartError
 from engine.results import BlockResult, OutputChunk, OutputSink, Shown, describe_exit
 from engine.workers._displays import BlockDisplays, DisplayRefused
+from engine.workers._running import RunningBlock
 from engine.workers._script_run import ScriptRun, forward_stdin
 from engine.workers._session import Owner, Session
 from worker.contract import wire
@@ -61,42 +59,6 @@ class WorkerState(enum.Enum):
     CLOSED = "closed"  # closed by its owner; every further call raises WorkerClosed
 
 
-class _RunningBlock:
-    """Coordinator-side state of one running block."""
-
-    def __init__(self, block_id: str, sink: OutputSink, timeout: float,
-                 on_output: Callable[[OutputChunk], None] | None, budget: int | None = None,
-                 displays: BlockDisplays | None = None,
-                 on_display: Callable[[Shown, dict], None] | None = None) -> None:
-        self.id = block_id
-        self.budget = budget
-        self.sink = sink
-        self.displays = displays or BlockDisplays(lambda number: Path(os.devnull), None)
-        self.on_display = on_display
-        self.timeout = timeout
-        self.on_output = on_output
-        self.queue: asyncio.Queue | None = None
-        self.started = time.monotonic()
-        self.future: asyncio.Future[BlockResult] = asyncio.get_running_loop().create_future()
-        self.timed_out = False
-        self.stopping: asyncio.Future | None = None  # the stop a deadline started
-        self.stuck = asyncio.Event()  # the worker says the interrupt cannot reach the block
-        self.stuck_why = ""  # ... and why
-        self.interrupted = False  # the worker has answered the interrupt (stuck or stopping)
-        self.stopping_why = ""  # the worker's words on a block that runs on after its interrupt
-
-    def finish(self, status: str, *, error: str = "", message: str = "", **extra) -> None:
-        if self.future.done():
-            return
-        self.sink.close()
-        file = self.sink.file
-        self.future.set_result(BlockResult(
-            id=self.id, status=status, output=self.sink.render(self.budget), output_bytes=self.sink.total,
-            truncated=self.sink.truncated, output_file=str(file) if file else None,
-            duration_s=time.monotonic() - self.started, error=error, message=message,
-            displays=list(self.displays.shown), **extra))
-
-
 class Worker:
     """A persistent namespace in a sandboxed process; blocks run in it concurrently."""
 
@@ -123,7 +85,7 @@ class Worker:
         self._bound_names: set[str] = set()
         self._call_tasks: set[asyncio.Task] = set()
         self._session: Session | None = None
-        self._blocks: dict[str, _RunningBlock] = {}
+        self._blocks: dict[str, RunningBlock] = {}
         self._lock = asyncio.Lock()
         self._block_ids = itertools.count(1)
         self._restarting: asyncio.Task | None = None
@@ -209,7 +171,7 @@ class Worker:
             await self._kill_locked("worker closed", status="cancelled")
             self.state = WorkerState.CLOSED
 
-    async def _kill_locked(self, why: str, *, status: str = "killed", cause: _RunningBlock | None = None,
+    async def _kill_locked(self, why: str, *, status: str = "killed", cause: RunningBlock | None = None,
                            cause_message: str = "", **extra: Any) -> None:
         """Kill the current process tree (reaping whatever it left) and end every running block
         with words saying why; ``extra`` goes into their results (signal, exit code)."""
@@ -433,7 +395,7 @@ class Worker:
     async def _submit(self, code: str, timeout: float, block_id: str | None,
                       on_output: Callable[[OutputChunk], None] | None, budget: int | None = None,
                       script: ScriptRun | None = None,
-                      on_display: Callable[[Shown, dict], None] | None = None) -> _RunningBlock:
+                      on_display: Callable[[Shown, dict], None] | None = None) -> RunningBlock:
         session = await self._ensure_ready()
         if block_id is None:
             block_id = f"b{next(self._block_ids)}"
@@ -445,7 +407,7 @@ class Worker:
                           file_cap=self.launcher.settings.output_file_cap, budget=self.launcher.output_budget)
         displays = BlockDisplays(lambda number: self.launcher.display_path(self.index, block_id, number),
                                  self.launcher.output_budget)
-        block = _RunningBlock(block_id, sink, timeout, on_output, budget, displays, on_display)
+        block = RunningBlock(block_id, sink, timeout, on_output, budget, displays, on_display)
         self._blocks[block_id] = block
         session.send(wire.Run(block_id, code, script.spec() if script is not None else None))
         if script is not None and script.stdin is not None:
@@ -500,7 +462,7 @@ class Worker:
                 with contextlib.suppress(asyncio.CancelledError):
                     await supervisor
 
-    async def _supervise(self, block: _RunningBlock) -> BlockResult:
+    async def _supervise(self, block: RunningBlock) -> BlockResult:
         """Wait for ``block``'s result, keeping its deadline.  The contract, all of it here:
 
         - The deadline is ``timeout`` seconds from when the ``run`` was sent, kept by the
@@ -542,7 +504,7 @@ class Worker:
         finally:
             timer.cancel()
 
-    def _expire(self, block: _RunningBlock) -> None:
+    def _expire(self, block: RunningBlock) -> None:
         if not block.future.done():
             block.timed_out = True
             block.stopping = asyncio.ensure_future(self._stop(block, f"timed out after {_secs(block.timeout)}"))
@@ -554,7 +516,7 @@ class Worker:
             return None
         return await asyncio.shield(self._stop(block, "cancelled"))
 
-    async def _stop(self, block: _RunningBlock, why: str) -> BlockResult:
+    async def _stop(self, block: RunningBlock, why: str) -> BlockResult:
         """The interrupt, then — after ``grace``, or at once when the worker says it cannot
         reach the block — the hard kill of the whole tree, with words saying which it was."""
         self.send(wire.Cancel(block.id, "timeout" if block.timed_out else "cancel", block.timeout,
