@@ -24,7 +24,7 @@ import threading
 import time
 import weakref
 
-from engine.sandbox import RUNTIME_ROOT, tools_plan
+from engine.sandbox import RUNTIME_ROOT, tools_plan, trusted_python
 from worker.contract import tools
 from worker.contract.confinement import Confinement, Landlock, Seccomp, landlock_abi, seccomp_supported
 from worker.contract.framing import FrameError, decode_json, encode_json, frame, read_frame_before
@@ -43,10 +43,12 @@ OPEN_FILES = 256
 
 def command(python: str | None = None) -> list[str]:
     """The argv that starts the tool process: isolated (-I), without site (-S), importing the
-    runtime by its absolute location (appended to sys.path, so it never shadows the stdlib)."""
+    runtime by its absolute location (appended to sys.path, so it never shadows the stdlib).
+    The interpreter (agentloop's own by default) passes the one trust check first
+    (``engine.sandbox.trusted_python``), as every interpreter agentloop runs does."""
     code = (f"import sys; sys.path.append({RUNTIME_ROOT!r}); "
             "from worker.tool_server import main; main()")
-    return [python or sys.executable, "-I", "-S", "-c", code]
+    return [trusted_python(python or sys.executable), "-I", "-S", "-c", code]
 
 
 def confinement(root: str, cpu_seconds: int = CPU_SECONDS) -> Confinement:
