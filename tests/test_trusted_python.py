@@ -30,6 +30,7 @@ from engine.sandbox import (
 )
 from engine.sandbox import _interpreter as interpreter
 from engine.sandbox import _plan as sandbox_plan
+from worker.contract.confinement import Confinement
 
 VERSION = f"python{sys.version_info[0]}.{sys.version_info[1]}"
 
@@ -85,7 +86,7 @@ RUNNERS = {
     "plan": lambda python: sandbox_plan.plan(SandboxPolicy(), socket_dir=Path("/nonexistent/s"),
                                              workspace=Path("/nonexistent/w"), cwd=Path("/"), output_dir=None,
                                              python=python),
-    "tools_argv": lambda python: sandbox_plan.tools_argv("/", python),
+    "tools_plan": lambda python: sandbox_plan.tools_plan("/", python, Confinement()),
 }
 
 
