@@ -89,12 +89,12 @@ def doctor_cmd(models_file, model) -> None:
     elif server.models_status in (401, 403):
         answers = False
         held = "is set" if config.api_key() else "is not set"
-        click.echo(inert(f"model endpoint {config.base_url}: refuses the key (HTTP {server.models_status}). "
+        click.echo(inert(f"model endpoint {config.shown_url}: refuses the key (HTTP {server.models_status}). "
                          f"Check ${config.api_key_env} ({held}): it must hold a key this server accepts, and "
                          f"api_key_env of the alias {config.alias!r} in agentloop.toml must name that variable."))
     else:
         answers = server.models_status < 500
-        click.echo(inert(f"model endpoint {config.base_url}: answers (HTTP {server.models_status})"))
+        click.echo(inert(f"model endpoint {config.shown_url}: answers (HTTP {server.models_status})"))
         for fine, line in _endpoint_lines(config, server):
             click.echo(inert(f"  {'✓' if fine else '✗'} {line}"))
             answers &= fine

@@ -29,6 +29,7 @@ from engine.durations import DEFAULT_BLOCK_TIMEOUT
 from engine.errors import AgentloopError, ConfigError
 from engine.inert import inert
 from engine.results import OUTPUT_CAP
+from engine.secrets import NOT_SECRETS, SECRET_PATTERNS, secret_names
 
 __all__ = ["SAMPLE_REDO", "exec_cmd"]
 
@@ -56,9 +57,13 @@ class _ExecCommand(click.Command):
                    "124.  250ms, 30s, 5m, 1h or plain seconds.  Default: none (with --jsonl: 10s a sample).")
 @write_options(write_cwd=True)
 @click.option("--env", "env_names", multiple=True, metavar="NAME[=VALUE]",
-              help="Pass this variable to the script although its name looks like a secret (*KEY*, *SECRET*, "
-                   "*TOKEN*, *PASSWORD*, *PASSWD*, *CREDENTIAL*, the models' API key variables: those are "
-                   "dropped), or set it to VALUE.  Repeatable.")
+              help="Pass this variable to the script although it looks like a secret, or set it to VALUE.  "
+                   f"Not passed otherwise: names matching {', '.join(SECRET_PATTERNS)} in any case (but "
+                   f"{', '.join(NOT_SECRETS)}), the models' API key variables, and any variable whose value holds "
+                   "a URL with a password (scheme://user:PW@, :PW@), an http(s) URL with a user part "
+                   "(https://TOKEN@host) or a URL with a secret-named query parameter (?password=, ?token=, "
+                   "?key=, ?sig=, ...): dropped whole, not passed with the password cut out.  agentloop -v exec "
+                   "names what was dropped.  Repeatable.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object on stdout after the run (the script's stdout goes to stderr).")
 @click.option("--color", "allow_sgr", is_flag=True,
@@ -146,7 +151,12 @@ def _run_file(file: str, args: list[str], timeout: float | None, env_names: tupl
         # (A Python in the workspace model code writes by default is refused, whatever exec writes.)
         python = choose_python(settings.python, workspace=settings.workspace or Path("files"))
         program = [python, _program_file(file), *args]
-        env = script_environment(os.environ, passed=env_names, configured=_key_variables())
+        keys = _key_variables()
+        env = script_environment(os.environ, passed=env_names, configured=keys)
+        dropped = sorted(secret_names(os.environ, keys) - set(env))
+        if dropped:  # (names only, never a value)
+            log.info("not passed to the script, as they look like secrets: %s (--env NAME passes one)",
+                     inert(", ".join(dropped)))
         cgroups = ScriptCgroups(policy)
         plan = plan_script(policy, python=python, cwd=Path.cwd(), script=None if file == "-" else file,
                            write_cwd=write_cwd, workspace=settings.workspace, environ=env,
