@@ -127,11 +127,13 @@ def _run_file(file: str, args: list[str], timeout: float | None, env_names: tupl
     from engine import trust
     from engine.exec import (
         ScriptCgroups,
+        appeared,
         exit_as,
         inherited_ignored,
         plan_script,
         run_script,
         script_environment,
+        snapshot,
     )
     from engine.sandbox import choose_python
 
@@ -146,7 +148,8 @@ def _run_file(file: str, args: list[str], timeout: float | None, env_names: tupl
     policy = settings.policy()
     if policy.mode == "none":
         click.echo("agentloop: warning: --sandbox none runs the script unconfined", err=True)
-    cgroups = plan = grant = None
+    cgroups = plan = grant = before = None
+    planted: list[str] = []
     try:
         # (A Python in the workspace model code writes by default is refused, whatever exec writes.)
         python = choose_python(settings.python, workspace=settings.workspace or Path("files"))
@@ -165,6 +168,7 @@ def _run_file(file: str, args: list[str], timeout: float | None, env_names: tupl
             log.info("%s", note)  # (agentloop -v exec ...: the script's stderr is its own)
         if policy.mode != "none":  # (what the script writes is told from the user's own files later)
             grant = trust.open_grant(plan.writable, plan.kept if plan.pid_namespace else ())
+        before = snapshot(plan.writable)
         result = run_script(plan, program, env, python=python, timeout=timeout, allow_sgr=allow_sgr,
                             stdout=2 if as_json else 1, ignored=ignored, cgroups=cgroups)
     except AgentloopError as exc:
@@ -174,6 +178,11 @@ def _run_file(file: str, args: list[str], timeout: float | None, env_names: tupl
     except KeyboardInterrupt:
         sys.exit(EXIT_INTERRUPTED)
     finally:
+        if before is not None:  # (however the script ended, interrupted too: what it left is there)
+            planted = appeared(plan.writable, before)
+            if planted:
+                click.echo(inert(f"agentloop: the script created {', '.join(planted)} in {plan.writable}, which "
+                                 "those tools obey when run there: look at what it holds before you do"), err=True)
         if grant is not None:
             grant.end()
         if cgroups is not None:
@@ -186,7 +195,8 @@ def _run_file(file: str, args: list[str], timeout: float | None, env_names: tupl
         click.echo(inert(f"agentloop: {result.message}"), err=True)
     if as_json:
         click.echo(json.dumps({"status": result.status, "exit_code": result.exit_code, "signal": result.signal,
-                               "duration_s": round(result.duration_s, 4), "message": result.message}))
+                               "duration_s": round(result.duration_s, 4), "message": result.message,
+                               "created": planted}))
     exit_as(result)
 
 
