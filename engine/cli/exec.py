@@ -100,7 +100,10 @@ def exec_cmd(file: str | None, args: tuple[str, ...], timeout: float | None, env
     the directories of PATH and PYTHONPATH, and writes as --write-cwd/--read-only say.  Its
     streams are yours: piped or redirected they are passed as they are; a terminal is a
     terminal of its own, whose output is made inert (see --color).  agentloop's own errors
-    are one line and exit status 125.
+    are one line and exit status 125.  What stood in the directory it writes and other tools
+    obey (.git, agentloop.toml, virtual environments) stays read-only, as do set-user-ID files
+    when it runs as root; what it creates there that tools obey (a .git, .envrc, .vscode/, a
+    virtual environment, ...) is named in one line when it ends.
 
     With --jsonl SAMPLES -o RESULTS: every sample of SAMPLES runs that way, in a sandbox of its
     own (process, namespaces, /tmp and workspace), and its result (status, exit code, stdout and
