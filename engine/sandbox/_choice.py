@@ -66,4 +66,4 @@ def _resolve(given: str, where: str, workspace: Path | None) -> TrustedPython:
                           "e.g. --python /usr/bin/python3 or --python .venv/bin/python")
     # What the interpreter calls itself: a launcher script (pyenv's shims) becomes the program it
     # runs; links are kept, as a virtual environment's python finds its packages by its own place.
-    return trusted_python(os.path.abspath(found), workspace, source=f"chosen by {where}")
+    return trusted_python(os.path.abspath(found), workspace, source=f"chosen by {where}", resolve=True)

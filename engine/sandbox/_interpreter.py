@@ -88,7 +88,8 @@ class TrustedPython(str):
         return (str, (str(self),))
 
 
-def trusted_python(python: str, workspace: Path | None = None, *, source: str = "") -> TrustedPython:
+def trusted_python(python: str, workspace: Path | None = None, *, source: str = "",
+                   resolve: bool = False) -> TrustedPython:
     """``python`` (a path) as a TrustedPython, or UntrustedPython in one line (what, which
     ``source`` chose it, why, what to do) when a worker could have written it or what it runs
     at its start.  In order, each step only once the one before passed:
@@ -103,8 +104,9 @@ def trusted_python(python: str, workspace: Path | None = None, *, source: str = 
        read and those its ``.pth`` files add, each judged the same way;
     3. the full probe (``site`` runs), whose paths are judged again.
 
-    The result names the interpreter as it names itself (a launcher script such as pyenv's
-    shim becomes the program it runs: trusted as the script that chose it is)."""
+    The result is ``python`` as given, or with ``resolve`` the interpreter as it names itself (a
+    launcher script such as pyenv's shim becomes the program it runs, which is checked too:
+    trusted as the script that chose it is)."""
     if isinstance(python, TrustedPython) and workspace is None:
         return python
     named = os.path.abspath(python)
@@ -113,9 +115,10 @@ def trusted_python(python: str, workspace: Path | None = None, *, source: str = 
     _refuse_any(said, _site_free_paths(named))
     info = _probe(named)
     _refuse_any(said, info.paths)
-    if os.path.abspath(info.path) != named:
-        _refuse_start(os.path.abspath(info.path), workspace, said)
-    return TrustedPython(os.path.abspath(info.path), _KEY)
+    real = os.path.abspath(info.path)
+    if real != named:
+        _refuse_start(real, workspace, said)
+    return TrustedPython(real if resolve else named, _KEY)
 
 
 def _checked(python: str) -> TrustedPython:
@@ -177,8 +180,8 @@ def _refuse_start(named: str, workspace: Path | None, said: str) -> None:
 def _refuse_any(said: str, paths: Iterable[str]) -> None:
     """UntrustedPython when a directory the interpreter imports from was a worker's to write
     (its owner or mode, or the record: there, not kept read-only, while workers could write)."""
-    for path in paths:
-        if os.path.isabs(path) and os.path.isdir(path) and os.path.realpath(path) != "/":
+    for path in dict.fromkeys(os.path.normpath(p) for p in paths if os.path.isabs(p)):
+        if os.path.isdir(path) and os.path.realpath(path) != "/":
             why = trust.refusal(path, tree=path)
             if why:
                 raise UntrustedPython(f"{said} imports from {path}, which is not used: {why}")
