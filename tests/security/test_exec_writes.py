@@ -250,8 +250,9 @@ def test_what_a_script_creates_that_tools_obey_is_named_at_exit(tmp_path):
     project.mkdir()
     (project / ".python-version").write_text("3.11\n")
     marker = tmp_path / "FSMONITOR-RAN"
-    proc, got = _exec(project, PLANT_OBEYED.format(marker=marker), "--json")
+    proc, _ = _exec(project, PLANT_OBEYED.format(marker=marker), "--json")
     assert proc.returncode == 0, proc.stderr
+    got = probes_in(proc.stderr + proc.stdout)  # (--json: the script's stdout goes to stderr)
     for name in ("git", "envrc", "vscode", "venv", "existing"):
         assert got[name].startswith("ok"), (name, got)  # the plants were made
     notes = [line for line in proc.stderr.splitlines() if line.startswith("agentloop: ")]
