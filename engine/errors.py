@@ -3,6 +3,7 @@
     AgentloopError                  every error agentloop itself raises
     ├── ConfigError                 bad option, duration, config file; fix the input
     │   └── UntrustedFile           a file to obey that a worker could have written
+    │       └── UntrustedPython     an interpreter (or what its start reads) a worker could have written
     ├── WorkerError                 a sandboxed process could not be started or talked to
     │   ├── WorkerStartError        the process did not come up / handshake failed
     │   ├── WorkerClosed            the handle was closed; start a new worker
@@ -40,7 +41,8 @@ __all__ = [
     "AgentError", "AgentloopError", "CallRefused", "CodeFailed", "ConfigError", "EXIT_ERROR", "EXIT_INTERRUPTED",
     "EXIT_OWN", "EXIT_TIMEOUT", "ForeignServer", "ModelError", "ModelResponseError", "ModelUnreachable", "NoClient",
     "OutputError", "Refused", "SandboxError", "SlotError", "ToolBusy", "ToolClosed", "ToolCrash", "ToolError",
-    "ToolProcessError", "ToolTimeout", "TreeError", "UntrustedFile", "WorkerClosed", "WorkerError", "WorkerStartError"
+    "ToolProcessError", "ToolTimeout", "TreeError", "UntrustedFile", "UntrustedPython", "WorkerClosed", "WorkerError",
+    "WorkerStartError"
 ]
 
 #: Exit statuses of the command line (``exec`` adds 128+N for a worker killed by signal N).
@@ -61,6 +63,12 @@ class ConfigError(AgentloopError):
 class UntrustedFile(ConfigError):
     """A file agentloop would obey (a configuration, a results file, the workers' Python)
     could have been written by a worker; it is not used (``engine.trust``)."""
+
+
+class UntrustedPython(UntrustedFile):
+    """An interpreter, or a file or directory it reads as it starts or imports from, could have
+    been written by a worker: it is not run, not even to ask what it is
+    (``engine.sandbox.trusted_python``)."""
 
 
 class WorkerError(AgentloopError):

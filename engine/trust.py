@@ -133,9 +133,11 @@ def owner_refusal(path: str | Path) -> str | None:
 # The record of directories workers could write
 # ---------------------------------------------------------------------------------------------
 
-def _record_file(directory: str) -> Path:
+def _record_file(directory: str, record: str | None = None) -> Path:
+    """The file of the record that holds ``directory``'s windows (``record``: the record's
+    directory, when the caller has it already)."""
     name = hashlib.sha256(directory.encode("utf-8", "surrogateescape")).hexdigest()[:32]
-    return record_directory() / f"{name}.json"
+    return Path(os.path.join(record or str(record_directory()), f"{name}.json"))
 
 
 @contextlib.contextmanager
@@ -292,7 +294,8 @@ def _windows_above(path: str) -> list[tuple[str, dict]]:
     """(directory, window) of every recorded directory that is ``path`` or lies above it.
     A window whose run died without ending it is ended now, at the time it was noticed."""
     places = [path, *map(str, Path(path).parents)]
-    files = [(place, _record_file(place)) for place in places]
+    record = str(record_directory())  # (once: every command asks this of many paths)
+    files = [(place, _record_file(place, record)) for place in places]
     files = [(place, file) for place, file in files if os.path.lexists(file)]
     if not files:
         return []

@@ -76,7 +76,7 @@ def test_exec_json(tmp_path):
     assert proc.returncode == 3
     report = json.loads(proc.stdout)
     assert report["status"] == "error" and report["exit_code"] == 3 and report["signal"] is None
-    assert set(report) == {"status", "exit_code", "signal", "duration_s", "message"}
+    assert set(report) == {"status", "exit_code", "signal", "duration_s", "message", "created"}
     assert proc.stderr == "x" * 10 + "\n"  # the script's stdout moves aside for the JSON
 
 

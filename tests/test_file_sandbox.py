@@ -12,8 +12,9 @@ import pytest
 
 from engine.errors import ConfigError
 from engine.exec import plan_script, script_environment
-from engine.exec._plan import kept_read_only, secret_names
+from engine.exec._plan import kept_read_only
 from engine.sandbox import SandboxPolicy, host_support
+from engine.secrets import secret_names
 
 
 def test_secrets_are_names_that_look_like_them_or_hold_a_models_key():

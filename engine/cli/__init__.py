@@ -64,6 +64,18 @@ class _LazyGroup(click.Group):
         return super().get_command(ctx, name)
 
 
+def _redacted(record: logging.LogRecord) -> bool:
+    """A logging filter: the record's message with every URL's user part redacted
+    (``engine.secrets``), formatted once here."""
+    from engine.secrets import redact_urls
+
+    message = record.getMessage()
+    shown = redact_urls(message)
+    if shown != message:
+        record.msg, record.args = shown, None
+    return True
+
+
 @click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="agentloop")
 @click.option("-v", "--verbose", is_flag=True, help="Log what the engine does to stderr.")
@@ -76,6 +88,8 @@ def main(ctx: click.Context, verbose: bool, trace: bool) -> None:
     """agentloop: run model-written code in sandboxed worker processes."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="agentloop: %(message)s")
+    for handler in logging.getLogger().handlers:  # what is logged names no URL's user or password
+        handler.addFilter(_redacted)
     from engine.errors import AgentloopError
     from engine.observe import start_tracing, stop_tracing
 

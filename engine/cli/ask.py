@@ -60,7 +60,7 @@ def _show(answer: Answer) -> None:
 
 def _banner(config: Any, root: Path) -> str:
     model = config.model if config.alias == "default" else f"{config.alias} ({config.model})"
-    return (f"agentloop ask — model {model} at {config.base_url}\n"
+    return (f"agentloop ask — model {model} at {config.shown_url}\n"
             f"root {root} (Ctrl-D to exit; the conversation persists across questions)")
 
 

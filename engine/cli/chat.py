@@ -261,7 +261,7 @@ class _Session:
 
 def _banner(config, engine: Engine, interactive: bool) -> str:
     steer = "a line typed while it works steers it" if interactive else "a /steer TEXT line steers it"
-    return (f"agentloop chat — model {config.alias} ({config.model}) at {config.base_url}\n"
+    return (f"agentloop chat — model {config.alias} ({config.model}) at {config.shown_url}\n"
             f"workspace {engine.workspace}; the conversation and the namespace persist across questions\n"
             f"Ctrl-D to exit, Ctrl-C cancels the current turn, {steer}")
 

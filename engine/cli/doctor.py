@@ -9,10 +9,11 @@ from pathlib import Path
 import click
 
 from engine.cli.options import fail, load_registry, worker_options, worker_settings
-from engine.errors import AgentloopError
+from engine.errors import AgentloopError, UntrustedPython
 from engine.inert import inert
 from engine.launch import report
 from engine.sandbox import probe as probe_python
+from engine.sandbox import which_python
 from engine.workers import Engine
 
 __all__ = ["doctor_cmd"]
@@ -26,7 +27,14 @@ def doctor_cmd(models_file, model) -> None:
     """Which sandbox layers are available and active here, whether a sandboxed worker really
     starts, and whether the model endpoint answers.  Exit 1 when something does not work."""
     options = worker_settings()
-    python, chosen_by = options.python_choice()
+    try:  # (the file and the interpreter checked as every command checks them)
+        python, chosen_by = which_python(options.python, workspace=options.workspace or Path("files"))
+        refused = None
+    except UntrustedPython as exc:  # said below, in its place; nothing runs it
+        python = chosen_by = None
+        refused = str(exc)
+    except AgentloopError as exc:
+        fail(str(exc))
     policy = options.policy()
     healthy = True
     try:
@@ -45,21 +53,26 @@ def doctor_cmd(models_file, model) -> None:
             result = await worker.run("import os; print(os.getuid(), os.getpid())", timeout=20)
             return worker.notes, result
 
-    try:
-        notes, result = asyncio.run(try_worker())
-        started = result.ok
-        click.echo(inert(f"worker: {'starts and runs code' if started else 'started but failed: ' + result.text()}"))
-        for note in notes:
-            click.echo(inert(f"  note: {note}"))
-    except AgentloopError as exc:
-        click.echo(inert(f"worker: does not start: {exc}"))
-        started = False
-    healthy &= started
-    try:
-        version = f" (Python {probe_python(python).version})"
-    except AgentloopError:
-        version = ""
-    click.echo(inert(f"workers' python: {python}{version}, chosen by {chosen_by}"))
+    if refused is not None:
+        click.echo("worker: not started: its Python is not used (below)")
+        click.echo(inert(f"workers' python: {refused}"))
+        healthy = False
+    else:
+        try:
+            notes, result = asyncio.run(try_worker())
+            started = result.ok
+            click.echo(inert(f"worker: {'starts and runs code' if started else 'started but failed: ' + result.text()}"))
+            for note in notes:
+                click.echo(inert(f"  note: {note}"))
+        except AgentloopError as exc:
+            click.echo(inert(f"worker: does not start: {exc}"))
+            started = False
+        healthy &= started
+        try:
+            version = f" (Python {probe_python(python).version})"  # (checked: a TrustedPython)
+        except AgentloopError:
+            version = ""
+        click.echo(inert(f"workers' python: {python}{version}, chosen by {chosen_by}"))
     registry = load_registry(models_file)
     try:
         config = registry.get(model)
@@ -76,12 +89,12 @@ def doctor_cmd(models_file, model) -> None:
     elif server.models_status in (401, 403):
         answers = False
         held = "is set" if config.api_key() else "is not set"
-        click.echo(inert(f"model endpoint {config.base_url}: refuses the key (HTTP {server.models_status}). "
+        click.echo(inert(f"model endpoint {config.shown_url}: refuses the key (HTTP {server.models_status}). "
                          f"Check ${config.api_key_env} ({held}): it must hold a key this server accepts, and "
                          f"api_key_env of the alias {config.alias!r} in agentloop.toml must name that variable."))
     else:
         answers = server.models_status < 500
-        click.echo(inert(f"model endpoint {config.base_url}: answers (HTTP {server.models_status})"))
+        click.echo(inert(f"model endpoint {config.shown_url}: answers (HTTP {server.models_status})"))
         for fine, line in _endpoint_lines(config, server):
             click.echo(inert(f"  {'✓' if fine else '✗'} {line}"))
             answers &= fine

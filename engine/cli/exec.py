@@ -29,6 +29,7 @@ from engine.durations import DEFAULT_BLOCK_TIMEOUT
 from engine.errors import AgentloopError, ConfigError
 from engine.inert import inert
 from engine.results import OUTPUT_CAP
+from engine.secrets import NOT_SECRETS, SECRET_PATTERNS, secret_names
 
 __all__ = ["SAMPLE_REDO", "exec_cmd"]
 
@@ -56,9 +57,13 @@ class _ExecCommand(click.Command):
                    "124.  250ms, 30s, 5m, 1h or plain seconds.  Default: none (with --jsonl: 10s a sample).")
 @write_options(write_cwd=True)
 @click.option("--env", "env_names", multiple=True, metavar="NAME[=VALUE]",
-              help="Pass this variable to the script although its name looks like a secret (*KEY*, *SECRET*, "
-                   "*TOKEN*, *PASSWORD*, *PASSWD*, *CREDENTIAL*, the models' API key variables: those are "
-                   "dropped), or set it to VALUE.  Repeatable.")
+              help="Pass this variable to the script although it looks like a secret, or set it to VALUE.  "
+                   f"Not passed otherwise: names matching {', '.join(SECRET_PATTERNS)} in any case (but "
+                   f"{', '.join(NOT_SECRETS)}), the models' API key variables, and any variable whose value holds "
+                   "a URL with a password (scheme://user:PW@, :PW@), an http(s) URL with a user part "
+                   "(https://TOKEN@host) or a URL with a secret-named query parameter (?password=, ?token=, "
+                   "?key=, ?sig=, ...): dropped whole, not passed with the password cut out.  agentloop -v exec "
+                   "names what was dropped.  Repeatable.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object on stdout after the run (the script's stdout goes to stderr).")
 @click.option("--color", "allow_sgr", is_flag=True,
@@ -95,7 +100,10 @@ def exec_cmd(file: str | None, args: tuple[str, ...], timeout: float | None, env
     the directories of PATH and PYTHONPATH, and writes as --write-cwd/--read-only say.  Its
     streams are yours: piped or redirected they are passed as they are; a terminal is a
     terminal of its own, whose output is made inert (see --color).  agentloop's own errors
-    are one line and exit status 125.
+    are one line and exit status 125.  What stood in the directory it writes and other tools
+    obey (.git, agentloop.toml, virtual environments) stays read-only, as do set-user-ID files
+    when it runs as root; what it creates there that tools obey (a .git, .envrc, .vscode/, a
+    virtual environment, ...) is named in one line when it ends.
 
     With --jsonl SAMPLES -o RESULTS: every sample of SAMPLES runs that way, in a sandbox of its
     own (process, namespaces, /tmp and workspace), and its result (status, exit code, stdout and
@@ -122,11 +130,13 @@ def _run_file(file: str, args: list[str], timeout: float | None, env_names: tupl
     from engine import trust
     from engine.exec import (
         ScriptCgroups,
+        appeared,
         exit_as,
         inherited_ignored,
         plan_script,
         run_script,
         script_environment,
+        snapshot,
     )
     from engine.sandbox import choose_python
 
@@ -141,12 +151,18 @@ def _run_file(file: str, args: list[str], timeout: float | None, env_names: tupl
     policy = settings.policy()
     if policy.mode == "none":
         click.echo("agentloop: warning: --sandbox none runs the script unconfined", err=True)
-    cgroups = plan = grant = None
+    cgroups = plan = grant = before = None
+    planted: list[str] = []
     try:
         # (A Python in the workspace model code writes by default is refused, whatever exec writes.)
         python = choose_python(settings.python, workspace=settings.workspace or Path("files"))
         program = [python, _program_file(file), *args]
-        env = script_environment(os.environ, passed=env_names, configured=_key_variables())
+        keys = _key_variables()
+        env = script_environment(os.environ, passed=env_names, configured=keys)
+        dropped = sorted(secret_names(os.environ, keys) - set(env))
+        if dropped:  # (names only, never a value)
+            log.info("not passed to the script, as they look like secrets: %s (--env NAME passes one)",
+                     inert(", ".join(dropped)))
         cgroups = ScriptCgroups(policy)
         plan = plan_script(policy, python=python, cwd=Path.cwd(), script=None if file == "-" else file,
                            write_cwd=write_cwd, workspace=settings.workspace, environ=env,
@@ -155,6 +171,7 @@ def _run_file(file: str, args: list[str], timeout: float | None, env_names: tupl
             log.info("%s", note)  # (agentloop -v exec ...: the script's stderr is its own)
         if policy.mode != "none":  # (what the script writes is told from the user's own files later)
             grant = trust.open_grant(plan.writable, plan.kept if plan.pid_namespace else ())
+        before = snapshot(plan.writable)
         result = run_script(plan, program, env, python=python, timeout=timeout, allow_sgr=allow_sgr,
                             stdout=2 if as_json else 1, ignored=ignored, cgroups=cgroups)
     except AgentloopError as exc:
@@ -164,6 +181,11 @@ def _run_file(file: str, args: list[str], timeout: float | None, env_names: tupl
     except KeyboardInterrupt:
         sys.exit(EXIT_INTERRUPTED)
     finally:
+        if before is not None:  # (however the script ended, interrupted too: what it left is there)
+            planted = appeared(plan.writable, before)
+            if planted:
+                click.echo(inert(f"agentloop: the script created {', '.join(planted)} in {plan.writable}, which "
+                                 "those tools obey when run there: look at what it holds before you do"), err=True)
         if grant is not None:
             grant.end()
         if cgroups is not None:
@@ -176,7 +198,8 @@ def _run_file(file: str, args: list[str], timeout: float | None, env_names: tupl
         click.echo(inert(f"agentloop: {result.message}"), err=True)
     if as_json:
         click.echo(json.dumps({"status": result.status, "exit_code": result.exit_code, "signal": result.signal,
-                               "duration_s": round(result.duration_s, 4), "message": result.message}))
+                               "duration_s": round(result.duration_s, 4), "message": result.message,
+                               "created": planted}))
     exit_as(result)
 
 

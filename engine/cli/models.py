@@ -37,7 +37,7 @@ def models_cmd(models_file) -> None:
         shown, source = config, ""
         if not config.context_window and server.context_window:
             shown, source = replace(config, context_window=server.context_window), "from the server"
-        notes = [config.base_url, f"protocol {config.protocol}", f"max_tokens {config.max_tokens}"]
+        notes = [config.shown_url, f"protocol {config.protocol}", f"max_tokens {config.max_tokens}"]
         if server.supports_tools is False:
             notes.append("no tools: tools falls back to tags")
         if (config.vision if config.vision is not None else server.vision):

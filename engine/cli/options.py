@@ -23,6 +23,7 @@ from engine.inert import inert
 from engine.launch import WorkerSettings
 from engine.results import OUTPUT_CAP
 from engine.sandbox import SandboxPolicy, which_python
+from engine.secrets import redact_urls
 
 
 class Duration(click.ParamType):
@@ -41,7 +42,8 @@ class Duration(click.ParamType):
 
 def fail(message: str) -> None:
     """End the command with one line on stderr and exit status 125 (agentloop's own errors)."""
-    click.echo(inert(f"agentloop: {message}"), err=True)  # messages quote endpoints and files
+    # Messages quote endpoints and files: no URL's user or password, nothing a terminal acts on.
+    click.echo(inert(redact_urls(f"agentloop: {message}")), err=True)
     sys.exit(EXIT_OWN)
 
 

@@ -23,14 +23,14 @@ alone where that directory is ``/`` or a home directory), and the directories of
 ``PYTHONPATH`` and the interpreter's user site that exist, so that what ``python FILE`` finds
 there it finds here too.
 
-The environment is the caller's minus what looks like a secret (``secret_names``), as Codex's
-``shell_environment_policy`` does by default.
+The environment is the caller's minus what looks like a secret (``engine.secrets``: by name,
+or a value holding a URL with a password), as Codex's ``shell_environment_policy`` does by
+default.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import os
 import sys
 from collections.abc import Iterable, Mapping
@@ -51,12 +51,10 @@ from engine.sandbox import (
     shareable_cwd,
 )
 from engine.sandbox import probe as probe_python
+from engine.secrets import secret_names
 from worker.contract.confinement import Confinement
 
-__all__ = ["SECRET_PATTERNS", "ScriptPlan", "kept_read_only", "plan_script", "script_environment", "secret_names"]
-
-#: Variable names (shell patterns, any case) never passed to a script unless named with ``--env``.
-SECRET_PATTERNS = ("*KEY*", "*SECRET*", "*TOKEN*", "*PASSWORD*", "*PASSWD*", "*CREDENTIAL*")
+__all__ = ["ScriptPlan", "kept_read_only", "plan_script", "script_environment"]
 
 
 @dataclass(frozen=True)
@@ -80,19 +78,11 @@ class ScriptPlan:
     kept: tuple[str, ...] = ()
 
 
-def secret_names(environ: Mapping[str, str], configured: Iterable[str] = ()) -> set[str]:
-    """The names of ``environ`` that look like secrets: matching ``SECRET_PATTERNS`` in any case,
-    or named by the model configuration as holding an API key (``configured``)."""
-    configured = set(configured)
-    return {name for name in environ
-            if name in configured or any(fnmatch.fnmatchcase(name.upper(), p) for p in SECRET_PATTERNS)}
-
-
 def script_environment(environ: Mapping[str, str], *, passed: Iterable[str] = (),
                        configured: Iterable[str] = ()) -> dict[str, str]:
-    """The script's environment: ``environ`` without its secrets (``secret_names``), but with
-    the names in ``passed`` (``--env NAME`` passes the caller's value, ``--env NAME=VALUE``
-    sets one)."""
+    """The script's environment: ``environ`` without its secrets (``engine.secrets.secret_names``:
+    ``configured`` names the models' key variables), but with the names in ``passed`` (``--env
+    NAME`` passes the caller's value, ``--env NAME=VALUE`` sets one)."""
     env = dict(environ)
     for name in secret_names(environ, configured):
         del env[name]

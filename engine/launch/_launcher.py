@@ -57,11 +57,10 @@ from engine.sandbox import (
     claim_uid,
     not_importable,
     protected_paths,
-    refuse_untrusted,
-    refuse_untrusted_paths,
     release_uid,
     runtime_argv,
     runtime_packages,
+    trusted_python,
 )
 from engine.sandbox import plan as make_plan
 from engine.trees import remove_tree
@@ -150,8 +149,8 @@ class Launcher:
         """Create the run's directories and the ZeroMQ context (idempotent)."""
         if self._ctx is not None:
             return
-        settings = self.settings
         self.check_python()
+        settings = self.settings
         if settings.sandbox.mode != "none":
             check_workspace(self.workspace, settings.python)
         try:
@@ -188,7 +187,7 @@ class Launcher:
             self._uid_claim = workspace
         if self.shared is not None and self.sock_root.parent == self.shared.socket_root:
             self._shared_view = self.shared.for_run(self.workspace, self.output_dir, self.env(StartSpec(), None),
-                                                    self.runtime_packages, self.protected)
+                                                    self.runtime_packages, self.protected, python=settings.python)
         self._ctx = zmq.Context()
         # Each worker costs three ZeroMQ sockets (its channel, a monitor and the monitor's peer);
         # the default cap of 1023 would stop an engine at about 340 workers.
@@ -201,10 +200,11 @@ class Launcher:
 
     def check_python(self) -> None:
         """ConfigError, in one line, unless the workers' Python starts, can run agentloop's
-        runtime and imports every ``preload`` module; nor one a worker could have written."""
-        python = self.settings.python
-        refuse_untrusted(python, self.workspace)
-        refuse_untrusted_paths(python)  # before anything else runs it with its site
+        runtime and imports every ``preload`` module; UntrustedPython for one a worker could
+        have written, before it runs at all.  From here on ``settings.python`` is the checked
+        interpreter (``sandbox.TrustedPython``), which every start of this run is given."""
+        python = trusted_python(self.settings.python, self.workspace)
+        self.settings = self.settings.replace(python=python)
         self.runtime_packages = runtime_packages(python)
         missing = not_importable(python, self.settings.preload)
         if missing:

@@ -118,7 +118,8 @@ class SharedForkServer:
             return f"this run's directories do not all lie beneath {root}"
         if self._holds_python is None:  # (the same answer for every run: asked once)
             system, _ = system_paths()
-            self._holds_python = any(beneath(p, root) for p in (*system, *python_paths(self.settings.python)))
+            # (``settings.python``: the run's, checked by its launcher, and the batch's own.)
+            self._holds_python = any(beneath(p, root) for p in (*system, *python_paths(settings.python)))
         if self._holds_python:
             return f"{root} holds a directory the workers' Python needs"
         return None
@@ -151,16 +152,17 @@ class SharedForkServer:
         return self._cgroups
 
     def for_run(self, workspace: Path, output_dir: Path, env: dict[str, str], packages: dict[str, str],
-                protected: tuple[str, ...] = ()) -> RunView:
+                protected: tuple[str, ...] = (), *, python: str) -> RunView:
         """The server as a run it does not refuse uses it: its processes see the run's
         ``workspace`` (read-write, but ``protected``: read-only) and ``output_dir`` (read-only).
-        ``env`` and ``packages``: the server's environment and runtime packages, the first run's
-        (every run's are alike)."""
+        ``env``, ``packages`` and ``python``: the server's environment, runtime packages and
+        interpreter (``sandbox.TrustedPython``), the first run's (every run's are alike)."""
         assert self.socket_root is not None
         if self._server is None:
-            plan = server_plan(self.settings.sandbox, self.settings.python, self.root, self.socket_root)
+            settings = self.settings.replace(python=python)
+            plan = server_plan(settings.sandbox, settings.python, self.root, self.socket_root)
             env = {**env, "HOME": "/"}  # (the server's; every worker gets its run's environment)
-            self._server = ForkServer(plan, env, settings=self.settings, cwd=Path("/"), packages=packages)
+            self._server = ForkServer(plan, env, settings=settings, cwd=Path("/"), packages=packages)
             self._server.private_stderr = True
             if self.spares is not None:
                 self._server.on_spare = self.spares.prepare

@@ -46,6 +46,7 @@ from engine.models._images import (
 from engine.models._reasoning import ThinkSplitter, reasoning_of, strip_think
 from engine.models._registry import ModelConfig
 from engine.models._stream import Assembly, normal_call, timings
+from engine.secrets import redact_url
 from worker.contract.bounded_json import loads as bounded_loads
 
 __all__ = ["Chat", "Display", "MIN_REPLY_TOKENS"]
@@ -299,6 +300,11 @@ class Chat:
     def _url(self) -> str:
         return f"{self.model.base_url}/chat/completions"
 
+    @property
+    def _shown_url(self) -> str:
+        """The endpoint as messages name it: no user or password (``engine.secrets``)."""
+        return redact_url(self._url)
+
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
             self._client = open_client(self.model, self._transport)
@@ -349,7 +355,7 @@ class Chat:
                     return await self._read_events(_lines(raw))
                 return self._read_plain(raw)
         except httpx.UnsupportedProtocol as exc:
-            raise ModelUnreachable(f"cannot use the model URL {self.model.base_url}: it must start with "
+            raise ModelUnreachable(f"cannot use the model URL {self.model.shown_url}: it must start with "
                                    f"http:// or https://; fix base_url or LLM_URL") from exc
         except httpx.ConnectTimeout as exc:
             reason = f"no connection within {min(self.model.timeout, 30.0):g}s"
@@ -372,9 +378,9 @@ class Chat:
         if status in (401, 403):
             hint = f" (check the key in ${self.model.api_key_env})"
         elif status == 404:
-            hint = f" (check the URL {self.model.base_url} and the model id {self.model.model!r})"
+            hint = f" (check the URL {self.model.shown_url} and the model id {self.model.model!r})"
         error = ModelResponseError(self._redact(
-            f"the model endpoint {self._url} answered HTTP {status}{hint}: {text[:_BODY_PREVIEW]}"), status)
+            f"the model endpoint {self._shown_url} answered HTTP {status}{hint}: {text[:_BODY_PREVIEW]}"), status)
         if status in _RETRY_STATUS or status >= 500:
             return _Transient(error, f"HTTP {status}", retry_after(response.headers.get("retry-after")))
         return error
@@ -384,14 +390,14 @@ class Chat:
         is starting a server the advice; a server that is there but slow gets other words."""
         advice = start_hint(self.model.base_url) if start else (
             "Check that the server at that address is up and reachable from here, or set LLM_URL.")
-        error = ModelUnreachable(f"cannot reach the model at {self.model.base_url} ({reason}). {advice}")
+        error = ModelUnreachable(f"cannot reach the model at {self.model.shown_url} ({reason}). {advice}")
         error.__cause__ = exc
         return error
 
     def _too_slow(self, exc: Exception) -> ModelUnreachable:
         """A read timeout: the server took the request and did not answer in time."""
         error = ModelUnreachable(
-            f"the model at {self.model.base_url} did not answer within {self.model.timeout:g} s (the request "
+            f"the model at {self.model.shown_url} did not answer within {self.model.timeout:g} s (the request "
             f"timeout, LLM_TIMEOUT or the alias's `timeout` in agentloop.toml): the server is there but slow. "
             f"Raise the timeout (e.g. LLM_TIMEOUT={max(600, int(self.model.timeout * 4))}) or ask for less "
             "(--max-tokens).")
@@ -442,13 +448,13 @@ class Chat:
             chunk = bounded_loads(event)
         except ValueError as exc:  # not JSON, or JSON beyond the bounds (nested too deep, a number too long)
             raise ModelResponseError(self._redact(
-                f"the model endpoint {self._url} streamed a chunk that is not JSON ({exc}): "
+                f"the model endpoint {self._shown_url} streamed a chunk that is not JSON ({exc}): "
                 f"{event[:_BODY_PREVIEW]}")) from None
         if not isinstance(chunk, dict):
             return
         if chunk.get("error"):
             raise ModelResponseError(self._redact(
-                f"the model endpoint {self._url} reported an error mid-stream: {json.dumps(chunk['error'])[:_BODY_PREVIEW]}"))
+                f"the model endpoint {self._shown_url} reported an error mid-stream: {json.dumps(chunk['error'])[:_BODY_PREVIEW]}"))
         thought, piece = reply.add(chunk)
         self._show(reply, thought, "")
         if piece:
@@ -462,7 +468,7 @@ class Chat:
                 raise TypeError("message is not an object")
         except (ValueError, KeyError, IndexError, TypeError):
             raise ModelResponseError(self._redact(
-                f"the model endpoint {self._url} answered with a body that is not a chat completion: "
+                f"the model endpoint {self._shown_url} answered with a body that is not a chat completion: "
                 f"{raw[:_BODY_PREVIEW]}")) from None
         self.last_finish_reason = data["choices"][0].get("finish_reason")
         self.last_timings = timings(data.get("timings"))

@@ -14,6 +14,7 @@ import httpx
 
 from engine.models._endpoint import checked_client
 from engine.models._registry import ModelConfig
+from engine.secrets import redact_urls
 
 __all__ = ["auth_headers", "caused_by", "nobody_listens", "open_client", "retry_after", "start_hint", "transport_reason"]
 
@@ -94,9 +95,9 @@ def transport_reason(exc: httpx.TransportError) -> str:
         if isinstance(cause, ConnectionRefusedError):
             return "connection refused"
         if isinstance(cause, OSError) and cause.strerror:
-            return cause.strerror.lower()
+            return redact_urls(cause.strerror.lower())
         cause = cause.__cause__ or cause.__context__
-    text = str(exc)
+    text = redact_urls(str(exc))  # (a proxy's URL, say)
     if isinstance(exc, httpx.ConnectError):
         return f"cannot connect: {text}" if text else "cannot connect"
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

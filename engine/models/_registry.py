@@ -45,6 +45,7 @@ from typing import Any
 
 from engine.config import CONFIG_FILE, read_config
 from engine.errors import ConfigError
+from engine.secrets import redact_url
 
 __all__ = [
     "DEFAULT_ALIAS", "DEFAULT_MAX_TOKENS", "DEFAULT_MODEL_ID", "DEFAULT_TIMEOUT",
@@ -80,6 +81,12 @@ class ModelConfig:
     #: Whether the model takes images (``image_url`` parts); None: as its server says.
     vision: bool | None = None
     url_named: bool = True
+
+    @property
+    def shown_url(self) -> str:
+        """``base_url`` as every message, banner and record names it: its user and password
+        (a key or a token, often) replaced by ``***`` (``engine.secrets.redact_url``)."""
+        return redact_url(self.base_url)
 
     def api_key(self) -> str | None:
         """The key from the environment, read now (so a key exported later is picked up); None if
@@ -202,13 +209,13 @@ def which_wins(registry: ModelRegistry, path: str | Path | None = None,
     default = registry.default
     if default.alias == DEFAULT_ALIAS and default == _from_env(env):
         return (f"LLM_URL and {file} are both set: LLM_URL wins, the default model is {default.model} at "
-                f"{default.base_url} (alias {DEFAULT_ALIAS!r}); the file's aliases are used when named "
+                f"{default.shown_url} (alias {DEFAULT_ALIAS!r}); the file's aliases are used when named "
                 "(--model ALIAS, model=\"ALIAS\")")
     kept = (f"LLM_URL is used only as the alias {DEFAULT_ALIAS!r} (--model {DEFAULT_ALIAS})"
             if DEFAULT_ALIAS in registry and registry.get(DEFAULT_ALIAS) == _from_env(env)
             else "LLM_URL is used only as the base_url of aliases that set none")
     return (f"LLM_URL and {file} are both set: {file} wins, the default model is {default.alias!r} "
-            f"({default.model} at {default.base_url}); {kept}")
+            f"({default.model} at {default.shown_url}); {kept}")
 
 
 def unsent_key_note(registry: ModelRegistry, env: Mapping[str, str] = os.environ) -> str:

@@ -36,6 +36,7 @@ import httpx
 from engine.errors import ForeignServer
 from engine.models._http import auth_headers, nobody_listens, open_client, start_hint, transport_reason
 from engine.models._registry import ModelConfig
+from engine.secrets import redact_url
 from worker.contract.bounded_json import loads as bounded_loads
 
 __all__ = ["FOREIGN", "NO_SERVER", "PROBE_TIMEOUT", "ServerInfo", "connect", "forget", "probe", "root_of"]
@@ -85,7 +86,7 @@ class ServerInfo:
             return self.foreign
         advice = start_hint(base_url) if self.no_server else (
             "Check that the server at that address is up and reachable from here, or set LLM_URL.")
-        return f"the model at {base_url} does not answer ({self.models_error}). {advice}"
+        return f"the model at {redact_url(base_url)} does not answer ({self.models_error}). {advice}"
 
     def check_id(self, model_id: str) -> tuple[bool, str]:
         """(acceptable, words) for requests naming ``model_id``; words are "" when the server listed nothing."""

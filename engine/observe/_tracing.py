@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.errors import ConfigError
 from engine.extras import install_hint
+from engine.secrets import redact_url, redact_urls
 
 if TYPE_CHECKING:
     from engine.agent import AgentDisplay
@@ -153,7 +154,8 @@ class Tracing:
         closing.join(timeout)
         if closing.is_alive() or self.trouble.count:
             why = f" ({self.trouble.last})" if self.trouble.last else ""
-            print(f"agentloop: traces could not all be sent to {self.where}{why}", file=sys.stderr, flush=True)
+            print(redact_urls(f"agentloop: traces could not all be sent to {self.where}{why}"), file=sys.stderr,
+                  flush=True)
 
 
 _current: Tracing | None = None
@@ -228,7 +230,7 @@ def _provider(flag: bool, environ: Mapping[str, str]) -> tuple[Any, str]:
     exporters, where = [], []
     if "otlp" in names:
         exporters.append(_otlp_exporter(environ))
-        where.append(endpoint(environ))
+        where.append(redact_url(endpoint(environ)))  # (said on stderr: a collector's user part never)
     if "console" in names:
         exporters.append(ConsoleSpanExporter(out=sys.stderr))  # stdout holds a command's answer
         where.append("stderr")

@@ -1,15 +1,24 @@
-"""The Python that workers run: which one, what it holds, and how agentloop's runtime runs in it.
+"""The Python that workers run: the one trust check every interpreter passes before it runs,
+what it holds, and how agentloop's runtime runs in it.
 
-Which one, first found: ``--python``, ``$AGENTLOOP_PYTHON``, ``python`` in ``./agentloop.toml``
-(relative to that file), the active virtual environment (``$VIRTUAL_ENV/bin/python``), else the
-Python agentloop itself runs on.  So code in a worker imports what the user's own ``python``
-imports, not agentloop's private packages.
+**Trust.**  Running an interpreter runs code of its installation before any of ours: its
+start reads ``pyvenv.cfg`` and ``._pth`` files and imports the standard library of the
+installation they name, and ``site`` executes the ``.pth`` files of its site-packages, even
+under ``-I``.  So an interpreter a worker could have written (``engine.trust``) must not run at
+all, not even to be asked what it is.  ``trusted_python`` is the one check, for every source
+(``--python``, ``$AGENTLOOP_PYTHON``, ``python`` in agentloop.toml, ``$VIRTUAL_ENV``,
+agentloop's own), and it alone makes a ``TrustedPython``; every function here that runs an
+interpreter or builds the command line that will (``probe``, ``runtime_packages``,
+``not_importable``, ``python_paths``, ``runtime_argv``) takes one, and checks a plain path
+itself first, so no start path (a worker, the fork server and its probe, exec's confiner, a
+tool process, ``doctor``) can run an interpreter the check refused.
 
 The worker runtime needs two packages of its own, pyzmq and msgpack.  An interpreter that
 lacks them but is the same Python as agentloop's (version and ABI) gets agentloop's copies,
 found by an import hook that knows those two names only: they are neither added to that
 interpreter's ``sys.path`` nor listed among its packages.  Any other interpreter must have them
-installed, and the error says how.
+installed, and the error says how.  Which interpreter workers run is ``engine.sandbox``'s
+``which_python``.
 """
 
 from __future__ import annotations
@@ -17,7 +26,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -28,14 +36,13 @@ from pathlib import Path
 
 import worker.contract
 from engine import trust
-from engine.config import CONFIG_FILE, read_config
-from engine.errors import ConfigError, SandboxError, UntrustedFile
+from engine.errors import ConfigError, SandboxError, UntrustedPython
 from engine.sandbox._bwrap import beneath, outermost
 
 __all__ = [
-    "Interpreter", "RUNTIME_INSTALL", "RUNTIME_PACKAGES", "RUNTIME_ROOT", "check_workspace",
-    "choose_python", "not_importable", "probe", "python_paths", "refuse_untrusted",
-    "refuse_untrusted_paths", "runtime_argv", "runtime_dirs", "runtime_packages", "which_python"
+    "Interpreter", "RUNTIME_INSTALL", "RUNTIME_PACKAGES", "RUNTIME_ROOT", "TrustedPython", "check_workspace",
+    "not_importable", "probe", "python_paths", "runtime_argv", "runtime_dirs", "runtime_packages",
+    "trusted_python"
 ]
 
 #: Third-party packages the worker runtime imports, by import name (distribution in brackets
@@ -44,6 +51,8 @@ RUNTIME_PACKAGES = ("zmq", "msgpack")
 RUNTIME_INSTALL = "pyzmq msgpack"
 #: Directories next to a package that belong to it (pyzmq's wheel keeps libzmq in ``pyzmq.libs``).
 _COMPANIONS = {"zmq": ("pyzmq.libs",)}
+#: Bytes of a ``pyvenv.cfg`` read for its ``home`` (the file is a few lines).
+_VENV_CFG_LIMIT = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -57,89 +66,125 @@ class Interpreter:
     missing: tuple[str, ...]  # runtime packages it cannot import by itself
 
 
-def choose_python(explicit: str | None = None, config: Path | None = None,
-                  workspace: Path | None = None) -> str:
-    """The interpreter workers run (see the module docstring), as an absolute path.  A name is
-    looked up on PATH; one that is not there, or not executable, or one a worker could have
-    written (``refuse_untrusted``), is a ConfigError; so is an invalid ``config`` file."""
-    return which_python(explicit, config, workspace)[0]
+# -- the one trust check -------------------------------------------------------------------------
+
+_KEY = object()  # what only ``trusted_python`` holds
 
 
-def which_python(explicit: str | None = None, config: Path | None = None,
-                 workspace: Path | None = None) -> tuple[str, str]:
-    """``choose_python``'s interpreter and, in words, which of the five sources chose it."""
-    config = config or Path(CONFIG_FILE)
-    for given, where in ((explicit, "--python"), (os.environ.get("AGENTLOOP_PYTHON"), "AGENTLOOP_PYTHON"),
-                         *_configured(config)):
-        if given:
-            return _resolve(given, where, workspace), where
-    venv = os.environ.get("VIRTUAL_ENV")
-    if venv and os.access(os.path.join(venv, "bin", "python"), os.X_OK):
-        return os.path.join(venv, "bin", "python"), f"the active virtual environment (VIRTUAL_ENV={venv})"
-    return sys.executable, ("default, agentloop's own (none of --python, AGENTLOOP_PYTHON, python in "
-                            f"{config} or an active virtual environment names one)")
+class TrustedPython(str):
+    """The path of an interpreter that passed ``trusted_python``.  Only that function makes
+    one (anyone else gets a TypeError), so a value of this type is proof of the check; it is
+    still a ``str``, for ``subprocess`` and for ``WorkerSettings.python``.  Pickled to another
+    process (a Ray task) it arrives as a plain path, which is checked there again."""
+
+    __slots__ = ()
+
+    def __new__(cls, path: str, key: object = None) -> TrustedPython:
+        if key is not _KEY:
+            raise TypeError("a TrustedPython is made by engine.sandbox.trusted_python alone: it is the trust check")
+        return super().__new__(cls, path)
+
+    def __reduce__(self):
+        return (str, (str(self),))
 
 
-def _configured(config: Path) -> list[tuple[str | None, str]]:
-    if not config.is_file():
-        return []
-    value = read_config(config).get("python")  # the whole file checked, as every command checks it
-    if value is None:
-        return []
-    if os.sep in value and not os.path.isabs(value):
-        value = str(config.resolve().parent / value)
-    return [(value, f"python in {config}")]
+def trusted_python(python: str, workspace: Path | None = None, *, source: str = "",
+                   resolve: bool = False) -> TrustedPython:
+    """``python`` (a path) as a TrustedPython, or UntrustedPython in one line (what, which
+    ``source`` chose it, why, what to do) when a worker could have written it or what it runs
+    at its start.  In order, each step only once the one before passed:
+
+    1. without running anything: the file, its links, its directory and those above it, the
+       ``._pth`` and ``pyvenv.cfg`` files its start reads, its virtual environment as a whole,
+       and the installation it starts from (the ``home`` of ``pyvenv.cfg``, else the one its
+       real file lies in) — none a workers' uid's or writable by others, none changed or
+       standing unprotected where workers of a run could write (``engine.trust``), none in
+       ``workspace`` (the one this run's workers will write);
+    2. ``python -I -S`` (no ``site``: no ``.pth`` file runs) for the directories ``site`` would
+       read and those its ``.pth`` files add, each judged the same way;
+    3. the full probe (``site`` runs), whose paths are judged again.
+
+    The result is ``python`` as given, or with ``resolve`` the interpreter as it names itself (a
+    launcher script such as pyenv's shim becomes the program it runs, which is checked too:
+    trusted as the script that chose it is)."""
+    if isinstance(python, TrustedPython) and workspace is None:
+        return python
+    named = os.path.abspath(python)
+    said = f"the workers' Python {python}" + (f", {source}," if source else "")
+    _refuse_start(named, workspace, said)
+    _refuse_any(said, _site_free_paths(named))
+    info = _probe(named)
+    _refuse_any(said, info.paths)
+    real = os.path.abspath(info.path)
+    if real != named:
+        _refuse_start(real, workspace, said)
+    return TrustedPython(real if resolve else named, _KEY)
 
 
-def _resolve(given: str, where: str, workspace: Path | None) -> str:
-    found = given if os.sep in given else shutil.which(given)
-    if not found or not os.path.isfile(found) or not os.access(found, os.X_OK):
-        raise ConfigError(f"{where}: {given} is not an executable Python interpreter; give its path, "
-                          "e.g. --python /usr/bin/python3 or --python .venv/bin/python")
-    refuse_untrusted(os.path.abspath(found), workspace)  # before it is run at all
-    refuse_untrusted_paths(os.path.abspath(found))  # before it is run with its site
-    # What the interpreter calls itself: a launcher script (pyenv's shims) becomes the program it
-    # runs; links are kept, as a virtual environment's python finds its packages by its own place.
-    return probe(os.path.abspath(found)).path
+def _checked(python: str) -> TrustedPython:
+    """``python`` once it passed the check (a TrustedPython passed it already)."""
+    return python if isinstance(python, TrustedPython) else trusted_python(python)
 
 
-def refuse_untrusted(python: str, workspace: Path | None) -> None:
-    """ConfigError for an interpreter a worker could have written: one beneath ``workspace`` (as
-    named, or once its links are followed: a virtual environment finds its packages by where its
-    link lies), or one ``engine.trust`` refuses — its file, its link or a directory above it a
-    workers' uid's or writable by others, or it (its whole virtual environment) changed or
-    stood unprotected while workers of an earlier run could write around it.  The coordinator
-    runs it to ask what it is and the fork server runs it with privileges: it must never be
-    something model code planted."""
-    named, real = os.path.abspath(python), os.path.realpath(python)
+def _venv_of(named: str, real: str) -> str | None:
+    """The virtual environment ``python`` starts in: the directory holding the ``pyvenv.cfg``
+    its start finds (beside the file as named or resolved, or one level up), if any."""
+    for place in dict.fromkeys((os.path.dirname(named), os.path.dirname(os.path.dirname(named)),
+                                os.path.dirname(real), os.path.dirname(os.path.dirname(real)))):
+        if os.path.isfile(os.path.join(place, "pyvenv.cfg")):
+            return place
+    return None
+
+
+def _venv_home(venv: str) -> str | None:
+    """The ``home`` a ``pyvenv.cfg`` names (the base installation's directory), read as the
+    interpreter's start reads it; None when it names none."""
+    try:
+        with open(os.path.join(venv, "pyvenv.cfg"), "rb") as f:
+            text = f.read(_VENV_CFG_LIMIT).decode("utf-8", "replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip().lower() == "home" and value.strip():
+            return os.path.abspath(os.path.join(venv, value.strip()))
+    return None
+
+
+def _refuse_start(named: str, workspace: Path | None, said: str) -> None:
+    """Step 1 of ``trusted_python``: what the interpreter's start reads, judged before it runs."""
+    real = os.path.realpath(named)
+    venv = _venv_of(named, real)
+    home = _venv_home(venv) if venv else None
+    base = home or os.path.dirname(real)  # the directory the installation is searched from
+    files = [named, *(os.path.splitext(p)[0] + "._pth" for p in dict.fromkeys((named, real)))]
+    files += [os.path.join(venv, "pyvenv.cfg")] if venv else []
+    trees = [*([venv] if venv else []), base, os.path.dirname(base)]  # (its prefix lies at or above it)
     if workspace is not None:
         ws = os.path.realpath(workspace)
-        if any(os.path.commonpath([path, ws]) == ws for path in (named, real)):
-            raise ConfigError(f"the workers' Python {python} lies in the workspace {ws}, which workers "
-                              "write: choose another --workspace or an interpreter elsewhere")
-    venv = next((str(top) for top in (Path(named).parent.parent, Path(real).parent.parent)
-                 if (top / "pyvenv.cfg").is_file()), None)
-    why = trust.owner_refusal(os.path.dirname(named)) or trust.refusal(named, tree=venv)
+        for path in (named, real, *trees):
+            if beneath(os.path.realpath(path), ws) or beneath(path, ws):
+                raise UntrustedPython(f"{said} lies in the workspace {ws}, which workers write: choose another "
+                                      "--workspace or an interpreter elsewhere")
+    why = trust.owner_refusal(os.path.dirname(named))
+    why = why or trust.refusal(named, tree=venv)
+    for file in files[1:]:
+        why = why or (trust.refusal(file) if os.path.lexists(file) else None)
+    for tree in trees:
+        if not why and os.path.isdir(tree) and os.path.realpath(tree) != "/":
+            why = trust.refusal(tree, tree=tree)
     if why:
-        raise UntrustedFile(f"the workers' Python {python} is not used: {why}")
+        raise UntrustedPython(f"{said} is not used: {why}")
 
 
-def refuse_untrusted_paths(python: str) -> None:
-    """UntrustedFile when a directory ``python`` imports from lies where workers of an earlier
-    run could write, was there then and was not kept read-only (``engine.trust``): a module
-    planted there would run in the fork server, with privileges.  The directories ``site`` would
-    read are looked at first, from a run of ``python -S`` that executes no file of theirs: a
-    planted ``.pth`` or ``sitecustomize`` must not run even in the probe."""
-    _refuse_any(python, _site_free_paths(python))
-    _refuse_any(python, probe(python).paths)  # (this one runs site: only once the above passed)
-
-
-def _refuse_any(python: str, paths: Iterable[str]) -> None:
-    for path in paths:
-        if os.path.isabs(path) and os.path.isdir(path):
-            why = trust.record_refusal(path, tree=path)
+def _refuse_any(said: str, paths: Iterable[str]) -> None:
+    """UntrustedPython when a directory the interpreter imports from was a worker's to write
+    (its owner or mode, or the record: there, not kept read-only, while workers could write)."""
+    for path in dict.fromkeys(os.path.normpath(p) for p in paths if os.path.isabs(p)):
+        if os.path.isdir(path) and os.path.realpath(path) != "/":
+            why = trust.refusal(path, tree=path)
             if why:
-                raise UntrustedFile(f"the workers' Python {python} imports from {path}, which is not used: {why}")
+                raise UntrustedPython(f"{said} imports from {path}, which is not used: {why}")
 
 
 _PROBE = """
@@ -181,32 +226,44 @@ print(json.dumps(paths))
 """
 
 
+def _run(python: str, *args: str) -> bytes:
+    """Run ``python`` with ``args`` (isolated, from ``/``, no stdin) and return its stdout;
+    SandboxError when it does not start or fails.  Only for ``trusted_python`` and the
+    functions below, each of which passed ``python`` through it first."""
+    try:
+        return subprocess.run([python, *args], capture_output=True, timeout=60, cwd="/",
+                              stdin=subprocess.DEVNULL, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise SandboxError(f"cannot start the worker's python {python}: {exc}") from exc
+
+
 @lru_cache(maxsize=8)
 def _site_free_paths(python: str) -> tuple[str, ...]:
     """The prefixes, the paths, the site directories of ``python`` and the directories their
     ``.pth`` files add, asked with ``-S`` (the ``.pth`` files read as text): without ``-S``,
     ``site`` executes the ``.pth`` files' import lines and a ``sitecustomize`` from any of them."""
     try:
-        out = subprocess.run([python, "-I", "-S", "-c", _SITE_FREE_PROBE], capture_output=True, timeout=60,
-                             cwd="/", stdin=subprocess.DEVNULL, check=True).stdout
-        paths = json.loads(out)
-    except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        paths = json.loads(_run(python, "-I", "-S", "-c", _SITE_FREE_PROBE))
+    except ValueError as exc:
         raise SandboxError(f"cannot start the worker's python {python}: {exc}") from exc
     return tuple(path for path in paths if isinstance(path, str))
 
 
 @lru_cache(maxsize=8)
-def probe(python: str) -> Interpreter:
-    """Ask ``python`` (isolated, from ``/``) for its version, ABI, paths and which runtime
-    packages it lacks.  SandboxError when it does not start or answer."""
+def _probe(python: str) -> Interpreter:
     try:
-        out = subprocess.run([python, "-I", "-c", _PROBE, ",".join(RUNTIME_PACKAGES)], capture_output=True,
-                             timeout=60, cwd="/", stdin=subprocess.DEVNULL, check=True).stdout
-        info = json.loads(out)
-    except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        info = json.loads(_run(python, "-I", "-c", _PROBE, ",".join(RUNTIME_PACKAGES)))
+    except ValueError as exc:
         raise SandboxError(f"cannot start the worker's python {python}: {exc}") from exc
     return Interpreter(info["executable"] or python, info["version"], info["abi"], tuple(info["paths"]),
                        tuple(info["missing"]))
+
+
+def probe(python: str) -> Interpreter:
+    """Ask ``python`` (isolated, from ``/``; checked first unless a TrustedPython) for its
+    version, ABI, paths and which runtime packages it lacks.  SandboxError when it does not
+    start or answer."""
+    return _probe(_checked(python))
 
 
 def _our_abi() -> str:
@@ -217,7 +274,8 @@ def runtime_packages(python: str) -> dict[str, str]:
     """For each runtime package ``python`` lacks, the directory of agentloop's own copy
     (empty when it has them all).  ConfigError, saying what to install, when it lacks some and
     cannot load ours (another Python version or ABI)."""
-    info = probe(python)
+    python = _checked(python)
+    info = _probe(python)
     if not info.missing:
         return {}
     if info.abi != _our_abi():
@@ -250,6 +308,7 @@ def not_importable(python: str, modules: tuple[str, ...]) -> list[str]:
     """The names among ``modules`` that ``python`` cannot import (found without importing them)."""
     if not modules:
         return []
+    python = _checked(python)
     code = ("import importlib.util, sys\n"
             "for n in sys.argv[1:]:\n"
             "    try:\n"
@@ -257,12 +316,7 @@ def not_importable(python: str, modules: tuple[str, ...]) -> list[str]:
             "    except (ImportError, ValueError):\n"
             "        ok = False\n"
             "    ok or print(n)\n")
-    try:
-        out = subprocess.run([python, "-I", "-c", code, *modules], capture_output=True, text=True, timeout=60,
-                             cwd="/", stdin=subprocess.DEVNULL, check=True).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise SandboxError(f"cannot start the worker's python {python}: {exc}") from exc
-    return out.split()
+    return _run(python, "-I", "-c", code, *modules).decode("utf-8", "replace").split()
 
 
 # -- how agentloop's runtime starts in it ----------------------------------------------------------
@@ -285,7 +339,9 @@ def runtime_argv(python: str, entry: str, *args: str, packages: dict[str, str] |
     runtime never writes bytecode next to its sources.  ``packages`` (``interpreter.
     runtime_packages``): runtime packages that ``python`` lacks, by name, with the directory
     of agentloop's copy; an import hook finds those names, and only those, there.  ``site=False``
-    (``-S``): not even site-packages' ``.pth`` files run (exec's confiner, the tool process)."""
+    (``-S``): not even site-packages' ``.pth`` files run (exec's confiner, the tool process).
+    ``python`` is checked first unless it is a TrustedPython: what it builds is run."""
+    python = _checked(python)
     module, _, function = entry.partition(":")
     if not (module.replace(".", "").replace("_", "").isalnum() and function.isidentifier()):
         raise ValueError(f"not a runtime entry point: {entry!r}")
@@ -314,7 +370,8 @@ def python_paths(python: str) -> tuple[str, ...]:
     the runtime packages it lacks, plus this project's packages.  Asked of the interpreter
     itself (once), not taken from ours: the coordinator's own sys.path[0] may be any directory,
     a home among them."""
-    info = [*probe(python).paths, *runtime_dirs(python)]
+    python = _checked(python)
+    info = [*_probe(python).paths, *runtime_dirs(python)]
     # The worker imports `worker` (and may import `engine`) from wherever this project lives;
     # an editable install maps them to the source tree without a sys.path entry.
     info += [str(Path(RUNTIME_ROOT) / "worker"), str(Path(RUNTIME_ROOT) / "engine")]
@@ -325,14 +382,21 @@ def python_paths(python: str) -> tuple[str, ...]:
 
 
 def check_workspace(workspace: Path, python: str) -> None:
-    """Refuse a workspace that is, or holds, a directory on the import path of the coordinator
-    or of the workers' Python: workers write the workspace, and a module planted there would
-    run in a process with privileges (the coordinator, a worker before it confines itself).
-    Nor may it hold the record of what workers could write (``engine.trust``)."""
+    """Refuse a workspace that is or holds a directory on the import path of the coordinator or
+    of the workers' Python, or lies inside one of the latter's: workers write the workspace, and
+    a module planted there would run in a process with privileges (the coordinator, a worker
+    before it confines itself, the next probe of that Python).  Nor may it hold the record of what workers could
+    write (``engine.trust``)."""
+    python = _checked(python)
     ws = os.path.realpath(workspace)
-    ours = (os.path.realpath(p) for p in sys.path if p and os.path.isabs(p) and os.path.isdir(p))
+    ours = {os.path.realpath(p) for p in sys.path if p and os.path.isabs(p) and os.path.isdir(p)}
     for path in sorted({*python_paths(python), *ours}):
         if beneath(path, ws):
             raise ConfigError(f"the workspace {ws} holds {path}, from which Python imports "
                               "agentloop's code: choose another --workspace")
+    imported = [*_probe(python).paths[4:], *runtime_dirs(python)]  # (the workers' sys.path, not ours)
+    for path in sorted({os.path.realpath(p) for p in imported if os.path.isabs(p) and os.path.isdir(p)}):
+        if path != "/" and beneath(ws, path):
+            raise ConfigError(f"the workspace {ws} lies inside {path}, from which Python imports modules: "
+                              "choose another --workspace")
     trust.refuse_holding_record(ws)

@@ -37,7 +37,7 @@ from engine.sandbox import _uid0, _uids
 from engine.sandbox._bwrap import Bwrap, View, beneath
 from engine.sandbox._host import HostSupport, host_support, readable_in_view, root_blocker
 from engine.sandbox._interpreter import python_paths
-from engine.sandbox._protected import unkept_note
+from engine.sandbox._protected import privileged_files, unkept_note
 from engine.trees import disk_usage
 from worker.contract.confinement import Confinement, Landlock, Seccomp
 
@@ -234,6 +234,21 @@ def _tasks_of(uid: int) -> int:
     return n
 
 
+def _with_privileged(protected: tuple[str, ...], workspace: Path, use_bwrap: bool) -> tuple[str, ...]:
+    """``protected`` and the set-id and file-capability files of ``workspace``, which code
+    running as uid 0 could rewrite through a shared mapping and keep their bit
+    (``engine.sandbox``'s protected paths); ConfigError where none can be kept read-only (no
+    bubblewrap) or the walk refuses the directory."""
+    privileged = privileged_files(workspace, skip=protected if use_bwrap else ())
+    if privileged and not use_bwrap:
+        raise ConfigError(f"{privileged[0]} is a set-user-ID, set-group-ID or file-capability file in {workspace}, "
+                          "which code running as uid 0 could rewrite keeping its bit, and without bubblewrap it "
+                          "cannot be kept read-only: pass --read-only, move it elsewhere, or install bubblewrap")
+    if not privileged:
+        return tuple(protected)
+    return tuple(sorted({*protected, *privileged}, key=lambda p: (p.count("/"), p)))
+
+
 def plan(policy: SandboxPolicy, *, socket_dir: Path | None, workspace: Path, cwd: Path,
          output_dir: Path | None, python: str, memory_cgroup: bool = False, pids_cgroup: bool = False,
          protected: tuple[str, ...] = (), shown: tuple[Path, ...] = (), script: bool = False) -> LaunchPlan:
@@ -245,6 +260,9 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path | None, workspace: Path, cwd
     root coordinator's workers, who share the run's uid, need no RLIMIT_NPROC on that uid.
     `protected`: paths in the workspace to keep read-only (``engine.sandbox``): bound so
     under bubblewrap (the plan then has a PID namespace), else a note says they are not.
+    Where code writes the workspace as uid 0 (root, as the caller or keeping uid 0) its
+    set-id and file-capability files are added, and without bubblewrap a workspace holding
+    one is refused (``_with_privileged``).
     `shown`: more paths shown read-only.
     `script`: the plan of ``exec FILE``'s sandbox, whose first process (the confiner) is the PID
     namespace's init and which keeps the host's name, as python sees it.
@@ -292,6 +310,8 @@ def plan(policy: SandboxPolicy, *, socket_dir: Path | None, workspace: Path, cwd
                                          "(other users may not read it, and workers run as one); "
                                          "chmod o+rx it to share it")
     notes += [why] if why else []
+    if host.root and uid is None:  # uid 0 writes the workspace: its set-id files stay read-only, or it is not written
+        protected = _with_privileged(protected, workspace, use_bwrap)
     notes += [unkept_note(protected, workspace)] if protected and not use_bwrap else []
     system, links = system_paths()
     view = View(tuple(system), tuple(links), python_paths(python), workspace, socket_dir, output_dir,

@@ -25,16 +25,30 @@ Only what exists is listed, and never a link:
 
 Under Landlock alone (no bubblewrap) nothing can be bound: every path listed is writable, the
 plan says so in a note, and ``engine.trust`` refuses afterwards what changed.
+
+**Set-id and file-capability files, where uid 0 writes.**  Code that runs as uid 0 without
+capabilities (``exec`` as root, ``run --write-cwd`` as root, a root worker that keeps uid 0)
+cannot make a set-user-ID file, but it can rewrite one that is there — a root-owned 4755
+binary, or one whose ``security.capability`` grants capabilities — through a shared memory
+mapping, which keeps the bit and the capabilities (the kernel drops them on ``write(2)`` and
+truncate only); whoever runs it next gets root.  So where uid 0 writes, ``privileged_files``
+walks the directory (bounded: ``WALK_LIMIT`` entries) and every such file is bound read-only
+as the names above are; without bubblewrap, or past the bound, or with more than
+``BIND_LIMIT`` of them, the directory is not made writable at all (ConfigError, in words).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["PROTECTED_NAMES", "protected_paths", "unkept_note"]
+from engine.errors import ConfigError
+
+__all__ = ["BIND_LIMIT", "PROTECTED_NAMES", "WALK_LIMIT", "is_privileged", "privileged_files", "protected_paths",
+           "unkept_note"]
 
 #: Entries protected by name in a writable directory.
 PROTECTED_NAMES = ("agentloop.toml", ".git")
@@ -43,6 +57,12 @@ VENV_MARKER = "pyvenv.cfg"
 #: Entries of the directory looked at for virtual environments: a bound on the work done before
 #: every run, in a directory that may hold anything.
 _SCAN_LIMIT = 4096
+#: Entries of a directory uid 0 writes looked at for set-id and file-capability files (5 to 12
+#: µs each here: 0.1 s for 13,000): a directory holding more is not made writable for uid 0.
+WALK_LIMIT = 100_000
+#: Set-id and file-capability files bound read-only in one directory at most (a mount each).
+BIND_LIMIT = 256
+_CAPABILITY = "security.capability"
 
 
 def _kind(path: str) -> int | None:
@@ -53,10 +73,12 @@ def _kind(path: str) -> int | None:
         return None
 
 
-def protected_paths(directory: str | Path, extra: Iterable[str] = ()) -> tuple[str, ...]:
+def protected_paths(directory: str | Path, extra: Iterable[str] = (), *, uid0: bool = False) -> tuple[str, ...]:
     """The paths in ``directory`` (resolved) to keep read-only while workers write it, each an
     existing file or directory that is not a link, shallowest first.  ``extra``: more paths to
-    keep so where they lie beneath ``directory`` (the others are ignored)."""
+    keep so where they lie beneath ``directory`` (the others are ignored).  ``uid0``: code
+    writes it as uid 0, so its set-id and file-capability files are kept too
+    (``privileged_files``, which may refuse the directory)."""
     top = os.path.realpath(directory)
     found = {os.path.join(top, name) for name in PROTECTED_NAMES}
     try:
@@ -69,8 +91,66 @@ def protected_paths(directory: str | Path, extra: Iterable[str] = ()) -> tuple[s
     except OSError:
         pass
     found |= {os.path.normpath(p) for p in extra if os.path.normpath(p).startswith(top.rstrip("/") + "/")}
+    if uid0:
+        found |= set(privileged_files(top, skip=found))
     kept = [p for p in found if _kind(p) in (stat.S_IFREG, stat.S_IFDIR)]
     return tuple(sorted(kept, key=lambda p: (p.count("/"), p)))
+
+
+def is_privileged(path: str, st: os.stat_result | None = None) -> bool:
+    """Whether ``path`` (not followed) is a regular file that running gives privileges: a
+    set-user-ID or set-group-ID mode, or file capabilities (``security.capability``)."""
+    try:
+        st = st or os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode):
+        return False
+    if st.st_mode & (stat.S_ISUID | stat.S_ISGID):
+        return True
+    if not st.st_mode & 0o111:
+        return False  # (nobody runs it: its capabilities give nothing)
+    try:
+        os.getxattr(path, _CAPABILITY, follow_symlinks=False)
+    except OSError as exc:
+        return exc.errno not in (errno.ENODATA, errno.ENOTSUP, errno.ENOENT, errno.EOPNOTSUPP)
+    return True
+
+
+def privileged_files(directory: str | Path, *, skip: Iterable[str] = (), limit: int = WALK_LIMIT) -> tuple[str, ...]:
+    """Every set-id or file-capability file beneath ``directory`` (resolved; links not
+    followed, iteratively: any depth), for a directory uid 0 will write; ``skip``: directories
+    in it kept read-only already (``protected_paths``), not looked into.  ConfigError past
+    ``limit`` entries, or with more than ``BIND_LIMIT`` such files: neither can be kept
+    read-only, so the directory must not be written as uid 0."""
+    top = os.path.realpath(directory)
+    skipped = {os.path.normpath(p) for p in skip}
+    found: list[str] = []
+    pending, seen = [top], 0
+    while pending:
+        place = pending.pop()
+        try:
+            with os.scandir(place) as entries:
+                for entry in entries:
+                    seen += 1
+                    if seen > limit:
+                        raise ConfigError(
+                            f"{top} holds more than {limit:,} files, too many to look through for set-user-ID "
+                            "files that code running as uid 0 could rewrite (keeping their bit): run from a "
+                            "smaller directory, pass --read-only, or run as another user")
+                    if entry.is_dir(follow_symlinks=False):
+                        if entry.path not in skipped:
+                            pending.append(entry.path)
+                    elif entry.is_file(follow_symlinks=False) and is_privileged(entry.path, entry.stat(follow_symlinks=False)):
+                        found.append(entry.path)
+        except OSError:
+            continue
+    if len(found) > BIND_LIMIT:
+        raise ConfigError(f"{top} holds {len(found)} set-user-ID, set-group-ID or file-capability files, more "
+                          f"than the {BIND_LIMIT} that can be kept read-only, and code running as uid 0 could "
+                          "rewrite them keeping their bit: run from another directory, pass --read-only, or run "
+                          "as another user")
+    return tuple(found)
 
 
 def unkept_note(paths: Iterable[str], directory: str | Path) -> str:

