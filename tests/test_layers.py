@@ -1,7 +1,8 @@
 """The shape of the code: engine/ and worker/ import without a circle, lazy imports included;
 nothing below ``Engine`` reaches into its private members; no module uses another's private
 names; no module outgrows 600 lines; every public module says what it exports (``__all__``);
-every command that starts workers takes the same worker options."""
+every command that starts workers takes the same worker options; no callback is written onto
+another object."""
 
 from __future__ import annotations
 
@@ -258,6 +259,54 @@ def test_every_face_exports_what_it_lists():
         assert sorted(where) == sorted(face.__all__), package
         for name, module in where.items():
             assert hasattr(importlib.import_module(f"engine.{package}.{module}"), name), f"engine.{package}.{name}"
+
+
+def _targets(node: ast.AST) -> list[ast.expr]:
+    """What an assignment writes, tuples unpacked."""
+    if isinstance(node, ast.Assign):
+        found = list(node.targets)
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        found = [node.target]
+    else:
+        return []
+    flat: list[ast.expr] = []
+    while found:
+        target = found.pop()
+        if isinstance(target, (ast.Tuple, ast.List)):
+            found.extend(target.elts)
+        else:
+            flat.append(target.value if isinstance(target, ast.Starred) else target)
+    return flat
+
+
+def _callbacks_set_on_others(tree: ast.AST) -> list[tuple[int, str]]:
+    """``x.on_event = ...`` (or ``setattr(x, "on_event", ...)``) where ``x`` is not ``self``."""
+    found = []
+    for node in ast.walk(tree):
+        for target in _targets(node):
+            if isinstance(target, ast.Attribute) and target.attr.startswith("on_") \
+                    and not (isinstance(target.value, ast.Name) and target.value.id == "self"):
+                found.append((node.lineno, f"{ast.unparse(target)} = ..."))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" \
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
+                and str(node.args[1].value).startswith("on_"):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_no_callback_is_written_onto_another_object():
+    """An object's owner is given when it is made (a constructor argument, an ``Owner``), or
+    once through a method that refuses a second (``Worker.adopt``): a callback written onto
+    another object's attribute lets the last writer silently take the first one's events."""
+    offenders = [f"{path.relative_to(ROOT)}:{line}: {what}" for path in MODULES
+                 for line, what in _callbacks_set_on_others(ast.parse(path.read_text()))]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_callback_check_sees_what_it_forbids():
+    code = ("worker.on_call = f\nself.on_call = f\na.b.on_stop, x = g, 1\nsetattr(s, 'on_lost', h)\n"
+            "self.x.on_spare = k\non_free = f\n")
+    assert sorted(line for line, _ in _callbacks_set_on_others(ast.parse(code))) == [1, 3, 4, 5]
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))

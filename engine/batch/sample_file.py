@@ -121,7 +121,7 @@ async def _run_local(pending: list[SampleSpec], settings: WorkerSettings, result
     started: dict[str, tuple[SampleSpec, float]] = {}
     me = asyncio.current_task()
     assert me is not None
-    stopper.on_stop = me.cancel
+    stopper.adopt(me.cancel)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stopper.interrupt)
 

@@ -438,11 +438,11 @@ class Launcher:
             self._provisioner = ColdStart()
             return self._provisioner
         plan = self.plan(self.sock_root)
+        self._spares = SpareGroups(self.group_limits())
         server = ForkServer(plan, self.env(StartSpec(), None), settings=self.settings, cwd=self.cwd,
                             packages=self.runtime_packages,
-                            own_workspace=str(self.workspace) if self.own_workspaces else None)
-        self._spares = SpareGroups(self.group_limits())
-        server.on_spare = self._spares.prepare
+                            own_workspace=str(self.workspace) if self.own_workspaces else None,
+                            on_spare=self._spares.prepare)
         self._provisioner = server
         return server
 
