@@ -192,8 +192,8 @@ LAYERS = {
     "cli": 9,
 }
 #: The modules at the top of engine/: shared leaves every layer may use.
-LEAVES = {"__init__", "config", "durations", "errors", "extras", "inert", "lazy", "results", "secrets", "trees",
-          "trust"}
+LEAVES = {"__init__", "config", "durations", "environment", "errors", "extras", "inert", "lazy", "results", "secrets",
+          "trees", "trust"}
 
 
 def _layer(module: str) -> str | None:

@@ -34,8 +34,9 @@ from engine.batch.results_file import Lock, ResultsFile, open_results
 from engine.batch.stopping import Stopper
 from engine.batch.tasks import pack_files, read_lines, refuse_invalid, task_files
 from engine.durations import parse_duration
+from engine.environment import ENV_ALLOWLIST
 from engine.errors import ConfigError
-from engine.launch import ENV_ALLOWLIST, WorkerSettings
+from engine.launch import WorkerSettings
 from engine.observe import current_tracing
 from engine.samples import FILES_CAP, STATUSES, Sample, SampleResult, cancelled, check_env
 from engine.workers import Engine

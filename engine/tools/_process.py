@@ -25,6 +25,7 @@ import time
 import weakref
 from pathlib import Path
 
+from engine.environment import ALLOWLIST, environment
 from engine.errors import ToolBusy, ToolClosed, ToolCrash, ToolTimeout
 from engine.launch import Launch, kill_tree, start
 from engine.sandbox import runtime_argv, tools_plan
@@ -135,7 +136,8 @@ class ToolProcess:
     # -- the process ----------------------------------------------------------------------
 
     def _start(self) -> None:
-        env = {k: os.environ[k] for k in ("PATH", "LANG") if k in os.environ}  # no keys, no PYTHON*
+        # The allowlist alone (no run's env_allow: its code is ours), and -I ignores PYTHON*.
+        env = environment(ALLOWLIST)
         # Isolated, without site-packages (not even their .pth files), the runtime by its absolute
         # path; in a session of its own: Ctrl-C at the terminal is the coordinator's business.
         launch = Launch(self._plan.argv_prefix, runtime_argv(sys.executable, TOOLS, site=False), "", env,

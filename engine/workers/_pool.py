@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.durations import DEFAULT_BLOCK_TIMEOUT
+from engine.environment import ENV_ALLOWLIST
 from engine.errors import AgentloopError, ConfigError, WorkerError
-from engine.launch import ENV_ALLOWLIST, Launch, Launcher, SharedForkServer, WorkerSettings
+from engine.launch import Launch, Launcher, SharedForkServer, WorkerSettings
 from engine.results import OutputBudget
 from engine.samples import OUTPUT_BYTES, Sample, SampleResult, map_samples
 from engine.workers._samples import SampleRunner
