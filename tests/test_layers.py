@@ -2,7 +2,7 @@
 nothing below ``Engine`` reaches into its private members; no module uses another's private
 names; no module outgrows 600 lines; every public module says what it exports (``__all__``);
 every command that starts workers takes the same worker options; no callback is written onto
-another object."""
+another object; no public class name is defined twice."""
 
 from __future__ import annotations
 
@@ -307,6 +307,23 @@ def test_the_callback_check_sees_what_it_forbids():
     code = ("worker.on_call = f\nself.on_call = f\na.b.on_stop, x = g, 1\nsetattr(s, 'on_lost', h)\n"
             "self.x.on_spare = k\non_free = f\n")
     assert sorted(line for line, _ in _callbacks_set_on_others(ast.parse(code))) == [1, 3, 4, 5]
+
+
+def _public_classes(tree: ast.AST) -> set[str]:
+    return {node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and not node.name.startswith("_")}
+
+
+def test_no_public_class_name_is_defined_twice():
+    """One name per idea: a public class name means one class across engine/ and worker/ (the
+    contract's messages, one catalogue per channel, may share a name across channels)."""
+    contract = WORKER / "contract"
+    where: dict[str, list[str]] = {}
+    for path in MODULES:
+        if contract not in path.parents:
+            for name in _public_classes(ast.parse(path.read_text())):
+                where.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    twice = {name: paths for name, paths in where.items() if len(paths) > 1}
+    assert not twice, "\n".join(f"{name}: {', '.join(paths)}" for name, paths in sorted(twice.items()))
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))
