@@ -17,7 +17,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import select
-import signal
 import subprocess
 import sys
 import threading
@@ -121,11 +120,8 @@ class ToolProcess:
         request in flight is ended by the kill (its caller reads a ToolCrash)."""
         self._closed = True
         proc = self._proc
-        if proc is not None and proc.poll() is None:
-            try:
-                proc.send_signal(signal.SIGKILL)  # without the lock: it may be held by that request
-            except OSError:
-                pass
+        if proc is not None and proc.poll() is None:  # without the lock: it may be held by that request
+            kill_tree(proc.pid, pid_namespace=self._plan.pid_namespace)
         got = self._lock.acquire(timeout=self.queue_wait)
         try:
             self._stop()
