@@ -15,6 +15,7 @@
     │       ├── ToolBusy            other requests held it longer than the caller may wait
     │       └── ToolClosed          its handle was closed
     ├── SandboxError                the requested sandbox cannot be applied here
+    ├── AlreadyOwned                an object that serves one owner was offered a second
     ├── TreeError                   a walk of a directory tree stopped (too big, moved); an OSError
     ├── Refused                     a request refused in words, for whoever made it; never fatal
     │   ├── AgentError              a model's request the agent refuses
@@ -38,11 +39,11 @@ from __future__ import annotations
 import signal
 
 __all__ = [
-    "AgentError", "AgentloopError", "CallRefused", "CodeFailed", "ConfigError", "EXIT_ERROR", "EXIT_INTERRUPTED",
-    "EXIT_OWN", "EXIT_TIMEOUT", "ForeignServer", "ModelError", "ModelResponseError", "ModelUnreachable", "NoClient",
-    "OutputError", "Refused", "SandboxError", "SlotError", "ToolBusy", "ToolClosed", "ToolCrash", "ToolError",
-    "ToolProcessError", "ToolTimeout", "TreeError", "UntrustedFile", "UntrustedPython", "WorkerClosed", "WorkerError",
-    "WorkerStartError"
+    "AgentError", "AgentloopError", "AlreadyOwned", "CallRefused", "CodeFailed", "ConfigError", "EXIT_ERROR",
+    "EXIT_INTERRUPTED", "EXIT_OWN", "EXIT_TIMEOUT", "ForeignServer", "ModelError", "ModelResponseError",
+    "ModelUnreachable", "NoClient", "OutputError", "Refused", "SandboxError", "SlotError", "ToolBusy", "ToolClosed",
+    "ToolCrash", "ToolError", "ToolProcessError", "ToolTimeout", "TreeError", "UntrustedFile", "UntrustedPython",
+    "WorkerClosed", "WorkerError", "WorkerStartError"
 ]
 
 #: Exit statuses of the command line (``exec`` adds 128+N for a worker killed by signal N).
@@ -113,6 +114,12 @@ class ToolClosed(ToolProcessError):
 
 class SandboxError(AgentloopError):
     """The requested sandbox cannot be applied on this machine."""
+
+
+class AlreadyOwned(AgentloopError):
+    """An object whose events go to one owner (a worker's host calls, a stopper's interrupt)
+    already has one: a second would silently take them from the first.  Make a new object for
+    the second owner."""
 
 
 class TreeError(AgentloopError, OSError):

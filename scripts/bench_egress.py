@@ -2,7 +2,7 @@
 
 A client inside a worker's sandbox (planned by ``engine.sandbox``, bubblewrap: an empty network
 namespace; its confinement applied, then the forwarder started, as a worker does) reaches
-servers on the host's loopback through the forwarder and the proxy (``engine.net.Gate``, run
+servers on the host's loopback through the forwarder and the proxy (``engine.net.EgressGate``, run
 by this process); the same client on the host reaches them directly.  The servers run in a
 process of their own; the two sides alternate, round by round, so both see the same machine.
 
@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 import _section  # noqa: E402 - scripts/_section.py, beside this file
 
-from engine.net import Allowlist, Gate  # noqa: E402
+from engine.net import Allowlist, EgressGate  # noqa: E402
 from engine.sandbox import SandboxPolicy, host_support  # noqa: E402
 from engine.sandbox._plan import plan  # noqa: E402
 
@@ -157,7 +157,7 @@ async def _measure(top: Path, rounds: int, setups: int, mib: int) -> dict:
         allow = Allowlist.parse([f"127.0.0.2:{echo}", f"127.0.0.2:{source}"])
         env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", **box.env}
         sides: dict[str, list[dict]] = {"direct": [], "tunnel": []}
-        async with Gate(path, allow) as gate:
+        async with EgressGate(path, allow) as gate:
             box.grant(path)
             args = [str(echo), str(source), str(setups), str(mib)]
             for _ in range(rounds):

@@ -699,3 +699,21 @@ def test_the_batchs_fork_server_can_be_turned_off(tmp_path):
     assert RunSettings(models=models, runs_dir=tmp_path, worker=WorkerSettings(fork_server=False)).shared_fork_server() is None
     shared = RunSettings(models=models, runs_dir=tmp_path).shared_fork_server()
     assert shared is not None and shared.pid is None  # nothing starts before a run needs a worker
+
+
+def test_a_stopper_cancels_the_runs_of_one_scheduler_and_refuses_a_second(capsys):
+    # The first interrupt cancels what the scheduler that adopted the stopper runs; a second
+    # scheduler would silently take that interrupt from the first, so it is refused.
+    from engine.batch.stopping import Stopper
+    from engine.errors import AlreadyOwned
+
+    stopper, cancelled = Stopper(), []
+    stopper.adopt(lambda: cancelled.append("first"))
+    with pytest.raises(AlreadyOwned, match="make a Stopper per batch"):
+        stopper.adopt(lambda: cancelled.append("second"))
+    stopper.interrupt()
+    assert cancelled == ["first"] and stopper.stopping and stopper.reason == "interrupted"
+    assert "cancelling the running runs" in capsys.readouterr().err
+    unowned = Stopper()  # (the Ray scheduler asks ``interrupted`` instead)
+    unowned.interrupt()
+    assert unowned.interrupted

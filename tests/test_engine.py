@@ -363,13 +363,44 @@ async def test_concurrent_blocks_calling_host_functions_all_get_their_replies(wo
     async def on_call(name, args, kwargs, block):
         return double(*args) if name == "double" else await adouble(*args)
 
-    worker.on_call = on_call
+    worker.adopt(on_call)
     await worker.request(wire.Bind((host_spec("double", double), host_spec("adouble", adouble))))
     sync = "print(sum(double(i) for i in range({n})))"
     awaiting = "print(sum([await adouble(i) for i in range({n})]))"
     codes = [(sync if k % 2 else awaiting).format(n=10 + k) for k in range(20)]
     results = await asyncio.wait_for(asyncio.gather(*(worker.run(c, timeout=60) for c in codes)), 120)
     assert [r.output for r in results] == [f"{(10 + k) * (9 + k)}\n" for k in range(20)]
+
+
+async def test_a_worker_serves_one_owner_and_refuses_a_second_in_words(engine):
+    # The owner of a worker's host calls is given once, at the start: a second owner would
+    # silently take the first one's calls (the last writer winning), so it is refused.
+    from engine.agent._code_task import host_spec
+    from engine.errors import AlreadyOwned
+
+    def whose():
+        raise AssertionError("the host function runs in the coordinator, never in the worker")
+
+    async def first(name, args, kwargs, block):
+        return "first"
+
+    async def second(name, args, kwargs, block):
+        return "second"
+
+    owned = await engine.start_worker("owned", on_call=first)
+    with pytest.raises(AlreadyOwned, match="already has an owner"):
+        owned.adopt(second)
+    await owned.request(wire.Bind((host_spec("whose", whose),)))
+    assert (await owned.run("print(whose())", timeout=30)).output == "first\n"
+
+    later = await engine.start_worker("later")  # started before its owner: adopted once
+    await later.request(wire.Bind((host_spec("whose", whose),)))
+    refused = await later.run("whose()", timeout=30)
+    assert "no host functions" in refused.output + (refused.error or "")
+    later.adopt(second)
+    with pytest.raises(AlreadyOwned):
+        later.adopt(first)
+    assert (await later.run("print(whose())", timeout=30)).output == "second\n"
 
 
 async def test_short_and_long_blocks_interleave(worker):

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from engine.environment import CALLER, environment
 from engine.errors import ConfigError
-from engine.exec import plan_script, script_environment
+from engine.exec import plan_script
 from engine.exec._plan import kept_read_only
 from engine.sandbox import SandboxPolicy, host_support
 from engine.secrets import secret_names
@@ -22,7 +23,7 @@ def test_secrets_are_names_that_look_like_them_or_hold_a_models_key():
                "PGPASSWORD": "p", "MY_CREDENTIALS": "c", "VENDOR": "v", "PATH": "/bin"}
     assert secret_names(environ, configured={"VENDOR"}) == {"OPENAI_API_KEY", "keyboard", "GH_TOKEN",
                                                             "client_secret", "PGPASSWORD", "MY_CREDENTIALS", "VENDOR"}
-    env = script_environment(environ, passed=("GH_TOKEN", "NEW=1", "ABSENT"), configured={"VENDOR"})
+    env = environment(CALLER, environ, passed=("GH_TOKEN", "NEW=1", "ABSENT"), configured={"VENDOR"})
     assert env == {"HOME": "/h", "PATH": "/bin", "GH_TOKEN": "t", "NEW": "1"}
 
 

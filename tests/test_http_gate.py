@@ -56,7 +56,7 @@ import httpx  # noqa: E402
 from starlette.responses import Response  # noqa: E402
 
 from engine.errors import ConfigError  # noqa: E402
-from engine.integrations.http_gate import Gate, ServerToken  # noqa: E402
+from engine.integrations.http_gate import ServerToken, TokenGate  # noqa: E402
 
 TOKEN = ServerToken("tok-" + "x" * 40, Path("/nowhere/server-token"))
 
@@ -68,7 +68,7 @@ async def test_only_requests_that_carry_the_token_reach_the_app():
         seen.append(scope["path"])
         await Response("ok")(scope, receive, send)
 
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(Gate(app, token=TOKEN)),
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(TokenGate(app, token=TOKEN)),
                                  base_url="http://127.0.0.1:9") as client:
         async def status(path: str, **headers: str) -> int:
             return (await client.get(path, headers=headers)).status_code

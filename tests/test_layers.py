@@ -1,7 +1,9 @@
 """The shape of the code: engine/ and worker/ import without a circle, lazy imports included;
 nothing below ``Engine`` reaches into its private members; no module uses another's private
 names; no module outgrows 600 lines; every public module says what it exports (``__all__``);
-every command that starts workers takes the same worker options."""
+every command that starts workers takes the same worker options; no callback is written onto
+another object; no public class name is defined twice; frames are read by framing alone,
+bubblewrap's arguments written by its one builder, and processes killed by the one kill."""
 
 from __future__ import annotations
 
@@ -191,8 +193,8 @@ LAYERS = {
     "cli": 9,
 }
 #: The modules at the top of engine/: shared leaves every layer may use.
-LEAVES = {"__init__", "config", "durations", "errors", "extras", "inert", "lazy", "results", "secrets", "trees",
-          "trust"}
+LEAVES = {"__init__", "config", "durations", "environment", "errors", "extras", "inert", "lazy", "results", "secrets",
+          "trees", "trust"}
 
 
 def _layer(module: str) -> str | None:
@@ -258,6 +260,200 @@ def test_every_face_exports_what_it_lists():
         assert sorted(where) == sorted(face.__all__), package
         for name, module in where.items():
             assert hasattr(importlib.import_module(f"engine.{package}.{module}"), name), f"engine.{package}.{name}"
+
+
+def _targets(node: ast.AST) -> list[ast.expr]:
+    """What an assignment writes, tuples unpacked."""
+    if isinstance(node, ast.Assign):
+        found = list(node.targets)
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        found = [node.target]
+    else:
+        return []
+    flat: list[ast.expr] = []
+    while found:
+        target = found.pop()
+        if isinstance(target, (ast.Tuple, ast.List)):
+            found.extend(target.elts)
+        else:
+            flat.append(target.value if isinstance(target, ast.Starred) else target)
+    return flat
+
+
+def _callbacks_set_on_others(tree: ast.AST) -> list[tuple[int, str]]:
+    """``x.on_event = ...`` (or ``setattr(x, "on_event", ...)``) where ``x`` is not ``self``."""
+    found = []
+    for node in ast.walk(tree):
+        for target in _targets(node):
+            if isinstance(target, ast.Attribute) and target.attr.startswith("on_") \
+                    and not (isinstance(target.value, ast.Name) and target.value.id == "self"):
+                found.append((node.lineno, f"{ast.unparse(target)} = ..."))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr" \
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
+                and str(node.args[1].value).startswith("on_"):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_no_callback_is_written_onto_another_object():
+    """An object's owner is given when it is made (a constructor argument, an ``Owner``), or
+    once through a method that refuses a second (``Worker.adopt``): a callback written onto
+    another object's attribute lets the last writer silently take the first one's events."""
+    offenders = [f"{path.relative_to(ROOT)}:{line}: {what}" for path in MODULES
+                 for line, what in _callbacks_set_on_others(ast.parse(path.read_text()))]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_callback_check_sees_what_it_forbids():
+    code = ("worker.on_call = f\nself.on_call = f\na.b.on_stop, x = g, 1\nsetattr(s, 'on_lost', h)\n"
+            "self.x.on_spare = k\non_free = f\n")
+    assert sorted(line for line, _ in _callbacks_set_on_others(ast.parse(code))) == [1, 3, 4, 5]
+
+
+def _public_classes(tree: ast.AST) -> set[str]:
+    return {node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and not node.name.startswith("_")}
+
+
+def test_no_public_class_name_is_defined_twice():
+    """One name per idea: a public class name means one class across engine/ and worker/ (the
+    contract's messages, one catalogue per channel, may share a name across channels)."""
+    contract = WORKER / "contract"
+    where: dict[str, list[str]] = {}
+    for path in MODULES:
+        if contract not in path.parents:
+            for name in _public_classes(ast.parse(path.read_text())):
+                where.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    twice = {name: paths for name, paths in where.items() if len(paths) > 1}
+    assert not twice, "\n".join(f"{name}: {', '.join(paths)}" for name, paths in sorted(twice.items()))
+
+
+def _call_name(node: ast.Call) -> str:
+    """``os.kill`` for ``os.kill(...)``, ``.send_signal`` for ``proc.send_signal(...)``."""
+    func = node.func
+    if isinstance(func, ast.Attribute):
+        return f"{func.value.id}.{func.attr}" if isinstance(func.value, ast.Name) and func.value.id in (
+            "os", "struct", "signal", "int") else f".{func.attr}"
+    return func.id if isinstance(func, ast.Name) else ""
+
+
+#: A frame's length prefix as ``struct`` spells it: one integer.
+_LENGTH_FORMAT = re.compile(r"[!<>=@]?[HhIiLlQq]")
+
+
+def _hand_read_frames(tree: ast.AST) -> list[tuple[int, str]]:
+    """Length prefixes read or written outside ``framing``: ``struct`` with a one-integer
+    format, a read of exactly 4 bytes (``read(4)``, ``recv(4)``, ``readexactly(4)``,
+    ``os.read(fd, 4)``), ``int.from_bytes`` of the first 4 bytes of something."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        name, args = _call_name(node), node.args
+        first = args[0] if args else None
+        if name in ("struct.Struct", "struct.unpack", "struct.unpack_from", "struct.pack", "struct.iter_unpack") \
+                and isinstance(first, ast.Constant) and isinstance(first.value, str) \
+                and _LENGTH_FORMAT.fullmatch(first.value):
+            found.append((node.lineno, ast.unparse(node)))
+        elif name in (".read", ".recv", ".readexactly", ".recv_into", "os.read", "_read_exact") and any(
+                isinstance(a, ast.Constant) and a.value == 4 for a in args[-1:]):
+            found.append((node.lineno, ast.unparse(node)))
+        elif name == "int.from_bytes" and isinstance(first, ast.Subscript) and isinstance(first.slice, ast.Slice) \
+                and isinstance(first.slice.upper, ast.Constant) and first.slice.upper.value == 4:
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_frames_are_read_by_framing_alone():
+    """Every byte stream across the boundary has one framing, read and written by
+    ``worker/contract/framing.py`` alone: nothing else spells a length prefix."""
+    framing = WORKER / "contract" / "framing.py"
+    offenders = [f"{path.relative_to(ROOT)}:{line}: {what}" for path in MODULES if path != framing
+                 for line, what in _hand_read_frames(ast.parse(path.read_text()))]
+    assert not offenders, "\n".join(offenders)
+    assert _hand_read_frames(ast.parse(framing.read_text())), "the check no longer sees framing's own header"
+    code = "n, = struct.unpack('>I', sock.recv(4))\nos.read(fd, 4)\nint.from_bytes(b[:4], 'big')\nstruct.pack('HHHH', 0)\n"
+    assert sorted(line for line, _ in _hand_read_frames(ast.parse(code))) == [1, 1, 2, 3]
+
+
+#: bubblewrap's options, each of which only the one argv builder writes.
+#: (Its generic ones — ``--dir``, ``--file``, ``--size``, ``--uid`` — a command of ours may take too.)
+_BWRAP_OPTIONS = re.compile(r"--(?:bind|ro-bind|dev-bind|bind-try|ro-bind-try|dev-bind-try|unshare-[a-z-]+|share-net|"
+                            r"tmpfs|proc|dev|symlink|remount-ro|die-with-parent|as-pid-1|hostname|new-session|"
+                            r"cap-add|cap-drop|chdir|setenv|unsetenv|seccomp|userns|pidns)")
+
+
+def test_bubblewraps_arguments_are_written_in_one_module():
+    """One argv builder (``engine/sandbox/_bwrap.py``), pure and tested argument for argument:
+    no other module of engine/ writes a bubblewrap option, or edits an argv after it."""
+    builder = ENGINE / "sandbox" / "_bwrap.py"
+    offenders = []
+    for path in ENGINE.rglob("*.py"):
+        if path == builder:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and _BWRAP_OPTIONS.fullmatch(node.value):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
+    assert not offenders, "\n".join(offenders)
+    written = {n.value for n in ast.walk(ast.parse(builder.read_text()))
+               if isinstance(n, ast.Constant) and isinstance(n.value, str) and _BWRAP_OPTIONS.fullmatch(n.value)}
+    assert {"--ro-bind", "--bind", "--unshare-pid", "--die-with-parent"} <= written, sorted(written)
+
+
+def test_one_kill():
+    """A process is killed by ``kill_tree`` (``engine/launch/_process.py``: the whole tree, always
+    reaped) and nothing else: no other module of engine/ signals a process itself (a process
+    may signal itself, as exec does to stop or end as its script did)."""
+    killer = ENGINE / "launch" / "_process.py"
+    offenders = []
+    for path in ENGINE.rglob("*.py"):
+        if path == killer:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = _call_name(node)
+            own = bool(node.args) and ast.unparse(node.args[0]) == "os.getpid()"
+            if name in ("os.kill", "os.killpg", "signal.pthread_kill", "signal.pidfd_send_signal", ".send_signal",
+                        ".terminate") and not own:
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    assert not offenders, "\n".join(offenders)
+
+
+def _exception_bases(paths: list[Path]) -> dict[str, tuple[str, set[str]]]:
+    """Each class of ``paths``: its module and the names of its bases (their last part)."""
+    classes: dict[str, tuple[str, set[str]]] = {}
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = {ast.unparse(b).rpartition(".")[2] for b in node.bases}
+                classes[f"{path.relative_to(ROOT)}:{node.name}"] = (node.name, bases)
+    return classes
+
+
+def test_every_public_exception_of_the_engine_is_in_its_tree():
+    """One exception tree (``engine/errors.py``, drawn in its docstring): every public exception
+    class of engine/ derives from ``AgentloopError``, so ``except AgentloopError`` catches
+    whatever agentloop raises.  (worker/ has its own: it imports nothing of the engine.)"""
+    import builtins
+    classes = _exception_bases([*ENGINE.rglob("*.py"), *(WORKER / "contract").glob("*.py")])
+    by_name = {name: bases for name, bases in classes.values()}
+
+    def reaches(name: str, target: str, seen: frozenset[str] = frozenset()) -> bool:
+        if name == target:
+            return True
+        return name not in seen and any(reaches(b, target, seen | {name}) for b in by_name.get(name, ()))
+
+    def is_exception(name: str, seen: frozenset[str] = frozenset()) -> bool:
+        builtin = getattr(builtins, name, None)
+        if isinstance(builtin, type) and issubclass(builtin, BaseException):
+            return True
+        return name not in seen and any(is_exception(b, seen | {name}) for b in by_name.get(name, ()))
+
+    outside = [where for where, (name, _) in classes.items()
+               if where.startswith("engine/") and not name.startswith("_") and is_exception(name)
+               and not reaches(name, "AgentloopError")]
+    assert not outside, "exceptions outside engine.errors' tree: " + ", ".join(sorted(outside))
+    assert is_exception("ToolTimeout") and reaches("ToolTimeout", "AgentloopError")
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(ROOT)))

@@ -1,4 +1,4 @@
-"""The egress proxy (``engine.net.Gate``) spoken to directly on its unix socket: what it forwards,
+"""The egress proxy (``engine.net.EgressGate``) spoken to directly on its unix socket: what it forwards,
 what it refuses and in what words, its bounds, its records.  Real sockets and servers on the
 host's loopback only (``tests.net_servers``); the sandboxed side is ``tests/security/test_egress.py``."""
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.net import Allowlist, Gate, Limits
+from engine.net import Allowlist, EgressGate, Limits
 from engine.net import _relay as relay
 from tests.net_servers import WAIT, BlobSource, Canary, Echo, Index, Resolver, Sink
 
@@ -50,11 +50,11 @@ def canaries():
         canary.close()
 
 
-async def _gate(sock_dir: Path, entries: list[str], **kwargs) -> Gate:
-    return await Gate(sock_dir / "egress.sock", Allowlist.parse(entries), **kwargs).start()
+async def _gate(sock_dir: Path, entries: list[str], **kwargs) -> EgressGate:
+    return await EgressGate(sock_dir / "egress.sock", Allowlist.parse(entries), **kwargs).start()
 
 
-async def ask(gate: Gate, data: bytes, *, shut: bool = False) -> bytes:
+async def ask(gate: EgressGate, data: bytes, *, shut: bool = False) -> bytes:
     """Send ``data`` on a fresh connection to the gate; everything it answers until it closes.
     A send the gate stopped reading (a head over its bound) still leaves its answer to read."""
     loop = asyncio.get_running_loop()
@@ -74,7 +74,7 @@ async def ask(gate: Gate, data: bytes, *, shut: bool = False) -> bytes:
         return answer
 
 
-async def tunnel(gate: Gate, target: str):
+async def tunnel(gate: EgressGate, target: str):
     """A CONNECT to ``target``: (status line, reader, writer)."""
     reader, writer = await asyncio.open_unix_connection(str(gate.path))
     writer.write(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())

@@ -13,8 +13,8 @@ import pytest
 
 from engine.errors import ConfigError
 from engine.net import (
+    AllowEntry,
     Allowlist,
-    Entry,
     after_lookup,
     before_lookup,
     canonical_host,
@@ -136,15 +136,15 @@ BAD_ENTRIES = {
 
 @pytest.mark.parametrize("text,canonical", GOOD_ENTRIES.items())
 def test_entries(text, canonical):
-    entry = Entry.parse(text)
+    entry = AllowEntry.parse(text)
     assert str(entry) == canonical
-    assert Entry.parse(str(entry)) == entry  # the canonical spelling means the same
+    assert AllowEntry.parse(str(entry)) == entry  # the canonical spelling means the same
 
 
 @pytest.mark.parametrize("text,words", BAD_ENTRIES.items())
 def test_bad_entries_say_what_to_write(text, words):
     with pytest.raises(ConfigError) as caught:
-        Entry.parse(text, "network.allow")
+        AllowEntry.parse(text, "network.allow")
     assert words in str(caught.value) and "network.allow" in str(caught.value), str(caught.value)
 
 

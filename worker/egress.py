@@ -3,7 +3,7 @@
 ``start(socket_path)`` binds 127.0.0.1 (and ::1) on one port, forks the forwarder and returns
 its port; ``open_way_out`` does that and sets the proxy variables (``contract.egress``) in the
 environment the code inherits.  The forwarder relays every connection it accepts, byte for
-byte, to the egress proxy's unix socket (``engine.net.Gate``) and holds nothing else: it is
+byte, to the egress proxy's unix socket (``engine.net.EgressGate``) and holds nothing else: it is
 plumbing with no privilege beyond the code's own.
 
 Why that is enough: the proxy outside decides every connection from the request alone and from

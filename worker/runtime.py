@@ -123,7 +123,8 @@ class Runtime:
     """
 
     def __init__(self, router: Router, fdcap: FdCapture | None, send: Callable[[dict], None],
-                 call: proxy.Call, namespace: dict | None = None, displays: Displays | None = None) -> None:
+                 call: proxy.Call, namespace: dict | None = None, displays: Displays | None = None,
+                 on_main_free: Callable[[], None] = lambda: None) -> None:
         self._call = call
         self._router = router
         self._fdcap = fdcap
@@ -141,7 +142,7 @@ class Runtime:
             self.namespace["display"] = displays.display
         if namespace:
             self.namespace.update(namespace)
-        self.on_main_free: Callable[[], None] = lambda: None
+        self._on_main_free = on_main_free
         self._main = MAIN
         self._on_main: Running | None = None  # the block the main thread runs
         self._base = set(self.namespace)
@@ -322,7 +323,7 @@ class Runtime:
             self._displays.end(block_id, shown=status != "cancelled")
         self._router.end(block_id)
         if threading.get_ident() == self._main:
-            self.on_main_free()
+            self._on_main_free()
         self._send(wire.done(block_id, status, error, self.user_vars(), code, note))
 
     # -- interrupts ---------------------------------------------------------------------------

@@ -109,7 +109,6 @@ class Crew:
         self._early: list[bytes] = []
         self._trim_at: float | None = None
         self._spin = 0.0
-        runtime.on_main_free = baton.main_free
         #: Ends the process at once: ``shutdown`` heard by a thread other than the main one,
         #: which may be running a block, never waits for it.
         self.exit_now: Callable[[int], None] = os._exit
@@ -336,7 +335,7 @@ def serve(endpoint: str, token: str, fifos: Fifos | None = None, tty: str = "", 
     calls = HostCalls(channel, baton)
     displays = Displays(channel.send, router)
     displays.install()
-    runtime = Runtime(router, fdcap, channel.send, calls.call, displays=displays)
+    runtime = Runtime(router, fdcap, channel.send, calls.call, displays=displays, on_main_free=baton.main_free)
     runtime.install_interrupts()
     crew = Crew(channel, router, runtime, calls, baton, fdcap.diag_fd)
     restore_exit = _keep_last_words(fdcap, router, channel)

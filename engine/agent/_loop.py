@@ -140,8 +140,7 @@ class Agent:
         # cost tens of milliseconds that would otherwise delay the first request.
         endpoint = asyncio.ensure_future(connect(self.model))
         try:
-            self.worker = await self.engine.start_worker(self.name)
-            self.worker.on_call = self._on_call
+            self.worker = await self.engine.start_worker(self.name, on_call=self._on_call)
             for note in self.worker.notes:
                 self._event("note", message=note)
             await self.worker.request(wire.Bind(tuple(host_spec(n, f) for n, f in self.functions.items()),

@@ -52,7 +52,7 @@ async def _run_local(pending: list[TaskSpec], settings: RunSettings, results: Re
         for task in running:
             task.cancel()
 
-    stopper.on_stop = cancel_all
+    stopper.adopt(cancel_all)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stopper.interrupt)
     # One fork server for every run (closed below, once they are over; a second Ctrl-C leaves

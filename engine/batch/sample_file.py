@@ -34,8 +34,9 @@ from engine.batch.results_file import Lock, ResultsFile, open_results
 from engine.batch.stopping import Stopper
 from engine.batch.tasks import pack_files, read_lines, refuse_invalid, task_files
 from engine.durations import parse_duration
+from engine.environment import ENV_ALLOWLIST
 from engine.errors import ConfigError
-from engine.launch import ENV_ALLOWLIST, WorkerSettings
+from engine.launch import WorkerSettings
 from engine.observe import current_tracing
 from engine.samples import FILES_CAP, STATUSES, Sample, SampleResult, cancelled, check_env
 from engine.workers import Engine
@@ -121,7 +122,7 @@ async def _run_local(pending: list[SampleSpec], settings: WorkerSettings, result
     started: dict[str, tuple[SampleSpec, float]] = {}
     me = asyncio.current_task()
     assert me is not None
-    stopper.on_stop = me.cancel
+    stopper.adopt(me.cancel)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stopper.interrupt)
 

@@ -7,19 +7,27 @@ import os
 import sys
 from collections.abc import Callable
 
-from engine.errors import EXIT_INTERRUPTED
+from engine.errors import EXIT_INTERRUPTED, AlreadyOwned
 
 __all__ = ["Stopper", "infra_threshold"]
 
 
 class Stopper:
-    """Interrupts: the first stops starting runs and calls ``on_stop`` (cancel the running
-    ones); the second leaves at once — every finished record is already fsynced."""
+    """Interrupts: the first stops starting runs and tells the scheduler that adopted the
+    stopper (it cancels the running ones); the second leaves at once — every finished record is
+    already fsynced.  A scheduler that only asks ``interrupted`` adopts nothing."""
 
     def __init__(self) -> None:
         self.reason: str | None = None
         self.interrupted = False
-        self.on_stop: Callable[[], None] = lambda: None
+        self._on_stop: Callable[[], None] | None = None
+
+    def adopt(self, on_stop: Callable[[], None]) -> None:
+        """Make ``on_stop`` what the first interrupt calls: one scheduler owns a stopper, and
+        AlreadyOwned says so if a second tries (it would take the first one's interrupt)."""
+        if self._on_stop is not None:
+            raise AlreadyOwned("this stopper already cancels another scheduler's runs; make a Stopper per batch")
+        self._on_stop = on_stop
 
     @property
     def stopping(self) -> bool:
@@ -32,7 +40,8 @@ class Stopper:
         self.reason = "interrupted"
         print("\nagentloop: interrupted — cancelling the running runs (Ctrl-C again to leave at once)",
               file=sys.stderr, flush=True)
-        self.on_stop()
+        if self._on_stop is not None:
+            self._on_stop()
 
     def abort(self, reason: str) -> None:
         """Stop starting runs, letting the running ones finish."""

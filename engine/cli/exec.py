@@ -128,6 +128,7 @@ def _run_file(file: str, args: list[str], timeout: float | None, env_names: tupl
               allow_sgr: bool) -> None:
     """``exec FILE``: plan, run, and end as the script ended."""
     from engine import trust
+    from engine.environment import CALLER, environment
     from engine.exec import (
         ScriptCgroups,
         appeared,
@@ -135,7 +136,6 @@ def _run_file(file: str, args: list[str], timeout: float | None, env_names: tupl
         inherited_ignored,
         plan_script,
         run_script,
-        script_environment,
         snapshot,
     )
     from engine.sandbox import choose_python
@@ -158,7 +158,7 @@ def _run_file(file: str, args: list[str], timeout: float | None, env_names: tupl
         python = choose_python(settings.python, workspace=settings.workspace or Path("files"))
         program = [python, _program_file(file), *args]
         keys = _key_variables()
-        env = script_environment(os.environ, passed=env_names, configured=keys)
+        env = environment(CALLER, passed=env_names, configured=keys)
         dropped = sorted(secret_names(os.environ, keys) - set(env))
         if dropped:  # (names only, never a value)
             log.info("not passed to the script, as they look like secrets: %s (--env NAME passes one)",

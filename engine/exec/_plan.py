@@ -23,9 +23,8 @@ alone where that directory is ``/`` or a home directory), and the directories of
 ``PYTHONPATH`` and the interpreter's user site that exist, so that what ``python FILE`` finds
 there it finds here too.
 
-The environment is the caller's minus what looks like a secret (``engine.secrets``: by name,
-or a value holding a URL with a password), as Codex's ``shell_environment_policy`` does by
-default.
+The environment is the caller's minus what looks like a secret: ``engine.environment``
+under its ``CALLER`` policy (``engine.secrets`` decides what a secret is).
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,10 +50,9 @@ from engine.sandbox import (
     shareable_cwd,
 )
 from engine.sandbox import probe as probe_python
-from engine.secrets import secret_names
 from worker.contract.confinement import Confinement
 
-__all__ = ["ScriptPlan", "kept_read_only", "plan_script", "script_environment"]
+__all__ = ["ScriptPlan", "kept_read_only", "plan_script"]
 
 
 @dataclass(frozen=True)
@@ -76,23 +74,6 @@ class ScriptPlan:
     writable: str
     made: tuple[str, ...] = ()
     kept: tuple[str, ...] = ()
-
-
-def script_environment(environ: Mapping[str, str], *, passed: Iterable[str] = (),
-                       configured: Iterable[str] = ()) -> dict[str, str]:
-    """The script's environment: ``environ`` without its secrets (``engine.secrets.secret_names``:
-    ``configured`` names the models' key variables), but with the names in ``passed`` (``--env
-    NAME`` passes the caller's value, ``--env NAME=VALUE`` sets one)."""
-    env = dict(environ)
-    for name in secret_names(environ, configured):
-        del env[name]
-    for item in passed:
-        name, sep, value = item.partition("=")
-        if sep:
-            env[name] = value
-        elif name in environ:
-            env[name] = environ[name]
-    return env
 
 
 def plan_script(policy: SandboxPolicy, *, python: str, cwd: Path, script: str | None, write_cwd: bool,

@@ -349,9 +349,7 @@ def _stop_here(relays: list[TerminalRelay]) -> None:
 def _kill(proc: subprocess.Popen, pid_namespace: bool) -> None:
     """The sandbox and everything in it: bubblewrap's namespace, or without it the confiner and
     every process below it."""
-    kill_tree(proc.pid, pid_namespace=pid_namespace)
-    with contextlib.suppress(OSError):
-        proc.kill()
+    kill_tree(proc.pid, pid_namespace=pid_namespace)  # (the root too: bubblewrap, or the confiner)
 
 
 def _result(run: _Run, duration: float, timeout: float | None, grace: float,

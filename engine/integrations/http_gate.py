@@ -20,7 +20,7 @@ working; ``--token-file`` names a fixed one), and never put on a command line, w
 local user can read in ``/proc/PID/cmdline``.  ``listen`` binds the socket and says, for an
 address beyond loopback, that the token then crosses the network as plain HTTP.
 
-Every server agentloop runs over TCP (``agentloop mcp --http`` today) answers through ``Gate``.
+Every server agentloop runs over TCP (``agentloop mcp --http`` today) answers through ``TokenGate``.
 
 **The end of an MCP session.**  A ``DELETE`` that the SDK accepted ends the MCP session its
 ``Mcp-Session-Id`` names: ``on_end`` is told its id, so that the session's client's workers stop
@@ -48,7 +48,7 @@ from engine.errors import ConfigError
 from engine.integrations.mcp_clients import SESSION_ID_HEADER
 from engine.trust import state_dir
 
-__all__ = ["Gate", "ServerToken", "TOKEN_FILE", "exposure_warning", "host_allowed", "is_loopback", "listen",
+__all__ = ["TokenGate", "ServerToken", "TOKEN_FILE", "exposure_warning", "host_allowed", "is_loopback", "listen",
            "origin_allowed"]
 
 #: The default token file's name, in agentloop's state directory.
@@ -202,7 +202,7 @@ def origin_allowed(origin: str | None, host_header: str | None, names: Iterable[
         or host in names
 
 
-class Gate:
+class TokenGate:
     """ASGI middleware in front of a server's app: the owner's token and the DNS-rebinding
     checks (see the module docstring) for every HTTP request, and ``on_end(session_id)`` after
     an accepted DELETE.  Anything but HTTP (a WebSocket) is refused."""

@@ -22,7 +22,7 @@ except ImportError as exc:  # the optional extra: say how to get it
 
     raise ImportError(f"the MCP server needs the MCP SDK ({exc}): {install_hint('mcp')}") from exc
 
-from engine.integrations.http_gate import Gate, ServerToken, listen
+from engine.integrations.http_gate import ServerToken, TokenGate, listen
 from engine.integrations.mcp import AgentloopMCP
 from engine.integrations.mcp_sessions import CLOSE_TIMEOUT, ServerConfig
 
@@ -130,7 +130,7 @@ async def serve_http(config: ServerConfig, host: str, port: int, announce: Calla
         host=host, session_idle_timeout=max(config.idle_timeout, 1.0), max_sessions=MAX_MCP_SESSIONS,
         # The gate checks Host and Origin on every address, the SDK only on three loopback names.
         transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False))
-    gated = Gate(app, token=token, allowed_names=allowed_hosts, on_end=mcp.end_mcp_session)
+    gated = TokenGate(app, token=token, allowed_names=allowed_hosts, on_end=mcp.end_mcp_session)
     sock = listen(host, port)
     family_v6 = sock.family == socket.AF_INET6
     bound = sock.getsockname()[1]

@@ -272,7 +272,6 @@ class AgentloopExecutor(PythonExecutor):
             raise WorkerError(f"the worker did not answer within {timeout:g} s") from exc
 
     async def _start(self) -> Worker:
-        worker = await self.engine.start_worker("smolagents")
         method = weakref.WeakMethod(self._on_call)  # the worker must not keep the executor alive
 
         async def on_call(name: str, args: list, kwargs: dict, block: str | None) -> Any:
@@ -281,7 +280,7 @@ class AgentloopExecutor(PythonExecutor):
                 raise LookupError("the executor is gone")
             return await call(name, args, kwargs, block)
 
-        worker.on_call = on_call
+        worker = await self.engine.start_worker("smolagents", on_call=on_call)
         await worker.request(wire.Bind((wire.HostFunction(_FINAL, "(answer)", "Ends the step: answer is the final answer."),
                                         wire.HostFunction(_LAST_VALUE, "(text, image=False)"))), keep=True)
         for note in worker.notes:

@@ -10,8 +10,8 @@ from engine.lazy import lazy_names
 
 #: Public name -> the private module that defines it (imported when first used, PEP 562).
 _WHERE = {
-    "WorkerCgroups": "_cgroup", "report": "_doctor", "ENV_ALLOWLIST": "_launcher", "Launcher":
-    "_launcher", "OutputPipes": "_outpipe", "descendants": "_process", "kill_tree": "_process",
+    "WorkerCgroups": "_cgroup", "report": "_doctor", "Launcher": "_launcher", "OutputPipes": "_outpipe",
+    "descendants": "_process", "kill_tree": "_process",
     "Launch": "_process", "Process": "_process", "start": "_process", "fork_server_refusal":
     "_provision", "missing_dirs": "_run_dirs", "WorkerSettings": "_settings", "SharedForkServer":
     "_shared_fork_server", "Guard": "_tcp"
@@ -20,7 +20,7 @@ _WHERE = {
 if TYPE_CHECKING:
     from ._cgroup import WorkerCgroups
     from ._doctor import report
-    from ._launcher import ENV_ALLOWLIST, Launcher
+    from ._launcher import Launcher
     from ._outpipe import OutputPipes
     from ._process import Launch, Process, descendants, kill_tree, start
     from ._provision import fork_server_refusal
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 __getattr__, __dir__ = lazy_names(__name__, _WHERE)
 
 __all__ = [
-    "ENV_ALLOWLIST", "Guard", "Launch", "Launcher", "OutputPipes", "Process", "SharedForkServer",
-    "WorkerCgroups", "WorkerSettings", "descendants", "fork_server_refusal", "kill_tree",
-    "missing_dirs", "report", "start"
+    "Guard", "Launch", "Launcher", "OutputPipes", "Process", "SharedForkServer", "WorkerCgroups", "WorkerSettings",
+    "descendants", "fork_server_refusal", "kill_tree", "missing_dirs", "report", "start"
 ]

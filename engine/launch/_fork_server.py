@@ -129,7 +129,8 @@ class ForkServer:
     kind = "fork server"
 
     def __init__(self, plan: LaunchPlan, env: dict[str, str], *, settings: WorkerSettings, cwd: Path,
-                 packages: dict[str, str] | None = None, own_workspace: str | None = None) -> None:
+                 packages: dict[str, str] | None = None, own_workspace: str | None = None,
+                 private_stderr: bool = False, on_spare: Callable[[int], None] | None = None) -> None:
         self.plan = plan
         self.env = env
         self.settings = settings
@@ -140,10 +141,10 @@ class ForkServer:
         self.own_workspace = own_workspace
         #: Each worker's stderr is a fifo of its own (in its socket directory), not the server's:
         #: set for a server that several runs share (``engine.launch``).
-        self.private_stderr = False
-        #: Told the host pid of each namespace init the server makes ahead of its request
-        #: (``_cgroup.SpareGroups.prepare``: its cgroups are made and entered meanwhile).
-        self.on_spare: Callable[[int], None] | None = None
+        self.private_stderr = private_stderr
+        # Told the host pid of each namespace init the server makes ahead of its request
+        # (``_cgroup.SpareGroups.prepare``: its cgroups are made and entered meanwhile).
+        self._on_spare = on_spare
         self._proc: Process | None = None  # the server's sandbox (bubblewrap)
         self._requests: asyncio.StreamWriter | None = None
         self._close_pipes: Callable[[], None] | None = None
@@ -210,9 +211,9 @@ class ForkServer:
             self._host_pids.pop(msg.pid, None)
             return
         elif isinstance(msg, fork.Spare):  # the next worker's init, made ahead: its cgroups may be made ahead too
-            if self.on_spare is not None:
+            if self._on_spare is not None:
                 with contextlib.suppress(WorkerStartError):
-                    self.on_spare(self._host_pid(msg.pid))
+                    self._on_spare(self._host_pid(msg.pid))
             return
         else:  # forked: a worker's init exists (its setup goes on): whoever asked is told
             told = self._forked.pop(msg.id, None)

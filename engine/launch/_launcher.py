@@ -33,6 +33,7 @@ from typing import TypeVar
 import zmq
 
 from engine import trust
+from engine.environment import ALLOWLIST, environment
 from engine.errors import ConfigError, WorkerStartError
 from engine.launch._cgroup import SpareGroups, WorkerCgroups
 from engine.launch._fork_server import ForkServer
@@ -68,14 +69,9 @@ from engine.trust import state_home
 from worker.contract.sample import SlotSettings
 from worker.contract.start import WORKER, StartSpec
 
-__all__ = ["ENV_ALLOWLIST", "Launcher"]
+__all__ = ["Launcher"]
 
 T = TypeVar("T")
-
-#: Variables a worker inherits from the coordinator's environment, if set.  Everything else
-#: (API keys, cloud credentials, tokens) stays behind.
-ENV_ALLOWLIST = ("PATH", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "LC_MESSAGES", "LC_NUMERIC",
-                 "TERM", "TZ", "PYTHONIOENCODING", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 
 
 log = logging.getLogger("agentloop")
@@ -347,11 +343,11 @@ class Launcher:
         return self.plan(self.sock_root).uid
 
     def env(self, start: StartSpec, plan: LaunchPlan | None) -> dict[str, str]:
-        """A process's whole environment: the allowlist, the sandbox's needs, and ``start``
-        (its token, confinement, ...: ``contract.start``) with what the plan decides of it.
-        Without a plan: the environment a fork server passes on (it confines nothing itself)."""
-        env = {k: os.environ[k] for k in (*ENV_ALLOWLIST, *self.settings.env_allow) if k in os.environ}
-        env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+        """A process's whole environment: the ``ALLOWLIST`` policy's (``environment``, with the
+        run's ``env_allow``), the sandbox's needs, and ``start`` (its token, confinement, ...:
+        ``contract.start``) with what the plan decides of it.  Without a plan: the environment
+        a fork server passes on (it confines nothing itself)."""
+        env = environment(ALLOWLIST, allow=self.settings.env_allow)
         env["HOME"] = str(self.workspace)
         env["TMPDIR"] = "/tmp"
         if plan is None:
@@ -438,11 +434,11 @@ class Launcher:
             self._provisioner = ColdStart()
             return self._provisioner
         plan = self.plan(self.sock_root)
+        self._spares = SpareGroups(self.group_limits())
         server = ForkServer(plan, self.env(StartSpec(), None), settings=self.settings, cwd=self.cwd,
                             packages=self.runtime_packages,
-                            own_workspace=str(self.workspace) if self.own_workspaces else None)
-        self._spares = SpareGroups(self.group_limits())
-        server.on_spare = self._spares.prepare
+                            own_workspace=str(self.workspace) if self.own_workspaces else None,
+                            on_spare=self._spares.prepare)
         self._provisioner = server
         return server
 

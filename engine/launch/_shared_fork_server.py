@@ -147,9 +147,12 @@ class SharedForkServer:
             sandbox = self.settings.sandbox
             self.spares = SpareGroups([(cgroups, limit) for cgroups, limit in zip(
                 self._cgroups, (sandbox.memory_bytes, sandbox.max_processes), strict=True) if cgroups])
-            if self._server is not None:
-                self._server.on_spare = self.spares.prepare
         return self._cgroups
+
+    def _spare(self, pid: int) -> None:
+        """The server made the init ``pid`` ahead: its cgroups too, once the batch has them."""
+        if self.spares is not None:
+            self.spares.prepare(pid)
 
     def for_run(self, workspace: Path, output_dir: Path, env: dict[str, str], packages: dict[str, str],
                 protected: tuple[str, ...] = (), *, python: str) -> RunView:
@@ -162,10 +165,8 @@ class SharedForkServer:
             settings = self.settings.replace(python=python)
             plan = server_plan(settings.sandbox, settings.python, self.root, self.socket_root)
             env = {**env, "HOME": "/"}  # (the server's; every worker gets its run's environment)
-            self._server = ForkServer(plan, env, settings=settings, cwd=Path("/"), packages=packages)
-            self._server.private_stderr = True
-            if self.spares is not None:
-                self._server.on_spare = self.spares.prepare
+            self._server = ForkServer(plan, env, settings=settings, cwd=Path("/"), packages=packages,
+                                      private_stderr=True, on_spare=self._spare)
         view = {"hide": [str(self.root), str(self.socket_root)],
                 "show": [[os.path.realpath(workspace), False], [os.path.realpath(output_dir), True],
                          *([path, True] for path in protected)]}

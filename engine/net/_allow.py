@@ -19,7 +19,7 @@ from ipaddress import IPv4Address, IPv6Address
 from engine.errors import ConfigError
 from engine.net._host import Host, canonical_host, parse_port, show_host, split_authority
 
-__all__ = ["DEFAULT_PORTS", "Allowlist", "Entry", "denied_name"]
+__all__ = ["DEFAULT_PORTS", "Allowlist", "AllowEntry", "denied_name"]
 
 #: The ports an entry without one allows: HTTPS and HTTP.
 DEFAULT_PORTS = (443, 80)
@@ -43,7 +43,7 @@ def _exact_only(name: str) -> bool:
 
 
 @dataclass(frozen=True)
-class Entry:
+class AllowEntry:
     """One entry: ``kind`` is "exact", "subdomains" (``*.``), "domain" (``**.``: the name and
     its subdomains) or "address"; ``host`` the name (without its wildcard) or the address."""
 
@@ -68,7 +68,7 @@ class Entry:
         return shown if self.ports == DEFAULT_PORTS else f"{shown}:{self.ports[0]}"
 
     @classmethod
-    def parse(cls, text: str, where: str = "--allow-net") -> Entry:
+    def parse(cls, text: str, where: str = "--allow-net") -> AllowEntry:
         """The entry ``text`` (``HOST[:PORT]``) means; ConfigError naming ``where`` and what
         to write instead."""
         spelled = text.strip()
@@ -110,7 +110,7 @@ class Entry:
 class Allowlist:
     """Every entry of a sandbox's allowlist (empty: the sandbox has no network at all)."""
 
-    entries: tuple[Entry, ...] = ()
+    entries: tuple[AllowEntry, ...] = ()
 
     @classmethod
     def parse(cls, texts: Iterable[str], where: str = "--allow-net") -> Allowlist:
@@ -118,11 +118,11 @@ class Allowlist:
         ConfigError for the first entry that is none."""
         if isinstance(texts, str):
             raise ConfigError(f"{where}: a list of HOST[:PORT] entries, not one string")
-        entries: list[Entry] = []
+        entries: list[AllowEntry] = []
         for text in texts:
             if not isinstance(text, str):
                 raise ConfigError(f"{where}: {text!r} is not a HOST[:PORT] string")
-            entry = Entry.parse(text, where)
+            entry = AllowEntry.parse(text, where)
             if entry not in entries:
                 entries.append(entry)
         return cls(tuple(entries))
@@ -130,7 +130,7 @@ class Allowlist:
     def __bool__(self) -> bool:
         return bool(self.entries)
 
-    def naming(self, host: Host) -> list[Entry]:
+    def naming(self, host: Host) -> list[AllowEntry]:
         """The entries that name ``host``, whatever their ports."""
         return [e for e in self.entries if e.matches(host)]
 

@@ -1,6 +1,6 @@
 """A sandbox's one way out: an HTTP proxy on a unix socket, outside the sandbox.
 
-A ``Gate`` is one listening socket for one sandbox, with that sandbox's allowlist and its
+An ``EgressGate`` is one listening socket for one sandbox, with that sandbox's allowlist and its
 connection records.  The socket a connection arrives on is the whole of its identity: no
 token, no header, no earlier verdict counts, so code that reaches the socket directly (or
 relays through anything in the sandbox) gets exactly what the forwarder gets.
@@ -38,7 +38,7 @@ from engine.net._http import BadRequest, Request, continue_head, parse_request, 
 from engine.net._records import ConnectionRecord
 from engine.net._relay import both, pump
 
-__all__ = ["Gate", "Limits", "Resolver", "system_resolver"]
+__all__ = ["EgressGate", "Limits", "Resolver", "system_resolver"]
 
 log = logging.getLogger("agentloop.net")
 
@@ -81,7 +81,7 @@ class _Refuse(Exception):
         self.status, self.why, self.words, self.hint, self.verdict = status, why, words, hint, verdict
 
 
-class Gate:
+class EgressGate:
     """One sandbox's proxy: a unix socket at ``path`` (bound by ``start``, mode 0600: give it
     to the sandbox's uid with ``LaunchPlan.grant``), the ``allowlist`` it applies, and
     ``records`` (``ConnectionRecord``, oldest first; ``dropped`` counts those beyond
@@ -100,13 +100,13 @@ class Gate:
         self._accepting: asyncio.Task | None = None
         self._open: set[asyncio.Task] = set()
 
-    async def __aenter__(self) -> Gate:
+    async def __aenter__(self) -> EgressGate:
         return await self.start()
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def start(self) -> Gate:
+    async def start(self) -> EgressGate:
         """Bind and listen (once: a started gate is returned as it is); a stale socket at
         ``path`` is replaced."""
         if self._listener is not None:

@@ -1,6 +1,6 @@
 """What a sandbox's way out records: one entry per connection made to it, allowed or not.
 
-Kept by the sandbox's gate (``engine.net.Gate.records``) in the order connections came, at
+Kept by the sandbox's gate (``engine.net.EgressGate.records``) in the order connections came, at
 most a bounded number (the count of those left out is kept too), and filled in as the
 connection goes: bytes are counted while they flow, ``seconds`` is set when it ends.
 """

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from engine.environment import ALLOWLIST, environment
 from engine.sandbox._bwrap import beneath, probe_argv
 from engine.sandbox._interpreter import python_paths, runtime_argv
 from worker.contract.confinement import landlock_abi, seccomp_supported
@@ -42,7 +43,8 @@ def host_support() -> HostSupport:
         true = shutil.which("true") or "/bin/true"
         argv = [*probe_argv(exe, root), true]
         try:
-            done = subprocess.run(argv, capture_output=True, timeout=30, stdin=subprocess.DEVNULL)
+            done = subprocess.run(argv, capture_output=True, timeout=30, stdin=subprocess.DEVNULL,
+                                  env=environment(ALLOWLIST))
             if done.returncode != 0:
                 err = done.stderr.decode(errors="replace").strip().splitlines()
                 problem = "bubblewrap cannot create namespaces here" + (f" ({err[-1]})" if err else "")
@@ -70,7 +72,8 @@ def fork_server_problem() -> str | None:
         return None
     argv = probe_argv(host.bwrap, False, server="fork") + runtime_argv(sys.executable, FORK_PROBE)
     try:
-        done = subprocess.run(argv, capture_output=True, timeout=30, stdin=subprocess.DEVNULL, cwd="/")
+        done = subprocess.run(argv, capture_output=True, timeout=30, stdin=subprocess.DEVNULL, cwd="/",
+                              env=environment(ALLOWLIST))
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"bubblewrap failed to run ({exc})"
     if done.returncode == 0:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import select
-import signal
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ import time
 import weakref
 from pathlib import Path
 
+from engine.environment import ALLOWLIST, environment
 from engine.errors import ToolBusy, ToolClosed, ToolCrash, ToolTimeout
 from engine.launch import Launch, kill_tree, start
 from engine.sandbox import runtime_argv, tools_plan
@@ -120,11 +120,8 @@ class ToolProcess:
         request in flight is ended by the kill (its caller reads a ToolCrash)."""
         self._closed = True
         proc = self._proc
-        if proc is not None and proc.poll() is None:
-            try:
-                proc.send_signal(signal.SIGKILL)  # without the lock: it may be held by that request
-            except OSError:
-                pass
+        if proc is not None and proc.poll() is None:  # without the lock: it may be held by that request
+            kill_tree(proc.pid, pid_namespace=self._plan.pid_namespace)
         got = self._lock.acquire(timeout=self.queue_wait)
         try:
             self._stop()
@@ -135,7 +132,8 @@ class ToolProcess:
     # -- the process ----------------------------------------------------------------------
 
     def _start(self) -> None:
-        env = {k: os.environ[k] for k in ("PATH", "LANG") if k in os.environ}  # no keys, no PYTHON*
+        # The allowlist alone (no run's env_allow: its code is ours), and -I ignores PYTHON*.
+        env = environment(ALLOWLIST)
         # Isolated, without site-packages (not even their .pth files), the runtime by its absolute
         # path; in a session of its own: Ctrl-C at the terminal is the coordinator's business.
         launch = Launch(self._plan.argv_prefix, runtime_argv(sys.executable, TOOLS, site=False), "", env,

@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from engine.errors import WorkerError
 from engine.results import OutputBudget, Shown
 from worker.contract.display import PNG, SVG, png_size
 from worker.contract.limits import MAX_DISPLAYS
@@ -26,8 +27,9 @@ KEPT_TYPES = {PNG: ".png", SVG: ".svg", "text/html": ".html"}
 TEXT_CHARS = 8_000
 
 
-class DisplayRefused(Exception):
-    """A display no honest worker sends (beyond ``MAX_DISPLAYS`` for its block)."""
+class DisplayRefused(WorkerError):
+    """A display no honest worker sends (beyond ``MAX_DISPLAYS`` for its block): the worker
+    broke the protocol, and is stopped for it."""
 
 
 class BlockDisplays:

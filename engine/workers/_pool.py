@@ -23,13 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from engine.durations import DEFAULT_BLOCK_TIMEOUT
+from engine.environment import ENV_ALLOWLIST
 from engine.errors import AgentloopError, ConfigError, WorkerError
-from engine.launch import ENV_ALLOWLIST, Launch, Launcher, SharedForkServer, WorkerSettings
+from engine.launch import Launch, Launcher, SharedForkServer, WorkerSettings
 from engine.results import OutputBudget
 from engine.samples import OUTPUT_BYTES, Sample, SampleResult, map_samples
 from engine.workers._samples import SampleRunner
 from engine.workers._session import Session
-from engine.workers._worker import Worker, WorkerState
+from engine.workers._worker import HostCall, Worker, WorkerState
 
 __all__ = ["ENV_ALLOWLIST", "Engine", "Launch"]
 
@@ -94,9 +95,11 @@ class Engine:
         """Create the run's directories and the ZeroMQ context (idempotent)."""
         self.launcher.open()
 
-    async def start_worker(self, name: str = "worker") -> Worker:
+    async def start_worker(self, name: str = "worker", *, on_call: HostCall | None = None) -> Worker:
         """Start a worker and wait until it is ready to run code.  WorkerError, in words a
-        model can act on, beyond ``max_workers`` live ones."""
+        model can act on, beyond ``max_workers`` live ones.  ``on_call``: its owner's host calls
+        (code in the worker calling functions of the coordinator); without one, every call is
+        refused in words until ``Worker.adopt`` gives it one."""
         if self._closed:
             raise ConfigError("this engine was shut down; create a new Engine")
         if self.max_workers is not None:
@@ -105,7 +108,7 @@ class Engine:
                 raise WorkerError(f"this run already holds {live} workers, its limit; wait for a sub-agent "
                                   "to finish, or do the work yourself, before starting another")
         self.open()
-        worker = Worker(self.launcher, name, take_idle=self._pool_take)
+        worker = Worker(self.launcher, name, take_idle=self._pool_take, on_call=on_call)
         self.workers.append(worker)
         await worker.start()
         return worker
@@ -190,14 +193,13 @@ class Engine:
     async def _fill(self) -> None:
         while not self._closed and len(self._pool) < self.pool_size:
             try:
-                session = await Session.start(self.launcher)
+                session = await Session.start(self.launcher, on_lost=self._pool_lost)
             except AgentloopError as exc:
                 log.warning("could not start an idle worker for the pool: %s", exc)
                 return
             if self._closed:
                 await session.kill()
                 return
-            session.on_lost = self._pool_lost
             self._pool.append(session)
 
     async def _shrink(self) -> None:

@@ -85,13 +85,13 @@ class Owner:
 class Session:
     """A started worker process: socket, process, handshake, reader and death watch."""
 
-    def __init__(self, launcher: Launcher) -> None:
+    def __init__(self, launcher: Launcher, *, on_lost: Callable[[Session], None] | None = None) -> None:
         self.launcher = launcher
         self.number = next(_ids)
         self.token = secrets.token_hex(16)
         self.owner: Owner | None = None
-        #: Told when the process of a session nobody owns (an idle one) dies or is killed.
-        self.on_lost: Callable[[Session], None] | None = None
+        # Told when the process of a session nobody owns (an idle one) dies or is killed.
+        self._on_lost = on_lost
         self.peer: bytes | None = None
         self.proc: Process | None = None
         self.notes: list[str] = []
@@ -123,10 +123,11 @@ class Session:
         return self.owner.name if self.owner else f"pool-{self.number}"
 
     @classmethod
-    async def start(cls, launcher: Launcher) -> Session:
+    async def start(cls, launcher: Launcher, *, on_lost: Callable[[Session], None] | None = None) -> Session:
         """Launch a worker process and wait for its handshake; WorkerStartError if it fails.
-        Cancelled half-way, it leaves nothing running."""
-        session = cls(launcher)
+        Cancelled half-way, it leaves nothing running.  ``on_lost``: told if the process dies
+        or is killed while no ``Worker`` owns the session (an idle one of the warm pool)."""
+        session = cls(launcher, on_lost=on_lost)
         try:
             await session._start()
         except asyncio.CancelledError:
@@ -241,8 +242,8 @@ class Session:
             await self.owner.exited(self, rc)
         else:
             log.info("idle worker %s exited (%s)", self.name, describe_exit(rc, via_namespace=True)[0])
-            if self.on_lost is not None:
-                self.on_lost(self)
+            if self._on_lost is not None:
+                self._on_lost(self)
             self.killing = True
             await self.kill()
 
@@ -489,8 +490,8 @@ class Session:
         if self.owner is not None:
             await self.owner.broken(self, why)
         else:
-            if self.on_lost is not None:
-                self.on_lost(self)
+            if self._on_lost is not None:
+                self._on_lost(self)
             await self.kill()
 
     def _monitor_readable(self) -> None:

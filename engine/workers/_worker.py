@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from engine.durations import DEFAULT_BLOCK_TIMEOUT
-from engine.errors import WorkerClosed, WorkerError, WorkerStartError
+from engine.errors import AlreadyOwned, WorkerClosed, WorkerError, WorkerStartError
 from engine.results import BlockResult, OutputChunk, OutputSink, Shown, describe_exit
 from engine.workers._displays import BlockDisplays, DisplayRefused
 from engine.workers._running import RunningBlock
@@ -41,7 +41,7 @@ from worker.contract.schema import ContractError
 if TYPE_CHECKING:
     from engine.launch import Launcher
 
-__all__ = ["Worker", "WorkerState"]
+__all__ = ["HostCall", "Worker", "WorkerState"]
 
 log = logging.getLogger("agentloop")
 
@@ -50,6 +50,9 @@ _STREAMS = {STDOUT: "stdout", STDERR: "stderr"}
 _REPLIES = frozenset({*wire.REPLIES.values(), wire.Refused})
 #: Host calls one worker may have running at once; more are refused in words, not queued.
 _MAX_CALLS = 64
+
+#: Runs a host call from code in the worker: (name, args, kwargs, block id) -> its value.
+HostCall = Callable[[str, list, dict, "str | None"], Awaitable[Any]]
 
 
 class WorkerState(enum.Enum):
@@ -65,7 +68,7 @@ class Worker:
     _ids = itertools.count(1)
 
     def __init__(self, launcher: Launcher, name: str = "worker", *,
-                 take_idle: Callable[[], Session | None] | None = None) -> None:
+                 take_idle: Callable[[], Session | None] | None = None, on_call: HostCall | None = None) -> None:
         self.launcher = launcher
         self._take_idle = take_idle or (lambda: None)  # a started process from a warm pool
         self.name = name
@@ -74,8 +77,8 @@ class Worker:
         self.vars: list[str] = []  # names of the user's variables, as of the last finished block
         self.var_notes: list[str] = []  # the same as ``name:type``, for the model's status note
         self.notes: list[str] = []
-        #: Runs a host call from code in the worker: (name, args, kwargs, block_id) -> value.
-        self.on_call: Callable[[str, list, dict, str | None], Awaitable[Any]] | None = None
+        # Who runs the code's host calls: one owner, given here or once by ``adopt``.
+        self._on_call = on_call
         #: Control requests waiting for their reply: rid -> (the reply's class, its future).
         self._requests: dict[int, tuple[type[wire.Message], asyncio.Future]] = {}
         self._request_ids = itertools.count(1)
@@ -108,6 +111,15 @@ class Worker:
     @property
     def running(self) -> list[str]:
         return list(self._blocks)
+
+    def adopt(self, on_call: HostCall) -> None:
+        """Make ``on_call`` the one owner of this worker's host calls, for a worker started
+        before its owner existed.  AlreadyOwned if it has one: a second owner would silently
+        take the first one's calls."""
+        if self._on_call is not None:
+            raise AlreadyOwned(f"worker {self.name!r} already has an owner for its host calls; "
+                               "start another worker for a second one")
+        self._on_call = on_call
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> Worker:
@@ -301,7 +313,7 @@ class Worker:
         elif type(msg) in _REPLIES:
             self._answered(session, msg)
         elif isinstance(msg, wire.Call):
-            if self.on_call is None:
+            if self._on_call is None:
                 session.send(wire.Reply(msg.cid, False, error="this worker has no host functions"))
             elif len(self._call_tasks) >= _MAX_CALLS:
                 session.send(wire.Reply(msg.cid, False,
@@ -318,7 +330,7 @@ class Worker:
         """Run one host call for code in the worker and send back its value or error, in words."""
         cid = msg.cid
         try:
-            value = await self.on_call(msg.name, list(msg.args), msg.kwargs, msg.block)  # type: ignore[misc]
+            value = await self._on_call(msg.name, list(msg.args), msg.kwargs, msg.block)  # type: ignore[misc]
             try:
                 frame = encode(wire.Reply(cid, True, value))
             except (TypeError, ValueError):

@@ -1,7 +1,7 @@
 """The egress allowlist attacked from inside a real sandbox.
 
 Each test plans a worker's sandbox (``engine.sandbox`` ``plan``, bubblewrap: an empty network
-namespace), opens a gate (``engine.net.Gate``) on a socket in the sandbox's socket directory,
+namespace), opens a gate (``engine.net.EgressGate``) on a socket in the sandbox's socket directory,
 and runs code in the sandbox as a worker would: its confinement applied, then the forwarder
 started (``worker.egress.open_way_out``), then the attack.  Servers and canaries listen on the
 host's loopback only (``tests.net_servers``); every attack shows it ran (the proxy's own answer,
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.net import Allowlist, Gate, Limits
+from engine.net import Allowlist, EgressGate, Limits
 from engine.sandbox import SandboxPolicy
 from engine.sandbox._plan import plan
 from tests.net_servers import (
@@ -113,10 +113,10 @@ class Sandbox:
         self.plan = plan(SandboxPolicy(mode="bwrap"), socket_dir=self.socket_dir, workspace=self.workspace,
                          cwd=self.cwd, output_dir=self.output, python=sys.executable)
         self.socket = self.socket_dir / "egress.sock"
-        self.gate: Gate | None = None
+        self.gate: EgressGate | None = None
 
-    async def open(self, entries: list[str], resolver: Resolver | None = None, limits: Limits | None = None) -> Gate:
-        self.gate = await Gate(self.socket, Allowlist.parse(entries), resolver=resolver, limits=limits).start()
+    async def open(self, entries: list[str], resolver: Resolver | None = None, limits: Limits | None = None) -> EgressGate:
+        self.gate = await EgressGate(self.socket, Allowlist.parse(entries), resolver=resolver, limits=limits).start()
         self.plan.grant(self.socket)  # (root's workers run as the run's uid)
         return self.gate
 
