@@ -190,6 +190,25 @@ def test_batch_of_20_with_mixed_outcomes(tmp_path):
     assert processes_under(tmp_path) == []
 
 
+def test_the_runs_of_a_batch_share_their_connections_to_the_model(tmp_path):
+    """One HTTP client per endpoint for the whole batch: 12 runs of two completions each, 2 at
+    once, reach the model over at most 2 connections, each run's conversation its own."""
+    script = {f"[c{i}]": [CODE.format(f"print({i} * 1000)"), echo_last] for i in range(12)}
+    write_tasks(tmp_path / "tasks.jsonl", [{"id": f"c{i}", "task": f"[c{i}] run"} for i in range(12)])
+    with ScriptedServer(script) as server:
+        proc = run_batch(server, tmp_path, "tasks.jsonl", "-o", "out.jsonl", "--parallel", "2")
+        completions = [r for r in server.received if r.path.endswith("/chat/completions")]
+    assert proc.returncode == 0, proc.stderr
+    by_id = {r["id"]: r for r in records(tmp_path / "out.jsonl")}
+    assert all(by_id[f"c{i}"]["status"] == "answered" and f"{i * 1000}" in by_id[f"c{i}"]["answer"]
+               for i in range(12)), by_id
+    assert len(completions) == 24
+    for r in completions:  # every request carried its own run's conversation and nothing of another's
+        run = r.key.strip("[]")
+        assert all(f"[{other}]" not in json.dumps(r.body) for other in by_id if other != run)
+    assert len({r.peer for r in completions}) <= 2, Counter(r.peer for r in completions)
+
+
 def test_files_and_directories_land_in_the_workspace_and_can_be_changed(tmp_path):
     (tmp_path / "kit" / "sub").mkdir(parents=True)
     (tmp_path / "kit" / "sub" / "a.txt").write_text("a")

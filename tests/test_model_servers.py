@@ -24,7 +24,7 @@ from rich.console import Console
 
 from engine.agent import AgentDisplay, run_task
 from engine.agent._display import read_recording
-from engine.models import ModelConfig, ModelRegistry, ServerInfo, probe
+from engine.models import Chat, ModelConfig, ModelRegistry, ServerInfo, probe
 from engine.models import _server as model_server
 from engine.models._reasoning import ThinkSplitter
 from engine.observe import ConsoleDisplay
@@ -451,3 +451,17 @@ async def test_a_second_agent_on_the_endpoint_does_not_probe_again(engine):
         await run_task("two", models=registry(srv.url), engine=engine)
         props = [r for r in srv.received if r.path == "/props"]
     assert len(props) == 1
+
+
+async def test_a_streamed_reply_read_to_its_end_leaves_the_connection_for_the_next_request():
+    """After ``[DONE]`` the chat client reads the body's end, so a server that keeps
+    connections (vLLM, the scripted one) answers the next request on the same one; one that
+    closes after each stream (llama-server) is connected to again, as before."""
+    for server, reused in ((ScriptedServer({"*": ["one", "two", "three"]}), True),
+                           (like_llama_server({"*": ["one", "two", "three"]}), False)):
+        with server as srv:
+            config = registry(srv.url).get(None)
+            async with Chat("system", config) as chat:
+                assert [await chat.send(q) for q in ("a", "b", "c")] == ["one", "two", "three"]
+            peers = [r.peer for r in srv.received if r.turn is not None]
+        assert len(peers) == 3 and (len(set(peers)) == 1) == reused, peers

@@ -55,7 +55,7 @@ from engine.agent._reply_guard import ReplyGuard
 from engine.agent._subagents import SubagentBudget, subagent_limit
 from engine.durations import parse_duration
 from engine.errors import AgentError, ConfigError
-from engine.models import Chat, ModelConfig, ModelRegistry, ServerInfo, connect
+from engine.models import Chat, ClientPool, ModelConfig, ModelRegistry, ServerInfo, connect
 from engine.workers import Engine, Worker
 from worker.contract import wire
 from worker.contract.schema import ContractError
@@ -157,7 +157,7 @@ class Agent:
             endpoint.cancel()
             await asyncio.wait([endpoint])
             if not endpoint.cancelled() and endpoint.exception() is None:
-                await endpoint.result()[0].aclose()
+                await ClientPool.release(endpoint.result()[0])
             raise
         self.adapt(self.server)
         system = tags.build_system(

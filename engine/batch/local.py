@@ -44,6 +44,7 @@ class BatchOutcome:
 async def _run_local(pending: list[TaskSpec], settings: RunSettings, results: ResultsFile, tally: Tally,
                      view: LinesView, parallel: int, stopper: Stopper) -> None:
     from engine.batch.run import execute  # (the agent loop and its HTTP client: loaded for task batches only)
+    from engine.models import ClientPool
 
     loop = asyncio.get_running_loop()
     running: dict[asyncio.Task, TaskSpec] = {}
@@ -59,11 +60,13 @@ async def _run_local(pending: list[TaskSpec], settings: RunSettings, results: Re
     # at once and takes it down with this process: bubblewrap's --die-with-parent).
     fork_server = settings.shared_fork_server()
     output_budget = settings.output_budget()  # what the runs' kept outputs may hold together
+    clients = ClientPool()  # one HTTP client per endpoint, its connections kept from run to run
 
     async def one(spec: TaskSpec) -> None:
         meter = Meter()
         tally.start(spec.key, meter)
-        record = await execute(spec, settings, display=meter, fork_server=fork_server, output_budget=output_budget)
+        record = await execute(spec, settings, display=meter, fork_server=fork_server, output_budget=output_budget,
+                               clients=clients)
         try:
             results.append(record)
         except OSError as exc:
@@ -101,6 +104,7 @@ async def _run_local(pending: list[TaskSpec], settings: RunSettings, results: Re
         if running:  # the output failed: stop the rest before leaving
             cancel_all()
             await asyncio.gather(*running, return_exceptions=True)
+        await clients.aclose()
         if fork_server is not None:
             await fork_server.close()
 

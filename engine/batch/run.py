@@ -20,7 +20,7 @@ from engine.agent import AgentDisplay, FanoutDisplay, JsonlRecorder, RunResult, 
 from engine.batch.tasks import TaskSpec
 from engine.errors import ConfigError
 from engine.launch import SharedForkServer, WorkerSettings
-from engine.models import ModelRegistry
+from engine.models import ClientPool, ModelRegistry
 from engine.observe import trace_observer
 from engine.results import BATCH_OUTPUT_CAP, OutputBudget
 from engine.tools import RepoTools
@@ -210,7 +210,7 @@ async def _to_the_end(awaitable: Any) -> None:
 async def _attempt(spec: TaskSpec, settings: RunSettings, attempt: int, display: AgentDisplay | None,
                    packed: list[tuple[str, bytes, int]] | None,
                    fork_server: SharedForkServer | None,
-                   output_budget: OutputBudget | None) -> tuple[RunResult, bool]:
+                   output_budget: OutputBudget | None, clients: ClientPool | None) -> tuple[RunResult, bool]:
     """One attempt of a run: (its result, whether it failed for infrastructure reasons)."""
     run_dir = settings.runs_dir / run_slug(spec.key)
     workspace = run_dir / "workspace"
@@ -240,10 +240,11 @@ async def _attempt(spec: TaskSpec, settings: RunSettings, attempt: int, display:
         await asyncio.to_thread(_give_to_run, placed, engine.launcher.run_uid())
         if settings.tools == "repo":  # other runs' directories and results are not this run's to read
             tools = RepoTools(settings.root, exclude=settings.exclude)
-        result = await run_task(spec.task, models=settings.models, model=spec.model or settings.model,
-                                engine=engine, functions=tools.functions() if tools else {},
-                                display=shown, max_messages=spec.max_messages or settings.max_messages,
-                                timeout=spec.timeout or settings.timeout, protocol=settings.protocol)
+        with ClientPool.shared(clients):
+            result = await run_task(spec.task, models=settings.models, model=spec.model or settings.model,
+                                    engine=engine, functions=tools.functions() if tools else {},
+                                    display=shown, max_messages=spec.max_messages or settings.max_messages,
+                                    timeout=spec.timeout or settings.timeout, protocol=settings.protocol)
     except (OSError, ConfigError) as exc:  # placing files; the run's directories
         result = RunResult(None, "failed", f"cannot prepare the run's workspace {workspace}: {exc}")
         infrastructure = True
@@ -267,14 +268,17 @@ async def _attempt(spec: TaskSpec, settings: RunSettings, attempt: int, display:
 
 async def execute(spec: TaskSpec, settings: RunSettings, *, display: AgentDisplay | None = None,
                   packed: list[tuple[str, bytes, int]] | None = None,
-                  fork_server: SharedForkServer | None = None, output_budget: OutputBudget | None = None) -> dict:
+                  fork_server: SharedForkServer | None = None, output_budget: OutputBudget | None = None,
+                  clients: ClientPool | None = None) -> dict:
     """Run one task, with up to ``settings.retries`` more attempts after infrastructure
     failures, and return its record.  Never raises: cancelling it yields a ``cancelled`` record
     once its workers are gone.  ``packed`` (from ``pack_files``) replaces copying ``spec.files``
     when the run happens on another machine.  ``fork_server``: the batch's
     (``settings.shared_fork_server()``), which forks the run's workers; without one they start
     cold.  ``output_budget``: the batch's (``settings.output_budget()``), which the run's output
-    files draw from besides its own cap."""
+    files draw from besides its own cap.  ``clients``: the batch's (one HTTP client per endpoint,
+    its connections kept for the next run; ``engine.models.ClientPool``), else each conversation
+    its own."""
     started = time.monotonic()
     sums = Counter()
     attempts, infrastructure = 0, False
@@ -283,7 +287,7 @@ async def execute(spec: TaskSpec, settings: RunSettings, *, display: AgentDispla
         while True:
             attempts += 1
             result, infrastructure = await _attempt(spec, settings, attempts, display, packed, fork_server,
-                                                    output_budget)
+                                                    output_budget, clients)
             sums.update(messages=result.messages, tokens_in=result.tokens_in, tokens_out=result.tokens_out)
             sums["cost"] += result.cost
             if not infrastructure or attempts > settings.retries or result.status == "cancelled":

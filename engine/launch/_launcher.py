@@ -198,8 +198,11 @@ class Launcher:
         """ConfigError, in one line, unless the workers' Python starts, can run agentloop's
         runtime and imports every ``preload`` module; UntrustedPython for one a worker could
         have written, before it runs at all.  From here on ``settings.python`` is the checked
-        interpreter (``sandbox.TrustedPython``), which every start of this run is given."""
-        python = trusted_python(self.settings.python, self.workspace)
+        interpreter (``sandbox.TrustedPython``), which every start of this run is given.  A run
+        handed a batch's fork server takes the batch's Python as that server checked it once for
+        every run beneath its root (``SharedForkServer.checked_python``)."""
+        python = self.shared.checked_python(self.settings.python, self.workspace) if self.shared else None
+        python = python or trusted_python(self.settings.python, self.workspace)
         self.settings = self.settings.replace(python=python)
         self.runtime_packages = runtime_packages(python)
         missing = not_importable(python, self.settings.preload)

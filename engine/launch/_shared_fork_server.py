@@ -40,12 +40,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.errors import WorkerStartError
+from engine.errors import SandboxError, UntrustedPython, WorkerStartError
 from engine.launch._cgroup import SpareGroups, WorkerCgroups
 from engine.launch._fork_server import ForkedProcess, ForkServer
 from engine.launch._process import Launch
 from engine.launch._settings import WorkerSettings
-from engine.sandbox import beneath, python_paths, server_plan, system_paths
+from engine.sandbox import TrustedPython, beneath, python_paths, server_plan, system_paths, trusted_python
 from engine.trees import remove_tree
 
 __all__ = ["RunView", "SharedForkServer"]
@@ -86,6 +86,8 @@ class SharedForkServer:
         self._server: ForkServer | None = None
         self._closed = False
         self._holds_python: bool | None = None
+        #: The batch's Python checked once for the whole root (False: it did not pass that check).
+        self._python: TrustedPython | bool | None = None
         self._cgroups: tuple[WorkerCgroups | None, WorkerCgroups | None] | None = None
         #: Cgroups made ahead for the server's spare inits (``_cgroup.SpareGroups``).
         self.spares: SpareGroups | None = None
@@ -123,6 +125,21 @@ class SharedForkServer:
         if self._holds_python:
             return f"{root} holds a directory the workers' Python needs"
         return None
+
+    def checked_python(self, python: str, workspace: Path) -> TrustedPython | None:
+        """``python``, the batch's, as ``sandbox.trusted_python`` passed it for the whole root
+        (every run's workspace lies beneath it, so none holds it), checked once for the batch
+        instead of once a run; None for another Python, a workspace outside the root, or a Python
+        that does not pass that stronger check (each run then checks its own, as before).  A
+        batch's workers run that Python for the batch's life anyway: this server is one of it."""
+        if python != self.settings.python or not beneath(os.path.realpath(workspace), str(self.root)):
+            return None
+        if self._python is None:
+            try:
+                self._python = trusted_python(python, self.root)
+            except (UntrustedPython, SandboxError):
+                self._python = False
+        return self._python or None
 
     def run_sockets(self, runtime: Path) -> Path:
         """A new private directory for one run's socket directories.  ``runtime``: where the

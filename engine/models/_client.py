@@ -18,6 +18,7 @@ never becomes content.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -30,7 +31,6 @@ from engine.models._http import (
     auth_headers,
     caused_by,
     nobody_listens,
-    open_client,
     retry_after,
     start_hint,
     transport_reason,
@@ -43,6 +43,7 @@ from engine.models._images import (
     keep_last_images,
     strip_images,
 )
+from engine.models._pool import ClientPool, pooled
 from engine.models._reasoning import ThinkSplitter, reasoning_of, strip_think
 from engine.models._registry import ModelConfig
 from engine.models._stream import Assembly, normal_call, timings
@@ -61,6 +62,21 @@ MIN_REPLY_TOKENS = 256
 #: (code packs fewer characters into a token than prose), since too high a cap is an HTTP 400
 #: on servers that check prompt + max_tokens against their window (vLLM).
 _CHARS_PER_TOKEN_LOW = 3
+
+
+#: What ``_finish`` reads after a stream's ``[DONE]`` at most: lines, seconds.
+_AFTER_DONE_LINES, _AFTER_DONE_WAIT = 8, 0.5
+
+
+async def _finish(lines: AsyncIterator[str]) -> None:
+    """Read what follows a stream's ``[DONE]`` (the chunked body's last, empty chunk), so that
+    its connection goes back to the client's pool for the next request instead of being closed
+    unread.  A server that sends more, or not at once, has its connection closed, as before."""
+    # StopAsyncIteration: the body was read to its end (the connection is kept).
+    with contextlib.suppress(StopAsyncIteration, TimeoutError, httpx.HTTPError):
+        async with asyncio.timeout(_AFTER_DONE_WAIT):
+            for _ in range(_AFTER_DONE_LINES):
+                await anext(lines)
 
 
 class Display(Protocol):
@@ -96,7 +112,8 @@ class Chat:
     for any message list, returning the assistant message dict (with ``tool_calls`` when the
     model made some) and leaving the transcript alone.  One ``httpx.AsyncClient`` per Chat:
     ``client`` when given (already connected while the agent was being set up), else opened on
-    first use; the Chat closes it in ``aclose()`` (or ``async with``).
+    first use (within ``ClientPool.shared``, a batch's, the pool's for its endpoint); the Chat
+    closes it in ``aclose()`` (or ``async with``), or gives a pool's back.
 
     Each request asks for at most ``model.max_tokens`` tokens, fewer when the model's context
     window (configured or learned from the server) leaves less room.  After a request,
@@ -283,7 +300,7 @@ class Chat:
     async def aclose(self) -> None:
         if self._client is not None:
             client, self._client = self._client, None
-            await client.aclose()
+            await ClientPool.release(client)  # (a batch's pooled client stays open for its other runs)
 
     async def __aenter__(self) -> Chat:
         return self
@@ -307,7 +324,7 @@ class Chat:
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
-            self._client = open_client(self.model, self._transport)
+            self._client = pooled(self.model, self._transport)
         return self._client
 
     async def _with_retries(self, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -349,7 +366,10 @@ class Chat:
                     raise self._status_error(response, text, stream=stream)
                 ctype = response.headers.get("content-type", "")
                 if stream and "text/event-stream" in ctype:
-                    return await self._read_events(response.aiter_lines())
+                    lines = response.aiter_lines()
+                    read = await self._read_events(lines)
+                    await _finish(lines)
+                    return read
                 raw = (await response.aread()).decode("utf-8", errors="replace")
                 if stream and raw.lstrip().startswith("data:"):  # SSE under the wrong content type
                     return await self._read_events(_lines(raw))

@@ -26,12 +26,13 @@ def _tls() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
-def open_client(model: ModelConfig, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+def open_client(model: ModelConfig, transport: httpx.AsyncBaseTransport | None = None,
+                **options: object) -> httpx.AsyncClient:
     """The HTTP client for conversations with ``model``'s endpoint (its timeout; the shared TLS
-    context), which uses no connection to another user's server on this machine
-    (``engine.models._endpoint``: ForeignServer before anything is sent)."""
+    context; ``options`` as httpx's own), which uses no connection to another user's server on
+    this machine (``engine.models._endpoint``: ForeignServer before anything is sent)."""
     timeout = httpx.Timeout(model.timeout, connect=min(model.timeout, 30.0))
-    return checked_client(transport=transport, timeout=timeout, verify=_tls())
+    return checked_client(transport=transport, timeout=timeout, verify=_tls(), **options)
 
 
 def auth_headers(model: ModelConfig) -> dict[str, str]:

@@ -35,6 +35,7 @@ import httpx
 
 from engine.errors import ForeignServer
 from engine.models._http import auth_headers, nobody_listens, open_client, start_hint, transport_reason
+from engine.models._pool import ClientPool, pooled
 from engine.models._registry import ModelConfig
 from engine.secrets import redact_url
 from worker.contract.bounded_json import loads as bounded_loads
@@ -139,15 +140,17 @@ async def connect(config: ModelConfig, transport: httpx.AsyncBaseTransport | Non
     """A client for ``config``'s endpoint, created now and connected by the probe it runs.
 
     Meant to run while the agent's worker starts and its system prompt is built, so the first
-    completion finds the client made and, on servers that keep connections open, connected."""
-    client = open_client(config, transport)
+    completion finds the client made and, on servers that keep connections open, connected.
+    Within ``ClientPool.shared`` (a batch's runs) the client is the pool's for that endpoint:
+    ``ClientPool.release`` it, never close it."""
+    client = pooled(config, transport)
     try:
         info = await probe(config, client)
         if info.foreign:
             raise ForeignServer(info.foreign)
         return client, info
     except BaseException:
-        await client.aclose()
+        await ClientPool.release(client)
         raise
 
 
