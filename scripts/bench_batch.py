@@ -28,7 +28,12 @@ Figures, milliseconds, p50/p99 over the runs:
   far above the runs' (a run makes two requests).
 
 The targets: a batch run's worker start costs at most 20 ms with the shared server, and
-``parallel`` at once (4 on 2 cores) reach 50 runs/s.  Needs a fork server (root's, or an
+``parallel`` at once (4 on 2 cores) reach 50 runs/s.  And the coordinator's CPU per run with
+the shared server at most half of what it was before the runs of a batch shared one HTTP client
+per endpoint (its connections kept from run to run), the check of the workers' Python and
+their first sandbox plan: ``COORDINATOR_BEFORE_MS``, the median of four rounds of 64 runs 8 at
+once, alternating with the change on the same machine (load 14 to 22, root; docs/performance.md);
+CPU time swells with the load, so compare figures taken under a like one.  Needs a fork server (root's, or an
 unprivileged user's in a user namespace: ``engine.launch.fork_server_refusal``); elsewhere
 both modes start cold and the section says so.
 
@@ -70,6 +75,8 @@ from engine.workers import Engine  # noqa: E402
 
 TARGET_MS = 20.0
 TARGET_RUNS_PER_S = 50.0
+#: The coordinator's CPU per run (ms, the batch's fork server), before this change: the anchor.
+COORDINATOR_BEFORE_MS = 60.6
 BLOCK = "<run_code>\nprint(6 * 7)\n</run_code>"
 
 
@@ -260,6 +267,7 @@ def measure(quick: bool = False, base: Path | None = None) -> dict:
         return round(statistics.median(values), 1) if values else None
 
     rates = {mode: median(mode, "runs_per_s") for mode in got}
+    coordinator = median("shared", "coordinator_cpu_ms_per_run")
     return {
         "runs": count, "fork_server": forked,
         "worker_start_ms": start,
@@ -276,6 +284,9 @@ def measure(quick: bool = False, base: Path | None = None) -> dict:
         "met": (shared_p50 <= TARGET_MS) if forked and shared_p50 is not None else None,
         "throughput_target": f"{parallel} at once >= {TARGET_RUNS_PER_S:g} runs/s with the shared fork server",
         "throughput_met": (rates["shared"] >= TARGET_RUNS_PER_S) if forked and rates["shared"] else None,
+        "coordinator_target": (f"coordinator CPU per run with the shared fork server <= {COORDINATOR_BEFORE_MS / 2:g} ms: "
+                               f"half of {COORDINATOR_BEFORE_MS:g} ms, before this change"),
+        "coordinator_met": (coordinator <= COORDINATOR_BEFORE_MS / 2) if forked and coordinator else None,
         **({} if forked else {"note": f"{no_fork_server}: both modes start cold"}),
     }
 
@@ -295,12 +306,15 @@ def table(section: dict) -> str:
     server = section["model_server"]
     words = {True: "met", False: "NOT met", None: "not measured"}
     met, rate_met = words[section["met"]], words[section["throughput_met"]]
+    own, own_met = par["coordinator_cpu_ms_per_run"], words[section.get("coordinator_met")]
     return (f"batch ({section['runs']} runs of each, one block each): worker start p50 {s['p50']} ms "
             f"(p99 {s['p99']}) with the shared fork server (target <= {TARGET_MS:g} ms: {met}), {c['p50']} ms "
             f"(p99 {c['p99']}) cold; run p50 {rs['p50']} vs {rc['p50']} ms: {section['saved_ms_per_run']} ms saved "
             f"a run; server start {section['fork_server_start_ms']} ms once; "
             f"{par['at_once']} at once: {rate['shared']} vs {rate['cold']} runs/s, {cpu['shared']} vs {cpu['cold']} "
-            f"ms CPU a run (target >= {TARGET_RUNS_PER_S:g} runs/s: {rate_met}); the scripted model "
+            f"ms CPU a run (target >= {TARGET_RUNS_PER_S:g} runs/s: {rate_met}), the coordinator's {own['shared']} vs "
+            f"{own['cold']} ms (target <= {COORDINATOR_BEFORE_MS / 2:g}, half of {COORDINATOR_BEFORE_MS:g} before: "
+            f"{own_met}); the scripted model "
             f"{server['cpu_ms_per_run']} ms CPU a run, {server['completions_per_s']} completions/s on its own; "
             f"load {section['load']}"
             + (f"; {section['note']}" if section.get("note") else ""))

@@ -73,6 +73,7 @@ def test_quick_bench_prints_a_complete_report(tmp_path: Path) -> None:
         assert batch["run_ms"][mode]["p50"] >= batch["worker_start_ms"][mode]["p50"]
         assert batch["parallel"]["runs_per_s"][mode] > 0
     assert batch["met"] in (True, False, None) and (batch["met"] is None) == (not batch["fork_server"])
+    assert "before this change" in batch["coordinator_target"] and batch["coordinator_met"] in (True, False, None)
 
     egress = report["egress"]  # a connection through the egress proxy from a sandbox, against a direct one
     if "note" not in egress:

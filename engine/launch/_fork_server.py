@@ -106,6 +106,19 @@ def _drain(fd: int) -> bytes:
     return data
 
 
+#: Pids ``ForkServer._host_pid`` keeps at most (inits whose exit went unreported are forgotten then).
+_FOUND_MAX = 4096
+
+
+def _start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot): with its pid, which process it is."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _zombie_status(pid: int) -> int:
     """The exit status (as a shell's $?) of a process that has exited but is not reaped; a
     process already gone was killed with its namespace: 128 + SIGKILL."""
@@ -151,6 +164,7 @@ class ForkServer:
         self._reader: asyncio.Task | None = None
         self._waiting: dict[int, asyncio.Future[fork.Message]] = {}
         self._host_pids: dict[int, int] = {}  # server-namespace pid -> host pid
+        self._found: dict[int, tuple[int, int | None]] = {}  # what ``_host_pid`` found: (host pid, start time)
         self._forked: dict[int, Callable[[int], None]] = {}  # request id -> told C's host pid
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
@@ -209,6 +223,7 @@ class ForkServer:
             future = self._waiting.pop(msg.id, None)
         elif isinstance(msg, fork.Exited):  # a worker's init, reaped: the worker's status was read before
             self._host_pids.pop(msg.pid, None)
+            self._found.pop(msg.pid, None)
             return
         elif isinstance(msg, fork.Spare):  # the next worker's init, made ahead: its cgroups may be made ahead too
             if self._on_spare is not None:
@@ -307,8 +322,14 @@ class ForkServer:
             signal_quietly(self._host_pid(future.result().pid), 9)
 
     def _host_pid(self, zpid: int) -> int:
-        """The host pid of the server's child ``zpid`` (numbered in the sandbox's namespace)."""
+        """The host pid of the server's child ``zpid`` (numbered in the sandbox's namespace).
+        Each init is asked after two or three times (made ahead, forked, spawned) and a busy
+        server's tree is large, so a pid found is kept with its process's start time: a kept
+        one is used while that same process (pid and start time) lives, else looked for again."""
         assert self._proc is not None
+        kept = self._found.get(zpid)
+        if kept is not None and _start_time(kept[0]) == kept[1] is not None:
+            return kept[0]
         for pid in descendants(self._proc.pid):
             try:
                 with open(f"/proc/{pid}/status") as f:
@@ -316,6 +337,9 @@ class ForkServer:
                         if line.startswith("NSpid:"):
                             ids = line.split()[1:]
                             if len(ids) >= 2 and int(ids[1]) == zpid:
+                                if len(self._found) >= _FOUND_MAX:
+                                    self._found.clear()
+                                self._found[zpid] = (pid, _start_time(pid))
                                 return pid
                             break
             except OSError:

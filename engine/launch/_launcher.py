@@ -316,24 +316,27 @@ class Launcher:
         """The sandbox plan for a process that may see ``sock_dir`` (a worker's, or the root).
 
         The plans of one run differ in the socket directory alone: the first is made in full
-        (a few milliseconds: the view, the uid, the confinement), later ones are that plan shown
-        their own directory (``for_socket_dir``), made searchable by the run's uid as the full
-        one would.
+        (a few milliseconds: the view, the uid, the confinement), whether for the socket root
+        (``run_uid``, the run's fork server) or a worker's directory in it; later ones are that
+        plan shown their own directory (``for_socket_dir``), made searchable by the run's uid as
+        the full one would.
 
         Before the first plan is returned (before any worker can exist), the record notes that
         workers may write the workspace, and what stays read-only there (``engine.trust``)."""
-        first = self._first_plan
-        if first is None or sock_dir.parent != first[0].parent:
+        first = self._first_plan  # (the run's socket root, its plan): its directories' plans follow from it
+        if first is None or (sock_dir != first[0] and sock_dir.parent != first[0]):
             plan = make_plan(self.settings.sandbox, socket_dir=sock_dir, workspace=self.workspace,
                              cwd=self.cwd, output_dir=self.output_dir, python=self.settings.python,
                              memory_cgroup=self.memory_cgroups is not None,
                              pids_cgroup=self.pids_cgroups is not None, protected=self.protected)
             if self._grant is None and self.settings.sandbox.mode != "none":
                 self._grant = trust.open_grant(self.workspace, self.protected if plan.pid_namespace else ())
-            if first is None and sock_dir.parent == self.sock_root:
-                self._first_plan = (sock_dir, plan)
+            if first is None and self.sock_root in (sock_dir, sock_dir.parent):
+                self._first_plan = (self.sock_root, plan.for_socket_dir(self.sock_root))
             return plan
         plan = first[1]
+        if sock_dir == first[0]:
+            return plan.for_socket_dir(sock_dir)  # (a copy: the kept one stays as it is)
         if plan.uid is not None:
             os.chmod(sock_dir, 0o711)  # as ``sandbox._share_with_run`` leaves a worker's directory
         return plan.for_socket_dir(sock_dir)
