@@ -169,10 +169,10 @@ def _timed_starts(into: list[float]):
     """Record how long each batch run's ``start_worker`` takes (milliseconds)."""
     original = Engine.start_worker
 
-    async def timed(self, name: str = "worker"):
+    async def timed(self, name: str = "worker", **options):
         t0 = time.perf_counter()
         try:
-            return await original(self, name)
+            return await original(self, name, **options)
         finally:
             into.append((time.perf_counter() - t0) * 1000)
 
