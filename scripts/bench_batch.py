@@ -31,9 +31,9 @@ The targets: a batch run's worker start costs at most 20 ms with the shared serv
 ``parallel`` at once (4 on 2 cores) reach 50 runs/s.  And the coordinator's CPU per run with
 the shared server at most half of what it was before the runs of a batch shared one HTTP client
 per endpoint (its connections kept from run to run), the check of the workers' Python and
-their first sandbox plan: ``COORDINATOR_BEFORE_MS``, the median of four rounds of 64 runs 8 at
-once, alternating with the change on the same machine (load 14 to 22, root; docs/performance.md);
-CPU time swells with the load, so compare figures taken under a like one.  Needs a fork server (root's, or an
+their first sandbox plan: ``COORDINATOR_BEFORE_MS``, the median of four rounds of 64 runs 4 at
+once (as here), alternating with the change on the same machine (root, load 3 to 3.5;
+docs/performance.md); CPU time swells with the load, so compare figures taken under a like one.  Needs a fork server (root's, or an
 unprivileged user's in a user namespace: ``engine.launch.fork_server_refusal``); elsewhere
 both modes start cold and the section says so.
 
@@ -76,7 +76,7 @@ from engine.workers import Engine  # noqa: E402
 TARGET_MS = 20.0
 TARGET_RUNS_PER_S = 50.0
 #: The coordinator's CPU per run (ms, the batch's fork server), before this change: the anchor.
-COORDINATOR_BEFORE_MS = 60.6
+COORDINATOR_BEFORE_MS = 61.8
 BLOCK = "<run_code>\nprint(6 * 7)\n</run_code>"
 
 
