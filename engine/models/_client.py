@@ -65,7 +65,7 @@ _CHARS_PER_TOKEN_LOW = 3
 
 
 #: What ``_finish`` reads after a stream's ``[DONE]`` at most: lines, seconds.
-_AFTER_DONE_LINES, _AFTER_DONE_WAIT = 8, 0.5
+_AFTER_DONE_LINES, _AFTER_DONE_WAIT = 8, 0.25
 
 
 async def _finish(lines: AsyncIterator[str]) -> None:
