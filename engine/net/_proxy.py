@@ -109,6 +109,11 @@ class Gate:
     async def start(self) -> Gate:
         """Bind and listen (once: a started gate is returned as it is); a stale socket at
         ``path`` is replaced."""
+        return self.listen()
+
+    def listen(self) -> Gate:
+        """``start`` for a caller that cannot await (it runs in the event loop that serves the
+        gate): the socket is bound and accepts when this returns."""
         if self._listener is not None:
             return self
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)

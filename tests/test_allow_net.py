@@ -1,0 +1,169 @@
+"""``--allow-net`` through the real start path: a worker of a real Engine (cold and forked),
+``exec FILE`` and the command line, reaching a package index the test builds on 127.0.0.2 and
+nothing else.  Every server listens on the host's loopback only (``tests.net_servers``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.errors import ConfigError
+from engine.launch import WorkerSettings
+from engine.sandbox import host_support
+from engine.workers import Engine
+from tests.net_servers import ALLOWED, Canary, Index, UdpCanary
+
+pytestmark = pytest.mark.skipif(host_support().bwrap is None, reason="--allow-net needs bubblewrap")
+
+AGENTLOOP = [sys.executable, "-m", "engine.cli"]
+
+#: A block that installs the test's wheel from the index at URL (pip's own variables: the
+#: worker's environment only).
+PIP = '''
+import subprocess, sys
+done = subprocess.run([sys.executable, "-m", "pip", "install", "--no-cache-dir", "--disable-pip-version-check",
+                       "--no-input", "--retries", "0", "--timeout", "20", "-vv", "--index-url", URL,
+                       "--trusted-host", HOST, "--target", "/tmp/site", "egresstest"],
+                      capture_output=True, text=True, timeout=180)
+said = [line for line in (done.stdout + done.stderr).splitlines() if "403" in line or "allow-net" in line]
+print("pip rc", done.returncode, said[-1:] if said else "")
+sys.path.insert(0, "/tmp/site")
+try:
+    import egresstest
+    print("installed", egresstest.INSTALLED)
+except ImportError as exc:
+    print("not installed", type(exc).__name__)
+'''
+
+
+@pytest.fixture
+def index():
+    server = Index()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def canaries():
+    """Listeners no attack may reach: other loopback addresses and ports, and UDP."""
+    found = [Canary("127.0.0.1"), Canary("127.0.0.3"), Canary(ALLOWED), UdpCanary("127.0.0.1")]
+    yield found
+    for canary in found:
+        canary.assert_untouched()
+        canary.close()
+
+
+def _dirs(tmp_path: Path) -> tuple[Path, Path]:
+    tmp_path.chmod(0o755)  # (a root coordinator's workers run as another uid)
+    return tmp_path, tmp_path / "files"
+
+
+def pip_block(index: Index) -> str:
+    return f"URL = {index.url!r}; HOST = {index.address!r}\n" + PIP
+
+
+@pytest.mark.parametrize("fork_server", [True, False], ids=["forked", "cold"])
+async def test_a_block_installs_from_a_listed_index(tmp_path, index, canaries, fork_server):
+    cwd, workspace = _dirs(tmp_path)
+    settings = WorkerSettings(allow_net=[index.address], fork_server=fork_server)
+    async with Engine(settings, cwd=cwd, workspace=workspace) as engine:
+        worker = await engine.start_worker("main")
+        result = await worker.run(pip_block(index), timeout=150)
+        assert result.status == "ok", result.error
+        assert "pip rc 0" in result.output and "installed egresstest" in result.output, result.output
+        env = await worker.run("import os; print(os.environ['HTTPS_PROXY'], os.environ['NO_PROXY'])")
+        assert env.output.strip() == "http://127.0.0.1:3128 localhost,127.0.0.1,::1"
+        # A direct connection, past the proxy variables, goes nowhere: the namespace is empty.
+        direct = await worker.run(f"import socket\ntry:\n    socket.create_connection(({ALLOWED!r}, {index.port}), 5)\n"
+                                  "except OSError as exc:\n    print('direct', type(exc).__name__)\n")
+        assert direct.output.startswith("direct "), direct.output
+        sock_dir = worker._session.sock_dir
+        live = engine.launcher.gates.gate(sock_dir).records
+    assert [path for _, path, _ in index.requests] == ["/simple/egresstest/", f"/files/{index.wheel_name}"]
+    assert [r.verdict for r in live] == ["allowed", "allowed"]
+    recorded = engine.launcher.gates.records
+    assert [(r["host"], r["port"], r["verdict"], r["process"]) for r in recorded] == \
+        [(ALLOWED, index.port, "allowed", sock_dir.name)] * 2
+    assert all(r["sent"] > 0 and r["received"] > 0 for r in recorded)
+
+
+async def test_without_the_entry_the_install_fails_and_the_index_sees_nothing(tmp_path, index, canaries):
+    cwd, workspace = _dirs(tmp_path)
+    async with Engine(WorkerSettings(allow_net=[f"{ALLOWED}:{index.port + 1}"]), cwd=cwd, workspace=workspace) as engine:
+        worker = await engine.start_worker("main")
+        result = await worker.run(pip_block(index), timeout=150)
+    assert "not installed" in result.output, result.output
+    assert f"--allow-net {index.address}" in result.output, result.output
+    assert index.requests == []
+    assert engine.launcher.gates.records and {r["why"] for r in engine.launcher.gates.records} == {"port"}
+
+
+async def test_without_an_allowlist_there_is_no_gate_and_no_proxy(tmp_path):
+    cwd, workspace = _dirs(tmp_path)
+    async with Engine(cwd=cwd, workspace=workspace) as engine:
+        worker = await engine.start_worker("main")
+        result = await worker.run("import os; print(sorted(k for k in os.environ if 'proxy' in k.lower()))")
+        listing = sorted(p.name for p in worker._session.sock_dir.iterdir())
+    assert result.output.strip() == "[]"
+    assert engine.launcher.gates is None and "egress.sock" not in listing
+
+
+def test_settings_refuse_network_with_an_allowlist():
+    from engine.sandbox import SandboxPolicy
+
+    with pytest.raises(ConfigError, match="--allow-net and --network together"):
+        WorkerSettings(sandbox=SandboxPolicy(network=True), allow_net=["pypi.org"])
+    with pytest.raises(ConfigError, match="needs the bubblewrap sandbox"):
+        WorkerSettings(sandbox=SandboxPolicy(mode="none"), allow_net=["pypi.org"])
+    with pytest.raises(ConfigError, match=r"\*\.com would allow a whole top-level domain"):
+        WorkerSettings(allow_net=["*.com"])
+    assert WorkerSettings(allow_net=["PyPI.org.", "pypi.org"]).allow_net.texts() == ["pypi.org"]
+
+
+def agentloop(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    state = cwd.parent / f"{cwd.name}-state"  # (beside the directory a script writes, never in it)
+    env = {**os.environ, "XDG_STATE_HOME": str(state)}
+    return subprocess.run([*AGENTLOOP, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+
+
+def test_the_command_line_says_what_is_wrong(tmp_path):
+    (tmp_path / "p.py").write_text("print(1)\n")
+    both = agentloop(tmp_path, "exec", "--network", "--allow-net", "pypi.org", "p.py")
+    assert both.returncode == 125 and "--allow-net and --network together" in both.stderr, both.stderr
+    bad = agentloop(tmp_path, "exec", "--allow-net", "*.com", "p.py")
+    assert bad.returncode == 125 and "would allow a whole top-level domain" in bad.stderr, bad.stderr
+    (tmp_path / "agentloop.toml").write_text('[network]\nallow = ["exa mple.com"]\n')
+    filed = agentloop(tmp_path, "exec", "p.py")
+    assert filed.returncode == 125 and "agentloop.toml: network.allow 'exa mple.com'" in filed.stderr, filed.stderr
+    (tmp_path / "agentloop.toml").write_text('[network]\nallowed = ["pypi.org"]\n')
+    typo = agentloop(tmp_path, "exec", "p.py")
+    assert typo.returncode == 125 and "network must be a table holding only allow" in typo.stderr, typo.stderr
+
+
+def test_exec_installs_from_a_listed_index(tmp_path, index, canaries):
+    cwd, _ = _dirs(tmp_path)
+    (cwd / "install.py").write_text(pip_block(index))
+    # The file's entry names another port: refused, in words naming the entry that would do.
+    (cwd / "agentloop.toml").write_text(f'[network]\nallow = ["{ALLOWED}:{index.port + 1}"]\n')
+    refused = agentloop(cwd, "exec", "install.py")
+    assert "not installed" in refused.stdout and f"--allow-net {index.address}" in refused.stdout, refused.stdout
+    assert index.requests == []
+    done = agentloop(cwd, "exec", "--allow-net", index.address, "install.py")  # (joins the file's)
+    assert done.returncode == 0, done.stderr
+    assert "pip rc 0" in done.stdout and "installed egresstest" in done.stdout, done.stdout
+    assert len(index.requests) == 2
+
+
+def test_exec_json_lists_the_connections(tmp_path, index, canaries):
+    cwd, _ = _dirs(tmp_path)
+    (cwd / "get.py").write_text(f"import urllib.request\nprint(urllib.request.urlopen({index.url + 'egresstest/'!r}, "
+                                "timeout=20).status)\n")
+    done = agentloop(cwd, "exec", "--json", "--allow-net", index.address, "get.py")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert [(c["host"], c["port"], c["verdict"]) for c in report["network"]] == [(ALLOWED, index.port, "allowed")]
