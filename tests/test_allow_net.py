@@ -167,3 +167,60 @@ def test_exec_json_lists_the_connections(tmp_path, index, canaries):
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert [(c["host"], c["port"], c["verdict"]) for c in report["network"]] == [(ALLOWED, index.port, "allowed")]
+
+
+def test_a_run_block_installs_from_a_listed_index(tmp_path, index, canaries):
+    """``agentloop run --allow-net``: the model's block installs the package; the answer says so."""
+    from engine.scripted import ScriptedServer
+
+    cwd, _ = _dirs(tmp_path)
+    script = {"install": [f"<run_code>\n{pip_block(index)}\n</run_code>",
+                          lambda body: "done: " + ("yes" if "installed egresstest" in body["messages"][-1]["content"]
+                                                   else "no")]}
+    with ScriptedServer(script) as server:
+        env = {**os.environ, "XDG_STATE_HOME": str(tmp_path.parent / f"{tmp_path.name}-state"), "LLM_URL": server.url}
+        done = subprocess.run([*AGENTLOOP, "run", "install it", "-q", "--allow-net", index.address], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "done: yes", done.stdout + done.stderr
+    assert len(index.requests) == 2
+
+
+async def test_the_way_out_cannot_be_walked_around(tmp_path, index, canaries):
+    """Attacks through the real wiring: variables ignored (curl --noproxy), an unlisted port of
+    the listed host, the host spelt otherwise, another worker's socket, the forwarder killed."""
+    cwd, workspace = _dirs(tmp_path)
+    curl = f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 10"
+    attack = f'''
+import os, signal, subprocess, socket
+def sh(cmd):
+    done = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=60)
+    return done.stdout.strip() or "rc " + str(done.returncode)
+print("noproxy", sh("{curl} --noproxy '*' {index.url}"))
+print("listed", sh("{curl} {index.url}egresstest/"))
+print("port", sh("{curl} http://{ALLOWED}:{index.port + 1}/"))
+print("spelt", sh("{curl} --noproxy '' http://2130706433:{index.port}/"))
+print("loopback", sh("{curl} http://127.0.0.1:{index.port}/"))
+'''
+    async with Engine(WorkerSettings(allow_net=[index.address]), cwd=cwd, workspace=workspace) as engine:
+        one, two = await engine.start_worker("one"), await engine.start_worker("two")
+        result = await one.run(attack, timeout=120)
+        said = dict(line.split(" ", 1) for line in result.output.splitlines())
+        # (127.0.0.1 is the sandbox's own loopback, in NO_PROXY: empty; 2130706433, sent through the
+        # proxy, is that address and is refused)
+        assert said == {"noproxy": "000", "listed": "200", "port": "403", "spelt": "403", "loopback": "000"}, said
+        # Another worker's gate is not in this sandbox: its socket directory is not shown.
+        other = engine.launcher.gates.gate(two._session.sock_dir).path
+        seen = await one.run(f"import os; print(os.path.exists({str(other)!r}))")
+        assert seen.output.strip() == "False"
+        # The forwarder killed: no network at all, never the host's.
+        killed = await one.run(f'''
+import os, signal, subprocess, time
+pids = [p for p in os.listdir("/proc") if p.isdigit() and open(f"/proc/{{p}}/comm").read().strip() == "agentloop-net"]
+for p in pids:
+    os.kill(int(p), signal.SIGKILL)
+time.sleep(0.2)
+print(len(pids), subprocess.run("{curl} {index.url}egresstest/", shell=True, capture_output=True, text=True).stdout)
+''', timeout=60)
+        assert killed.output.split() == ["1", "000"], killed.output
+    assert len(index.requests) == 1  # the listed fetch alone
