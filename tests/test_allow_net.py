@@ -190,7 +190,7 @@ async def test_the_way_out_cannot_be_walked_around(tmp_path, index, canaries):
     """Attacks through the real wiring: variables ignored (curl --noproxy), an unlisted port of
     the listed host, the host spelt otherwise, another worker's socket, the forwarder killed."""
     cwd, workspace = _dirs(tmp_path)
-    curl = f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 10"
+    curl = "curl -s -o /dev/null -w '%{http_code}' --max-time 10"
     attack = f'''
 import os, signal, subprocess, socket
 def sh(cmd):
@@ -224,3 +224,9 @@ print(len(pids), subprocess.run("{curl} {index.url}egresstest/", shell=True, cap
 ''', timeout=60)
         assert killed.output.split() == ["1", "000"], killed.output
     assert len(index.requests) == 1  # the listed fetch alone
+
+
+def test_doctor_says_whether_allowlisting_works(tmp_path):
+    done = agentloop(tmp_path, "doctor")  # (exit 1 here: no model answers)
+    assert "network by name (--allow-net): works (a worker reached a listed listener through its proxy)" \
+        in done.stdout, done.stdout + done.stderr
