@@ -170,20 +170,55 @@ def test_exec_json_lists_the_connections(tmp_path, index, canaries):
 
 
 def test_a_run_block_installs_from_a_listed_index(tmp_path, index, canaries):
-    """``agentloop run --allow-net``: the model's block installs the package; the answer says so."""
+    """``agentloop run --allow-net``: the model's block installs the package, the answer says so,
+    and each connection is in the recording, refused ones on the console too."""
+    from engine.agent._display import read_recording
     from engine.scripted import ScriptedServer
 
     cwd, _ = _dirs(tmp_path)
-    script = {"install": [f"<run_code>\n{pip_block(index)}\n</run_code>",
+    refused = f"http://{ALLOWED}:{index.port + 1}/"
+    fetch = f"import urllib.request\ntry:\n    urllib.request.urlopen({refused!r}, timeout=10)\nexcept Exception as exc:\n    print(exc)\n"
+    script = {"install": [f"<run_code>\n{pip_block(index)}\n{fetch}</run_code>",
                           lambda body: "done: " + ("yes" if "installed egresstest" in body["messages"][-1]["content"]
                                                    else "no")]}
+    record = tmp_path.parent / f"{tmp_path.name}-run.jsonl"
     with ScriptedServer(script) as server:
         env = {**os.environ, "XDG_STATE_HOME": str(tmp_path.parent / f"{tmp_path.name}-state"), "LLM_URL": server.url}
-        done = subprocess.run([*AGENTLOOP, "run", "install it", "-q", "--allow-net", index.address], cwd=cwd, env=env,
-                              capture_output=True, text=True, timeout=240)
+        done = subprocess.run([*AGENTLOOP, "run", "install it", "--record", str(record), "--allow-net", index.address],
+                              cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "done: yes", done.stdout + done.stderr
     assert len(index.requests) == 2
+    seen = [e for e in read_recording(record) if e["type"] == "connection"]
+    assert [(e["host"], e["port"], e["verdict"]) for e in seen] == \
+        [(ALLOWED, index.port, "allowed")] * 2 + [(ALLOWED, index.port + 1, "refused")]
+    assert all(e["id"] == seen[0]["id"] and e["received"] > 0 for e in seen[:2])
+    assert f"network refused: {ALLOWED}:{index.port + 1}" in done.stderr, done.stderr
+
+
+def test_each_connection_is_an_event_of_its_block_span(tmp_path, index, canaries):
+    pytest.importorskip("opentelemetry.sdk", reason="the otel extra is not installed")
+    pytest.importorskip("opentelemetry.proto", reason="the otel extra is not installed")
+    from engine.scripted import ScriptedServer
+    from tests.otlp_receiver import Receiver
+
+    cwd, _ = _dirs(tmp_path)
+    code = (f"import urllib.request\nprint(urllib.request.urlopen({index.url + 'egresstest/'!r}, timeout=10).status)\n"
+            f"try:\n    urllib.request.urlopen('http://{ALLOWED}:{index.port + 1}/', timeout=10)\n"
+            "except Exception as exc:\n    print(exc)\n")
+    with Receiver() as rx, ScriptedServer({"fetch": [f"<run_code id=\"get\">\n{code}</run_code>", "fetched"]}) as server:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        env.update({"XDG_STATE_HOME": str(tmp_path.parent / f"{tmp_path.name}-state"), "LLM_URL": server.url,
+                    "OTEL_EXPORTER_OTLP_ENDPOINT": rx.endpoint})
+        done = subprocess.run([*AGENTLOOP, "--trace", "run", "fetch", "-q", "--allow-net", index.address], cwd=cwd,
+                              env=env, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr
+        assert rx.wait_for(lambda spans: any(s.name == "invoke_agent main" for s in spans))
+    [block] = [s for s in rx.spans if s.name == "execute_tool run_code"]
+    events = [attributes for name, attributes in block.events if name == "connection"]
+    assert [(e["server.address"], e["server.port"], e["agentloop.network.verdict"]) for e in events] == \
+        [(ALLOWED, index.port, "allowed"), (ALLOWED, index.port + 1, "refused")], block.events
+    assert events[0]["agentloop.network.received_bytes"] > 0 and events[1]["agentloop.network.why"] == "port"
 
 
 async def test_the_way_out_cannot_be_walked_around(tmp_path, index, canaries):

@@ -45,6 +45,7 @@ class Gates:
         self.records: list[dict] = []
         self.dropped = 0
         self._open: dict[Path, Gate] = {}
+        self._taken: dict[Path, set[int]] = {}  # per open gate: its records already taken (ids)
 
     def open(self, sock_dir: Path, plan: LaunchPlan, allowlist: Allowlist | None = None) -> str:
         """Open the gate of the process shown ``sock_dir`` (given to its uid); the socket's path
@@ -69,6 +70,20 @@ class Gates:
         """The open gate of the process shown ``sock_dir``, if it has one."""
         return None if sock_dir is None else self._open.get(sock_dir)
 
+    def take(self, sock_dir: Path | None) -> list[dict]:
+        """The connections of ``sock_dir``'s open gate that ended, or were refused (nothing more
+        passes on those, though the client may hold them open), since the last ``take``, oldest
+        first (dicts, as ``records`` holds them); one still carrying bytes waits for a later call."""
+        gate = self.gate(sock_dir)
+        if gate is None:
+            return []
+        assert sock_dir is not None
+        taken = self._taken.setdefault(sock_dir, set())
+        fresh = [r for r in gate.records if id(r) not in taken
+                 and (r.seconds is not None or (r.verdict != "allowed" and r.status))]
+        taken.update(id(r) for r in fresh)
+        return [{**r.to_dict(), "process": sock_dir.name} for r in fresh]
+
     async def close(self, sock_dir: Path | None) -> list[dict]:
         """Close the gate of ``sock_dir`` (its sandbox has ended): its connections end, and are
         recorded; returns them."""
@@ -82,6 +97,7 @@ class Gates:
 
     async def _close(self, sock_dir: Path, gate: Gate) -> list[dict]:
         await gate.close()
+        self._taken.pop(sock_dir, None)
         records = [{**r.to_dict(), "process": sock_dir.name} for r in gate.records]
         room = max(0, _RECORDED - len(self.records))
         self.records += records[:room]
