@@ -265,3 +265,48 @@ def test_doctor_says_whether_allowlisting_works(tmp_path):
     done = agentloop(tmp_path, "doctor")  # (exit 1 here: no model answers)
     assert "network by name (--allow-net): works (a worker reached a listed listener through its proxy)" \
         in done.stdout, done.stdout + done.stderr
+
+
+def test_samples_install_from_a_listed_index_each_with_its_own_list(tmp_path, index, canaries):
+    """``exec --jsonl --allow-net``: a sample installs from the index; one whose own ``allow_net``
+    names another port is refused; each result lists its connections."""
+    cwd, _ = _dirs(tmp_path)
+    samples = cwd / "samples.jsonl"
+    lines = [{"id": "pip", "code": pip_block(index), "timeout": 150},
+             {"id": "own", "code": pip_block(index), "timeout": 150, "allow_net": [f"{ALLOWED}:{index.port + 1}"]}]
+    samples.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = cwd.parent / f"{cwd.name}-results.jsonl"
+    done = agentloop(cwd, "exec", "--jsonl", str(samples), "-o", str(out), "--parallel", "1", "--allow-net", index.address)
+    assert done.returncode == 0, done.stderr
+    results = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert "installed egresstest" in results["pip"]["stdout"], results["pip"]
+    assert [(c["host"], c["port"], c["verdict"]) for c in results["pip"]["network"]] == \
+        [(ALLOWED, index.port, "allowed")] * 2
+    assert "not installed" in results["own"]["stdout"] and f"--allow-net {index.address}" in results["own"]["stdout"]
+    assert {c["why"] for c in results["own"]["network"]} == {"port"}
+    assert len(index.requests) == 2
+    # A sample's own list needs the command's: without it, refused before anything runs.
+    alone = agentloop(cwd, "exec", "--jsonl", str(samples), "-o", str(cwd.parent / f"{cwd.name}-2.jsonl"))
+    assert alone.returncode == 125 and "line 2: allow_net needs the command's own allowlist" in alone.stderr, alone.stderr
+    bad = cwd / "bad.jsonl"
+    bad.write_text(json.dumps({"id": 1, "code": "", "allow_net": ["*.com"]}) + "\n")
+    refused = agentloop(cwd, "exec", "--jsonl", str(bad), "-o", str(cwd.parent / f"{cwd.name}-3.jsonl"))
+    assert refused.returncode == 125 and "allow_net '*.com': *.com would allow a whole top-level domain" in refused.stderr, \
+        refused.stderr
+
+
+async def test_engine_map_samples_reach_only_their_list(tmp_path, index, canaries):
+    from engine.samples import Sample
+
+    cwd, workspace = _dirs(tmp_path)
+    code = f"import urllib.request\nprint(urllib.request.urlopen({index.url + 'egresstest/'!r}, timeout=10).status)\n"
+    async with Engine(WorkerSettings(allow_net=[index.address]), cwd=cwd, workspace=workspace) as engine:
+        results = [r async for r in engine.map([Sample(1, code), Sample(2, code, allow_net=(f"{ALLOWED}:1",)),
+                                                Sample(3, "import socket; socket.create_connection(('127.0.0.1', 3128))"
+                                                          ".close(); print('forwarder there')")])]
+    assert [r.status for r in results] == ["ok", "error", "ok"], [r.stderr[-300:] for r in results]
+    assert [c["verdict"] for c in results[0].network] == ["allowed"]
+    assert "HTTP Error 403" in results[1].stderr and [c["why"] for c in results[1].network] == ["port"]
+    # (a connection that sent nothing is recorded as such: refused, its request malformed)
+    assert [(c["verdict"], c["why"]) for c in results[2].network] == [("refused", "malformed")]
+    assert len(index.requests) == 1

@@ -259,9 +259,6 @@ def _run_samples(samples: Path, output: Path | None, file, as_json: bool, timeou
     if file is not None or output is None or as_json:
         fail("--jsonl SAMPLES takes -o RESULTS, and neither FILE nor --json")
     settings = worker_settings()
-    if settings.settings().allow_net:
-        fail("--allow-net reaches workers and exec FILE; code samples (exec --jsonl) have no network but "
-             "--network yet: run the sample with exec FILE instead")
     if settings.workspace is not None:
         fail("--jsonl gives each sample a workspace of its own; --workspace does not apply")
     # The current directory may hold the results: shown to samples only when asked for.

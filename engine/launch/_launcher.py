@@ -389,9 +389,6 @@ class Launcher:
             plan = dataclasses.replace(plan, uid=uid, confine=plan.confine.replace(uid=(uid, uid)))
         if endpoint.startswith("ipc://"):
             plan.grant(Path(endpoint[len("ipc://"):]))
-        if self.gates is not None and entry != WORKER:  # (a slot's samples have no forwarder yet)
-            raise ConfigError("--allow-net reaches workers and exec FILE; code samples (exec --jsonl, Engine.map) "
-                              "have no network but --network yet: run the sample with exec FILE instead")
         egress = self.gates.open(sock_dir, plan) if self.gates is not None else ""
         # A slot is told its endpoint in its settings, not on its command line (every sample
         # could read that).

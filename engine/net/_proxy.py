@@ -151,6 +151,14 @@ class Gate:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def cut(self) -> None:
+        """End every open connection and keep accepting: what one program of the sandbox
+        opened ends with it (a sample slot's gate, between its samples)."""
+        tasks = list(self._open)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     # -- accepting -------------------------------------------------------------------------
 
     async def _accept(self) -> None:
