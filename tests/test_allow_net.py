@@ -310,3 +310,25 @@ async def test_engine_map_samples_reach_only_their_list(tmp_path, index, canarie
     # (a connection that sent nothing is recorded as such: refused, its request malformed)
     assert [(c["verdict"], c["why"]) for c in results[2].network] == [("refused", "malformed")]
     assert len(index.requests) == 1
+
+
+def test_a_batch_task_reaches_what_its_own_line_lists(tmp_path, index, canaries):
+    from engine.scripted import ScriptedServer
+
+    cwd, _ = _dirs(tmp_path)
+    reply = lambda body: "done: " + ("yes" if "installed egresstest" in body["messages"][-1]["content"] else "no")  # noqa: E731
+    script = {"install": [f"<run_code>\n{pip_block(index)}\n</run_code>", reply]}
+    tasks = cwd / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "listed", "task": "install", "allow_net": [index.address]}) + "\n"
+                     + json.dumps({"id": "unlisted", "task": "install"}) + "\n")
+    out = cwd.parent / f"{cwd.name}-batch.jsonl"
+    with ScriptedServer(script) as server:
+        env = {**os.environ, "XDG_STATE_HOME": str(cwd.parent / f"{cwd.name}-state"), "LLM_URL": server.url}
+        done = subprocess.run([*AGENTLOOP, "batch", str(tasks), "-o", str(out), "--parallel", "1"], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr
+    answers = {r["id"]: r["answer"] for r in map(json.loads, out.read_text().splitlines())}
+    assert answers == {"listed": "done: yes", "unlisted": "done: no"}, answers
+    assert len(index.requests) == 2
+    both = agentloop(cwd, "batch", str(tasks), "-o", str(cwd.parent / f"{cwd.name}-2.jsonl"), "--network")
+    assert both.returncode == 125 and "line 1: allow_net and --network together" in both.stderr, both.stderr
