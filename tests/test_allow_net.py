@@ -248,16 +248,14 @@ print("loopback", sh("{curl} http://127.0.0.1:{index.port}/"))
         other = engine.launcher.gates.gate(two._session.sock_dir).path
         seen = await one.run(f"import os; print(os.path.exists({str(other)!r}))")
         assert seen.output.strip() == "False"
-        # The forwarder killed: no network at all, never the host's.
+        # The forwarder killed (with every process but the worker's own: kill(-1); a plain user's
+        # worker does not even see it in /proc): no network at all, never the host's.
         killed = await one.run(f'''
-import os, signal, subprocess, time
-pids = [p for p in os.listdir("/proc") if p.isdigit() and open(f"/proc/{{p}}/comm").read().strip() == "agentloop-net"]
-for p in pids:
-    os.kill(int(p), signal.SIGKILL)
-time.sleep(0.2)
-print(len(pids), subprocess.run("{curl} {index.url}egresstest/", shell=True, capture_output=True, text=True).stdout)
+import os, signal, subprocess
+os.kill(-1, signal.SIGKILL)
+print(subprocess.run("{curl} {index.url}egresstest/", shell=True, capture_output=True, text=True).stdout)
 ''', timeout=60)
-        assert killed.output.split() == ["1", "000"], killed.output
+        assert killed.output.split() == ["000"], killed.output
     assert len(index.requests) == 1  # the listed fetch alone
 
 
@@ -307,8 +305,8 @@ async def test_engine_map_samples_reach_only_their_list(tmp_path, index, canarie
     assert [r.status for r in results] == ["ok", "error", "ok"], [r.stderr[-300:] for r in results]
     assert [c["verdict"] for c in results[0].network] == ["allowed"]
     assert "HTTP Error 403" in results[1].stderr and [c["why"] for c in results[1].network] == ["port"]
-    # (a connection that sent nothing is recorded as such: refused, its request malformed)
-    assert [(c["verdict"], c["why"]) for c in results[2].network] == [("refused", "malformed")]
+    # (a connection that sent nothing is recorded, if the forwarder relayed it, as refused)
+    assert results[2].stdout == "forwarder there\n" and all(c["verdict"] == "refused" for c in results[2].network)
     assert len(index.requests) == 1
 
 
