@@ -201,8 +201,9 @@ async def _worker_starts(top: Path, starts: int) -> dict:
     from engine.workers import Engine
 
     took: dict[str, list[float]] = {"without": [], "with": []}
-    async with Engine(WorkerSettings(), cwd=top, workspace=top / "plain", pool=0) as plain, \
-            Engine(WorkerSettings(allow_net=["127.0.0.2:9"]), cwd=top, workspace=top / "listed", pool=0) as listed:
+    settings = WorkerSettings(state_dir=top / "state")  # (the bench leaves nothing in the user's state)
+    async with Engine(settings, cwd=top, workspace=top / "plain", pool=0) as plain, \
+            Engine(settings.replace(allow_net=["127.0.0.2:9"]), cwd=top, workspace=top / "listed", pool=0) as listed:
         for engine in (plain, listed):  # (each engine's fork server started before any is timed)
             await (await engine.start_worker("warm")).close()
         for i in range(starts):
