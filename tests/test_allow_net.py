@@ -256,7 +256,13 @@ os.kill(-1, signal.SIGKILL)
 print(subprocess.run("{curl} {index.url}egresstest/", shell=True, capture_output=True, text=True).stdout)
 ''', timeout=60)
         assert killed.output.split() == ["000"], killed.output
-    assert len(index.requests) == 1  # the listed fetch alone
+        # The gate closed under a running worker (its sandbox's proxy gone): no network, no fallback.
+        fetch = f"import subprocess\nprint(subprocess.run(\"{curl} {index.url}egresstest/\", shell=True, capture_output=True, text=True).stdout)"
+        before = await two.run(fetch, timeout=60)
+        await engine.launcher.gates.close(two._session.sock_dir)
+        after = await two.run(fetch, timeout=60)
+        assert (before.output.split(), after.output.split()) == (["200"], ["000"]), (before.output, after.output)
+    assert len(index.requests) == 2  # the listed fetches alone
 
 
 def test_doctor_says_whether_allowlisting_works(tmp_path):
