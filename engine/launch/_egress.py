@@ -54,16 +54,10 @@ class Gates:
         if plan.bwrap is None:
             raise ConfigError("--allow-net needs the bubblewrap sandbox (an empty network namespace with one way "
                               "out), and this machine's workers run without it (agentloop doctor says why)")
-        old = self._open.pop(sock_dir, None)
-        if old is not None:  # (a directory reused: the old gate's connections end with it)
-            asyncio.ensure_future(self._close(sock_dir, old))
+        assert sock_dir not in self._open, "a socket directory is made for one process"
         gate = Gate(sock_dir / SOCKET_NAME, allowlist or self.allowlist).listen()
-        try:
-            plan.grant(gate.path)
-        except OSError:
-            asyncio.ensure_future(gate.close())
-            raise
-        self._open[sock_dir] = gate
+        self._open[sock_dir] = gate  # (closed with the directory's process, whatever happens next)
+        plan.grant(gate.path)
         return str(gate.path)
 
     def gate(self, sock_dir: Path | None) -> Gate | None:
