@@ -517,3 +517,24 @@ def test_a_blocks_connections_are_listed_on_its_page_as_text(browser, tmp_path: 
     assert page.evaluate("window.pwned === undefined") and page.evaluate("document.querySelectorAll('img').length") == 0
     assert errors == [] and requests == [out.as_uri()]
     page.close()
+
+
+def test_a_samples_report_lists_each_samples_connections_as_text(browser, tmp_path: Path) -> None:
+    """``exec --jsonl --allow-net``: a listed sample's row holds its connections, as text."""
+    hostile = "<img src=x onerror=window.pwned=1>"
+    network = [{"host": "pypi.org", "port": 443, "verdict": "allowed", "why": ""},
+               {"host": hostile, "port": 80, "verdict": "refused", "why": "not-listed"}]
+    rows = [{"id": "net", "status": "error", "exit_code": 1, "stdout": "", "stderr": "HTTP Error 403\n",
+             "duration_s": 0.5, "message": "", "network": network},
+            {"id": "plain", "status": "ok", "exit_code": 0, "stdout": "", "stderr": "", "duration_s": 0.1, "message": ""}]
+    source = tmp_path / "results.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "results.html"
+    assert agentloop(tmp_path, "view", str(source), "-o", str(out), "--no-open").returncode == 0
+    page, errors, requests = _open(browser, out)
+    listed = page.eval_on_selector_all('tr[data-id="net"] details.network', "ds => ds.map(d => d.textContent)")
+    assert listed and listed[0] == f"network (2)pypi.org:443 allowed\n{hostile}:80 refused (not-listed)", listed
+    assert page.evaluate("document.querySelectorAll('tr[data-id=\"plain\"] details.network').length") == 0
+    assert page.evaluate("window.pwned === undefined") and page.evaluate("document.querySelectorAll('img').length") == 0
+    assert errors == [] and requests == [out.as_uri()]
+    page.close()
