@@ -17,10 +17,12 @@ from pathlib import Path
 
 import click
 
+from engine.config import CONFIG_FILE, read_config
 from engine.durations import parse_duration
 from engine.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OWN, EXIT_TIMEOUT, AgentloopError
 from engine.inert import inert
 from engine.launch import WorkerSettings
+from engine.net import Allowlist
 from engine.results import OUTPUT_CAP
 from engine.sandbox import SandboxPolicy, which_python
 from engine.secrets import redact_urls
@@ -127,16 +129,13 @@ class _WorkerOptions:
                 fail(str(exc))
         return self._built
 
-    def allowlist(self):
-        """``--allow-net``'s entries and those of ``network.allow`` in ./agentloop.toml
-        (``engine.net.Allowlist``); ConfigError naming the first that is none."""
-        from engine.config import CONFIG_FILE, read_config
-        from engine.net import Allowlist
-
+    def allowlist(self) -> Allowlist:
+        """The entries of ``network.allow`` in ./agentloop.toml and ``--allow-net``'s, each once
+        (``engine.net.Allowlist``); ConfigError naming the first that is none, and where."""
         config = Path(CONFIG_FILE)
         listed = read_config(config).get("network", {}).get("allow", []) if config.is_file() else []
-        return Allowlist(Allowlist.parse(listed, f"{config}: network.allow").entries
-                         + Allowlist.parse(self.allow_net).entries)
+        entries = (*Allowlist.parse(listed, f"{config}: network.allow").entries, *Allowlist.parse(self.allow_net).entries)
+        return Allowlist(tuple(dict.fromkeys(entries)))
 
 
 def worker_settings() -> _WorkerOptions:

@@ -14,11 +14,14 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.errors import ConfigError
-from engine.net import Allowlist, Gate
-from engine.sandbox import LaunchPlan
 from worker.contract.egress import FORWARDER_PORT, SOCKET_NAME, proxy_environment
+
+if TYPE_CHECKING:
+    from engine.net import Allowlist, Gate
+    from engine.sandbox import LaunchPlan
 
 __all__ = ["Gates", "proxy_env"]
 
@@ -54,6 +57,8 @@ class Gates:
         if plan.bwrap is None:
             raise ConfigError("--allow-net needs the bubblewrap sandbox (an empty network namespace with one way "
                               "out), and this machine's workers run without it (agentloop doctor says why)")
+        from engine.net import Gate  # (a run without an allowlist never imports the proxy)
+
         assert sock_dir not in self._open, "a socket directory is made for one process"
         gate = Gate(sock_dir / SOCKET_NAME, allowlist or self.allowlist).listen()
         self._open[sock_dir] = gate  # (closed with the directory's process, whatever happens next)
