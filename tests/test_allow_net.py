@@ -236,6 +236,7 @@ print("listed", sh("{curl} {index.url}egresstest/"))
 print("port", sh("{curl} http://{ALLOWED}:{index.port + 1}/"))
 print("spelt", sh("{curl} --noproxy '' http://2130706433:{index.port}/"))
 print("loopback", sh("{curl} http://127.0.0.1:{index.port}/"))
+print("host", sh("curl -s -o /dev/null -w '%{{http_connect}}' --max-time 10 https://pypi.org/"))
 '''
     async with Engine(WorkerSettings(allow_net=[index.address]), cwd=cwd, workspace=workspace) as engine:
         one, two = await engine.start_worker("one"), await engine.start_worker("two")
@@ -243,7 +244,9 @@ print("loopback", sh("{curl} http://127.0.0.1:{index.port}/"))
         said = dict(line.split(" ", 1) for line in result.output.splitlines())
         # (127.0.0.1 is the sandbox's own loopback, in NO_PROXY: empty; 2130706433, sent through the
         # proxy, is that address and is refused)
-        assert said == {"noproxy": "000", "listed": "200", "port": "403", "spelt": "403", "loopback": "000"}, said
+        # (an unlisted name is refused before any lookup: the CONNECT's answer is 403)
+        assert said == {"noproxy": "000", "listed": "200", "port": "403", "spelt": "403", "loopback": "000",
+                        "host": "403"}, said
         # Another worker's gate is not in this sandbox: its socket directory is not shown.
         other = engine.launcher.gates.gate(two._session.sock_dir).path
         seen = await one.run(f"import os; print(os.path.exists({str(other)!r}))")
