@@ -80,6 +80,8 @@ def test_quick_bench_prints_a_complete_report(tmp_path: Path) -> None:
             assert egress["setup_ms"][side]["n"] == 40 and egress["setup_ms"][side]["p50"] > 0
             assert egress["bulk_mb_s"][side] > 0
         assert egress["refused"] == 0 and egress["forwarder_start_ms"]["p50"] > 0
+        for side in ("without", "with"):  # a forked worker's start without and with an allowlist
+            assert egress["worker_start_ms"][side]["n"] == 10 and egress["worker_start_ms"][side]["p50"] > 0
 
     exec_file = report["exec_file"]  # agentloop exec FILE end to end, against python FILE
     for side in ("agentloop", "python"):

@@ -71,6 +71,7 @@ from ._mounts import (
 )
 from .contract import sample
 from .contract.confinement import Confinement
+from .contract.egress import FORWARDER_PORT
 from .contract.framing import FrameBuffer, FrameError, decode, encode, frame
 from .contract.limits import INTERRUPT_SIGNAL, HeadTail
 from .contract.sample import SlotSettings
@@ -88,11 +89,19 @@ _AT_FDCWD, _OPEN_TREE_CLONE, _MOVE_MOUNT_F_EMPTY_PATH = -100, 1, 4
 #: Terminals a sample may hold at once, in the devpts instance of its own (the kernel's pool of
 #: them is the host's).
 PTYS = 64
+#: Where a sample with a way out (``--allow-net``) finds its slot's gate socket, bound read-only
+#: in its own /tmp (its forwarder relays there; the code may as well, to the same policy).
+EGRESS_SOCKET = "/tmp/.agentloop-net/egress.sock"
 
 
 class SlotRuntime:
-    def __init__(self, conn: socket.socket, settings: SlotSettings, confine: Confinement) -> None:
+    def __init__(self, conn: socket.socket, settings: SlotSettings, confine: Confinement, egress: str = "") -> None:
         self.conn = conn
+        self.forward = None
+        if egress:  # (imported once here, for every sample; a slot without a way out never does)
+            from .egress import start as forward
+
+            self.forward = forward
         self.frames = FrameBuffer(sample.MAX_REQUEST)
         self.workspace = settings.workspace
         self.tmp_bytes = settings.tmp_bytes
@@ -105,7 +114,10 @@ class SlotRuntime:
         # Never shown to a sample: the workspace (each gets an empty one), the run's sockets
         # and its outputs.
         hidden = [d for d in (self.workspace, os.path.dirname(own) if own else "", settings.outputs) if d]
-        self.keep = _own_view(hidden)
+        # The way out of its samples (``--allow-net``): the slot's gate socket, copied before the
+        # run's sockets are detached from this view, shown at ``EGRESS_SOCKET`` (and so in each
+        # sample's /tmp, with what else the view keeps there).
+        self.keep = _own_view(hidden, {egress: EGRESS_SOCKET} if egress else {})
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         os.set_blocking(self.wake_r, False)
         signal.set_wakeup_fd(wake_w)
@@ -280,6 +292,8 @@ class SlotRuntime:
             os.closerange(3, 1 << 16)
             os.chdir(self.workspace)
             _confine.apply(self.confine)
+            if self.forward is not None:  # confined, one thread, before any code: the forwarder
+                self.forward(EGRESS_SOCKET, port=FORWARDER_PORT)
             if req.env:
                 os.environ.update(req.env)
                 time.tzset()  # (confined first: TZ may name a file)
@@ -308,6 +322,9 @@ class SlotRuntime:
         size = f"size={self.tmp_bytes},mode=1777".encode()
         check(libc.mount(b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, size), "/tmp")
         for point, read_only, fd in keep:
+            if point == EGRESS_SOCKET:  # (a socket, not a directory: it is bound on a file)
+                os.makedirs(os.path.dirname(point), mode=0o755, exist_ok=True)
+                os.close(os.open(point, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
             bind(fd, point, read_only)
             os.close(fd)
         os.makedirs(self.workspace, exist_ok=True)
@@ -321,7 +338,7 @@ class SlotRuntime:
               "/proc")
 
 
-def _own_view(hidden: list[str]) -> list[tuple[str, bool]]:
+def _own_view(hidden: list[str], files: dict[str, str] | None = None) -> list[tuple[str, bool]]:
     """Give the slot a mount namespace of its own holding nothing a sample may not see, since
     each sample's is a copy of it and a covered mount still shows in ``/proc/self/mountinfo``:
     every layer of ``/tmp``, ``/dev/shm`` and of the ``hidden`` directories (the paths of the
@@ -332,7 +349,9 @@ def _own_view(hidden: list[str]) -> list[tuple[str, bool]]:
 
     Unprivileged, the layers that the server's sandbox mounted are locked into every namespace
     below it (the kernel lets what is under a mount be covered, never uncovered): they stay,
-    named in ``mountinfo``, and an empty read-only tmpfs covers each hidden directory again."""
+    named in ``mountinfo``, and an empty read-only tmpfs covers each hidden directory again.
+    ``files``: a file (the slot's gate socket) -> where in the fresh ``/tmp`` it is shown
+    read-only, kept as the other mounts are."""
     check(libc.unshare(NEWNS), "unshare")
     os.chdir("/")  # (not in a mount about to go)
     shown: dict[str, bool] = {}
@@ -341,6 +360,7 @@ def _own_view(hidden: list[str]) -> list[tuple[str, bool]]:
             shown[point] = read_only
     keep = sorted(shown.items(), key=lambda item: item[0].count("/"))
     copies = [_copy_mount(point) for point, _ in keep]
+    moved = [(_copy_mount(source), target) for source, target in (files or {}).items()]
     for top in ("/tmp", "/dev/shm", *hidden):
         while libc.umount2(top.encode(), _MNT_DETACH) == 0:  # every layer, until none is left
             pass
@@ -353,6 +373,12 @@ def _own_view(hidden: list[str]) -> list[tuple[str, bool]]:
         os.makedirs(point, exist_ok=True)
         check(libc.syscall(_SYS_MOVE_MOUNT, fd, b"", _AT_FDCWD, point.encode(), _MOVE_MOUNT_F_EMPTY_PATH), point)
         os.close(fd)
+    for fd, target in moved:
+        os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+        os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))  # (a file to mount on)
+        check(libc.syscall(_SYS_MOVE_MOUNT, fd, b"", _AT_FDCWD, target.encode(), _MOVE_MOUNT_F_EMPTY_PATH), target)
+        os.close(fd)
+        keep.append((target, True))
     return keep
 
 
@@ -522,7 +548,7 @@ def main() -> None:
             raise ContractError("no slot settings")
         for name in start.slot.preload:  # --preload: imported once, shared by every sample
             __import__(name)
-        slot = SlotRuntime(conn, start.slot, start.confine)
+        slot = SlotRuntime(conn, start.slot, start.confine, start.egress)
         _confine.prepare(start.confine)  # once here for every sample: seccomp built, bounding set empty
     except BaseException as exc:  # noqa: BLE001 - said to the coordinator; the slot is not used
         conn.sendall(frame(encode(sample.Failed(f"{type(exc).__name__}: {exc}"[:2000]))))

@@ -16,7 +16,7 @@ from engine.batch.progress import LinesView, Meter, Tally, make_view, short
 from engine.batch.results_file import Lock, ResultsFile, lock_runs_dir, open_results
 from engine.batch.stopping import Stopper, infra_threshold
 from engine.batch.tasks import TaskSpec, read_tasks, refuse_invalid
-from engine.errors import EXIT_INTERRUPTED, AgentloopError, ForeignServer, ModelUnreachable
+from engine.errors import EXIT_INTERRUPTED, AgentloopError, ConfigError, ForeignServer, ModelUnreachable
 from engine.models import ModelConfig, probe
 
 if TYPE_CHECKING:
@@ -156,6 +156,10 @@ def run_batch(tasks_path: str | Path, output: str | Path, settings: RunSettings,
     output = Path(output)
     specs, problems = read_tasks(tasks_path, settings.models)
     refuse_invalid(tasks_path, problems, skip_invalid)
+    given = next((spec for spec in specs if spec.allow_net), None)
+    if given is not None and settings.worker.sandbox.network:
+        raise ConfigError(f"{tasks_path}: line {given.line}: allow_net and --network together: --network gives "
+                          "every run the host's whole network, allow_net only the hosts it names; choose one")
     if ray_address is None:  # (a Ray node may reach what this machine does not, and the reverse)
         asyncio.run(check_endpoints(settings.models.get(s.model or settings.model) for s in specs))
     lock = lock_runs_dir(settings.runs_dir)

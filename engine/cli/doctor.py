@@ -68,6 +68,10 @@ def doctor_cmd(models_file, model) -> None:
             click.echo(inert(f"worker: does not start: {exc}"))
             started = False
         healthy &= started
+        if started:
+            fine, words = asyncio.run(_allowlisting(options.settings()))
+            click.echo(inert(f"network by name (--allow-net): {words}"))
+            healthy &= fine
         try:
             version = f" (Python {probe_python(python).version})"  # (checked: a TrustedPython)
         except AgentloopError:
@@ -100,6 +104,51 @@ def doctor_cmd(models_file, model) -> None:
             answers &= fine
     healthy &= answers
     sys.exit(0 if healthy else 1)
+
+
+#: What the doctor's worker runs to reach the doctor's listener through its forwarder (a plain
+#: proxy request by hand: NO_PROXY rightly sends 127.0.0.1 past the proxy in every client).
+_THROUGH = """
+import os, socket
+proxy = os.environ["HTTP_PROXY"].rsplit(":", 1)[1]
+with socket.create_connection(("127.0.0.1", int(proxy)), timeout=10) as s:
+    s.sendall(b"GET http://127.0.0.1:%d/ HTTP/1.1\\r\\nHost: 127.0.0.1:%d\\r\\n\\r\\n")
+    said = b""
+    while chunk := s.recv(65536):
+        said += chunk
+print(said.decode("latin-1").rsplit("\\n", 1)[-1])
+"""
+
+
+async def _allowlisting(settings) -> tuple[bool, str]:
+    """Whether ``--allow-net`` works here: a worker whose allowlist names a listener on the
+    host's loopback reaches it through its gate and forwarder.  (fine, words)."""
+    if settings.sandbox.network:
+        return True, "not tried: --network gives workers the host's network"
+    if settings.sandbox.mode in ("none", "landlock"):
+        return True, f"not offered under --sandbox {settings.sandbox.mode} (it needs bubblewrap)"
+    answered = []
+
+    async def answer(reader, writer):
+        answered.append(True)
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.0 200 OK\r\nContent-Length: 7\r\n\r\nreached")
+        await writer.drain()
+        writer.close()
+
+    listener = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    try:
+        async with Engine(settings.replace(allow_net=[f"127.0.0.1:{port}"]), pool=0) as engine:
+            worker = await engine.start_worker("doctor-net")
+            result = await worker.run(_THROUGH % (port, port), timeout=20)
+    except AgentloopError as exc:
+        return False, f"does not work: {exc}"
+    finally:
+        listener.close()
+    if result.ok and result.output.strip() == "reached" and answered:
+        return True, "works (a worker reached a listed listener through its proxy)"
+    return False, f"does not work: {result.text().strip()[-300:]}"
 
 
 def _endpoint_lines(config, server) -> list[tuple[bool, str]]:

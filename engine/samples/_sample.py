@@ -59,7 +59,9 @@ FILES_CAP = 8 * 1024 * 1024
 class Sample:
     """One program to run.  ``files``: (path relative to the workspace, content, mode), written
     before the code starts; ``env``: variables set for it (names from ``ENV_ALLOWLIST``);
-    ``timeout``: its deadline in seconds (None: the caller's default)."""
+    ``timeout``: its deadline in seconds (None: the caller's default); ``allow_net``: the hosts it
+    may reach (``--allow-net`` entries) in place of the run's, whose allowlist gives its sandbox
+    a way out at all (empty: the run's)."""
 
     id: str | int
     code: str
@@ -68,6 +70,7 @@ class Sample:
     timeout: float | None = None
     files: tuple[tuple[str, bytes, int], ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+    allow_net: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:
@@ -79,7 +82,8 @@ class SampleResult:
     """How one sample ended.  ``exit_code`` is what ``agentloop exec`` exits with for it (124
     at the deadline, 128+N for a death by signal N); ``stdout_cut``/``stderr_cut``: bytes cut
     between the head and the tail kept; ``max_rss_mb``: peak resident memory of the sample's
-    process (None when it died before it could say)."""
+    process (None when it died before it could say); ``network``: with an allowlist, every
+    connection its code made through its way out (``engine.net.ConnectionRecord``'s fields)."""
 
     id: str | int
     status: str
@@ -91,6 +95,7 @@ class SampleResult:
     duration_s: float
     max_rss_mb: float | None
     message: str = ""
+    network: list[dict] | None = None
 
     @property
     def ok(self) -> bool:
@@ -101,7 +106,7 @@ class SampleResult:
         return {"id": self.id, "status": self.status, "exit_code": self.exit_code, "stdout": self.stdout,
                 "stderr": self.stderr, "stdout_cut": self.stdout_cut, "stderr_cut": self.stderr_cut,
                 "duration_s": round(self.duration_s, 4), "max_rss_mb": self.max_rss_mb,
-                "message": self.message}
+                "message": self.message, **({"network": self.network} if self.network is not None else {})}
 
 
 def cancelled(sample: Sample, started: float) -> SampleResult:
