@@ -53,13 +53,18 @@ OUTPUT_BYTES = 8 * 1024
 SCRIPT_NAME = "sample.py"
 #: Bytes of ``files`` one sample may carry (they travel in one message to the worker).
 FILES_CAP = 8 * 1024 * 1024
+#: Bytes of the files one sample may send back (``fetch``), in all.
+FETCH_CAP = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
 class Sample:
     """One program to run.  ``files``: (path relative to the workspace, content, mode), written
     before the code starts; ``env``: variables set for it (names from ``ENV_ALLOWLIST``);
-    ``timeout``: its deadline in seconds (None: the caller's default)."""
+    ``timeout``: its deadline in seconds (None: the caller's default); ``fetch``: paths relative
+    to the workspace whose files come back in the result's ``files`` when the code ends by
+    itself or at its deadline's interrupt (``FETCH_CAP`` bytes at most in all; a missing file,
+    a link or anything but a regular file is left out)."""
 
     id: str | int
     code: str
@@ -68,6 +73,7 @@ class Sample:
     timeout: float | None = None
     files: tuple[tuple[str, bytes, int], ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+    fetch: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:
@@ -79,7 +85,8 @@ class SampleResult:
     """How one sample ended.  ``exit_code`` is what ``agentloop exec`` exits with for it (124
     at the deadline, 128+N for a death by signal N); ``stdout_cut``/``stderr_cut``: bytes cut
     between the head and the tail kept; ``max_rss_mb``: peak resident memory of the sample's
-    process (None when it died before it could say)."""
+    process (None when it died before it could say); ``files``: what ``Sample.fetch`` brought
+    back, by path."""
 
     id: str | int
     status: str
@@ -91,6 +98,7 @@ class SampleResult:
     duration_s: float
     max_rss_mb: float | None
     message: str = ""
+    files: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -166,5 +174,5 @@ def check_env(env: Mapping[str, Any], allowed: Iterable[str]) -> dict[str, str]:
     return {str(k): v for k, v in env.items()}
 
 
-__all__ = ["FILES_CAP", "OUTPUT_BYTES", "SCRIPT_NAME", "STATUSES", "Sample", "SampleResult", "cancelled", "check_env",
+__all__ = ["FETCH_CAP", "FILES_CAP", "OUTPUT_BYTES", "SCRIPT_NAME", "STATUSES", "Sample", "SampleResult", "cancelled", "check_env",
            "map_samples", "RunsSamples"]
