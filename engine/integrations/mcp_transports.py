@@ -26,7 +26,7 @@ from engine.integrations.http_gate import Gate, ServerToken, listen
 from engine.integrations.mcp import AgentloopMCP
 from engine.integrations.mcp_sessions import CLOSE_TIMEOUT, ServerConfig
 
-__all__ = ["MAX_MCP_SESSIONS", "MAX_MESSAGE", "parse_address", "run", "serve_http", "serve_stdio"]
+__all__ = ["MAX_MCP_SESSIONS", "MAX_MESSAGE", "run", "serve_http", "serve_stdio"]
 
 log = logging.getLogger("agentloop")
 
@@ -100,15 +100,6 @@ async def serve_stdio(config: ServerConfig) -> None:
             await mcp.server.run(read_stream, write_stream, mcp.server.create_initialization_options())
 
     await _until_closed(mcp, serve(), "the connection")
-
-
-def parse_address(text: str) -> tuple[str, int]:
-    """HOST:PORT (``[::1]:8000`` for IPv6) as (host, port); ValueError with words otherwise."""
-    host, sep, port = text.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"expected HOST:PORT such as 127.0.0.1:8000, got {text!r}")
-    return host, int(port)
 
 
 async def serve_http(config: ServerConfig, host: str, port: int, announce: Callable[[str], None],
