@@ -286,3 +286,15 @@ def test_a_bind_beyond_loopback_warns(tmp_path):
             proc.kill()
             proc.wait(GONE)
         proc.stderr.close()
+
+
+def test_doctor_checks_a_running_service_and_never_prints_its_token(server):
+    def doctor(url: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*AGENTLOOP, "doctor", "--serve", url], capture_output=True, text=True, timeout=CALL)
+
+    fine = doctor(server.url)
+    assert fine.returncode == 0, fine.stdout + fine.stderr
+    assert "answers, and takes the token" in fine.stdout and "✓ runs a sample" in fine.stdout
+    assert server.token not in fine.stdout + fine.stderr
+    refused = doctor(server.bare)
+    assert refused.returncode == 1 and "refuses the token (HTTP 401)" in refused.stdout
