@@ -298,3 +298,33 @@ def test_doctor_checks_a_running_service_and_never_prints_its_token(server):
     assert server.token not in fine.stdout + fine.stderr
     refused = doctor(server.bare)
     assert refused.returncode == 1 and "refuses the token (HTTP 401)" in refused.stdout
+
+
+def test_a_sample_reaches_neither_the_server_nor_its_token(server):
+    port = int(server.url.split(":")[2].split("/")[0])
+    state = Path(server.log[-1].split("kept in ", 1)[1].split(";")[0])  # the token file, as the start line says
+    attack = f"""
+import os, signal, socket
+def probe(name, fn):
+    try:
+        print(name, repr(fn())[:80])
+    except Exception as exc:
+        print(name, type(exc).__name__)
+probe("token", lambda: open({str(state)!r}).read())
+probe("state", lambda: os.listdir({str(state.parent)!r}))
+probe("port", lambda: socket.create_connection(("127.0.0.1", {port}), timeout=2))
+for pid in (1, os.getppid()):
+    probe(f"kill {{pid}}", lambda: os.kill(pid, signal.SIGKILL))
+    probe(f"environ {{pid}}", lambda: open(f"/proc/{{pid}}/environ", "rb").read())
+"""
+    got = run_code(server, attack)
+    lines = dict(line.split(" ", 1) if not line.startswith(("kill", "environ")) else
+                 (" ".join(line.split(" ", 2)[:2]), line.split(" ", 2)[2]) for line in
+                 got["run_result"]["stdout"].splitlines())
+    assert lines["token"] in ("FileNotFoundError", "PermissionError"), got
+    assert "server-token" not in lines["state"], got  # (at most the skeleton of the runs' directory)
+    assert lines["port"] in ("ConnectionRefusedError", "OSError", "TimeoutError"), got  # a network of its own
+    for key in ("kill 1", "environ 1"):
+        assert lines[key] in ("PermissionError", "ProcessLookupError", "FileNotFoundError"), got
+    assert server.token not in json.dumps(got)
+    assert run_code(server, "print('still serving')")["run_result"]["stdout"] == "still serving\n"
