@@ -261,6 +261,8 @@ def test_past_the_queue_a_request_is_429_and_sigterm_drains_what_runs(tmp_path):
         assert wait_until(lambda: any("2 running or waiting" in line for line in s.log), CALL), s.log
         status, answer = post(s.url + "run_code", {"code": "print('third')", "language": "python"})
         assert status == 429 and "1 run and 1 wait; retry later" in answer["detail"]
+        status, answer = post(s.url + "run_batch", [{"code": "1", "language": "python"}] * 3)
+        assert status == 413 and "send smaller batches" in answer["detail"]  # (it could never be let in)
         below = descendants(s.proc.pid)
         s.proc.send_signal(signal.SIGTERM)
         for t in running:

@@ -9,7 +9,8 @@ Bearer``, then the DNS-rebinding checks):
     GET  /v1/ping      "pong", as SandboxFusion answers it (``agentloop doctor --serve``)
 
 Bounds, each answered in words: a body over ``max_body`` bytes is 413 (before it is read, when
-its Content-Length says so); a batch of more than ``max_batch`` requests is 413; a body that is
+its Content-Length says so); a batch of more than ``max_batch`` requests, or more than may run
+and wait at once, is 413; a body that is
 not JSON, or a request not of SandboxFusion's shape, is 422.  At most ``parallel`` samples run at
 once, all requests together; up to ``queue`` more wait for a slot (a request that waits is not
 answered until it has run: clients see latency, not errors); a request that would take the
@@ -201,6 +202,10 @@ class App:
             if len(value) > self.service.config.max_batch:
                 return _words(413, f"a batch of {len(value)} requests is over this server's "
                                    f"{self.service.config.max_batch} (--max-batch)")
+            room = self.service.config.parallel + self.service.config.queue
+            if len(value) > room:
+                return _words(413, f"a batch of {len(value)} requests is more than this server lets run and wait "
+                                   f"at once ({room}: --parallel and --queue); send smaller batches")
             runs = []
             for i, item in enumerate(value):
                 try:
