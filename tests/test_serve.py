@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -263,6 +264,15 @@ def test_past_the_queue_a_request_is_429_and_sigterm_drains_what_runs(tmp_path):
         assert status == 429 and "1 run and 1 wait; retry later" in answer["detail"]
         status, answer = post(s.url + "run_batch", [{"code": "1", "language": "python"}] * 3)
         assert status == 413 and "send smaller batches" in answer["detail"]  # (it could never be let in)
+        # Connections past --parallel + --queue + 64 are answered 503 before they are read.
+        host, port = s.url.split("/")[2].split(":")
+        idle = [socket.create_connection((host, int(port)), timeout=CALL) for _ in range(1 + 1 + 64)]
+        try:
+            status, answer = post(s.url + "v1/ping", b"")
+        finally:
+            for conn in idle:
+                conn.close()
+        assert (status, answer) == (503, "Service Unavailable")
         below = descendants(s.proc.pid)
         s.proc.send_signal(signal.SIGTERM)
         for t in running:

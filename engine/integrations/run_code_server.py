@@ -14,7 +14,8 @@ and wait at once, is 413; a body that is
 not JSON, or a request not of SandboxFusion's shape, is 422.  At most ``parallel`` samples run at
 once, all requests together; up to ``queue`` more wait for a slot (a request that waits is not
 answered until it has run: clients see latency, not errors); a request that would take the
-samples waiting past ``queue`` is answered 429 at once, with ``Retry-After``.  A request's
+samples waiting past ``queue`` is answered 429 at once, with ``Retry-After``; connections past
+``parallel + queue + 64`` are answered 503 by uvicorn before they are read.  A request's
 ``run_timeout`` and ``memory_limit_MB`` are lowered to the server's (the response's message says
 so); a lower memory limit is enforced too, by slots kept for it.
 
@@ -58,6 +59,8 @@ log = logging.getLogger("agentloop")
 
 #: Bytes of each stream's head and of its tail kept (about SandboxFusion's 1 MiB a stream).
 OUTPUT_BYTES = 512 * 1024
+#: Connections beyond those that may hold a sample (``parallel`` + ``queue``) served at once.
+_MARGIN = 64
 #: Seconds a request already read may take to be answered once SIGTERM came, past its deadline.
 _DRAIN_SLACK = 30.0
 
@@ -258,7 +261,9 @@ async def serve_http(config: ServeConfig, host: str, port: int, announce: Callab
     # deadline and a slack to be answered once the server is told to stop.
     server = Uvicorn(uvicorn.Config(gated, log_level="warning", lifespan="off", access_log=False,
                                     timeout_graceful_shutdown=int(config.limits.timeout + _DRAIN_SLACK),
-                                    limit_concurrency=None, backlog=1024))
+                                    # Connections beyond those that may hold a sample, and a
+                                    # margin for pings and refusals, are answered 503 at once.
+                                    limit_concurrency=config.parallel + config.queue + _MARGIN, backlog=1024))
     loop = asyncio.get_running_loop()
     stops = 0
 
