@@ -50,7 +50,7 @@ class Server:
 
 
 @contextlib.contextmanager
-def serving(tmp_path: Path, *options: str, verbose: bool = False) -> Iterator[Server]:
+def serving(tmp_path: Path, *options: str, verbose: bool = False, token_file: Path | None = None) -> Iterator[Server]:
     state = tmp_path / "state"
     (tmp_path / "cwd").mkdir(exist_ok=True)
     proc = subprocess.Popen([*AGENTLOOP, *(["-v"] if verbose else []), "serve", "--http", "127.0.0.1:0", *options],
@@ -65,7 +65,7 @@ def serving(tmp_path: Path, *options: str, verbose: bool = False) -> Iterator[Se
             assert line, f"the server said nothing more before it served: {log}"
             log.append(line)
         url = log[-1].split(" at ", 1)[1].split()[0]
-        token = (state / "agentloop" / "server-token").read_text().strip()
+        token = (token_file or state / "agentloop" / "server-token").read_text().strip()
         assert url == f"{url.rsplit('/', 2)[0]}/{token}/" and url.startswith("http://127.0.0.1:")
         threading.Thread(target=lambda: log.extend(proc.stderr), daemon=True).start()
         yield Server(proc, url, token, log)
@@ -340,3 +340,20 @@ for pid in (1, os.getppid()):
         assert lines[key] in ("PermissionError", "ProcessLookupError", "FileNotFoundError"), got
     assert server.token not in json.dumps(got)
     assert run_code(server, "print('still serving')")["run_result"]["stdout"] == "still serving\n"
+
+
+def test_token_file_names_the_token_and_one_others_may_read_is_refused(tmp_path):
+    token = "t" * 40
+    path = tmp_path / "token"
+    path.write_text(token + "\n")
+    path.chmod(0o644)
+    refused = subprocess.run([*AGENTLOOP, "serve", "--http", "127.0.0.1:0", "--token-file", str(path)],
+                             capture_output=True, text=True, timeout=START, cwd=tmp_path,
+                             env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")})
+    assert refused.returncode == 125 and "must be yours and no one else's" in refused.stderr, refused.stderr
+    path.chmod(0o600)
+    with serving(tmp_path, "--token-file", str(path), token_file=path) as s:
+        assert s.url.endswith(f"/{token}/")
+        status, answer = post(s.bare + "run_code", {"code": "print(7)", "language": "python"},
+                              {"Authorization": f"Bearer {token}"})
+        assert status == 200 and answer["run_result"]["stdout"] == "7\n"
