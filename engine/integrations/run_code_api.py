@@ -8,7 +8,7 @@ The request (SandboxFusion's ``RunCodeRequest``): ``code`` (required), ``languag
 ``compile_timeout`` (taken and unused: Python is not compiled), ``memory_limit_MB`` (default
 -1: the server's limit), ``files`` (path -> base64 content, or null to skip it), ``fetch_files``
 (paths to send back), ``args`` (``sys.argv[1:]``).  Other keys are ignored, as SandboxFusion's
-models ignore them.  A field of the wrong type is ``RequestError`` (HTTP 422, in words).
+models ignore them.  A field of the wrong type is ``BadRequest`` (HTTP 422, in words).
 
 The response (``RunCodeResponse``): ``status`` ``Success`` (exit status 0), ``Failed`` (another
 exit status, a death by a signal, the deadline) or ``SandboxError`` (the code could not be run);
@@ -26,22 +26,18 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import EXIT_OWN, ConfigError
+from engine.errors import EXIT_OWN, BadRequest
 from engine.samples import FILES_CAP, Sample, SampleResult
 from worker.contract.limits import MAX_ID
 from worker.contract.sample import MAX_FETCHED
 
-__all__ = ["LANGUAGES", "Limits", "RequestError", "Run", "parse_request", "refused", "response"]
+__all__ = ["LANGUAGES", "Limits", "Run", "parse_request", "refused", "response"]
 
 #: The ``language`` values run (SandboxFusion's name for Python, and the usual other one).
 LANGUAGES = ("python", "python3")
 #: SandboxFusion's default ``run_timeout``, in seconds.
 _RUN_TIMEOUT = 10.0
 _MIB = 1024 * 1024
-
-
-class RequestError(ConfigError):
-    """A request that is not SandboxFusion's shape (HTTP 422); the words say which field."""
 
 
 @dataclass(frozen=True)
@@ -65,24 +61,24 @@ class Run:
 
 
 def parse_request(body: Any, ident: int, limits: Limits) -> Run:
-    """The run ``body`` (a decoded JSON value) asks for, as sample ``ident``; RequestError in
+    """The run ``body`` (a decoded JSON value) asks for, as sample ``ident``; BadRequest in
     words for a body that is not a RunCodeRequest.  A language other than Python is not an
     error here: ``Run.language`` says it, and the server answers ``refused``."""
     if not isinstance(body, dict):
-        raise RequestError(f"a request is a JSON object, not {type(body).__name__}")
+        raise BadRequest(f"a request is a JSON object, not {type(body).__name__}")
     code = body.get("code")
     if not isinstance(code, str):
-        raise RequestError("code: a string is required")
+        raise BadRequest("code: a string is required")
     language = body.get("language")
     if not isinstance(language, str):
-        raise RequestError("language: a string is required (python)")
+        raise BadRequest("language: a string is required (python)")
     stdin = body.get("stdin")
     if stdin is not None and not isinstance(stdin, str):
-        raise RequestError("stdin: a string or null")
+        raise BadRequest("stdin: a string or null")
     notes: list[str] = []
     timeout = _number(body, "run_timeout", _RUN_TIMEOUT)
     if timeout <= 0:
-        raise RequestError("run_timeout: a positive number of seconds")
+        raise BadRequest("run_timeout: a positive number of seconds")
     if timeout > limits.timeout:
         notes.append(f"run_timeout {_shown(timeout)} s is past this server's {_shown(limits.timeout)} s; "
                      f"{_shown(limits.timeout)} s applied")
@@ -91,13 +87,13 @@ def parse_request(body: Any, ident: int, limits: Limits) -> Run:
     memory = _memory(_number(body, "memory_limit_MB", -1), limits, notes)
     args = body.get("args", [])
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-        raise RequestError("args: a list of strings")
+        raise BadRequest("args: a list of strings")
     files = _files(body.get("files") or {})
     fetch = body.get("fetch_files") or []
     if not isinstance(fetch, list) or not all(isinstance(p, str) for p in fetch):
-        raise RequestError("fetch_files: a list of paths")
+        raise BadRequest("fetch_files: a list of paths")
     if len(fetch) > MAX_FETCHED:
-        raise RequestError(f"fetch_files: at most {MAX_FETCHED} paths")
+        raise BadRequest(f"fetch_files: at most {MAX_FETCHED} paths")
     for path in fetch:
         _relative(path, "fetch_files")
     sample = Sample(ident, code, stdin=stdin, args=tuple(args), timeout=timeout, files=files,
@@ -114,7 +110,7 @@ def _number(body: dict, name: str, default: float) -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise RequestError(f"{name}: a number")
+        raise BadRequest(f"{name}: a number")
     return float(value)
 
 
@@ -137,28 +133,28 @@ def _relative(path: str, where: str) -> str:
     parts = path.split("/")
     if not path or len(path) > MAX_ID or path.startswith("/") or any(p in ("", ".", "..") for p in parts) \
             or "\0" in path:
-        raise RequestError(f"{where}: {path[:80]!r} is not a path inside the sample's workspace "
+        raise BadRequest(f"{where}: {path[:80]!r} is not a path inside the sample's workspace "
                            "(relative, without . or .. parts)")
     return path
 
 
 def _files(value: Any) -> tuple[tuple[str, bytes, int], ...]:
     if not isinstance(value, dict):
-        raise RequestError("files: an object of paths and base64 contents")
+        raise BadRequest("files: an object of paths and base64 contents")
     out, size = [], 0
     for path, content in value.items():
         if content is None:  # (SandboxFusion skips these too)
             continue
         _relative(path, "files")
         if not isinstance(content, str):
-            raise RequestError(f"files: {path[:80]!r}: base64 text or null")
+            raise BadRequest(f"files: {path[:80]!r}: base64 text or null")
         try:
             data = base64.b64decode(content, validate=True)
         except (binascii.Error, ValueError):
-            raise RequestError(f"files: {path[:80]!r} is not base64") from None
+            raise BadRequest(f"files: {path[:80]!r} is not base64") from None
         size += len(data)
         if size > FILES_CAP:
-            raise RequestError(f"files: more than the {FILES_CAP // _MIB} MiB a sample may carry")
+            raise BadRequest(f"files: more than the {FILES_CAP // _MIB} MiB a sample may carry")
         out.append((path, data, 0o644))
     return tuple(out)
 

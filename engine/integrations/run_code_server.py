@@ -8,9 +8,9 @@ Bearer``, then the DNS-rebinding checks):
     POST /run_batch    a JSON array of RunCodeRequests -> the array of their responses, in order
     GET  /v1/ping      "pong", as SandboxFusion answers it (``agentloop doctor --serve``)
 
-Bounds, each answered in words: a body over ``max_body`` bytes is 413 (before it is read, when
-its Content-Length says so); a batch of more than ``max_batch`` requests, or more than may run
-and wait at once, is 413; a body that is
+Bounds, each answered in words: a body over ``max_body`` bytes is 413 (read and dropped up to
+four times the bound, so that the client reads the answer; past that, at once); a batch of more
+than ``max_batch`` requests, or more than may run and wait at once, is 413; a body that is
 not JSON, or a request not of SandboxFusion's shape, is 422.  At most ``parallel`` samples run at
 once, all requests together; up to ``queue`` more wait for a slot (a request that waits is not
 answered until it has run: clients see latency, not errors); a request that would take the
@@ -37,12 +37,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from engine.errors import ConfigError
+from engine.errors import BadRequest, ConfigError, ServiceBusy
 from engine.integrations.http_gate import Gate, ServerToken, listen
 from engine.integrations.run_code_api import (
     LANGUAGES,
     Limits,
-    RequestError,
     Run,
     parse_request,
     refused,
@@ -59,6 +58,8 @@ log = logging.getLogger("agentloop")
 
 #: Bytes of each stream's head and of its tail kept (about SandboxFusion's 1 MiB a stream).
 OUTPUT_BYTES = 512 * 1024
+#: How many times ``max_body`` an oversized body is read (and dropped) before the 413.
+_DISCARDED = 4
 #: Connections beyond those that may hold a sample (``parallel`` + ``queue``) served at once.
 _MARGIN = 64
 #: Seconds a request already read may take to be answered once SIGTERM came, past its deadline.
@@ -78,10 +79,6 @@ class ServeConfig:
     max_body: int
     max_batch: int
     cwd: Path
-
-
-class Busy(Exception):
-    """More samples than the server lets wait."""
 
 
 class Service:
@@ -104,14 +101,14 @@ class Service:
         return engine
 
     def parse(self, body: Any) -> Run:
-        """``body`` as a run (RequestError in words)."""
+        """``body`` as a run (BadRequest in words)."""
         return parse_request(body, next(self._ids), self.config.limits)
 
     @contextlib.contextmanager
     def admitted(self, count: int) -> Iterator[None]:
-        """Room for ``count`` samples among those running and waiting; Busy when there is none."""
+        """Room for ``count`` samples among those running and waiting; ServiceBusy when there is none."""
         if self._admitted + count > self.config.parallel + self.config.queue:
-            raise Busy(f"{self._admitted} samples are running or waiting here, and this server lets "
+            raise ServiceBusy(f"{self._admitted} samples are running or waiting here, and this server lets "
                        f"{self.config.parallel} run and {self.config.queue} wait; retry later")
         self._admitted += count
         log.info("serve: %d sample%s admitted, %d running or waiting", count, "" if count == 1 else "s",
@@ -213,18 +210,22 @@ class App:
             for i, item in enumerate(value):
                 try:
                     runs.append(self.service.parse(item))
-                except RequestError as exc:
-                    raise RequestError(f"request {i}: {exc}") from None
+                except BadRequest as exc:
+                    raise BadRequest(f"request {i}: {exc}") from None
             with self.service.admitted(len(runs)):
                 return _json(200, list(await asyncio.gather(*(self.service.answer(r) for r in runs))))
-        except RequestError as exc:
+        except BadRequest as exc:
             return _words(422, str(exc))
-        except Busy as exc:
+        except ServiceBusy as exc:
             return _words(429, str(exc), ((b"retry-after", b"1"),))
 
     async def _body(self, scope: dict, receive: Callable) -> bytes:
+        """The request's body, ``max_body`` bytes at most (_TooLarge past it).  A body over the
+        bound is still read, and dropped, up to ``_DISCARDED`` times the bound, so that the
+        client, still sending, reads the 413 instead of a reset connection; a Content-Length
+        past that is answered at once."""
         for name, value in scope.get("headers", []):
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_body:
+            if name == b"content-length" and value.isdigit() and int(value) > _DISCARDED * self.max_body:
                 raise _TooLarge
         chunks, size = [], 0
         while True:
@@ -233,10 +234,13 @@ class App:
                 raise _Gone
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_body:
+            if size <= self.max_body:
+                chunks.append(chunk)
+            elif size > _DISCARDED * self.max_body:
                 raise _TooLarge
-            chunks.append(chunk)
             if not message.get("more_body"):
+                if size > self.max_body:
+                    raise _TooLarge
                 return b"".join(chunks)
 
 
