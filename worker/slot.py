@@ -53,6 +53,7 @@ import traceback
 import types
 
 from . import _confine, script_run
+from ._fetch import FETCHED_FD, read_fetched, send_fetched
 from ._mounts import (
     MS_NODEV,
     MS_NOEXEC,
@@ -165,21 +166,27 @@ class SlotRuntime:
                 reads[r] = streams[fd] = HeadTail(keep)
             stdin = self._stdin(req.stdin)
             fds.append(stdin)
+            # Where the sample's process puts the files asked for as its code ends: a file of
+            # the slot's, read once every process of the sample is dead.
+            fetched = os.memfd_create("fetched", os.MFD_CLOEXEC) if req.fetch else -1
+            fds.append(fetched)
             pid = os.fork()
         except OSError as exc:
             for fd in [*fds, *reads]:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
             return sample.Result(req.id, None, note=f"could not start it: {exc}"[:2000])
         if pid == 0:
-            self._sample(req, stdin, fds[0], fds[1])  # never returns
-        for fd in fds:
+            self._sample(req, stdin, fds[0], fds[1], fetched)  # never returns
+        for fd in fds[:-1]:
             os.close(fd)
         status, rusage, timed_out, killed = self._watch(pid, req, reads, started)
         for r in reads:
             os.close(r)
+        files, note = read_fetched(fetched, req) if fetched >= 0 else ((), "")
         return sample.Result(req.id, status, timed_out, killed, streams[1].parts(), streams[2].parts(),
                              rusage.ru_maxrss if rusage is not None else None, time.monotonic() - started,
-                             retire=self._left_behind())
+                             note=note, retire=self._left_behind(), fetched=files)
 
     @staticmethod
     def _stdin(data) -> int:
@@ -274,7 +281,7 @@ class SlotRuntime:
             _drain(self.wake_r)
         os._exit(75)  # something would not die: the coordinator starts a fresh slot
 
-    def _sample(self, req: sample.RunSample, stdin: int, out: int, err: int) -> None:
+    def _sample(self, req: sample.RunSample, stdin: int, out: int, err: int, fetched: int) -> None:
         """The sample's process: its own namespaces and confinement, then the code.  Never returns."""
         status = 1
         said = err  # where a failure is said: the stderr pipe, fd 2 once it is there
@@ -286,10 +293,10 @@ class SlotRuntime:
             os.write(adj, b"1000")
             os.close(adj)
             self._own_mounts()
-            for fd, target in ((stdin, 0), (out, 1), (err, 2)):
+            for fd, target in ((stdin, 0), (out, 1), (err, 2)) + (((fetched, FETCHED_FD),) if fetched >= 0 else ()):
                 os.dup2(fd, target)
             said = 2
-            os.closerange(3, 1 << 16)
+            os.closerange(3 if fetched < 0 else FETCHED_FD + 1, 1 << 16)
             os.chdir(self.workspace)
             _confine.apply(self.confine)
             if self.forward is not None:  # confined, one thread, before any code: the forwarder
@@ -485,6 +492,8 @@ def _run_script(req: sample.RunSample, workspace: str) -> int:
     for stream in (sys.stdout, sys.stderr):
         if not _flush(stream) and status == 0:
             status = 120  # as CPython, when flushing stdout at exit fails
+    if req.fetch:
+        send_fetched(req, workspace, FETCHED_FD)
     if status == -signal.SIGINT:  # as CPython ends after an uncaught KeyboardInterrupt: by SIGINT
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)

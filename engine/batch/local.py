@@ -17,10 +17,10 @@ from engine.batch.results_file import Lock, ResultsFile, lock_runs_dir, open_res
 from engine.batch.stopping import Stopper, infra_threshold
 from engine.batch.tasks import TaskSpec, read_tasks, refuse_invalid
 from engine.errors import EXIT_INTERRUPTED, AgentloopError, ConfigError, ForeignServer, ModelUnreachable
-from engine.models import ModelConfig, probe
 
 if TYPE_CHECKING:
     from engine.batch.run import RunSettings
+    from engine.models import ModelConfig
 
 __all__ = ["BatchOutcome", "EXIT_STOPPED", "drive", "run_batch"]
 
@@ -135,6 +135,8 @@ async def check_endpoints(models: Iterable[ModelConfig]) -> None:
     """ModelUnreachable, saying what to do, when an endpoint the tasks use does not answer at
     all (its ``/models``, within ``model_server.PROBE_TIMEOUT``): else every run would fail the
     same way, seconds each, and be recorded as failed."""
+    from engine.models import probe  # (its HTTP client: loaded for task batches only, not samples)
+
     configs = list({(m.base_url, m.model): m for m in models}.values())
     for config, server in zip(configs, await asyncio.gather(*(probe(c) for c in configs)), strict=True):
         if server.foreign:

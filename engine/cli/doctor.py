@@ -22,10 +22,16 @@ __all__ = ["doctor_cmd"]
 @click.command("doctor")
 @click.option("--models", "models_file", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--model", default=None, help="Model alias whose endpoint to check.")
+@click.option("--serve", "serve_url", metavar="URL", default=None,
+              help="Check a running `agentloop serve` instead, at the URL it printed "
+                   "(http://HOST:PORT/TOKEN/): it answers, takes the token and runs a sample.")
 @worker_options
-def doctor_cmd(models_file, model) -> None:
+def doctor_cmd(models_file, model, serve_url) -> None:
     """Which sandbox layers are available and active here, whether a sandboxed worker really
-    starts, and whether the model endpoint answers.  Exit 1 when something does not work."""
+    starts, and whether the model endpoint answers (or, with --serve URL, whether a running
+    `agentloop serve` runs code).  Exit 1 when something does not work."""
+    if serve_url is not None:
+        sys.exit(0 if asyncio.run(_check_service(serve_url)) else 1)
     options = worker_settings()
     try:  # (the file and the interpreter checked as every command checks them)
         python, chosen_by = which_python(options.python, workspace=options.workspace or Path("files"))
@@ -181,3 +187,45 @@ def _endpoint_lines(config, server) -> list[tuple[bool, str]]:
                             "vision = true in agentloop.toml sends them)"))
     lines.append((True, f"reply cap: max_tokens {config.max_tokens}"))
     return lines
+
+
+async def _check_service(url: str) -> bool:
+    """``doctor --serve URL``: ping, then one sample through ``/run_code``; a line for each.
+    The token in the URL goes only to that server, and never to another user's on this machine
+    (``engine.models.checked_client``); it is never printed."""
+    from urllib.parse import urlsplit
+
+    import httpx
+
+    from engine.errors import ForeignServer
+    from engine.models import checked_client
+
+    base = url.removesuffix("run_code").removesuffix("/") + "/"
+    parts = urlsplit(base)
+    shown = f"{parts.scheme}://{parts.netloc}/" + ("TOKEN/" if parts.path.strip("/") else "")
+    try:
+        async with checked_client(timeout=60) as client:
+            ping = await client.get(base + "v1/ping")
+            if ping.status_code in (401, 403):
+                click.echo(inert(f"serve {shown}: refuses the token (HTTP {ping.status_code}): give the URL it "
+                                 "printed, http://HOST:PORT/TOKEN/"))
+                return False
+            if ping.status_code != 200 or ping.text.strip() != '"pong"':
+                click.echo(inert(f"serve {shown}: not agentloop serve (GET /v1/ping: HTTP {ping.status_code})"))
+                return False
+            click.echo(inert(f"serve {shown}: answers, and takes the token"))
+            ran = await client.post(base + "run_code", json={"code": "print(6 * 7)", "language": "python"})
+            answer = ran.json() if ran.status_code == 200 else {}
+    except ForeignServer as exc:
+        click.echo(inert(f"serve {shown}: not asked: {exc}"))
+        return False
+    except (httpx.HTTPError, ValueError) as exc:
+        click.echo(inert(f"serve {shown}: does not answer: {type(exc).__name__}: {exc}"[:300]))
+        return False
+    answer = answer if isinstance(answer, dict) else {}
+    run = answer.get("run_result") if isinstance(answer.get("run_result"), dict) else {}
+    if answer.get("status") == "Success" and run.get("stdout") == "42\n":
+        click.echo(inert(f"  ✓ runs a sample: {run.get('execution_time')} s"))
+        return True
+    click.echo(inert(f"  ✗ a sample did not run: HTTP {ran.status_code}, {str(answer)[:300]}"))
+    return False

@@ -39,15 +39,17 @@ import itertools
 import os
 import secrets
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.errors import SlotError, WorkerStartError
 from engine.net import Allowlist
+from engine.samples._sample import FETCH_CAP
 from engine.samples._status import Ending
 from worker.contract import sample
 from worker.contract.framing import FrameError, decode, encode, frame, read_frame_async
+from worker.contract.limits import MAX_ID
 from worker.contract.sample import SlotSettings
 from worker.contract.schema import ContractError
 from worker.contract.start import SLOT
@@ -154,7 +156,8 @@ class Slot:
         """Run one sample; the slot's result.  SlotError if the slot is not usable after."""
         assert self._writer is not None
         request = sample.RunSample(1, job.code, script_name, (script_name, *job.args), job.stdin,
-                                   tuple(tuple(f) for f in job.files), dict(job.env), timeout, output_bytes)
+                                   tuple(tuple(f) for f in job.files), dict(job.env), timeout, output_bytes,
+                                   tuple(job.fetch), FETCH_CAP if job.fetch else 0)
         data = encode(request)
         if len(data) > sample.MAX_REQUEST:
             raise ValueError(f"the sample is {len(data)} bytes with its stdin and files; at most {sample.MAX_REQUEST}")
@@ -166,13 +169,14 @@ class Slot:
         limit = timeout + self.launcher.settings.grace + _SLACK
         try:
             # Two heads and two tails of ``output_bytes`` at most, and a few words.
-            reply = await asyncio.wait_for(self._read(max(_MAX_REPLY, 4 * output_bytes + 65536)), limit)
+            reply = await asyncio.wait_for(self._read(max(_MAX_REPLY, 4 * output_bytes + request.fetch_bytes
+                                                              + 2 * MAX_ID * len(job.fetch) + 65536)), limit)
         except TimeoutError as exc:
             raise SlotError(f"it did not answer within {limit:g} s") from exc
         if not isinstance(reply, sample.Result):
             raise SlotError(f"it sent {reply.kind!r} instead of a result")
         try:
-            return reply.within(output_bytes)
+            return reply.within(output_bytes, request.fetch, request.fetch_bytes)
         except ContractError as exc:
             raise SlotError(f"it sent a malformed result ({exc})") from exc
 
@@ -279,7 +283,8 @@ class SlotPool:
         else:
             self._idle.append(slot)
         return Ran(_ending(reply, slot.memory_killed()), reply.out, reply.err,
-                   round(reply.rss_kb / 1024, 1) if reply.rss_kb else None, network)
+                   round(reply.rss_kb / 1024, 1) if reply.rss_kb else None, network=network,
+                   fetched=dict(reply.fetched), note=reply.note if reply.status is not None else "")
 
     async def close(self) -> None:
         self._closed = True
@@ -291,13 +296,16 @@ class SlotPool:
 @dataclass(frozen=True)
 class Ran:
     """What a slot says of one sample: how it ended, its stdout and stderr as (head, tail,
-    total bytes), its peak resident memory in MiB, and with a way out, its connections."""
+    total bytes), its peak resident memory in MiB, with a way out its connections, the files
+    it was asked to send back (by path) and words on them when they could not be."""
 
     ending: Ending
     out: tuple[bytes, bytes, int] = (b"", b"", 0)
     err: tuple[bytes, bytes, int] = (b"", b"", 0)
     rss_mb: float | None = None
     network: list[dict] | None = None
+    fetched: dict[str, bytes] = field(default_factory=dict)
+    note: str = ""
 
 
 def _ending(reply: sample.Result, memory: bool) -> Ending:

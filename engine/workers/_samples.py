@@ -125,9 +125,12 @@ async def run_sample(launcher: Launcher, sample: Sample, *, timeout: float = DEF
         if stdin_fd is not None:
             os.close(stdin_fd)
     status, code, words = classify(_ending(result), sample.timeout or timeout, launcher.settings.sandbox.memory_bytes)
+    if sample.fetch:  # (the workspace of a worker started cold is gone with it)
+        words = "; ".join(w for w in (words, "files are fetched by sample slots only, and this machine runs "
+                                             "samples without a fork server") if w)
     (out, out_cut), (err, err_cut) = streams["stdout"].text(), streams["stderr"].text()
     return SampleResult(sample.id, status, code, out, err, out_cut, err_cut, time.monotonic() - started, rss, words,
-                        network)
+                        network=network)
 
 
 def _stdin_file(data: str | bytes) -> int:
@@ -182,8 +185,10 @@ class SampleRunner:
             status, code, words = classify(ran.ending, deadline, self.settings.sandbox.memory_bytes)
             (out, out_cut), (err, err_cut) = (HeadTail.of(ran.out, output_bytes).text(),
                                               HeadTail.of(ran.err, output_bytes).text())
+            words = "; ".join(w for w in (words, ran.note) if w)
             return SampleResult(sample.id, status, code, out, err, out_cut, err_cut,
-                                time.monotonic() - started, ran.rss_mb, words, ran.network)
+                                time.monotonic() - started, ran.rss_mb, words, network=ran.network,
+                                files=ran.fetched)
         where = Path(tempfile.mkdtemp(prefix="sample-", dir=self.base.run_dir))
         own = {"allow_net": sample.allow_net} if sample.allow_net else {}
         launcher = self._launcher(where, fork_server=False, **own)
