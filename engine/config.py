@@ -1,7 +1,8 @@
 """``agentloop.toml``: the one reader of the file, every section checked before any is used.
 
-The file may name the models (``default``, ``[models.ALIAS]``: ``engine.models``) and the
-workers' Python (``python``: ``engine.sandbox``); any other key is a mistake (``pyhton = ...``),
+The file may name the models (``default``, ``[models.ALIAS]``: ``engine.models``), the
+workers' Python (``python``: ``engine.sandbox``) and the hosts they may reach (``[network]``
+``allow = ["HOST[:PORT]", ...]``: ``engine.net``, each entry as ``--allow-net`` takes it); any other key is a mistake (``pyhton = ...``),
 refused rather than ignored.  A command that reads the file for one part of it refuses the same
 mistakes in the same words as one that reads another part, and the file is read only once no
 worker could have written it (``engine.trust``).
@@ -23,7 +24,7 @@ __all__ = ["CONFIG_FILE", "MODEL_KEYS", "PROTOCOLS", "TOP_KEYS", "read_config"]
 
 CONFIG_FILE = "agentloop.toml"
 #: What the file may hold at its top.
-TOP_KEYS = ("default", "models", "python")
+TOP_KEYS = ("default", "models", "python", "network")
 #: What a ``[models.ALIAS]`` section may hold (``engine.models.ModelConfig``'s fields but the alias).
 MODEL_KEYS = ("base_url", "model", "api_key_env", "context_window", "price_in", "price_out", "protocol",
               "timeout", "max_tokens", "vision")
@@ -47,6 +48,13 @@ def read_config(path: str | Path) -> dict[str, Any]:
     default = data.get("default")
     if default is not None and not (isinstance(default, str) and default):
         raise ConfigError(f"{path}: default must be the alias of a model, as a string")
+    network = data.get("network", {})
+    if not isinstance(network, dict) or set(network) - {"allow"}:
+        raise ConfigError(f"{path}: network must be a table holding only allow = [\"HOST[:PORT]\", ...] "
+                          "([network] allow = [\"pypi.org\", \"files.pythonhosted.org\"])")
+    allow = network.get("allow", [])
+    if not isinstance(allow, list) or not all(isinstance(a, str) for a in allow):
+        raise ConfigError(f"{path}: network.allow must be a list of \"HOST[:PORT]\" strings")
     tables = data.get("models", {})
     if not isinstance(tables, dict):
         raise ConfigError(f"{path}: models must be a table of [models.ALIAS] sections")

@@ -39,22 +39,26 @@ CALLER = EnvPolicy.CALLER
 
 
 def environment(policy: EnvPolicy, environ: Mapping[str, str] | None = None, *, allow: Iterable[str] = (),
-                passed: Iterable[str] = (), configured: Iterable[str] = ()) -> dict[str, str]:
+                passed: Iterable[str] = (), configured: Iterable[str] = (),
+                proxies: Mapping[str, str] | None = None) -> dict[str, str]:
     """What a process started under ``policy`` inherits of ``environ`` (default ``os.environ``).
 
     ``ALLOWLIST``: the variables of ``ENV_ALLOWLIST`` and ``allow`` that are set, and a ``PATH``
     (``DEFAULT_PATH``) if none is.  ``CALLER``: every variable but the secrets
     (``engine.secrets.secret_names``; ``configured`` names the models' key variables), then
     ``passed``: ``NAME`` passes the caller's value (a secret too: asked for by name),
-    ``NAME=VALUE`` sets one."""
+    ``NAME=VALUE`` sets one.  ``proxies``: the variables naming the process's way out
+    (``--allow-net``'s forwarder), which replace whatever the caller's said."""
     environ = os.environ if environ is None else environ
     if policy is ALLOWLIST:
         env = {name: environ[name] for name in (*ENV_ALLOWLIST, *allow) if name in environ}
         env.setdefault("PATH", DEFAULT_PATH)
+        env.update(proxies or {})
         return env
     env = dict(environ)
     for name in secret_names(environ, configured):
         del env[name]
+    env.update(proxies or {})
     for item in passed:
         name, sep, value = item.partition("=")
         if sep:

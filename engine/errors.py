@@ -21,7 +21,9 @@
     │   ├── AgentError              a model's request the agent refuses
     │   ├── ToolError               a tool call the repository tools refuse
     │   ├── CallRefused             an MCP client's tool call that cannot be done as asked
-    │   └── NoClient                an MCP request that belongs to no client
+    │   ├── NoClient                an MCP request that belongs to no client
+    │   ├── InvalidRequest          a request to agentloop serve not of SandboxFusion's shape (HTTP 422)
+    │   └── ServiceBusy             more samples than agentloop serve lets run and wait (HTTP 429)
     ├── CodeFailed                  smolagents: a step's code failed (its words, for CodeAgent)
     └── ModelError                  the model endpoint failed us
         ├── ModelUnreachable        connection refused / DNS / timeout, after retries
@@ -39,11 +41,11 @@ from __future__ import annotations
 import signal
 
 __all__ = [
-    "AgentError", "AgentloopError", "AlreadyOwned", "CallRefused", "CodeFailed", "ConfigError", "EXIT_ERROR",
-    "EXIT_INTERRUPTED", "EXIT_OWN", "EXIT_TIMEOUT", "ForeignServer", "ModelError", "ModelResponseError",
-    "ModelUnreachable", "NoClient", "OutputError", "Refused", "SandboxError", "SlotError", "ToolBusy", "ToolClosed",
-    "ToolCrash", "ToolError", "ToolProcessError", "ToolTimeout", "TreeError", "UntrustedFile", "UntrustedPython",
-    "WorkerClosed", "WorkerError", "WorkerStartError"
+    "AgentError", "AgentloopError", "AlreadyOwned", "InvalidRequest", "CallRefused", "CodeFailed", "ConfigError",
+    "EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OWN", "EXIT_TIMEOUT", "ForeignServer", "ModelError", "ModelResponseError",
+    "ModelUnreachable", "NoClient", "OutputError", "Refused", "SandboxError", "ServiceBusy", "SlotError", "ToolBusy",
+    "ToolClosed", "ToolCrash", "ToolError", "ToolProcessError", "ToolTimeout", "TreeError", "UntrustedFile",
+    "UntrustedPython", "WorkerClosed", "WorkerError", "WorkerStartError"
 ]
 
 #: Exit statuses of the command line (``exec`` adds 128+N for a worker killed by signal N).
@@ -148,6 +150,16 @@ class CallRefused(Refused):
 
 class NoClient(Refused):
     """An MCP request that belongs to no client: its message says why, for the client to read."""
+
+
+class InvalidRequest(Refused):
+    """A request to ``agentloop serve`` that is not of SandboxFusion's shape; the words say
+    which field (answered 422)."""
+
+
+class ServiceBusy(Refused):
+    """More samples than ``agentloop serve`` lets run and wait at once (answered 429, with
+    Retry-After)."""
 
 
 class CodeFailed(AgentloopError):

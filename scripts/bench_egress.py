@@ -16,7 +16,10 @@ process of their own; the two sides alternate, round by round, so both see the s
   process; the forwarder, as the kernel counts it): what the tunnel costs whatever the
   machine's load, which moves the rates;
 - ``forwarder_start_ms``: what starting the forwarder costs a sandbox that has an allowlist
-  (binding, forking; a sandbox without one starts nothing, and no proxy runs for it).
+  (binding, forking; a sandbox without one starts nothing, and no proxy runs for it);
+- ``worker_start_ms``: a forked worker of a real ``Engine`` started (``start_worker``, to its
+  hello) without an allowlist and with one (its gate opened, its forwarder started), the two
+  alternating; ``added_ms`` the difference of the medians.
 
 ``python scripts/bench_egress.py [--quick]`` runs the section alone.
 """
@@ -138,7 +141,9 @@ def measure(quick: bool = False, base: Path | None = None) -> dict:
     top = Path(tempfile.mkdtemp(prefix="agentloop-bench-egress-"))
     top.chmod(0o755)
     try:
-        return asyncio.run(_measure(top, rounds, setups, mib))
+        figures = asyncio.run(_measure(top, rounds, setups, mib))
+        figures["worker_start_ms"] = asyncio.run(_worker_starts(top, 10 if quick else 40))
+        return figures
     finally:
         shutil.rmtree(top, ignore_errors=True)
 
@@ -190,6 +195,28 @@ async def _measure(top: Path, rounds: int, setups: int, mib: int) -> dict:
     }
 
 
+async def _worker_starts(top: Path, starts: int) -> dict:
+    """Worker starts (ms, to the hello) of two engines, one with an allowlist, taken in turn."""
+    from engine.launch import WorkerSettings
+    from engine.workers import Engine
+
+    took: dict[str, list[float]] = {"without": [], "with": []}
+    settings = WorkerSettings(state_dir=top / "state")  # (the bench leaves nothing in the user's state)
+    async with Engine(settings, cwd=top, workspace=top / "plain", pool=0) as plain, \
+            Engine(settings.replace(allow_net=["127.0.0.2:9"]), cwd=top, workspace=top / "listed", pool=0) as listed:
+        for engine in (plain, listed):  # (each engine's fork server started before any is timed)
+            await (await engine.start_worker("warm")).close()
+        for i in range(starts):
+            for side, engine in (("without", plain), ("with", listed)):
+                began = time.perf_counter()
+                worker = await engine.start_worker(f"w{i}")
+                took[side].append((time.perf_counter() - began) * 1000)
+                await worker.close()
+    out = {side: _stats(values) for side, values in took.items()}
+    out["added_ms"] = round(out["with"]["p50"] - out["without"]["p50"], 3)
+    return out
+
+
 async def _client(argv: list[str], env: dict, cwd: str | Path) -> dict:
     """The client's figures, and the CPU this process (the proxy's) spent during its bulk
     transfer (``gate_cpu_s``)."""
@@ -216,6 +243,7 @@ def table(section: dict) -> str:
     if "note" in section:
         return f"egress: {section['note']}"
     s, f, b = section["setup_ms"], section["first_byte_ms"], section["bulk_mb_s"]
+    w = section["worker_start_ms"]
     met = {True: "met", False: "NOT met", None: "—"}
     return (f"egress: connection set-up p50 {s['tunnel']['p50']} ms through the proxy against {s['direct']['p50']} ms "
             f"direct (+{s['added_ms']} ms, target <= 2 ms: {met[section['targets']['setup']['met']]}); first byte back "
@@ -223,7 +251,8 @@ def table(section: dict) -> str:
             f"against {b['direct']} MB/s direct (x{b['ratio']}, target >= 0.5: {met[section['targets']['bulk']['met']]}; "
             f"CPU per MB: proxy {section['relay_cpu_ms_per_mb']['gate']} ms, forwarder "
             f"{section['relay_cpu_ms_per_mb']['forwarder']} ms); "
-            f"the forwarder starts in {section['forwarder_start_ms']['p50']} ms")
+            f"the forwarder starts in {section['forwarder_start_ms']['p50']} ms; a forked worker starts in "
+            f"{w['with']['p50']} ms with an allowlist against {w['without']['p50']} ms without (+{w['added_ms']} ms)")
 
 
 def main(argv: list[str] | None = None) -> int:

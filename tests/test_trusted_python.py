@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,8 @@ from engine.sandbox import (
 from engine.sandbox import _interpreter as interpreter
 from engine.sandbox import _plan as sandbox_plan
 from worker.contract.confinement import Confinement
+
+from .conftest import wait_until
 
 VERSION = f"python{sys.version_info[0]}.{sys.version_info[1]}"
 
@@ -133,6 +136,10 @@ def test_a_pth_planted_beside_a_trusted_interpreter_is_refused(tmp_path, record)
     top = tmp_path / "tools"
     python = _venv(top / "v", tmp_path / "MARKER")
     trusted_python(python)
+    # The venv must be older than the grant by more than the margin a window is widened by
+    # (the kernel's coarse clock): otherwise its link, not the ._pth, is what is refused.
+    newest = max(os.lstat(p).st_ctime for p in (top / "v" / "bin", top / "v" / "bin" / "python"))
+    assert wait_until(lambda: time.time() > newest + 2 * trust.MARGIN, 1)
     grant = trust.open_grant(top / "v" / "bin")
     (top / "v" / "bin" / "python._pth").write_text("/nonexistent\n")
     grant.end()

@@ -490,3 +490,51 @@ def test_200000_results_cost_bounded_memory_and_a_small_page(tmp_path: Path) -> 
     assert data["slowest"][0]["id"] == "task-2" and data["by_status"]["answered"] == 120_001
     assert len(data["failed"]) == 2_000 and "the first 2,000 of 79,999 failed runs are listed" in data["summarised"]
     assert data["reasons"][0][1] + sum(n for _, n in data["reasons"][1:]) == 79_999
+
+
+def test_a_blocks_connections_are_listed_on_its_page_as_text(browser, tmp_path: Path) -> None:
+    """``--allow-net``: each connection of a block (a recording's ``connection`` events) is a row
+    of its detail, whatever the recording says it was called."""
+    t = 1_700_000_000.0
+    hostile = "<img src=x onerror=window.pwned=1>"
+    events = [{"t": t, "type": "run_started", "name": "main", "task": "fetch", "model": "m"},
+              {"t": t, "type": "launched", "name": "main", "id": "get", "timeout": 30, "code": "fetch()"},
+              {"t": t + 0.1, "type": "connection", "name": "main", "id": "get", "host": "pypi.org", "port": 443,
+               "verdict": "allowed", "why": "", "sent": 1200, "received": 45000},
+              {"t": t + 0.2, "type": "connection", "name": "main", "id": "get", "host": hostile, "port": 80,
+               "verdict": "refused", "why": "not-listed", "sent": 0, "received": 0},
+              {"t": t + 0.3, "type": "finished", "name": "main", "id": "get", "status": "ok", "output": "ok"},
+              {"t": t + 1, "type": "run_finished", "name": "main", "status": "answered"}]
+    source = tmp_path / "run.jsonl"
+    source.write_text("".join(json.dumps(e) + "\n" for e in events))
+    out = tmp_path / "run.html"
+    assert agentloop(tmp_path, "view", str(source), "-o", str(out), "--no-open").returncode == 0
+    page, errors, requests = _open(browser, out)
+    page.click('.bar[data-id="get"]')
+    rows = page.eval_on_selector_all("#detail table.network tr", "rs => rs.map(r => r.innerText.split('\\t'))")
+    assert rows == [["pypi.org:443", "allowed", "1,200 B out, 45,000 B in"],
+                    [f"{hostile}:80", "refused (not-listed)", "0 B out, 0 B in"]], rows
+    assert page.evaluate("window.pwned === undefined") and page.evaluate("document.querySelectorAll('img').length") == 0
+    assert errors == [] and requests == [out.as_uri()]
+    page.close()
+
+
+def test_a_samples_report_lists_each_samples_connections_as_text(browser, tmp_path: Path) -> None:
+    """``exec --jsonl --allow-net``: a listed sample's row holds its connections, as text."""
+    hostile = "<img src=x onerror=window.pwned=1>"
+    network = [{"host": "pypi.org", "port": 443, "verdict": "allowed", "why": ""},
+               {"host": hostile, "port": 80, "verdict": "refused", "why": "not-listed"}]
+    rows = [{"id": "net", "status": "error", "exit_code": 1, "stdout": "", "stderr": "HTTP Error 403\n",
+             "duration_s": 0.5, "message": "", "network": network},
+            {"id": "plain", "status": "ok", "exit_code": 0, "stdout": "", "stderr": "", "duration_s": 0.1, "message": ""}]
+    source = tmp_path / "results.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "results.html"
+    assert agentloop(tmp_path, "view", str(source), "-o", str(out), "--no-open").returncode == 0
+    page, errors, requests = _open(browser, out)
+    listed = page.eval_on_selector_all('tr[data-id="net"] details.network', "ds => ds.map(d => d.textContent)")
+    assert listed and listed[0] == f"network (2)pypi.org:443 allowed\n{hostile}:80 refused (not-listed)", listed
+    assert page.evaluate("document.querySelectorAll('tr[data-id=\"plain\"] details.network').length") == 0
+    assert page.evaluate("window.pwned === undefined") and page.evaluate("document.querySelectorAll('img').length") == 0
+    assert errors == [] and requests == [out.as_uri()]
+    page.close()

@@ -74,6 +74,17 @@ def run_worker(endpoint: str) -> None:
         except Exception as exc:  # noqa: BLE001 - a half-applied sandbox must not run code
             print(f"agentloop worker: sandbox could not be applied: {exc}", file=sys.stderr)
             os._exit(71)
+    if start.egress:
+        # The sandbox's one way out (``--allow-net``), before any thread or code: the
+        # forwarder inherits the confinement, and a sandbox without it has no network at all.
+        from .contract.egress import FORWARDER_PORT
+        from .egress import start as forward
+
+        try:
+            forward(start.egress, port=FORWARDER_PORT)
+        except OSError as exc:
+            print(f"agentloop worker: the egress forwarder could not start: {exc}", file=sys.stderr)
+            os._exit(71)
     from .serve import serve
 
     # Confined, and the runtime imported: user code imports from the directory it runs in, as

@@ -81,6 +81,11 @@ def main() -> None:
         _prepare(setup)
         _confine.apply(setup.confine)
         _prctl(_PR_SET_DUMPABLE, 0)  # the program, of the same uid, cannot read this process's memory
+        if setup.egress:  # the sandbox's one way out (--allow-net), confined as the program is
+            from .contract.egress import FORWARDER_PORT
+            from .egress import start as forward
+
+            forward(setup.egress, port=FORWARDER_PORT)
     except Exception as exc:  # noqa: BLE001 - a half-applied sandbox must not run code
         _say(setup.status, Failed(f"the sandbox could not be applied: {exc}"[:1000]))
         os._exit(71)

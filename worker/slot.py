@@ -53,6 +53,7 @@ import traceback
 import types
 
 from . import _confine, script_run
+from ._fetch import FETCHED_FD, read_fetched, send_fetched
 from ._mounts import (
     MS_NODEV,
     MS_NOEXEC,
@@ -71,6 +72,7 @@ from ._mounts import (
 )
 from .contract import sample
 from .contract.confinement import Confinement
+from .contract.egress import FORWARDER_PORT
 from .contract.framing import FrameBuffer, FrameError, decode, encode, frame
 from .contract.limits import INTERRUPT_SIGNAL, HeadTail
 from .contract.sample import SlotSettings
@@ -88,11 +90,19 @@ _AT_FDCWD, _OPEN_TREE_CLONE, _MOVE_MOUNT_F_EMPTY_PATH = -100, 1, 4
 #: Terminals a sample may hold at once, in the devpts instance of its own (the kernel's pool of
 #: them is the host's).
 PTYS = 64
+#: Where a sample with a way out (``--allow-net``) finds its slot's gate socket, bound read-only
+#: in its own /tmp (its forwarder relays there; the code may as well, to the same policy).
+EGRESS_SOCKET = "/tmp/.agentloop-net/egress.sock"
 
 
 class SlotRuntime:
-    def __init__(self, conn: socket.socket, settings: SlotSettings, confine: Confinement) -> None:
+    def __init__(self, conn: socket.socket, settings: SlotSettings, confine: Confinement, egress: str = "") -> None:
         self.conn = conn
+        self.forward = None
+        if egress:  # (imported once here, for every sample; a slot without a way out never does)
+            from .egress import start as forward
+
+            self.forward = forward
         self.frames = FrameBuffer(sample.MAX_REQUEST)
         self.workspace = settings.workspace
         self.tmp_bytes = settings.tmp_bytes
@@ -105,7 +115,10 @@ class SlotRuntime:
         # Never shown to a sample: the workspace (each gets an empty one), the run's sockets
         # and its outputs.
         hidden = [d for d in (self.workspace, os.path.dirname(own) if own else "", settings.outputs) if d]
-        self.keep = _own_view(hidden)
+        # The way out of its samples (``--allow-net``): the slot's gate socket, copied before the
+        # run's sockets are detached from this view, shown at ``EGRESS_SOCKET`` (and so in each
+        # sample's /tmp, with what else the view keeps there).
+        self.keep = _own_view(hidden, {egress: EGRESS_SOCKET} if egress else {})
         self.wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         os.set_blocking(self.wake_r, False)
         signal.set_wakeup_fd(wake_w)
@@ -153,21 +166,27 @@ class SlotRuntime:
                 reads[r] = streams[fd] = HeadTail(keep)
             stdin = self._stdin(req.stdin)
             fds.append(stdin)
+            # Where the sample's process puts the files asked for as its code ends: a file of
+            # the slot's, read once every process of the sample is dead.
+            fetched = os.memfd_create("fetched", os.MFD_CLOEXEC) if req.fetch else -1
+            fds.append(fetched)
             pid = os.fork()
         except OSError as exc:
             for fd in [*fds, *reads]:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
             return sample.Result(req.id, None, note=f"could not start it: {exc}"[:2000])
         if pid == 0:
-            self._sample(req, stdin, fds[0], fds[1])  # never returns
-        for fd in fds:
+            self._sample(req, stdin, fds[0], fds[1], fetched)  # never returns
+        for fd in fds[:-1]:
             os.close(fd)
         status, rusage, timed_out, killed = self._watch(pid, req, reads, started)
         for r in reads:
             os.close(r)
+        files, note = read_fetched(fetched, req) if fetched >= 0 else ((), "")
         return sample.Result(req.id, status, timed_out, killed, streams[1].parts(), streams[2].parts(),
                              rusage.ru_maxrss if rusage is not None else None, time.monotonic() - started,
-                             retire=self._left_behind())
+                             note=note, retire=self._left_behind(), fetched=files)
 
     @staticmethod
     def _stdin(data) -> int:
@@ -262,7 +281,7 @@ class SlotRuntime:
             _drain(self.wake_r)
         os._exit(75)  # something would not die: the coordinator starts a fresh slot
 
-    def _sample(self, req: sample.RunSample, stdin: int, out: int, err: int) -> None:
+    def _sample(self, req: sample.RunSample, stdin: int, out: int, err: int, fetched: int) -> None:
         """The sample's process: its own namespaces and confinement, then the code.  Never returns."""
         status = 1
         said = err  # where a failure is said: the stderr pipe, fd 2 once it is there
@@ -274,12 +293,14 @@ class SlotRuntime:
             os.write(adj, b"1000")
             os.close(adj)
             self._own_mounts()
-            for fd, target in ((stdin, 0), (out, 1), (err, 2)):
+            for fd, target in ((stdin, 0), (out, 1), (err, 2)) + (((fetched, FETCHED_FD),) if fetched >= 0 else ()):
                 os.dup2(fd, target)
             said = 2
-            os.closerange(3, 1 << 16)
+            os.closerange(3 if fetched < 0 else FETCHED_FD + 1, 1 << 16)
             os.chdir(self.workspace)
             _confine.apply(self.confine)
+            if self.forward is not None:  # confined, one thread, before any code: the forwarder
+                self.forward(EGRESS_SOCKET, port=FORWARDER_PORT)
             if req.env:
                 os.environ.update(req.env)
                 time.tzset()  # (confined first: TZ may name a file)
@@ -308,6 +329,9 @@ class SlotRuntime:
         size = f"size={self.tmp_bytes},mode=1777".encode()
         check(libc.mount(b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, size), "/tmp")
         for point, read_only, fd in keep:
+            if point == EGRESS_SOCKET:  # (a socket, not a directory: it is bound on a file)
+                os.makedirs(os.path.dirname(point), mode=0o755, exist_ok=True)
+                os.close(os.open(point, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
             bind(fd, point, read_only)
             os.close(fd)
         os.makedirs(self.workspace, exist_ok=True)
@@ -321,7 +345,7 @@ class SlotRuntime:
               "/proc")
 
 
-def _own_view(hidden: list[str]) -> list[tuple[str, bool]]:
+def _own_view(hidden: list[str], files: dict[str, str] | None = None) -> list[tuple[str, bool]]:
     """Give the slot a mount namespace of its own holding nothing a sample may not see, since
     each sample's is a copy of it and a covered mount still shows in ``/proc/self/mountinfo``:
     every layer of ``/tmp``, ``/dev/shm`` and of the ``hidden`` directories (the paths of the
@@ -332,7 +356,9 @@ def _own_view(hidden: list[str]) -> list[tuple[str, bool]]:
 
     Unprivileged, the layers that the server's sandbox mounted are locked into every namespace
     below it (the kernel lets what is under a mount be covered, never uncovered): they stay,
-    named in ``mountinfo``, and an empty read-only tmpfs covers each hidden directory again."""
+    named in ``mountinfo``, and an empty read-only tmpfs covers each hidden directory again.
+    ``files``: a file (the slot's gate socket) -> where in the fresh ``/tmp`` it is shown
+    read-only, kept as the other mounts are."""
     check(libc.unshare(NEWNS), "unshare")
     os.chdir("/")  # (not in a mount about to go)
     shown: dict[str, bool] = {}
@@ -341,6 +367,7 @@ def _own_view(hidden: list[str]) -> list[tuple[str, bool]]:
             shown[point] = read_only
     keep = sorted(shown.items(), key=lambda item: item[0].count("/"))
     copies = [_copy_mount(point) for point, _ in keep]
+    moved = [(_copy_mount(source), target) for source, target in (files or {}).items()]
     for top in ("/tmp", "/dev/shm", *hidden):
         while libc.umount2(top.encode(), _MNT_DETACH) == 0:  # every layer, until none is left
             pass
@@ -353,6 +380,12 @@ def _own_view(hidden: list[str]) -> list[tuple[str, bool]]:
         os.makedirs(point, exist_ok=True)
         check(libc.syscall(_SYS_MOVE_MOUNT, fd, b"", _AT_FDCWD, point.encode(), _MOVE_MOUNT_F_EMPTY_PATH), point)
         os.close(fd)
+    for fd, target in moved:
+        os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+        os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))  # (a file to mount on)
+        check(libc.syscall(_SYS_MOVE_MOUNT, fd, b"", _AT_FDCWD, target.encode(), _MOVE_MOUNT_F_EMPTY_PATH), target)
+        os.close(fd)
+        keep.append((target, True))
     return keep
 
 
@@ -459,6 +492,8 @@ def _run_script(req: sample.RunSample, workspace: str) -> int:
     for stream in (sys.stdout, sys.stderr):
         if not _flush(stream) and status == 0:
             status = 120  # as CPython, when flushing stdout at exit fails
+    if req.fetch:
+        send_fetched(req, workspace, FETCHED_FD)
     if status == -signal.SIGINT:  # as CPython ends after an uncaught KeyboardInterrupt: by SIGINT
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
@@ -522,7 +557,7 @@ def main() -> None:
             raise ContractError("no slot settings")
         for name in start.slot.preload:  # --preload: imported once, shared by every sample
             __import__(name)
-        slot = SlotRuntime(conn, start.slot, start.confine)
+        slot = SlotRuntime(conn, start.slot, start.confine, start.egress)
         _confine.prepare(start.confine)  # once here for every sample: seccomp built, bounding set empty
     except BaseException as exc:  # noqa: BLE001 - said to the coordinator; the slot is not used
         conn.sendall(frame(encode(sample.Failed(f"{type(exc).__name__}: {exc}"[:2000]))))

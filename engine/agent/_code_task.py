@@ -34,6 +34,9 @@ HEARTBEAT_FLOOR = 1.0
 #: until its newline), so an endless line must never reach them whole.
 DISPLAY_LINE_BYTES = 16 * 1024
 _DISPLAY_CUT = b" [... the rest of this line is not shown live]"
+#: A connection's fields in its ``connection`` event (``engine.net.ConnectionRecord``'s).
+_CONNECTION = ("host", "port", "method", "verdict", "why", "words", "status", "address", "sent", "received",
+               "seconds")
 
 
 def heartbeat_interval(seconds: float | None) -> float | None:
@@ -177,6 +180,9 @@ class CodeTask:
         if excess:
             body += f"[{excess}]"
         duration = time.monotonic() - self.started
+        taken = getattr(host.worker, "connections", None)  # (--allow-net: what the block's code reached)
+        for connection in taken() if callable(taken) else ():
+            host.emit("connection", id=self.id, **{k: connection[k] for k in _CONNECTION if k in connection})
         host.emit("finished", id=self.id, duration=duration, cancelled=status != "ok" and status != "error",
                   output=body, status=status, **facts)
         return tags.format_code_result(self.id, duration, body)

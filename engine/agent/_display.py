@@ -59,6 +59,10 @@ class AgentDisplay:
                                                    a block ended (output ends in [timed out]/[cancelled]);
                                                    status as BlockResult's; killed: its worker was killed,
                                                    taking the variables named in ``lost``
+        connection(name, id, host, port, method, verdict, why, words, status, address, sent, received, seconds)
+                                                   block `id`'s code made a connection through its
+                                                   sandbox's way out (``--allow-net``): "allowed",
+                                                   "refused" or "failed", why, bytes each way
         cancelled(name, label)                     something of `name` was cancelled, and why
         failed(name, message)                      something of `name` could not be done
         agent_started(name, parent, model, task)   a sub-agent began; parent is None for the top agent

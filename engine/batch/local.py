@@ -16,11 +16,11 @@ from engine.batch.progress import LinesView, Meter, Tally, make_view, short
 from engine.batch.results_file import Lock, ResultsFile, lock_runs_dir, open_results
 from engine.batch.stopping import Stopper, infra_threshold
 from engine.batch.tasks import TaskSpec, read_tasks, refuse_invalid
-from engine.errors import EXIT_INTERRUPTED, AgentloopError, ForeignServer, ModelUnreachable
-from engine.models import ModelConfig, probe
+from engine.errors import EXIT_INTERRUPTED, AgentloopError, ConfigError, ForeignServer, ModelUnreachable
 
 if TYPE_CHECKING:
     from engine.batch.run import RunSettings
+    from engine.models import ModelConfig
 
 __all__ = ["BatchOutcome", "EXIT_STOPPED", "drive", "run_batch"]
 
@@ -139,6 +139,8 @@ async def check_endpoints(models: Iterable[ModelConfig]) -> None:
     """ModelUnreachable, saying what to do, when an endpoint the tasks use does not answer at
     all (its ``/models``, within ``model_server.PROBE_TIMEOUT``): else every run would fail the
     same way, seconds each, and be recorded as failed."""
+    from engine.models import probe  # (its HTTP client: loaded for task batches only, not samples)
+
     configs = list({(m.base_url, m.model): m for m in models}.values())
     for config, server in zip(configs, await asyncio.gather(*(probe(c) for c in configs)), strict=True):
         if server.foreign:
@@ -160,6 +162,10 @@ def run_batch(tasks_path: str | Path, output: str | Path, settings: RunSettings,
     output = Path(output)
     specs, problems = read_tasks(tasks_path, settings.models)
     refuse_invalid(tasks_path, problems, skip_invalid)
+    given = next((spec for spec in specs if spec.allow_net), None)
+    if given is not None and settings.worker.sandbox.network:
+        raise ConfigError(f"{tasks_path}: line {given.line}: allow_net and --network together: --network gives "
+                          "every run the host's whole network, allow_net only the hosts it names; choose one")
     if ray_address is None:  # (a Ray node may reach what this machine does not, and the reverse)
         asyncio.run(check_endpoints(settings.models.get(s.model or settings.model) for s in specs))
     lock = lock_runs_dir(settings.runs_dir)

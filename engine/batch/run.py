@@ -229,7 +229,8 @@ async def _attempt(spec: TaskSpec, settings: RunSettings, attempt: int, display:
     # and socket only, with its run's uid, confinement and cgroups.  Without one (non-root, no
     # bubblewrap, Ray, ``fork_server=False``) they start cold.
     worker = settings.worker.replace(state_dir=run_dir / "state", keep_output=True,
-                                     fork_server=settings.worker.fork_server if fork_server is not None else False)
+                                     fork_server=settings.worker.fork_server if fork_server is not None else False,
+                                     **({"allow_net": spec.allow_net} if spec.allow_net else {}))
     engine = Engine(worker, cwd=workspace, workspace=workspace, pool=0, max_workers=settings.max_workers,
                     shared_fork_server=fork_server, output_budget=output_budget)
     infrastructure = False

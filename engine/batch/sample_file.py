@@ -4,12 +4,14 @@ in a sandbox of its own (``engine.samples``), every result kept.
 Input: one JSON object a line, ``{"id": ..., "code": ...}`` plus, optionally, ``stdin`` (text),
 ``args`` (``sys.argv[1:]``), ``timeout`` (seconds or ``5s``), ``files`` (paths relative to the
 samples file, copied into the sample's workspace, at most ``FILES_CAP`` bytes in all) and
-``env`` (variables to set, named in ``ENV_ALLOWLIST`` only).  Every line is checked before
+``env`` (variables to set, named in ``ENV_ALLOWLIST`` only) and ``allow_net`` (the hosts it may
+reach, ``--allow-net`` entries, in place of the command's own, which must be given for any
+sample to have a way out).  Every line is checked before
 anything starts; problems are reported with their line numbers.
 
 Output: one JSON object a line per finished sample (``SampleResult.record``: ``id``,
 ``status``, ``exit_code``, ``stdout``, ``stderr`` and what was cut of them, ``duration_s``,
-``max_rss_mb``), appended and fsynced as the sample ends.  Rerunning the same command skips the
+``max_rss_mb``; with an allowlist, ``network``: its connections), appended and fsynced as the sample ends.  Rerunning the same command skips the
 ids already there; a torn last line is cut and its sample run again; ``cancelled`` samples
 always run again, ``--redo STATUS`` adds others.  Ctrl-C (or SIGTERM) stops starting samples,
 kills the running ones (recorded as ``cancelled``) and exits 130; a second Ctrl-C leaves at
@@ -37,6 +39,7 @@ from engine.durations import parse_duration
 from engine.environment import ENV_ALLOWLIST
 from engine.errors import ConfigError
 from engine.launch import WorkerSettings
+from engine.net import Allowlist
 from engine.observe import current_tracing
 from engine.samples import FILES_CAP, STATUSES, Sample, SampleResult, cancelled, check_env
 from engine.workers import Engine
@@ -59,6 +62,7 @@ class SampleSpec:
     timeout: float | None = None
     files: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    allow_net: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:
@@ -68,7 +72,7 @@ class SampleSpec:
         """The sample to run (its files read now)."""
         files = tuple((path, data, mode) for path, data, mode in pack_files(self.files))
         return Sample(self.id, self.code, stdin=self.stdin, args=self.args, timeout=self.timeout, files=files,
-                      env=dict(self.env))
+                      env=dict(self.env), allow_net=self.allow_net)
 
 
 def read_samples(path: str | Path) -> tuple[list[SampleSpec], list[str]]:
@@ -101,8 +105,12 @@ def _sample(data: Any, number: int, base: Path) -> SampleSpec:
         raise ConfigError(f"{where}: {'env' if 'env' in str(exc) else 'timeout'}: {exc}") from None
     if env is None:
         raise ConfigError(f"{where}: env must be an object of names and strings")
+    allow_net = data.get("allow_net", [])
+    if not isinstance(allow_net, list):
+        raise ConfigError(f"{where}: allow_net must be a list of \"HOST[:PORT]\" strings")
+    Allowlist.parse(allow_net, f"{where}: allow_net")  # (refused in its words, before anything runs)
     return SampleSpec(ident, code, number, stdin, tuple(args), timeout, _files(data.get("files"), where, base),
-                      tuple(sorted(env.items())))
+                      tuple(sorted(env.items())), tuple(allow_net))
 
 
 def _files(value: Any, where: str, base: Path) -> tuple[str, ...]:
@@ -199,6 +207,11 @@ def run_samples(samples_path: str | Path, output: str | Path, settings: WorkerSe
     output = Path(output)
     specs, problems = read_samples(samples_path)
     refuse_invalid(samples_path, problems, skip_invalid)
+    given = next((spec for spec in specs if spec.allow_net), None)
+    if given is not None and not settings.allow_net:
+        raise ConfigError(f"{samples_path}: line {given.line}: allow_net needs the command's own allowlist "
+                          "(--allow-net HOST[:PORT] or network.allow in agentloop.toml): without one no sample's "
+                          "sandbox has a way out")
     output.parent.mkdir(parents=True, exist_ok=True)
     lock = Lock(output.with_name(f".{output.name}.lock"), f"another agentloop is writing {output}; wait for it or stop it")
     results, resumed = open_results(output, redo, "sample", lock=lock)

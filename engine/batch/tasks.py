@@ -19,6 +19,7 @@ from engine.durations import parse_duration
 from engine.errors import ConfigError
 from engine.inert import inert
 from engine.models import ModelRegistry
+from engine.net import Allowlist
 from engine.trees import walk
 from worker.contract.bounded_json import loads as bounded_loads
 
@@ -37,6 +38,8 @@ class TaskSpec:
     max_messages: int | None = None
     timeout: float | None = None
     files: tuple[str, ...] = ()
+    #: The hosts the run's workers may reach (``--allow-net`` entries), in place of the batch's.
+    allow_net: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:
@@ -142,8 +145,12 @@ def _task(data: Any, number: int, base: Path, models: ModelRegistry | None) -> T
         timeout = parse_duration(data.get("timeout"))
     except ConfigError as exc:
         raise ConfigError(f"{where}: timeout: {exc}") from None
+    allow_net = data.get("allow_net", [])
+    if not isinstance(allow_net, list):
+        raise ConfigError(f"{where}: allow_net must be a list of \"HOST[:PORT]\" strings")
+    Allowlist.parse(allow_net, f"{where}: allow_net")  # (refused in its words, before anything runs)
     return TaskSpec(id=ident, task=task, line=number, model=model, max_messages=max_messages,
-                    timeout=timeout, files=task_files(data.get("files"), where, base))
+                    timeout=timeout, files=task_files(data.get("files"), where, base), allow_net=tuple(allow_net))
 
 
 def task_files(value: Any, where: str, base: Path) -> tuple[str, ...]:

@@ -42,7 +42,7 @@ class _LazyGroup(click.Group):
         "demo": "engine.cli.demo:demo", "doctor": "engine.cli.doctor:doctor_cmd",
         "exec": "engine.cli.exec:exec_cmd", "mcp": "engine.cli.mcp:mcp", "models": "engine.cli.models:models_cmd",
         "run": "engine.cli.run:run_cmd", "scripted": "engine.cli.scripted:scripted",
-        "view": "engine.cli.view:view_cmd",
+        "serve": "engine.cli.serve:serve", "view": "engine.cli.view:view_cmd",
     }
 
     def list_commands(self, ctx):

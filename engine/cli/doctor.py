@@ -22,10 +22,16 @@ __all__ = ["doctor_cmd"]
 @click.command("doctor")
 @click.option("--models", "models_file", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--model", default=None, help="Model alias whose endpoint to check.")
+@click.option("--serve", "serve_url", metavar="URL", default=None,
+              help="Check a running `agentloop serve` instead, at the URL it printed "
+                   "(http://HOST:PORT/TOKEN/): it answers, takes the token and runs a sample.")
 @worker_options
-def doctor_cmd(models_file, model) -> None:
+def doctor_cmd(models_file, model, serve_url) -> None:
     """Which sandbox layers are available and active here, whether a sandboxed worker really
-    starts, and whether the model endpoint answers.  Exit 1 when something does not work."""
+    starts, and whether the model endpoint answers (or, with --serve URL, whether a running
+    `agentloop serve` runs code).  Exit 1 when something does not work."""
+    if serve_url is not None:
+        sys.exit(0 if asyncio.run(_check_service(serve_url)) else 1)
     options = worker_settings()
     try:  # (the file and the interpreter checked as every command checks them)
         python, chosen_by = which_python(options.python, workspace=options.workspace or Path("files"))
@@ -68,6 +74,10 @@ def doctor_cmd(models_file, model) -> None:
             click.echo(inert(f"worker: does not start: {exc}"))
             started = False
         healthy &= started
+        if started:
+            fine, words = asyncio.run(_allowlisting(options.settings()))
+            click.echo(inert(f"network by name (--allow-net): {words}"))
+            healthy &= fine
         try:
             version = f" (Python {probe_python(python).version})"  # (checked: a TrustedPython)
         except AgentloopError:
@@ -102,6 +112,51 @@ def doctor_cmd(models_file, model) -> None:
     sys.exit(0 if healthy else 1)
 
 
+#: What the doctor's worker runs to reach the doctor's listener through its forwarder (a plain
+#: proxy request by hand: NO_PROXY rightly sends 127.0.0.1 past the proxy in every client).
+_THROUGH = """
+import os, socket
+proxy = os.environ["HTTP_PROXY"].rsplit(":", 1)[1]
+with socket.create_connection(("127.0.0.1", int(proxy)), timeout=10) as s:
+    s.sendall(b"GET http://127.0.0.1:%d/ HTTP/1.1\\r\\nHost: 127.0.0.1:%d\\r\\n\\r\\n")
+    said = b""
+    while chunk := s.recv(65536):
+        said += chunk
+print(said.decode("latin-1").rsplit("\\n", 1)[-1])
+"""
+
+
+async def _allowlisting(settings) -> tuple[bool, str]:
+    """Whether ``--allow-net`` works here: a worker whose allowlist names a listener on the
+    host's loopback reaches it through its gate and forwarder.  (fine, words)."""
+    if settings.sandbox.network:
+        return True, "not tried: --network gives workers the host's network"
+    if settings.sandbox.mode in ("none", "landlock"):
+        return True, f"not offered under --sandbox {settings.sandbox.mode} (it needs bubblewrap)"
+    answered = []
+
+    async def answer(reader, writer):
+        answered.append(True)
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.0 200 OK\r\nContent-Length: 7\r\n\r\nreached")
+        await writer.drain()
+        writer.close()
+
+    listener = await asyncio.start_server(answer, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    try:
+        async with Engine(settings.replace(allow_net=[f"127.0.0.1:{port}"]), pool=0) as engine:
+            worker = await engine.start_worker("doctor-net")
+            result = await worker.run(_THROUGH % (port, port), timeout=20)
+    except AgentloopError as exc:
+        return False, f"does not work: {exc}"
+    finally:
+        listener.close()
+    if result.ok and result.output.strip() == "reached" and answered:
+        return True, "works (a worker reached a listed listener through its proxy)"
+    return False, f"does not work: {result.text().strip()[-300:]}"
+
+
 def _endpoint_lines(config, server) -> list[tuple[bool, str]]:
     """``doctor``'s lines on what the endpoint reported about itself: (fine, words)."""
     lines = []
@@ -132,3 +187,45 @@ def _endpoint_lines(config, server) -> list[tuple[bool, str]]:
                             "vision = true in agentloop.toml sends them)"))
     lines.append((True, f"reply cap: max_tokens {config.max_tokens}"))
     return lines
+
+
+async def _check_service(url: str) -> bool:
+    """``doctor --serve URL``: ping, then one sample through ``/run_code``; a line for each.
+    The token in the URL goes only to that server, and never to another user's on this machine
+    (``engine.models.checked_client``); it is never printed."""
+    from urllib.parse import urlsplit
+
+    import httpx
+
+    from engine.errors import ForeignServer
+    from engine.models import checked_client
+
+    base = url.removesuffix("run_code").removesuffix("/") + "/"
+    parts = urlsplit(base)
+    shown = f"{parts.scheme}://{parts.netloc}/" + ("TOKEN/" if parts.path.strip("/") else "")
+    try:
+        async with checked_client(timeout=60) as client:
+            ping = await client.get(base + "v1/ping")
+            if ping.status_code in (401, 403):
+                click.echo(inert(f"serve {shown}: refuses the token (HTTP {ping.status_code}): give the URL it "
+                                 "printed, http://HOST:PORT/TOKEN/"))
+                return False
+            if ping.status_code != 200 or ping.text.strip() != '"pong"':
+                click.echo(inert(f"serve {shown}: not agentloop serve (GET /v1/ping: HTTP {ping.status_code})"))
+                return False
+            click.echo(inert(f"serve {shown}: answers, and takes the token"))
+            ran = await client.post(base + "run_code", json={"code": "print(6 * 7)", "language": "python"})
+            answer = ran.json() if ran.status_code == 200 else {}
+    except ForeignServer as exc:
+        click.echo(inert(f"serve {shown}: not asked: {exc}"))
+        return False
+    except (httpx.HTTPError, ValueError) as exc:
+        click.echo(inert(f"serve {shown}: does not answer: {type(exc).__name__}: {exc}"[:300]))
+        return False
+    answer = answer if isinstance(answer, dict) else {}
+    run = answer.get("run_result") if isinstance(answer.get("run_result"), dict) else {}
+    if answer.get("status") == "Success" and run.get("stdout") == "42\n":
+        click.echo(inert(f"  ✓ runs a sample: {run.get('execution_time')} s"))
+        return True
+    click.echo(inert(f"  ✗ a sample did not run: HTTP {ran.status_code}, {str(answer)[:300]}"))
+    return False

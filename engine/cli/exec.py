@@ -30,6 +30,7 @@ from engine.errors import AgentloopError, ConfigError
 from engine.inert import inert
 from engine.results import OUTPUT_CAP
 from engine.secrets import NOT_SECRETS, SECRET_PATTERNS, secret_names
+from worker.contract.egress import FORWARDER_PORT, proxy_environment
 
 __all__ = ["SAMPLE_REDO", "exec_cmd"]
 
@@ -131,6 +132,7 @@ def _run_file(file: str, args: list[str], timeout: float | None, env_names: tupl
     from engine.environment import CALLER, environment
     from engine.exec import (
         ScriptCgroups,
+        ScriptGate,
         appeared,
         exit_as,
         inherited_ignored,
@@ -151,14 +153,21 @@ def _run_file(file: str, args: list[str], timeout: float | None, env_names: tupl
     policy = settings.policy()
     if policy.mode == "none":
         click.echo("agentloop: warning: --sandbox none runs the script unconfined", err=True)
-    cgroups = plan = grant = before = None
+    cgroups = plan = grant = before = gate = None
     planted: list[str] = []
+    network: list[dict] = []
     try:
+        from engine.launch import WorkerSettings
+
+        allowlist = WorkerSettings(sandbox=policy, allow_net=settings.allowlist()).allow_net  # (checked as a run's)
+        if allowlist:
+            gate = ScriptGate(allowlist)
         # (A Python in the workspace model code writes by default is refused, whatever exec writes.)
         python = choose_python(settings.python, workspace=settings.workspace or Path("files"))
         program = [python, _program_file(file), *args]
         keys = _key_variables()
-        env = environment(CALLER, passed=env_names, configured=keys)
+        env = environment(CALLER, passed=env_names, configured=keys,
+                          proxies=proxy_environment(FORWARDER_PORT) if gate is not None else None)
         dropped = sorted(secret_names(os.environ, keys) - set(env))
         if dropped:  # (names only, never a value)
             log.info("not passed to the script, as they look like secrets: %s (--env NAME passes one)",
@@ -166,7 +175,8 @@ def _run_file(file: str, args: list[str], timeout: float | None, env_names: tupl
         cgroups = ScriptCgroups(policy)
         plan = plan_script(policy, python=python, cwd=Path.cwd(), script=None if file == "-" else file,
                            write_cwd=write_cwd, workspace=settings.workspace, environ=env,
-                           memory_cgroup=cgroups.memory is not None, pids_cgroup=cgroups.pids)
+                           memory_cgroup=cgroups.memory is not None, pids_cgroup=cgroups.pids,
+                           egress=gate.socket if gate is not None else "")
         for note in plan.notes:
             log.info("%s", note)  # (agentloop -v exec ...: the script's stderr is its own)
         if policy.mode != "none":  # (what the script writes is told from the user's own files later)
@@ -188,6 +198,8 @@ def _run_file(file: str, args: list[str], timeout: float | None, env_names: tupl
                                  "those tools obey when run there: look at what it holds before you do"), err=True)
         if grant is not None:
             grant.end()
+        if gate is not None:
+            network = gate.close()
         if cgroups is not None:
             cgroups.close()
         if plan is not None:
@@ -199,7 +211,7 @@ def _run_file(file: str, args: list[str], timeout: float | None, env_names: tupl
     if as_json:
         click.echo(json.dumps({"status": result.status, "exit_code": result.exit_code, "signal": result.signal,
                                "duration_s": round(result.duration_s, 4), "message": result.message,
-                               "created": planted}))
+                               "created": planted, **({"network": network} if gate is not None else {})}))
     exit_as(result)
 
 

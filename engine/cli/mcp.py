@@ -61,7 +61,7 @@ def mcp(http: str | None, token_file: Path | None, allowed_hosts: tuple[str, ...
     address = token = None
     if http is not None:
         try:
-            address = transports.parse_address(http)
+            address = http_gate.parse_address(http)
         except ValueError as exc:
             fail(f"--http: {exc}")
         try:

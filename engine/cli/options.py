@@ -17,10 +17,12 @@ from pathlib import Path
 
 import click
 
+from engine.config import CONFIG_FILE, read_config
 from engine.durations import parse_duration
 from engine.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OWN, EXIT_TIMEOUT, AgentloopError
 from engine.inert import inert
 from engine.launch import WorkerSettings
+from engine.net import Allowlist
 from engine.results import OUTPUT_CAP
 from engine.sandbox import SandboxPolicy, which_python
 from engine.secrets import redact_urls
@@ -90,6 +92,8 @@ class _WorkerOptions:
     limits: dict = field(default_factory=dict)
     #: ``--write-cwd``: code writes the current directory (``write_options``); None: the command's default.
     write_cwd: bool | None = None
+    #: ``--allow-net``: the entries given, in order (the file's ``network.allow`` join them).
+    allow_net: tuple[str, ...] = ()
     _built: WorkerSettings | None = None
 
     def policy(self) -> SandboxPolicy:
@@ -117,9 +121,21 @@ class _WorkerOptions:
                 if self.workspace is not None:
                     fail("--workspace DIR goes with --read-only: with --write-cwd code writes the current directory")
                 self.workspace = Path.cwd()
-            self._built = WorkerSettings(sandbox=self.policy(), python=self.python_choice()[0], preload=self.preload,
-                                         keep_output=self.keep_output, max_output=self.max_output)
+            try:
+                self._built = WorkerSettings(sandbox=self.policy(), python=self.python_choice()[0],
+                                             preload=self.preload, keep_output=self.keep_output,
+                                             max_output=self.max_output, allow_net=self.allowlist())
+            except AgentloopError as exc:
+                fail(str(exc))
         return self._built
+
+    def allowlist(self) -> Allowlist:
+        """The entries of ``network.allow`` in ./agentloop.toml and ``--allow-net``'s, each once
+        (``engine.net.Allowlist``); ConfigError naming the first that is none, and where."""
+        config = Path(CONFIG_FILE)
+        listed = read_config(config).get("network", {}).get("allow", []) if config.is_file() else []
+        entries = (*Allowlist.parse(listed, f"{config}: network.allow").entries, *Allowlist.parse(self.allow_net).entries)
+        return Allowlist(tuple(dict.fromkeys(entries)))
 
 
 def worker_settings() -> _WorkerOptions:
@@ -147,6 +163,11 @@ def _limit(name: str, field_name: str, kind: click.ParamType, what: str):
                         help=what)
 
 
+def _allow_net(ctx, param, value):
+    if value:
+        worker_settings().allow_net += tuple(value)
+
+
 def _preload(ctx, param, value):
     if value is not None:
         worker_settings().preload = modules(value)
@@ -166,6 +187,10 @@ def worker_options(f):
                      help="How workers are contained; 'none' runs them unsandboxed."),
         click.option("--network", is_flag=True, default=None, expose_value=False, callback=_setting("network"),
                      help="Give workers the host's network."),
+        click.option("--allow-net", multiple=True, metavar="HOST[:PORT]", expose_value=False, callback=_allow_net,
+                     help="Let workers reach HOST (example.com, *.example.com its subdomains, **.example.com "
+                          "both, or an IP address) on PORT (default 443 and 80) through a proxy outside the "
+                          "sandbox, and nothing else; repeatable (and network.allow in agentloop.toml)."),
         click.option("--workspace", type=click.Path(file_okay=False, path_type=Path), default=None,
                      expose_value=False, callback=_setting("workspace"),
                      help="The directory workers may write (default ./files; batch: each run's own)."),

@@ -74,18 +74,23 @@ class ScriptPlan:
     writable: str
     made: tuple[str, ...] = ()
     kept: tuple[str, ...] = ()
+    #: The path of the egress gate's socket the script's forwarder relays to (``--allow-net``;
+    #: empty: no network at all).
+    egress: str = ""
 
 
 def plan_script(policy: SandboxPolicy, *, python: str, cwd: Path, script: str | None, write_cwd: bool,
                 workspace: Path | None, environ: Mapping[str, str], memory_cgroup: bool = False,
-                pids_cgroup: bool = False) -> ScriptPlan:
+                pids_cgroup: bool = False, egress: str = "") -> ScriptPlan:
     """The plan for ``python SCRIPT`` (None: the program read from stdin) run from ``cwd``,
     writing the current directory (``write_cwd``) or only the workspace.  ConfigError when
     the current directory cannot be written safely: ``/``, a home directory or a directory
     above one (unless ``share_cwd``), one that lies inside an interpreter's installation or
     holds agentloop's record of what code could write (``engine.trust``), or, without
     bubblewrap, one holding the interpreter or agentloop's code (nothing could keep them
-    read-only)."""
+    read-only).  ``egress``: the socket of the script's egress gate (``--allow-net``), whose
+    directory the sandbox shows read-only; ConfigError without bubblewrap (no empty network
+    namespace to give it)."""
     cwd = Path(os.path.realpath(cwd))
     if write_cwd:
         if workspace is not None:
@@ -113,11 +118,15 @@ def plan_script(policy: SandboxPolicy, *, python: str, cwd: Path, script: str | 
                           "XDG_STATE_HOME elsewhere") from None
     kept = kept_read_only(target, python)
     policy = dataclasses.replace(policy, as_caller=True)
-    planned = plan(policy, socket_dir=None, workspace=target, cwd=cwd, output_dir=None, python=python,
+    socket_dir = Path(egress).parent if egress else None
+    planned = plan(policy, socket_dir=socket_dir, workspace=target, cwd=cwd, output_dir=None, python=python,
                    memory_cgroup=memory_cgroup, pids_cgroup=pids_cgroup, protected=kept,
                    shown=tuple(_shown(script, python, environ)), script=True)
     if kept and not planned.pid_namespace:
         _refuse_unkept_code(kept, target, python)
+    if egress and not planned.pid_namespace:
+        raise ConfigError("--allow-net needs the bubblewrap sandbox (an empty network namespace with one way out), "
+                          "and this machine runs scripts without it (agentloop doctor says why)")
     confine = planned.confine
     if confine.landlock is not None:  # (getpass and curses open the terminal by name)
         confine = confine.replace(landlock=confine.landlock.replace(dev=(*confine.landlock.dev, "/dev/tty")))
@@ -127,7 +136,7 @@ def plan_script(policy: SandboxPolicy, *, python: str, cwd: Path, script: str | 
         confine = confine.replace(seccomp=confine.seccomp.replace(lock_session=False))
     tmpdir = None if planned.pid_namespace else planned.env.get("TMPDIR")
     return ScriptPlan(planned.argv_prefix, planned.pid_namespace, confine, planned.cwd or str(cwd), list(planned.notes), tmpdir,
-                      str(target), tuple(d for d in made if os.path.isdir(d)), kept)
+                      str(target), tuple(d for d in made if os.path.isdir(d)), kept, egress)
 
 
 def kept_read_only(directory: Path, python: str) -> tuple[str, ...]:

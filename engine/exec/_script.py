@@ -158,7 +158,7 @@ def run_script(plan: ScriptPlan, program: list[str], env: dict[str, str], *, pyt
     program_err = os.dup(given[2]) if given[2] is not None else os.open(os.devnull, os.O_WRONLY)
     setup = Setup(plan.confine, status_w, control_r, program_err,
                   next((fd for fd in (0, 1) if fd in relays), program_err) if relays else None,
-                  tuple(ignored), 0 if plan.pid_namespace else os.getpid(), env.get("LC_CTYPE"))
+                  tuple(ignored), 0 if plan.pid_namespace else os.getpid(), env.get("LC_CTYPE"), plan.egress)
     # site=False: not even site-packages' .pth files run before the program's own interpreter.
     boot = runtime_argv(python, CONFINER, encode_json(setup).decode("ascii"), *program, site=False)
     if plan.tmpdir:  # no private /tmp (no bubblewrap): one in the workspace

@@ -20,7 +20,8 @@ working; ``--token-file`` names a fixed one), and never put on a command line, w
 local user can read in ``/proc/PID/cmdline``.  ``listen`` binds the socket and says, for an
 address beyond loopback, that the token then crosses the network as plain HTTP.
 
-Every server agentloop runs over TCP (``agentloop mcp --http`` today) answers through ``TokenGate``.
+Every server agentloop runs over TCP (``agentloop mcp --http``, ``agentloop serve``) answers
+through ``TokenGate``; it needs Starlette, not the MCP SDK.
 
 **The end of an MCP session.**  A ``DELETE`` that the SDK accepted ends the MCP session its
 ``Mcp-Session-Id`` names: ``on_end`` is told its id, so that the session's client's workers stop
@@ -29,15 +30,17 @@ at once instead of at their idle timeout.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import ipaddress
 import os
 import secrets
 import socket
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
@@ -45,12 +48,14 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.errors import ConfigError
-from engine.integrations.mcp_clients import SESSION_ID_HEADER
 from engine.trust import state_dir
 
-__all__ = ["TokenGate", "ServerToken", "TOKEN_FILE", "exposure_warning", "host_allowed", "is_loopback", "listen",
-           "origin_allowed"]
+__all__ = ["SESSION_ID_HEADER", "ServerToken", "TOKEN_FILE", "TokenGate", "exposure_warning", "host_allowed",
+           "server_keeping_signals",
+           "is_loopback", "listen", "origin_allowed", "parse_address"]
 
+#: The header by which MCP's streamable HTTP names the MCP session of a request.
+SESSION_ID_HEADER = "mcp-session-id"
 #: The default token file's name, in agentloop's state directory.
 TOKEN_FILE = "server-token"
 #: The characters a token may hold (it travels in a URL's path) and its shortest length.
@@ -142,6 +147,28 @@ def exposure_warning(host: str, port: int) -> str | None:
     return (f"{host}:{port} is reachable beyond this machine and the server speaks plain HTTP: whoever sees "
             "the traffic sees the token, and with it can run code in the sandbox; keep to 127.0.0.1, or put "
             "TLS in front")
+
+
+def server_keeping_signals(config: Any) -> Any:
+    """A ``uvicorn.Server`` for ``config`` (a ``uvicorn.Config``) that installs no signal
+    handlers: the command serving it owns SIGINT and SIGTERM and stops the server itself."""
+    import uvicorn
+
+    class _KeepingSignals(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    return _KeepingSignals(config)
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """HOST:PORT (``[::1]:8000`` for IPv6) as (host, port); ValueError with words otherwise."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT such as 127.0.0.1:8000, got {text!r}")
+    return host, int(port)
 
 
 def listen(host: str, port: int) -> socket.socket:

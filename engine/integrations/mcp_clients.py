@@ -34,11 +34,9 @@ except ImportError as exc:  # the optional extra: say how to get it
     raise ImportError(f"the MCP server needs the MCP SDK ({exc}): {install_hint('mcp')}") from exc
 
 from engine.errors import NoClient
+from engine.integrations.http_gate import SESSION_ID_HEADER
 
-__all__ = ["Client", "Clients", "SESSION_ID_HEADER", "session_directories"]
-
-#: The header by which streamable HTTP names the MCP session of a request.
-SESSION_ID_HEADER = "mcp-session-id"
+__all__ = ["Client", "Clients", "session_directories"]
 _STDIO = "stdio"
 
 

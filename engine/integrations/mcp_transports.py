@@ -12,7 +12,7 @@ import os
 import signal
 import socket
 import stat
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 
 try:
     from mcp.server.stdio import stdio_server
@@ -22,11 +22,11 @@ except ImportError as exc:  # the optional extra: say how to get it
 
     raise ImportError(f"the MCP server needs the MCP SDK ({exc}): {install_hint('mcp')}") from exc
 
-from engine.integrations.http_gate import ServerToken, TokenGate, listen
+from engine.integrations.http_gate import ServerToken, TokenGate, listen, server_keeping_signals
 from engine.integrations.mcp import AgentloopMCP
 from engine.integrations.mcp_sessions import CLOSE_TIMEOUT, ServerConfig
 
-__all__ = ["MAX_MCP_SESSIONS", "MAX_MESSAGE", "parse_address", "run", "serve_http", "serve_stdio"]
+__all__ = ["MAX_MCP_SESSIONS", "MAX_MESSAGE", "run", "serve_http", "serve_stdio"]
 
 log = logging.getLogger("agentloop")
 
@@ -102,15 +102,6 @@ async def serve_stdio(config: ServerConfig) -> None:
     await _until_closed(mcp, serve(), "the connection")
 
 
-def parse_address(text: str) -> tuple[str, int]:
-    """HOST:PORT (``[::1]:8000`` for IPv6) as (host, port); ValueError with words otherwise."""
-    host, sep, port = text.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"expected HOST:PORT such as 127.0.0.1:8000, got {text!r}")
-    return host, int(port)
-
-
 async def serve_http(config: ServerConfig, host: str, port: int, announce: Callable[[str], None],
                      allowed_hosts: tuple[str, ...] = (), token: ServerToken | None = None) -> None:
     """Serve MCP over streamable HTTP at ``http://HOST:PORT/TOKEN/mcp`` until the task is
@@ -135,13 +126,9 @@ async def serve_http(config: ServerConfig, host: str, port: int, announce: Calla
     family_v6 = sock.family == socket.AF_INET6
     bound = sock.getsockname()[1]
 
-    class Uvicorn(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            yield  # signals stay ours: they cancel the serving task, which stops uvicorn below
-
-    # No access log: a request's path holds the token.
-    server = Uvicorn(uvicorn.Config(gated, log_level="warning", lifespan="on", access_log=False))
+    # No access log: a request's path holds the token.  Signals stay ours: they cancel the
+    # serving task, which stops uvicorn below.
+    server = server_keeping_signals(uvicorn.Config(gated, log_level="warning", lifespan="on", access_log=False))
 
     async def serve() -> None:
         started = asyncio.ensure_future(server.serve(sockets=[sock]))

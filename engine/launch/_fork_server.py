@@ -186,7 +186,9 @@ class ForkServer:
         # uid) leave running.
         argv = plan.as_server("fork+kill" if self.own_workspace is not None else "fork").argv_prefix
         env = {k: v for k, v in self.env.items() if k not in START_NAMES}  # it confines nothing itself
-        env.update(StartSpec(preload=self.settings.preload).to_env())
+        # With an allowlist each worker starts a forwarder: its module imported once, here.
+        egress = ("worker.egress",) if self.settings.allow_net else ()
+        env.update(StartSpec(preload=(*self.settings.preload, *egress)).to_env())
         if self._close_pipes is not None:  # (a server that died: its successor's pipes are new)
             self._close_pipes()
         launch = Launch(argv, runtime_argv(self.settings.python, FORK_SERVER, packages=self.packages),

@@ -36,6 +36,7 @@ from engine import trust
 from engine.environment import ALLOWLIST, environment
 from engine.errors import ConfigError, WorkerStartError
 from engine.launch._cgroup import SpareGroups, WorkerCgroups
+from engine.launch._egress import Gates, proxy_env
 from engine.launch._fork_server import ForkServer
 from engine.launch._outpipe import OutputPipes
 from engine.launch._process import Launch, Process, descendants
@@ -136,6 +137,8 @@ class Launcher:
         self.protected: tuple[str, ...] = ()
         #: The record that workers may write the workspace (``engine.trust``), from the first plan.
         self._grant: trust.Grant | None = None
+        #: Each sandbox's way out, with an allowlist (``--allow-net``); None without one.
+        self.gates = Gates(settings.allow_net, self.run_dir / "network.jsonl") if settings.allow_net else None
 
     @property
     def opened(self) -> bool:
@@ -217,6 +220,8 @@ class Launcher:
         its group and mode, or remove it when this run made it and nothing was written there
         (either only when no other run holds it).  Workers are closed by their owners before
         this."""
+        if self.gates is not None:
+            await self.gates.close_all()
         if self._provisioner is not None and self._provisioner is not self._shared_view:
             await self._provisioner.close()
         if self._spares is not None:
@@ -359,6 +364,8 @@ class Launcher:
         if plan is None:
             env.update(start.to_env())
             return env
+        if start.egress:  # its forwarder's port, for every client that reads a proxy variable
+            env.update(proxy_env())
         env.update(plan.env)  # what the sandbox needs (a private TMPDIR without bubblewrap)
         env["PYTHONDONTWRITEBYTECODE"] = "1"  # for the Pythons user code starts (``-B`` is ours)
         tty = ""
@@ -384,12 +391,13 @@ class Launcher:
             plan = dataclasses.replace(plan, uid=uid, confine=plan.confine.replace(uid=(uid, uid)))
         if endpoint.startswith("ipc://"):
             plan.grant(Path(endpoint[len("ipc://"):]))
+        egress = self.gates.open(sock_dir, plan) if self.gates is not None else ""
         # A slot is told its endpoint in its settings, not on its command line (every sample
         # could read that).
         args = (endpoint,) if entry == WORKER else ()
         command = runtime_argv(self.settings.python, entry, *args, packages=self.runtime_packages)
         env = self.env(StartSpec(token=token, output=str(sock_dir) if output else "", slot=slot,
-                                 curve=guard.env if guard is not None else ""), plan)
+                                 curve=guard.env if guard is not None else "", egress=egress), plan)
         for detail in plan.details:
             if detail not in _detailed:
                 _detailed.add(detail)
@@ -569,6 +577,8 @@ class Launcher:
         removed off the event loop by a walk that takes any shape or size (the directory is
         read-only to the worker, but nothing it could reach is trusted)."""
         self.release_groups(groups)
+        if self.gates is not None:
+            await self.gates.close(sock_dir)
         if sock_dir is not None:
             await asyncio.to_thread(remove_tree, sock_dir)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import ConfigError
+from engine.net import Allowlist
 from engine.results import FILE_CAP, OUTPUT_CAP
 from engine.sandbox import SandboxPolicy
 
@@ -42,7 +43,9 @@ class WorkerSettings:
     all the run's block outputs kept on disk (None: no cap of the run's own).  ``keep_output``: keep the
     run's directory of block outputs after the run.  ``tty``: which of fds 1 and 2 are a
     terminal of the worker's own (``exec`` at a terminal).  ``state_dir``: where the run's
-    directory goes (default ``~/.local/state/agentloop``)."""
+    directory goes (default ``~/.local/state/agentloop``).  ``allow_net``: the hosts workers
+    may reach by name (``--allow-net HOST[:PORT]``, ``engine.net.Allowlist``; any iterable of
+    entries is parsed), through a proxy outside each sandbox; empty, they reach nothing."""
 
     sandbox: SandboxPolicy = field(default_factory=SandboxPolicy)
     python: str = field(default_factory=lambda: sys.executable)
@@ -59,6 +62,7 @@ class WorkerSettings:
     keep_output: bool = False
     tty: tuple[int, ...] = ()
     state_dir: Path | None = None
+    allow_net: Allowlist = field(default_factory=Allowlist)
 
     def __post_init__(self) -> None:
         if self.python is None:  # (None: the default, as an API caller may pass it)
@@ -74,6 +78,14 @@ class WorkerSettings:
         object.__setattr__(self, "tty", tuple(fd for fd in self.tty if fd in (1, 2)))
         if self.state_dir is not None:
             object.__setattr__(self, "state_dir", Path(self.state_dir))
+        if not isinstance(self.allow_net, Allowlist):
+            object.__setattr__(self, "allow_net", Allowlist.parse(self.allow_net or (), "allow_net"))
+        if self.allow_net and self.sandbox.network:
+            raise ConfigError("--allow-net and --network together: --network gives workers the host's whole "
+                              "network, --allow-net only the hosts it names; choose one")
+        if self.allow_net and self.sandbox.mode in ("none", "landlock"):
+            raise ConfigError(f"--allow-net needs the bubblewrap sandbox (an empty network namespace with one way "
+                              f"out), not --sandbox {self.sandbox.mode}; use --sandbox auto or bwrap")
 
     def replace(self, **changes: Any) -> WorkerSettings:
         """These settings with ``changes`` (names of the fields above; a misspelt one is a

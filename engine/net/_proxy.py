@@ -109,6 +109,11 @@ class EgressGate:
     async def start(self) -> EgressGate:
         """Bind and listen (once: a started gate is returned as it is); a stale socket at
         ``path`` is replaced."""
+        return self.listen()
+
+    def listen(self) -> EgressGate:
+        """``start`` for a caller that cannot await (it runs in the event loop that serves the
+        gate): the socket is bound and accepts when this returns."""
         if self._listener is not None:
             return self
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -141,6 +146,14 @@ class EgressGate:
                 st = os.lstat(self.path)
                 if (st.st_dev, st.st_ino) == self._inode:
                     os.unlink(self.path)
+        tasks = list(self._open)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def cut(self) -> None:
+        """End every open connection and keep accepting: what one program of the sandbox
+        opened ends with it (a sample slot's gate, between its samples)."""
         tasks = list(self._open)
         for task in tasks:
             task.cancel()

@@ -304,6 +304,7 @@ _HANDLERS = {
     "output": lambda self, agent, fields, at: self._block_mark(agent, fields, at, "output"),
     "progress": lambda self, agent, fields, at: self._block_mark(agent, fields, at, "progress"),
     "display": lambda self, agent, fields, at: self._block_mark(agent, fields, at, "display"),
+    "connection": lambda self, agent, fields, at: self._block_mark(agent, fields, at, "connection"),
     "finished": Activity._finished, "tool_call": Activity._tool_call, "tool_result": Activity._tool_result,
 }
 

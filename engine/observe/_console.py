@@ -456,6 +456,13 @@ class ConsoleDisplay(DispatchDisplay):
     def note(self, name: str = "?", message: str = "") -> None:
         self._line(name, ("• ", "yellow"), (f"{name}: {_clean(message)}", "yellow"))
 
+    def connection(self, name: str = "?", host: Any = "", port: Any = 0, verdict: Any = "", words: Any = "") -> None:
+        """A connection its code made through its way out (``--allow-net``): one line for each
+        refused or failed one (those allowed are in the recording and the traces)."""
+        if verdict != "allowed":
+            self._line(name, ("⊘ ", "yellow"), (f"{name}: network {verdict}: {_clean(host)}:{_clean(port)}"
+                                                 f"{' (' + _clean(words) + ')' if words else ''}", "yellow"))
+
 
 _STATUS_STYLE = {
     "done": ("✓", "green"),

@@ -63,6 +63,13 @@ CONTENT_CHARS = 16_000
 _PROVIDER = "openai"
 
 
+#: A connection event's attributes: (attribute, the event's field, its type).
+_CONNECTION_ATTRIBUTES = (("server.address", "host", str), ("server.port", "port", int),
+                          ("network.peer.address", "address", str), ("agentloop.network.verdict", "verdict", str),
+                          ("agentloop.network.why", "why", str), ("agentloop.network.sent_bytes", "sent", int),
+                          ("agentloop.network.received_bytes", "received", int))
+
+
 def schema_url(settings: Any) -> str:
     return f"https://opentelemetry.io/schemas/{settings.semconv}"
 
@@ -194,6 +201,10 @@ class SpanObserver(AgentDisplay):
                                             ("agentloop.retry.wait_s", fields.get("wait")))
                           if isinstance(v, int | float)}
             span.add_event("retry", attributes, timestamp=_ns(at))
+        elif mark == "connection":  # (--allow-net) one event per connection the block's code made
+            attributes = {key: fields[name] for key, name, kind in _CONNECTION_ATTRIBUTES
+                          if isinstance(fields.get(name), kind) and not isinstance(fields.get(name), bool)}
+            span.add_event("connection", attributes, timestamp=_ns(at))
         elif mark in ("cancelled", "failed"):
             text = fields.get("label") if mark == "cancelled" else fields.get("message")
             span.add_event(mark, {"agentloop.message": _cut(text)} if self.content else {}, timestamp=_ns(at))

@@ -9,13 +9,14 @@ from engine.lazy import lazy_names
 
 #: Public name -> the private module that defines it (imported when first used, PEP 562).
 _WHERE = {
-    "cancelled": "_sample", "check_env": "_sample", "FILES_CAP": "_sample", "map_samples": "_sample",
+    "cancelled": "_sample", "check_env": "_sample", "FETCH_CAP": "_sample", "FILES_CAP": "_sample", "map_samples": "_sample",
     "OUTPUT_BYTES": "_sample", "Sample": "_sample", "SampleResult": "_sample", "SCRIPT_NAME": "_sample",
     "SlotPool": "_slots", "classify": "_status", "Ending": "_status", "STATUSES": "_status"
 }
 
 if TYPE_CHECKING:
     from ._sample import (
+        FETCH_CAP,
         FILES_CAP,
         OUTPUT_BYTES,
         SCRIPT_NAME,
@@ -31,6 +32,6 @@ if TYPE_CHECKING:
 __getattr__, __dir__ = lazy_names(__name__, _WHERE)
 
 __all__ = [
-    "Ending", "FILES_CAP", "OUTPUT_BYTES", "SCRIPT_NAME", "STATUSES", "Sample", "SampleResult",
+    "Ending", "FETCH_CAP", "FILES_CAP", "OUTPUT_BYTES", "SCRIPT_NAME", "STATUSES", "Sample", "SampleResult",
     "SlotPool", "cancelled", "check_env", "classify", "map_samples"
 ]

@@ -53,13 +53,20 @@ OUTPUT_BYTES = 8 * 1024
 SCRIPT_NAME = "sample.py"
 #: Bytes of ``files`` one sample may carry (they travel in one message to the worker).
 FILES_CAP = 8 * 1024 * 1024
+#: Bytes of the files one sample may send back (``fetch``), in all.
+FETCH_CAP = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
 class Sample:
     """One program to run.  ``files``: (path relative to the workspace, content, mode), written
     before the code starts; ``env``: variables set for it (names from ``ENV_ALLOWLIST``);
-    ``timeout``: its deadline in seconds (None: the caller's default)."""
+    ``timeout``: its deadline in seconds (None: the caller's default); ``allow_net``: the hosts it
+    may reach (``--allow-net`` entries) in place of the run's, whose allowlist gives its sandbox
+    a way out at all (empty: the run's); ``fetch``: paths relative to the workspace whose files
+    come back in the result's ``files`` when the code ends by itself or at its deadline's
+    interrupt (``FETCH_CAP`` bytes at most in all; a missing file, a link or anything but a
+    regular file is left out)."""
 
     id: str | int
     code: str
@@ -68,6 +75,8 @@ class Sample:
     timeout: float | None = None
     files: tuple[tuple[str, bytes, int], ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+    allow_net: tuple[str, ...] = ()
+    fetch: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:
@@ -79,7 +88,9 @@ class SampleResult:
     """How one sample ended.  ``exit_code`` is what ``agentloop exec`` exits with for it (124
     at the deadline, 128+N for a death by signal N); ``stdout_cut``/``stderr_cut``: bytes cut
     between the head and the tail kept; ``max_rss_mb``: peak resident memory of the sample's
-    process (None when it died before it could say)."""
+    process (None when it died before it could say); ``network``: with an allowlist, every
+    connection its code made through its way out (``engine.net.ConnectionRecord``'s fields);
+    ``files``: what ``Sample.fetch`` brought back, by path."""
 
     id: str | int
     status: str
@@ -91,6 +102,8 @@ class SampleResult:
     duration_s: float
     max_rss_mb: float | None
     message: str = ""
+    network: list[dict] | None = None
+    files: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -101,7 +114,7 @@ class SampleResult:
         return {"id": self.id, "status": self.status, "exit_code": self.exit_code, "stdout": self.stdout,
                 "stderr": self.stderr, "stdout_cut": self.stdout_cut, "stderr_cut": self.stderr_cut,
                 "duration_s": round(self.duration_s, 4), "max_rss_mb": self.max_rss_mb,
-                "message": self.message}
+                "message": self.message, **({"network": self.network} if self.network is not None else {})}
 
 
 def cancelled(sample: Sample, started: float) -> SampleResult:
@@ -166,5 +179,5 @@ def check_env(env: Mapping[str, Any], allowed: Iterable[str]) -> dict[str, str]:
     return {str(k): v for k, v in env.items()}
 
 
-__all__ = ["FILES_CAP", "OUTPUT_BYTES", "SCRIPT_NAME", "STATUSES", "Sample", "SampleResult", "cancelled", "check_env",
+__all__ = ["FETCH_CAP", "FILES_CAP", "OUTPUT_BYTES", "SCRIPT_NAME", "STATUSES", "Sample", "SampleResult", "cancelled", "check_env",
            "map_samples", "RunsSamples"]

@@ -39,14 +39,17 @@ import itertools
 import os
 import secrets
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.errors import SlotError, WorkerStartError
+from engine.net import Allowlist
+from engine.samples._sample import FETCH_CAP
 from engine.samples._status import Ending
 from worker.contract import sample
 from worker.contract.framing import FrameError, decode, encode, frame, read_frame_async
+from worker.contract.limits import MAX_ID
 from worker.contract.sample import SlotSettings
 from worker.contract.schema import ContractError
 from worker.contract.start import SLOT
@@ -153,23 +156,42 @@ class Slot:
         """Run one sample; the slot's result.  SlotError if the slot is not usable after."""
         assert self._writer is not None
         request = sample.RunSample(1, job.code, script_name, (script_name, *job.args), job.stdin,
-                                   tuple(tuple(f) for f in job.files), dict(job.env), timeout, output_bytes)
+                                   tuple(tuple(f) for f in job.files), dict(job.env), timeout, output_bytes,
+                                   tuple(job.fetch), FETCH_CAP if job.fetch else 0)
         data = encode(request)
         if len(data) > sample.MAX_REQUEST:
             raise ValueError(f"the sample is {len(data)} bytes with its stdin and files; at most {sample.MAX_REQUEST}")
+        gate = self._gate()
+        if gate is not None:  # (its own allowlist, or the run's: the slot's gate is the sample's way out)
+            gate.allowlist = Allowlist.parse(job.allow_net, f"sample {job.key}: allow_net") if job.allow_net \
+                else self.launcher.settings.allow_net
         self._writer.write(frame(data))
         limit = timeout + self.launcher.settings.grace + _SLACK
         try:
             # Two heads and two tails of ``output_bytes`` at most, and a few words.
-            reply = await asyncio.wait_for(self._read(max(_MAX_REPLY, 4 * output_bytes + 65536)), limit)
+            reply = await asyncio.wait_for(self._read(max(_MAX_REPLY, 4 * output_bytes + request.fetch_bytes
+                                                              + 2 * MAX_ID * len(job.fetch) + 65536)), limit)
         except TimeoutError as exc:
             raise SlotError(f"it did not answer within {limit:g} s") from exc
         if not isinstance(reply, sample.Result):
             raise SlotError(f"it sent {reply.kind!r} instead of a result")
         try:
-            return reply.within(output_bytes)
+            return reply.within(output_bytes, request.fetch, request.fetch_bytes)
         except ContractError as exc:
             raise SlotError(f"it sent a malformed result ({exc})") from exc
+
+    def _gate(self):
+        gates = self.launcher.gates
+        return None if gates is None else gates.gate(self.sock_dir)
+
+    async def network(self) -> list[dict] | None:
+        """The connections of the sample that just ended (its processes are gone: whatever they
+        left open is ended here); None without a way out."""
+        gate = self._gate()
+        if gate is None:
+            return None
+        await gate.cut()
+        return [{k: v for k, v in r.items() if k != "process"} for r in self.launcher.gates.take(self.sock_dir)]
 
     async def memory_clean(self) -> bool:
         """Whether the slot's memory cgroup, now that its sample is gone, holds no more than
@@ -247,11 +269,13 @@ class SlotPool:
             reply = await slot.run(job, timeout=timeout, output_bytes=output_bytes, script_name=script_name)
         except SlotError as exc:
             memory = slot.memory_killed()
+            network = await slot.network()
             await self._drop(slot)
-            return Ran(Ending(over_memory=memory, lost="" if memory else str(exc)))
+            return Ran(Ending(over_memory=memory, lost="" if memory else str(exc)), network=network)
         except BaseException:
             await asyncio.shield(self._drop(slot))
             raise
+        network = await slot.network()
         # A slot whose sample left something behind that outlives it (it says so, or its
         # memory cgroup does) is not used again.
         if self._closed or reply.retire or not await slot.memory_clean():
@@ -259,7 +283,8 @@ class SlotPool:
         else:
             self._idle.append(slot)
         return Ran(_ending(reply, slot.memory_killed()), reply.out, reply.err,
-                   round(reply.rss_kb / 1024, 1) if reply.rss_kb else None)
+                   round(reply.rss_kb / 1024, 1) if reply.rss_kb else None, network=network,
+                   fetched=dict(reply.fetched), note=reply.note if reply.status is not None else "")
 
     async def close(self) -> None:
         self._closed = True
@@ -271,12 +296,16 @@ class SlotPool:
 @dataclass(frozen=True)
 class Ran:
     """What a slot says of one sample: how it ended, its stdout and stderr as (head, tail,
-    total bytes), and its peak resident memory in MiB."""
+    total bytes), its peak resident memory in MiB, with a way out its connections, the files
+    it was asked to send back (by path) and words on them when they could not be."""
 
     ending: Ending
     out: tuple[bytes, bytes, int] = (b"", b"", 0)
     err: tuple[bytes, bytes, int] = (b"", b"", 0)
     rss_mb: float | None = None
+    network: list[dict] | None = None
+    fetched: dict[str, bytes] = field(default_factory=dict)
+    note: str = ""
 
 
 def _ending(reply: sample.Result, memory: bool) -> Ending:

@@ -249,8 +249,15 @@ def _site_free_paths(python: str) -> tuple[str, ...]:
     return tuple(path for path in paths if isinstance(path, str))
 
 
-@lru_cache(maxsize=8)
 def _probe(python: str) -> Interpreter:
+    """The probe's answer, asked once per interpreter a process: keyed by the plain path, since
+    ``lru_cache`` keys a ``str`` and a ``TrustedPython`` of the same path apart, and every start
+    would ask twice (the trust check, then ``runtime_packages``)."""
+    return _probe_path(str(python))
+
+
+@lru_cache(maxsize=8)
+def _probe_path(python: str) -> Interpreter:
     try:
         info = json.loads(_run(python, "-I", "-c", _PROBE, ",".join(RUNTIME_PACKAGES)))
     except ValueError as exc:

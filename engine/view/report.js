@@ -65,9 +65,12 @@ function runRow(run) {
   } else {
     const output = (run.stdout || run.stderr) ? el("details", {}, el("summary", {}, "output"),
       run.stdout ? el("pre", {}, run.stdout) : null, run.stderr ? el("pre", {}, run.stderr) : null) : null;
+    // (--allow-net) what its code reached, one line a connection
+    const network = run.network ? el("details", {class: "network"}, el("summary", {}, `network (${count(run.network_count)})`),
+      el("pre", {}, run.network.join("\n") + (run.network_count > run.network.length ? `\n[… ${count(run.network_count - run.network.length)} more]` : ""))) : null;
     cells.push(el("td", {class: "num"}, String(run.exit_code ?? "–")),
                el("td", {class: "num"}, run.max_rss_mb === null || run.max_rss_mb === undefined ? "–" : `${run.max_rss_mb} MB`),
-               el("td", {class: "error"}, run.error || "", output));
+               el("td", {class: "error"}, run.error || "", output, network));
   }
   return el("tr", {"data-id": run.id, "data-status": run.status}, cells);
 }

@@ -36,6 +36,7 @@ MAX_RUNS = 500_000
 MAX_REASONS, SHOWN_REASONS = 10_000, 200
 #: Characters of an error, an answer or an output kept for one row.
 ROW_CHARS = 600
+NETWORK_ROWS = 20  # connections of a sample a row shows (the rest counted)
 BINS = 40
 _FAILED = {BATCH: ("failed", "timed_out"), "samples": ("error", "timeout", "killed", "died")}
 _QUOTED = re.compile(r"'[^']*'|\"[^\"]*\"|`[^`]*`")
@@ -254,7 +255,17 @@ def _row(r: dict[str, Any], kind: str) -> dict[str, Any]:
                    exit_code=exit_code if isinstance(exit_code, int) and not isinstance(exit_code, bool) else None,
                    stdout=_cut(r.get("stdout")), stderr=_cut(r.get("stderr")),
                    max_rss_mb=_number(r["max_rss_mb"]) if isinstance(r.get("max_rss_mb"), int | float) else None)
+        network = r.get("network")
+        if isinstance(network, list):  # (--allow-net) its connections, a line each, the first NETWORK_ROWS
+            out["network"] = [_connection(c) for c in network[:NETWORK_ROWS]]
+            out["network_count"] = len(network)
     return out
+
+
+def _connection(c: Any) -> str:
+    c = c if isinstance(c, dict) else {}
+    why = f" ({_cut(c.get('why'))})" if c.get("why") else ""
+    return _cut(f"{_cut(c.get('host'))}:{_cut(c.get('port'))} {_cut(c.get('verdict'))}{why}")
 
 
 def summarise(records: Lines | Sequence[dict[str, Any]], kind: str, listed: int = 0) -> Summary:

@@ -98,6 +98,14 @@ function showDetail(panel, item, lanes) {
       panel.append(el("h4", {}, "Output (as it streamed: head and tail)"), pre);
     }
     if (item.shown && item.shown.length) panel.append(el("h4", {}, "Displayed"), ...item.shown.map(shownItem));
+    if (item.net && item.net.length) {
+      // What its code reached through the sandbox's way out (--allow-net), one row a connection.
+      const rows = item.net.map((c) => el("tr", {class: c.verdict === "allowed" ? "" : "refused"},
+        el("td", {}, `${c.host}:${c.port}`), el("td", {}, c.verdict + (c.why ? ` (${c.why})` : "")),
+        el("td", {}, `${count(c.sent)} B out, ${count(c.received)} B in`)));
+      panel.append(el("h4", {}, "Network (--allow-net)"), el("table", {class: "network"}, rows));
+      if (item.net_more) panel.append(el("p", {class: "cut"}, `[${count(item.net_more)} more connections not in this page]`));
+    }
     panel.append(...textBlock("Result (what the model was sent)", item.result));
   } else if (item.k === "request") {
     panel.append(...textBlock("Sent", item.message), ...textBlock("Reply", item.reply));

@@ -36,6 +36,8 @@ TEXT_CHARS = 20_000
 OUTPUT_CHARS = 6_000
 #: Heartbeat ticks kept per block, notes kept per run.
 MAX_TICKS, MAX_NOTES = 600, 2_000
+#: Connections shown per block (``--allow-net``); those beyond are counted.
+MAX_CONNECTIONS = 200
 #: Bars and lanes drawn, heartbeat ticks in all, attempts per request: beyond, counted only.
 MAX_ITEMS, MAX_LANES, MAX_ALL_TICKS, MAX_ATTEMPTS = 10_000, 500, 100_000, 50
 #: Characters (as the page's JSON holds them) of every bar's texts together; then each keeps SHORT.
@@ -54,6 +56,10 @@ class _Held(str):
     """A string cut before it was held, knowing how long it was (``total``)."""
 
     total: int
+
+
+def _number(value: Any) -> int | float | None:
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def _held(value: Any) -> Any:
@@ -167,6 +173,14 @@ class _Collect:
             shown = self._item[piece].setdefault("shown", [])
             if len(shown) < MAX_DISPLAYS:
                 shown.append(self._shown(fields))
+        elif mark == "connection" and piece in self._item:  # (--allow-net) what the block's code reached
+            net = self._item[piece].setdefault("net", [])
+            if len(net) < MAX_CONNECTIONS:
+                net.append({"host": self.cut(fields.get("host"), 300), "port": _number(fields.get("port")),
+                            "verdict": self.cut(fields.get("verdict"), 20), "why": self.cut(fields.get("why"), 40),
+                            "sent": _number(fields.get("sent")), "received": _number(fields.get("received"))})
+            else:
+                self._item[piece]["net_more"] = self._item[piece].get("net_more", 0) + 1
         elif mark == "progress" and piece in self._item:
             beats = self._item[piece]["beats"]
             if len(beats) < MAX_TICKS and self.ticks < MAX_ALL_TICKS:

@@ -102,6 +102,7 @@ async def run_sample(launcher: Launcher, sample: Sample, *, timeout: float = DEF
     worker = Worker(launcher, f"sample-{sample.key}"[:60])
     stdin_fd = None
     rss = None
+    network = None
     try:
         await worker.start()
         ready = await worker.run(_prelude(sample, str(launcher.workspace)), timeout=30)
@@ -119,11 +120,17 @@ async def run_sample(launcher: Launcher, sample: Sample, *, timeout: float = DEF
     finally:
         with contextlib.suppress(Exception):
             await asyncio.shield(worker.close())
+        if launcher.gates is not None:  # (closed with the worker: every connection it made)
+            network = [{k: v for k, v in r.items() if k != "process"} for r in launcher.gates.records]
         if stdin_fd is not None:
             os.close(stdin_fd)
     status, code, words = classify(_ending(result), sample.timeout or timeout, launcher.settings.sandbox.memory_bytes)
+    if sample.fetch:  # (the workspace of a worker started cold is gone with it)
+        words = "; ".join(w for w in (words, "files are fetched by sample slots only, and this machine runs "
+                                             "samples without a fork server") if w)
     (out, out_cut), (err, err_cut) = streams["stdout"].text(), streams["stderr"].text()
-    return SampleResult(sample.id, status, code, out, err, out_cut, err_cut, time.monotonic() - started, rss, words)
+    return SampleResult(sample.id, status, code, out, err, out_cut, err_cut, time.monotonic() - started, rss, words,
+                        network=network)
 
 
 def _stdin_file(data: str | bytes) -> int:
@@ -164,6 +171,10 @@ class SampleRunner:
 
     async def run(self, sample: Sample, *, timeout: float = DEFAULT_BLOCK_TIMEOUT,
                   output_bytes: int = OUTPUT_BYTES) -> SampleResult:
+        if sample.allow_net and not self.settings.allow_net:
+            return SampleResult(sample.id, "error", EXIT_OWN, "", "", 0, 0, 0.0, None,
+                                "its allow_net needs the run's own allowlist (--allow-net, network.allow, "
+                                "WorkerSettings(allow_net=...)): without one no sample's sandbox has a way out")
         if self.forked:
             if self.slots is None:
                 self._slot_launcher = self._launcher(self.base.run_dir / "samples")
@@ -174,10 +185,13 @@ class SampleRunner:
             status, code, words = classify(ran.ending, deadline, self.settings.sandbox.memory_bytes)
             (out, out_cut), (err, err_cut) = (HeadTail.of(ran.out, output_bytes).text(),
                                               HeadTail.of(ran.err, output_bytes).text())
+            words = "; ".join(w for w in (words, ran.note) if w)
             return SampleResult(sample.id, status, code, out, err, out_cut, err_cut,
-                                time.monotonic() - started, ran.rss_mb, words)
+                                time.monotonic() - started, ran.rss_mb, words, network=ran.network,
+                                files=ran.fetched)
         where = Path(tempfile.mkdtemp(prefix="sample-", dir=self.base.run_dir))
-        launcher = self._launcher(where, fork_server=False)
+        own = {"allow_net": sample.allow_net} if sample.allow_net else {}
+        launcher = self._launcher(where, fork_server=False, **own)
         try:
             return await run_sample(launcher, sample, timeout=timeout, output_bytes=output_bytes)
         finally:

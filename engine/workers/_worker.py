@@ -108,6 +108,12 @@ class Worker:
         for inspection; None while none runs.  A kill replaces it."""
         return self._session
 
+    def connections(self) -> list[dict]:
+        """The connections its sandbox made through its way out (``--allow-net``) that ended
+        since the last call (``engine.net.ConnectionRecord``'s fields); [] without an allowlist."""
+        gates, s = self.launcher.gates, self._session
+        return [] if gates is None or s is None else gates.take(s.sock_dir)
+
     @property
     def running(self) -> list[str]:
         return list(self._blocks)

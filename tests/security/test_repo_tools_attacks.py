@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.environment import ENV_ALLOWLIST
 from engine.errors import ToolError
 from engine.tools import RepoTools, execute_tool_call_async
 from engine.tools._repo import execute_tool_call
@@ -421,7 +422,9 @@ def test_the_tool_process_is_confined_and_holds_no_secrets(evil_root: Path, monk
             status = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = f.read().split(b"\0")
-        assert set(env) <= {b"PATH", b"LANG", b"PWD"}  # (PWD: bubblewrap says where it started it)
+        # The workers' allowlist and nothing else (PWD: bubblewrap says where it started it).
+        assert set(env) <= {name.encode() for name in (*ENV_ALLOWLIST, "PWD")}, env
+        assert b"LLM_API_KEY" not in env and not any(b"sk-agentloop-tools-" in v for v in env.values())
         assert os.readlink(f"/proc/{pid}/cwd") == "/"
         assert argv[1:3] == [b"-I", b"-S"]
         assert status["NoNewPrivs"].strip() == "1"

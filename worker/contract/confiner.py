@@ -4,12 +4,13 @@ the coordinator made carry frames (``framing``) of ASCII JSON (the confiner runs
 site-packages: no msgpack).
 
 Coordinator -> confiner (``TO_CONFINER``)
-    setup    {confine, status, control, stderr, tty?, ignored, parent, lc_ctype?}
+    setup    {confine, status, control, stderr, tty?, ignored, parent, lc_ctype?, egress}
                                 the confinement (a ``Confinement``'s map), the descriptors
                                 of the two pipes and of the script's stderr, the pty slave to make
                                 the controlling terminal (none without one), the signals the script
-                                starts with ignored, the coordinator's pid (0 under a PID namespace)
-                                and the script's LC_CTYPE (none: unset)
+                                starts with ignored, the coordinator's pid (0 under a PID namespace),
+                                the script's LC_CTYPE (none: unset) and the egress gate's socket
+                                its forwarder relays to (``--allow-net``; empty: no network)
     signal   {to, signal}       deliver ``signal`` to the script's process ``group`` or to the
                                 ``program`` alone (the control pipe; its end kills everything)
 Confiner -> coordinator (``TO_COORDINATOR``, the status pipe)
@@ -56,6 +57,7 @@ class Setup(Message):
     ignored: tuple[int, ...] = field(is_list(_SIGNAL, 64), ())
     parent: int = field(is_int(0, 2**31), 0)
     lc_ctype: str | None = field(is_optional(is_text(256)), None)
+    egress: str = field(is_text(4096), "")
 
 
 @message("signal")

@@ -12,8 +12,14 @@ private range (a listed private address goes through the proxy like any other).
 
 from __future__ import annotations
 
-__all__ = ["NO_PROXY", "NO_PROXY_VARIABLES", "PROXY_VARIABLES", "proxy_environment"]
+__all__ = ["FORWARDER_PORT", "NO_PROXY", "SOCKET_NAME", "NO_PROXY_VARIABLES", "PROXY_VARIABLES", "proxy_environment"]
 
+#: The port the forwarder listens on in a sandbox the coordinator starts: each sandbox has a
+#: loopback of its own, so one fixed port serves them all, and the coordinator can set the
+#: proxy variables in the one environment it builds instead of the process after it starts.
+FORWARDER_PORT = 3128
+#: The name of the gate's socket in a process's socket directory.
+SOCKET_NAME = "egress.sock"
 #: The variables that name the forwarder, as ``http://127.0.0.1:PORT``.
 PROXY_VARIABLES = ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy",
                    "PIP_PROXY", "npm_config_proxy", "npm_config_https_proxy", "YARN_HTTP_PROXY",

@@ -8,7 +8,7 @@ messages held in its fields).  The process calls ``take()`` first thing, which p
 one-time, and the environment itself is built from an allowlist (``engine.launch``).
 
 Coordinator -> any process it starts (``START``)
-    start  {token, confine, parent, output, tty, slot?, preload, curve}
+    start  {token, confine, parent, output, tty, slot?, preload, curve, egress}
 """
 
 from __future__ import annotations
@@ -61,7 +61,10 @@ class StartSpec(Message):
     ``tty``: which of fds 1 and 2 are a terminal, and its size (``"1,2:ROWSxCOLS"``);
     ``slot``: a sample slot's settings; ``preload``: modules a fork server imports first;
     ``curve``: over TCP, the CurveZMQ keys (``"SERVER_PUBLIC PUBLIC SECRET"``, z85) with which
-    the coordinator lets this worker in, and no one else."""
+    the coordinator lets this worker in, and no one else; ``egress``: the path of the sandbox's
+    egress proxy socket (``--allow-net``; empty: no network at all), to which the process's
+    forwarder (``worker.egress``, on ``contract.egress.FORWARDER_PORT``) relays, started after
+    the confinement and before any code runs."""
 
     token: str = field(is_text(MAX_NAME), "")
     confine: Confinement = field(is_message(Confinement), Confinement())
@@ -71,6 +74,7 @@ class StartSpec(Message):
     slot: SlotSettings | None = field(is_optional(is_message(SlotSettings)), None)
     preload: tuple[str, ...] = field(is_list(is_text(MAX_NAME), 256), ())
     curve: str = field(is_text(1024), "")
+    egress: str = field(is_text(MAX_ID), "")
 
     def to_env(self) -> dict[str, str]:
         """The variables that tell a process this spec (none for the empty spec)."""
