@@ -42,6 +42,7 @@ from engine.launch._outpipe import OutputPipes
 from engine.launch._process import Launch, Process, descendants
 from engine.launch._provision import ColdStart, Provisioner, cold_note, fork_server_refusal, insisted
 from engine.launch._run_dirs import (
+    file_part,
     give_back,
     held_alone,
     hold_workspace,
@@ -78,15 +79,6 @@ T = TypeVar("T")
 log = logging.getLogger("agentloop")
 #: The plans' details logged so far (``LaunchPlan.details``: once per process each).
 _detailed: set[str] = set()
-
-
-def _file_part(block_id: str) -> str:
-    """``block_id`` as a short file-name part: ASCII letters, digits, ``-`` and ``.`` as they
-    are, every other character as ``_`` and its UTF-8 bytes in hex (so ``x/y`` and ``x_y``
-    stay apart), cut at 48 characters."""
-    out = "".join(c if c.isascii() and (c.isalnum() or c in "-.") else
-                  "".join(f"_{b:02x}" for b in c.encode()) for c in block_id)
-    return out.lstrip(".")[:48]
 
 
 class Launcher:
@@ -308,14 +300,14 @@ class Launcher:
         (a block id may be reused, and ids differing only in characters a file name cannot
         hold would otherwise meet); the id follows, readable where it is plain."""
         self._outputs += 1
-        return self.output_dir / f"w{index}-{self._outputs}-{_file_part(block_id)}.txt"
+        return self.output_dir / f"w{index}-{self._outputs}-{file_part(block_id)}.txt"
 
     def display_path(self, index: int, block_id: str, number: int) -> Path:
         """The files of display ``number`` of a block, without their endings (``.png``,
         ``.svg``, ``.html`` follow), beside the block outputs: named by the block and the
         number, unique as ``output_path``'s names are."""
         self._outputs += 1
-        return self.output_dir / f"w{index}-{self._outputs}-{_file_part(block_id)}-{number}"
+        return self.output_dir / f"w{index}-{self._outputs}-{file_part(block_id)}-{number}"
 
     def plan(self, sock_dir: Path) -> LaunchPlan:
         """The sandbox plan for a process that may see ``sock_dir`` (a worker's, or the root).

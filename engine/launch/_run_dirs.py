@@ -17,10 +17,19 @@ from pathlib import Path
 from engine.errors import ConfigError
 from engine.trees import remove_tree
 
-__all__ = ["give_back", "held_alone", "hold_workspace", "missing_dirs", "private_dir", "remove_stale_runs", "runtime_dir",
-           "runtime_home"]
+__all__ = ["file_part", "give_back", "held_alone", "hold_workspace", "missing_dirs", "private_dir", "remove_stale_runs",
+           "runtime_dir", "runtime_home"]
 
 log = logging.getLogger("agentloop")
+
+
+def file_part(block_id: str) -> str:
+    """``block_id`` as a short file-name part: ASCII letters, digits, ``-`` and ``.`` as they
+    are, every other character as ``_`` and its UTF-8 bytes in hex (so ``x/y`` and ``x_y``
+    stay apart), cut at 48 characters."""
+    out = "".join(c if c.isascii() and (c.isalnum() or c in "-.") else
+                  "".join(f"_{b:02x}" for b in c.encode()) for c in block_id)
+    return out.lstrip(".")[:48]
 
 
 def missing_dirs(path: Path) -> list[Path]:
