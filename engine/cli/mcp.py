@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from engine.cli.options import Duration, fail, worker_options, worker_settings
+from engine.cli.options import Duration, fail, served_options, worker_options, worker_settings
 from engine.errors import AgentloopError
 
 __all__ = ["mcp"]
@@ -23,14 +23,7 @@ __all__ = ["mcp"]
                    "(port 0 picks a free one; the URL is printed on stderr).  Only requests that carry the "
                    "server's token get in, in the URL's path as printed or as 'Authorization: Bearer TOKEN'; "
                    "it is kept in ~/.local/state/agentloop/server-token (made on first use, mode 0600).")
-@click.option("--token-file", type=click.Path(dir_okay=False, readable=False, path_type=Path), default=None,
-              help="With --http: the file holding the token to require instead (yours, mode 0600; one line of "
-                   "at least 32 characters among A-Z a-z 0-9 - _ . ~).  There is no option that takes the token "
-                   "itself: every local user can read a command line.")
-@click.option("--allow-host", "allowed_hosts", metavar="NAME", multiple=True,
-              help="With --http: a host name clients may use to reach the server (repeatable).  "
-                   "Requests name an IP address or localhost otherwise; any other Host or Origin "
-                   "is refused, so no web page can reach the server by DNS rebinding.")
+@served_options("With --http: ")
 @click.option("--idle-timeout", type=Duration(), default="30m", show_default=True,
               help="Close a session (its worker; its files stay) after this long without a call; "
                    "over HTTP an MCP session that long without a request ends too.")

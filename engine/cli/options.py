@@ -237,6 +237,23 @@ def write_options(write_cwd: bool):
                         callback=_setting("write_cwd"), help=f"{WRITE_HELP}  Default: {default}.")
 
 
+def served_options(prefix: str = ""):
+    """``--token-file`` and ``--allow-host`` of a command that serves over TCP (``serve``, and
+    ``mcp`` with ``prefix`` "With --http: "): what every such server asks, in the same words."""
+    def apply(f):
+        return apply_options(f, [
+            click.option("--token-file", type=click.Path(dir_okay=False, readable=False, path_type=Path),
+                         default=None,
+                         help=f"{prefix}The file holding the token to require instead (yours, mode 0600; one "
+                              "line of at least 32 characters among A-Z a-z 0-9 - _ . ~).  No option takes the "
+                              "token itself: every local user can read a command line."),
+            click.option("--allow-host", "allowed_hosts", metavar="NAME", multiple=True,
+                         help=f"{prefix}A host name clients may use to reach the server (repeatable).  Requests "
+                              "name an IP address or localhost otherwise; any other Host or Origin is refused, "
+                              "so no web page can reach the server by DNS rebinding.")])
+    return apply
+
+
 def _subagent_limit(ctx, param, value):
     """``--max-subagents``: the limit of the agents this command makes, for as long as it runs
     (so ``run`` and ``chat`` need no parameter for it)."""
@@ -391,4 +408,4 @@ def terminated(signum: int, frame) -> None:
 __all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OWN", "EXIT_TIMEOUT", "WRITE_HELP", "Duration", "Size",
            "agent_options", "apply_max_tokens", "apply_options", "close_display", "ending", "fail",
            "host_functions", "load_registry", "make_display", "max_tokens_option", "modules", "run_until_done",
-           "same_terminal", "terminated", "worker_options", "worker_settings", "write_options"]
+           "same_terminal", "served_options", "terminated", "worker_options", "worker_settings", "write_options"]

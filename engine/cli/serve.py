@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from engine.cli.options import Duration, Size, fail, worker_options, worker_settings
+from engine.cli.options import Duration, Size, fail, served_options, worker_options, worker_settings
 from engine.errors import AgentloopError
 
 __all__ = ["serve"]
@@ -23,13 +23,7 @@ __all__ = ["serve"]
                    "printed on stderr.  Only requests that carry the server's token get in, in the URL's path "
                    "as printed or as 'Authorization: Bearer TOKEN'; it is kept in "
                    "~/.local/state/agentloop/server-token (made on first use, mode 0600).")
-@click.option("--token-file", type=click.Path(dir_okay=False, readable=False, path_type=Path), default=None,
-              help="The file holding the token to require instead (yours, mode 0600; one line of at least 32 "
-                   "characters among A-Z a-z 0-9 - _ . ~).  No option takes the token itself: every local "
-                   "user can read a command line.")
-@click.option("--allow-host", "allowed_hosts", metavar="NAME", multiple=True,
-              help="A host name clients may use to reach the server (repeatable); requests name an IP "
-                   "address or localhost otherwise.")
+@served_options()
 @click.option("--parallel", type=click.IntRange(1, 256), default=None,
               help="Samples run at once, all requests together (default: min(2 x CPUs, available GiB of "
                    "memory)).")
