@@ -213,7 +213,12 @@ def _text(text: str, *, error: bool = False, data: dict | None = None,
 def tool_definitions(config: ServerConfig, where: str) -> list[types.Tool]:
     """The three tools, described for the client's model; ``where`` says where a session's
     files go."""
-    network = "with the host's network" if config.settings.sandbox.network else "without network"
+    allowed = config.settings.allow_net.texts()
+    network = ("with the host's network" if config.settings.sandbox.network else
+               # (--allow-net) the model is told what it may reach, and how: through the proxy the
+               # environment names, so urllib, pip and requests work as they are
+               f"with network to {', '.join(allowed)} only (through the HTTP proxy its environment names; "
+               "anything else is refused with 403)" if allowed else "without network")
     return [
         types.Tool(
             name="run_python",
@@ -240,7 +245,7 @@ def tool_definitions(config: ServerConfig, where: str) -> list[types.Tool]:
                 "required": ["code"],
             },
             annotations=types.ToolAnnotations(title="Run Python", read_only_hint=False, destructive_hint=False,
-                                              open_world_hint=config.settings.sandbox.network),
+                                              open_world_hint=config.settings.sandbox.network or bool(allowed)),
         ),
         types.Tool(
             name="reset_session",
