@@ -82,6 +82,13 @@ async def test_mcp_run_python_reaches_the_listed_listener_only(tmp_path, index, 
         result = await server.run(fetch_block(index, unlisted))
         assert not result.is_error, text(result)
         assert_reached_only_the_listed(text(result), index, unlisted)
+        seen = [(c["host"], c["port"], c["verdict"]) for c in result.structured_content["network"]]
+        assert seen == [(ALLOWED, index.port, "allowed"), (ALLOWED, unlisted.port, "refused")], seen
+        assert f"connections: {index.address} allowed" in text(result), text(result)
+        assert f"{unlisted.address} refused (" in text(result), text(result)
+        quiet = await server.run("print(1)")  # each connection is told once, with its block
+        assert "network" in quiet.structured_content and not quiet.structured_content["network"]
+        assert "connections:" not in text(quiet), text(quiet)
 
 
 def test_chat_block_reaches_the_listed_listener_only(tmp_path, index, unlisted):
@@ -107,3 +114,5 @@ def test_serve_run_code_reaches_the_listed_listener_only(tmp_path, index, unlist
         answer = run_code(server, fetch_block(index, unlisted), run_timeout=30)
     assert answer["status"] == "Success", answer
     assert_reached_only_the_listed(answer["run_result"]["stdout"], index, unlisted)
+    seen = [(c["host"], c["port"], c["verdict"]) for c in answer["network"]]
+    assert seen == [(ALLOWED, index.port, "allowed"), (ALLOWED, unlisted.port, "refused")], seen
