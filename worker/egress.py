@@ -46,6 +46,9 @@ _BIG = 1 << 20
 _SPLICED_PAIRS = 32
 _BIG_PAIRS = 8
 _COPY = 64 * 1024  # the buffer of a direction that copies (pairs beyond the spliced ones)
+#: A big pair's send buffer on its unix socket to the proxy (uploads: a unix stream's only
+#: buffer is its sender's); the kernel caps it at ``net.core.wmem_max``.
+_UNIX_SNDBUF = 2 << 20
 _F_SETPIPE_SZ = 1031
 _SPLICE_FLAGS = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
 #: Whether flows splice (False: every flow copies through a buffer).
@@ -236,6 +239,9 @@ class _Pair:
         splice = len(relay.pairs) < _SPLICED_PAIRS
         self.big = splice and relay.big < _BIG_PAIRS
         relay.big += self.big
+        if self.big:
+            with contextlib.suppress(OSError):
+                b.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _UNIX_SNDBUF)
         self.out, self.back = _Flow(a, b, splice, self.big), _Flow(b, a, splice, self.big)
 
     def wants(self, sock: socket.socket) -> int:

@@ -92,6 +92,8 @@ log = logging.getLogger("agentloop")
 PROGRESS_INTERVAL = 0.1
 #: Characters of output one progress notification carries at most (the rest is counted).
 PROGRESS_TEXT = 8_000
+#: Connections a result's note names (``--allow-net``); the rest are counted (all are in ``network``).
+_NETWORK_SHOWN = 20
 DEFAULT_SESSION = "default"
 DEFAULT_TIMEOUT = "30s"
 SCHEME = "agentloop"
@@ -115,9 +117,22 @@ def result_text(result: BlockResult, session: str, notes: list[str] = ()) -> str
     return body + "".join(f"[note: {note}]\n" for note in notes) + f"[{line}]"
 
 
-def result_data(result: BlockResult, session: str) -> dict[str, Any]:
-    """The same result as structured content."""
-    return {"status": result.status, "session": session, "output": result.output, "error": result.error,
+def _connections_note(network: list[dict]) -> str:
+    """The connections a block made through its way out (``--allow-net``), in one note: each
+    host and port, allowed or refused and why, the bytes each way; at most ``_NETWORK_SHOWN``
+    named, the rest counted."""
+    def one(c: dict) -> str:
+        why = f" ({c.get('why')})" if c.get("verdict") != "allowed" and c.get("why") else ""
+        flow = f", {c.get('sent', 0)} B sent, {c.get('received', 0)} B received" if c.get("verdict") == "allowed" else ""
+        return f"{str(c.get('host'))[:100]}:{c.get('port')} {c.get('verdict')}{why}{flow}"
+    more = len(network) - _NETWORK_SHOWN
+    return "connections: " + "; ".join(one(c) for c in network[:_NETWORK_SHOWN]) + (f"; {more} more" if more > 0 else "")
+
+
+def result_data(result: BlockResult, session: str, network: list[dict] | None = None) -> dict[str, Any]:
+    """The same result as structured content; with an allowlist, ``network`` lists the
+    connections the block made (``engine.net.ConnectionRecord``'s fields)."""
+    return {**({"network": network} if network is not None else {}),"status": result.status, "session": session, "output": result.output, "error": result.error,
             "message": result.message, "duration_s": round(result.duration_s, 4),
             "output_bytes": result.output_bytes, "truncated": result.truncated,
             "output_file": result.output_file, "lost_vars": list(result.lost_vars),
@@ -213,7 +228,12 @@ def _text(text: str, *, error: bool = False, data: dict | None = None,
 def tool_definitions(config: ServerConfig, where: str) -> list[types.Tool]:
     """The three tools, described for the client's model; ``where`` says where a session's
     files go."""
-    network = "with the host's network" if config.settings.sandbox.network else "without network"
+    allowed = config.settings.allow_net.texts()
+    network = ("with the host's network" if config.settings.sandbox.network else
+               # (--allow-net) the model is told what it may reach, and how: through the proxy the
+               # environment names, so urllib, pip and requests work as they are
+               f"with network to {', '.join(allowed)} only (through the HTTP proxy its environment names; "
+               "anything else is refused with 403)" if allowed else "without network")
     return [
         types.Tool(
             name="run_python",
@@ -240,7 +260,7 @@ def tool_definitions(config: ServerConfig, where: str) -> list[types.Tool]:
                 "required": ["code"],
             },
             annotations=types.ToolAnnotations(title="Run Python", read_only_hint=False, destructive_hint=False,
-                                              open_world_hint=config.settings.sandbox.network),
+                                              open_world_hint=config.settings.sandbox.network or bool(allowed)),
         ),
         types.Tool(
             name="reset_session",
@@ -346,10 +366,15 @@ class AgentloopMCP:
                 if progress is not None:
                     await progress.close()
             session.blocks += 1
+            # (--allow-net) what the block reached, from the gate outside its sandbox: ended since
+            # the session's last block (one still open is told with a later one)
+            network = session.worker.connections() if self.config.settings.allow_net else None
         if result.refused_write():
             notes.append(writable_note(session.workspace))
+        if network:
+            notes.append(_connections_note(network))
         return _text(result_text(result, name, notes), error=result.status != "ok",
-                     data=result_data(result, name), images=result_images(result))
+                     data=result_data(result, name, network), images=result_images(result))
 
     async def reset_session(self, client: Client, args: dict) -> types.CallToolResult:
         name = args.get("session", DEFAULT_SESSION) or DEFAULT_SESSION

@@ -15,7 +15,9 @@ exit status, a death by a signal, the deadline) or ``SandboxError`` (the code co
 ``message``; ``compile_result`` (always null); ``run_result`` with ``status`` ``Finished``,
 ``TimeLimitExceeded`` (``return_code`` null) or ``Error``, ``execution_time`` (seconds),
 ``return_code`` (as Python's ``subprocess`` gives it: -N for a death by signal N), ``stdout``,
-``stderr``; ``executor_pod_name`` (null); ``files`` (path -> base64, what was fetched).
+``stderr``; ``executor_pod_name`` (null); ``files`` (path -> base64, what was fetched); and,
+for a server started with ``--allow-net`` only, ``network`` (the sample's connections, as a
+sample's result lists them: a key SandboxFusion's clients ignore).
 """
 
 from __future__ import annotations
@@ -175,11 +177,12 @@ def response(result: SampleResult, notes: tuple[str, ...] = ()) -> dict:
     seconds = round(result.duration_s, 4)
     message = "; ".join(m for m in (result.message, *notes) if m)
     files = {path: base64.b64encode(data).decode("ascii") for path, data in result.files.items()}
+    network = {"network": result.network} if result.network is not None else {}  # (--allow-net)
     if result.status == "cancelled" or (result.status == "error" and result.exit_code == EXIT_OWN
                                         and result.message.startswith("it could not be started")):
         run = _run_result("Error", seconds, None, result.stdout, result.stderr or result.message)
         return {"status": "SandboxError", "message": message, "compile_result": None, "run_result": run,
-                "executor_pod_name": None, "files": files}
+                "executor_pod_name": None, "files": files, **network}
     if result.status == "timeout":
         run, status = _run_result("TimeLimitExceeded", seconds, None, result.stdout, result.stderr), "Failed"
     else:
@@ -189,4 +192,4 @@ def response(result: SampleResult, notes: tuple[str, ...] = ()) -> dict:
         run = _run_result("Finished", seconds, code, result.stdout, result.stderr)
         status = "Success" if code == 0 else "Failed"
     return {"status": status, "message": message, "compile_result": None, "run_result": run,
-            "executor_pod_name": None, "files": files}
+            "executor_pod_name": None, "files": files, **network}

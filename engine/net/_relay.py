@@ -30,6 +30,12 @@ _FLAGS = os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK
 #: 16 + 3 MiB of it.
 MAX_SPLICING = 64
 BIG_PIPES = 16
+#: A big pipe's pump into a unix socket (the sandbox's side) asks that socket for this send
+#: buffer: a unix stream's only buffer is its sender's, and the default (~208 KiB) wakes the
+#: forwarder for every few splices.  The kernel caps it at ``net.core.wmem_max`` (a no-op
+#: where that is the default); at most ``BIG_PIPES`` of them, so at most 16 x 4 MiB (the
+#: kernel counts double) of this process's socket memory.
+UNIX_SNDBUF = 2 << 20
 _splicing = _big = 0
 
 
@@ -55,6 +61,9 @@ async def pump(src: socket.socket, dst: socket.socket, count: Callable[[int], No
                         fcntl.fcntl(w, _F_SETPIPE_SZ, _SPLICE)
                         big = True
                         _big += 1
+                    if big and dst.family == socket.AF_UNIX:  # (TCP tunes its own: never set it there)
+                        with contextlib.suppress(OSError):
+                            dst.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SNDBUF)
                 return await _splice(src, dst, count, limit, r, w)
             except _NoSplice:
                 pass
