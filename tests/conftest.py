@@ -24,6 +24,7 @@ from engine.launch import WorkerSettings, fork_server_refusal
 from engine.models import _server as model_server
 from engine.scripted import _sequence as sequence
 from engine.workers import Engine
+from tests import net_servers
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -247,3 +248,24 @@ def ray_cluster():
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+# -- the egress tests' servers (tests/net_servers.py) ----------------------------------------
+
+@pytest.fixture
+def index():
+    """A PEP 503 index on ``net_servers.ALLOWED`` serving a wheel the test makes."""
+    server = net_servers.Index()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def canaries():
+    """Listeners no attack may reach: other loopback addresses and ports, and UDP."""
+    found = [net_servers.Canary("127.0.0.1"), net_servers.Canary("127.0.0.3"),
+             net_servers.Canary(net_servers.ALLOWED), net_servers.UdpCanary("127.0.0.1")]
+    yield found
+    for canary in found:
+        canary.assert_untouched()
+        canary.close()

@@ -16,7 +16,7 @@ from engine.errors import ConfigError
 from engine.launch import WorkerSettings
 from engine.sandbox import host_support
 from engine.workers import Engine
-from tests.net_servers import ALLOWED, Canary, Index, UdpCanary
+from tests.net_servers import ALLOWED, Index
 
 pytestmark = pytest.mark.skipif(host_support().bwrap is None, reason="--allow-net needs bubblewrap")
 
@@ -39,23 +39,6 @@ try:
 except ImportError as exc:
     print("not installed", type(exc).__name__)
 '''
-
-
-@pytest.fixture
-def index():
-    server = Index()
-    yield server
-    server.close()
-
-
-@pytest.fixture
-def canaries():
-    """Listeners no attack may reach: other loopback addresses and ports, and UDP."""
-    found = [Canary("127.0.0.1"), Canary("127.0.0.3"), Canary(ALLOWED), UdpCanary("127.0.0.1")]
-    yield found
-    for canary in found:
-        canary.assert_untouched()
-        canary.close()
 
 
 def _dirs(tmp_path: Path) -> tuple[Path, Path]:

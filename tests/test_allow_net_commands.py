@@ -34,13 +34,6 @@ for url in URLS:
 
 
 @pytest.fixture
-def index():
-    server = Index()
-    yield server
-    server.close()
-
-
-@pytest.fixture
 def unlisted():
     """A listener on the allowed address, on a port no entry names: nothing may reach it."""
     canary = Canary(ALLOWED)

@@ -18,7 +18,7 @@ import pytest
 
 from engine.net import Allowlist, EgressGate, Limits
 from engine.net import _relay as relay
-from tests.net_servers import WAIT, BlobSource, Canary, Echo, Index, Resolver, Sink
+from tests.net_servers import WAIT, BlobSource, Canary, Echo, Resolver, Sink
 
 
 @pytest.fixture
@@ -26,13 +26,6 @@ def sock_dir():
     d = Path(tempfile.mkdtemp(prefix="agentloop-egress-"))  # (short: a unix socket path has 107 bytes)
     yield d
     shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def index():
-    server = Index()
-    yield server
-    server.close()
 
 
 @pytest.fixture

@@ -28,12 +28,10 @@ from tests.net_servers import (
     ALLOWED,
     WAIT,
     BlobSource,
-    Canary,
     Echo,
     Index,
     Resolver,
     Sink,
-    UdpCanary,
     certificate,
 )
 
@@ -173,23 +171,6 @@ async def box(base):
     yield sandbox
     if sandbox.gate is not None:
         await sandbox.gate.close()
-
-
-@pytest.fixture
-def index():
-    server = Index()
-    yield server
-    server.close()
-
-
-@pytest.fixture
-def canaries():
-    """TCP listeners on other loopback addresses and ports, and a UDP one: nothing may reach them."""
-    found = [Canary("127.0.0.1"), Canary("127.0.0.3"), Canary(ALLOWED), UdpCanary("127.0.0.1")]
-    yield found
-    for canary in found:
-        canary.assert_untouched()
-        canary.close()
 
 
 PIP = '''
