@@ -39,7 +39,7 @@ from pathlib import Path
 from engine.errors import ConfigError, UntrustedFile
 
 __all__ = ["UID_BASE", "UID_SPAN", "Grant", "check", "open_grant", "owner_refusal", "record_directory", "record_refusal", "refusal",
-           "refuse_holding_record", "state_dir", "state_home"]
+           "refuse_holding_record", "started_at", "state_dir", "state_home"]
 
 #: The uids a root coordinator runs workers as (``engine.sandbox`` hands them out): a file one
 #: of them owns is a worker's.
@@ -187,8 +187,9 @@ def _boot_id() -> str:
     return _BOOT
 
 
-def _started(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks since boot), to tell it from a later one."""
+def started_at(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot), to tell it from a later one with
+    the same pid (None: gone, or unreadable)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return int(f.read().rsplit(b")", 1)[1].split()[19])
@@ -199,7 +200,7 @@ def _started(pid: int) -> int | None:
 def _alive(window: dict) -> bool:
     """Whether the run that opened ``window`` still runs (the same process, this boot)."""
     pid = window.get("pid") or 0
-    return window.get("boot") == _boot_id() and pid > 0 and _started(pid) == window.get("since")
+    return window.get("boot") == _boot_id() and pid > 0 and started_at(pid) == window.get("since")
 
 
 def _compact(windows: list[dict]) -> list[dict]:
@@ -272,7 +273,7 @@ def open_grant(directory: str | Path, kept: Iterable[str] = ()) -> Grant:
             st = os.lstat(path)
             kept_now.append([os.path.realpath(path), st.st_dev, st.st_ino])
     start = time.time()
-    window = {"start": start, "end": None, "pid": os.getpid(), "since": _started(os.getpid()), "boot": _boot_id(),
+    window = {"start": start, "end": None, "pid": os.getpid(), "since": started_at(os.getpid()), "boot": _boot_id(),
               "kept": kept_now}
     file = _record_file(directory)
     try:

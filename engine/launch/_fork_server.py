@@ -36,6 +36,7 @@ from engine.launch._process import (
 )
 from engine.launch._settings import WorkerSettings
 from engine.sandbox import LaunchPlan, runtime_argv
+from engine.trust import started_at
 from worker.contract import fork
 from worker.contract.framing import decode, encode, frame, read_frame_async
 from worker.contract.schema import ContractError
@@ -108,15 +109,6 @@ def _drain(fd: int) -> bytes:
 
 #: Pids ``ForkServer._host_pid`` keeps at most (inits whose exit went unreported are forgotten then).
 _FOUND_MAX = 4096
-
-
-def _start_time(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks after boot): with its pid, which process it is."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def _zombie_status(pid: int) -> int:
@@ -330,7 +322,7 @@ class ForkServer:
         one is used while that same process (pid and start time) lives, else looked for again."""
         assert self._proc is not None
         kept = self._found.get(zpid)
-        if kept is not None and _start_time(kept[0]) == kept[1] is not None:
+        if kept is not None and started_at(kept[0]) == kept[1] is not None:
             return kept[0]
         for pid in descendants(self._proc.pid):
             try:
@@ -341,7 +333,7 @@ class ForkServer:
                             if len(ids) >= 2 and int(ids[1]) == zpid:
                                 if len(self._found) >= _FOUND_MAX:
                                     self._found.clear()
-                                self._found[zpid] = (pid, _start_time(pid))
+                                self._found[zpid] = (pid, started_at(pid))
                                 return pid
                             break
             except OSError:
