@@ -208,12 +208,30 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    _group_for_workers(items)
     if not config.getoption("--skip-ray"):
         return
     skip = pytest.mark.skip(reason="--skip-ray")
     for item in items:
         if "ray" in item.keywords:
             item.add_marker(skip)
+
+
+def _group_for_workers(items) -> None:
+    """With pytest-xdist (``scripts/test`` runs the suite on a worker per core, ``--dist
+    loadgroup``), tests that share something costly run in one worker, so that it is made once:
+    the tests of a module with a module- or class-scoped fixture of ours (test_view's 1,000-run
+    batch, say) stay together, and every Ray test shares one worker and so one cluster. The rest
+    are spread test by test."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        defs = [d for ds in (info.name2fixturedefs.values() if info else ()) for d in ds]
+        if "ray" in item.keywords or any(d.argname == "ray_cluster" for d in defs):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+        elif any(d.scope in ("module", "class") and str(d.baseid).startswith("tests") for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
 
 
 def read_line(stream, timeout: float):

@@ -12,6 +12,7 @@ Each test starts a Python that prints one JSON object: from a root run, ``/usr/b
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import wait_until
 from tests.test_sandbox_layers import _NOBODY_PROBLEM, NOBODY, NOBODY_PATH, ROOT, SYSTEM_PYTHON
 
 WAIT = 120
@@ -122,10 +124,28 @@ def delegated() -> list[Path]:
             os.chown(path, NOBODY, NOBODY)
     yield groups
     for group in groups:
-        for child in sorted(group.rglob("*"), key=lambda p: -len(p.parts)):
-            if child.is_dir():
-                child.rmdir()
-        group.rmdir()
+        _remove_cgroup(group)
+
+
+def _remove_cgroup(group: Path) -> None:
+    """Remove ``group`` and the cgroups the run made in it, once the processes the run killed
+    have left them: a killed process leaves its cgroup a moment after its parent saw it die
+    (on a loaded machine, long enough for ``rmdir`` to say EBUSY)."""
+    dirs = sorted((p for p in group.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)) + [group]
+    for path in dirs:
+        emptied = wait_until(lambda path=path: not (path / "cgroup.procs").read_text().strip(), timeout=30)
+        assert emptied, f"{path} still holds processes: {(path / 'cgroup.procs').read_text()}"
+        assert wait_until(lambda path=path: _rmdir(path), timeout=30), f"{path} stays busy"
+
+
+def _rmdir(path: Path) -> bool:
+    try:
+        path.rmdir()
+    except OSError as exc:
+        if exc.errno != errno.EBUSY:
+            raise
+        return False
+    return True
 
 
 _MEMORY_BOMB = """
