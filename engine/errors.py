@@ -7,6 +7,7 @@
     ├── WorkerError                 a sandboxed process could not be started or talked to
     │   ├── WorkerStartError        the process did not come up / handshake failed
     │   ├── WorkerClosed            the handle was closed; start a new worker
+    │   ├── ForkRefused             a worker cannot be forked now: what to stop first
     │   ├── OutputError             what a worker wrote on its output pipe breaks the protocol
     │   ├── SlotError               a sample slot broke or misspoke: it is not used again
     │   └── ToolProcessError        the tool process did not serve a request
@@ -42,7 +43,7 @@ import signal
 
 __all__ = [
     "AgentError", "AgentloopError", "AlreadyOwned", "InvalidRequest", "CallRefused", "CodeFailed", "ConfigError",
-    "EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OWN", "EXIT_TIMEOUT", "ForeignServer", "ModelError", "ModelResponseError",
+    "EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OWN", "EXIT_TIMEOUT", "ForeignServer", "ForkRefused", "ModelError", "ModelResponseError",
     "ModelUnreachable", "NoClient", "OutputError", "Refused", "SandboxError", "ServiceBusy", "SlotError", "ToolBusy",
     "ToolClosed", "ToolCrash", "ToolError", "ToolProcessError", "ToolTimeout", "TreeError", "UntrustedFile",
     "UntrustedPython", "WorkerClosed", "WorkerError", "WorkerStartError"
@@ -84,6 +85,11 @@ class WorkerStartError(WorkerError):
 
 class WorkerClosed(WorkerError):
     """The worker handle was closed; start a new worker to run more code."""
+
+
+class ForkRefused(WorkerError):
+    """A worker cannot be forked now (a block, a thread, a task or a process of its code runs)
+    or here; the message says what to stop first, or why it never can."""
 
 
 class OutputError(WorkerError):

@@ -212,6 +212,11 @@ class Displays:
         #: Blocks run as scripts (``exec``): python's, without displays.
         self.scripts: set[str] = set()
 
+    def rewire(self, send: Callable[[wire.Message], None], router: Router) -> None:
+        """Send by ``send`` and ``router`` from now on (a fork's copy of the worker)."""
+        self._send = send
+        self._router = router
+
     def install(self) -> None:
         """Be the worker's displays, and adapt matplotlib and Pillow once the code imports them."""
         global _active

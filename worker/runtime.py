@@ -45,6 +45,7 @@ import asyncio
 import builtins
 import collections
 import concurrent.futures
+import contextlib
 import contextvars
 import inspect
 import linecache
@@ -125,7 +126,7 @@ class Runtime:
     def __init__(self, router: Router, fdcap: FdCapture | None, send: Callable[[dict], None],
                  call: proxy.Call, namespace: dict | None = None, displays: Displays | None = None,
                  on_main_free: Callable[[], None] = lambda: None) -> None:
-        self._call = call
+        self._host = call
         self._router = router
         self._fdcap = fdcap
         self._send = send
@@ -150,6 +151,45 @@ class Runtime:
         self._threads: dict[str, Running] = {}
         self._sources: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._stdin: script_run.ScriptInput | None = None  # a script run's forwarded stdin
+
+    def _call(self, name: str, args: list, kwargs: dict, block: str | None) -> concurrent.futures.Future:
+        """A host call, by whichever channel the process has now: the stubs and ``self``
+        bound in the namespace call through here, so a fork's copies call through their own."""
+        return self._host(name, args, kwargs, block)
+
+    def running_blocks(self) -> list[str]:
+        """The ids of the blocks that run now."""
+        return [*self._threads, *self._tasks]
+
+    def pending_tasks(self) -> list[str]:
+        """The tasks on the user loop that are not done (what a block left running there)."""
+        loop = self._user_loop
+        if loop is None:
+            return []
+        return [f"{task.get_name()} ({getattr(task.get_coro(), '__qualname__', '?')})"
+                for task in asyncio.all_tasks(loop) if not task.done()]
+
+    def rewire(self, router: Router, fdcap: FdCapture, send: Callable[[wire.Message], None], call: proxy.Call,
+               on_main_free: Callable[[], None]) -> None:
+        """In a fork's copy of this process (one thread, this one, the main thread now): the
+        same namespace, its output, messages and host calls going by the copy's own channel,
+        and no block running.  The user loop was the parent's (its thread is gone, and its
+        epoll descriptor is shared with the parent): a new one starts on first use."""
+        self._router, self._fdcap, self._send, self._host = router, fdcap, send, call
+        self._on_main_free = on_main_free
+        if self._displays is not None:
+            self._displays.rewire(send, router)
+        loop, self._user_loop = self._user_loop, None
+        if loop is not None:
+            for fd in (loop._selector.fileno(), loop._ssock.fileno(), loop._csock.fileno()):  # type: ignore[attr-defined]
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._loop_lock = threading.Lock()
+        self._main = threading.get_ident()
+        self._on_main = None
+        self._tasks.clear()
+        self._threads.clear()
+        self._stdin = None
 
     def base_names(self, names: set[str]) -> None:
         """Names injected by the host (tools, ``self``): not reported as the user's variables."""
@@ -206,6 +246,8 @@ class Runtime:
             future = asyncio.run_coroutine_threadsafe(self._spawn(block_id, coro, ctx, run_as, filename),
                                                       self._loop())
             self._tasks[block_id] = future
+            # (A block that ends at once has popped itself before it was put there.)
+            future.add_done_callback(lambda f, b=block_id: self._tasks.get(b) is f and self._tasks.pop(b, None))
             return None
         running = self._threads[block_id] = Running()
         return lambda: ctx.run(self._run_sync, block_id, compiled, running, run_as, filename)

@@ -18,13 +18,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from . import _memory
+from . import _memory, _running, forking
 from ._baton import Baton
 from ._outpipe import Fifos, PipeWriter
 from .capture import (
@@ -97,7 +98,7 @@ class Crew:
     """The threads that listen to the socket in turn and run what arrives."""
 
     def __init__(self, channel: Channel, router: Router, runtime: Runtime, calls: HostCalls,
-                 baton: Baton, diag_fd: int) -> None:
+                 baton: Baton, diag_fd: int, early: list[bytes] | None = None) -> None:
         self.channel = channel
         self.router = router
         self.runtime = runtime
@@ -112,6 +113,12 @@ class Crew:
         #: Ends the process at once: ``shutdown`` heard by a thread other than the main one,
         #: which may be running a block, never waits for it.
         self.exit_now: Callable[[int], None] = os._exit
+        #: Frames received with the welcome, handled first.
+        self.early = early or []
+        #: What the runtime holds before any user code runs: its descriptors and processes,
+        #: which a fork's copy closes and does not count as the code's (see ``forking``).
+        self.own_fds = forking.own_descriptors()
+        self.own_children = forking.runtime_children()
 
     def serve_main(self, early: list[bytes]) -> None:
         """Listen and run blocks on the calling thread, the process's main thread, until
@@ -248,7 +255,7 @@ class Crew:
         its reply, or with ``refused`` and the words of what went wrong."""
         rid = msg.rid  # type: ignore[attr-defined]
         try:
-            reply = self.runtime.answer(msg)
+            reply = self._fork(msg) if isinstance(msg, wire.Fork) else self.runtime.answer(msg)
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator as words
             reply = wire.refused(rid, f"{type(exc).__name__}: {exc}")
         try:
@@ -256,6 +263,64 @@ class Crew:
         except (TypeError, ValueError, OverflowError) as exc:
             frame = encode(wire.refused(rid, f"unsendable value: {exc}"))
         self.channel.send_frame(frame)
+
+
+    def _fork(self, msg: wire.Fork) -> wire.Message:
+        """Fork this process once per child of ``msg`` (see ``forking``); ``forked`` with their
+        pids, or ``refused`` saying what to stop first."""
+        runtime = self.runtime
+        why = forking.refusal(runtime.running_blocks(), msg.caller, runtime.pending_tasks(), self.own_children)
+        if why is not None:
+            return wire.refused(msg.rid, f"cannot fork now: {why}")
+        parent = os.getpid()
+
+        def fork_all() -> list[int]:
+            pids: list[int] = []
+            for child in msg.children:
+                try:
+                    pid = os.fork()
+                except OSError as exc:  # (the process limit, most often): none of them, then
+                    forking.discard(pids)
+                    raise OSError(exc.errno, f"{len(pids)} of {len(msg.children)} copies could be made "
+                                             f"before fork() failed ({exc.strerror}): the worker's process limit "
+                                             "counts its copies' threads too; fork fewer at once") from None
+                if pid == 0:
+                    self._become_fork(child, parent)  # never returns
+                pids.append(pid)
+            return pids
+
+        self.router.flush_all()  # what is on its way out is the parent's, not the copies'
+        return wire.Forked(msg.rid, tuple(forking.forker().run(fork_all)))
+
+    def _become_fork(self, child: wire.ForkChild, parent: int) -> None:
+        """In a fork's copy (one thread: the forking one, the main thread now): close what was
+        the parent's connection, dial ``child``'s endpoint, and serve the same namespace as a
+        worker of its own.  Never returns."""
+        code = 72
+        try:
+            forking.die_with_parent(parent)
+            # Stopped until the coordinator has put it in cgroups of its own: it is born in its
+            # parent's, and its threads would count against the parent's limit.
+            os.kill(os.getpid(), signal.SIGSTOP)
+            os.setsid()
+            forking.forget_forker()
+            forking.reseed()
+            os.dup2(self.diag_fd, 2)  # the worker's own stderr, for the copy's last words
+            forking.close_descriptors(self.own_fds)
+            _running.MAIN = threading.get_ident()
+            channel, router, fdcap = _link(child.endpoint, None, "", "")
+            early = _greet(channel, child.token, fdcap.diag_fd)
+            if isinstance(early, int):
+                os._exit(early)
+            baton = Baton()
+            calls = HostCalls(channel, baton)
+            self.runtime.rewire(router, fdcap, channel.send, calls.call, baton.main_free)
+            crew = Crew(channel, router, self.runtime, calls, baton, fdcap.diag_fd, early)
+            code = _serve(crew, fdcap)
+        except BaseException as exc:  # noqa: BLE001 - the last words of a copy that failed to start
+            with contextlib.suppress(OSError):
+                os.write(2, f"agentloop worker: a fork's copy failed to start: {type(exc).__name__}: {exc}\n".encode())
+        os._exit(code)
 
 
 def _decode(frame: bytes) -> wire.Message | None:
@@ -291,13 +356,10 @@ def _keep_last_words(fdcap: FdCapture, router: Router, channel: Channel) -> Call
     return restore
 
 
-def serve(endpoint: str, token: str, fifos: Fifos | None = None, tty: str = "", curve: str = "") -> int:
-    """Handshake with the coordinator at ``endpoint``, then serve until ``shutdown``.  Must run
-    on the process's main thread, which runs blocks (see ``runtime``).  ``fifos``: the
-    coordinator's output pipes (``_outpipe.open_fifos``), where output goes instead of the
-    socket.  ``tty``: which of fds 1 and 2 are a terminal, and its size.  ``curve``: the
-    CurveZMQ keys of a TCP connection (see ``Channel``).  Returns the exit code; user code left
-    running in threads is the caller's to abandon."""
+def _link(endpoint: str, fifos: Fifos | None, tty: str, curve: str) -> tuple[Channel, Router, FdCapture]:
+    """The worker's connection to the coordinator: its channel, the router of the blocks'
+    output (by the output pipes when ``fifos`` are given, else by the socket), fd 1 and 2
+    captured into it, and ``sys`` streams that write to it."""
     channel = Channel(endpoint, curve=curve)
     writer = PipeWriter(fifos.out, keep=INTERRUPT_SIGNAL) if fifos is not None else None
     router = Router(channel.send) if writer is None else \
@@ -306,13 +368,15 @@ def serve(endpoint: str, token: str, fifos: Fifos | None = None, tty: str = "", 
     channel.diag_fd = fdcap.diag_fd
     if writer is not None:
         writer.diag_fd = fdcap.diag_fd
-    inherit_block_in_threads()
-    hide_runtime_threads()
-    plain_streams_in_children()
     sys.stdout = TextStream(router, STDOUT)
     sys.stderr = TextStream(router, STDERR)
     sys.stdin = NoInput()
+    return channel, router, fdcap
 
+
+def _greet(channel: Channel, token: str, diag_fd: int) -> list[bytes] | int:
+    """The handshake: ``hello``, then the coordinator's ``welcome``; the frames that came with
+    the welcome, or the exit code of a worker that was not welcomed."""
     channel.send(wire.Hello(token, os.getpid()))
     welcome = None
     early: list[bytes] = []  # frames that came in the welcome's batch
@@ -325,20 +389,40 @@ def serve(endpoint: str, token: str, fifos: Fifos | None = None, tty: str = "", 
                 early = frames[i + 1:]
                 break
     if welcome is None:
-        os.write(fdcap.diag_fd, b"agentloop worker: no welcome from the coordinator\n")
+        os.write(diag_fd, b"agentloop worker: no welcome from the coordinator\n")
         return 3
     if not isinstance(welcome, wire.Welcome) or welcome.v != wire.PROTOCOL_VERSION:
-        os.write(fdcap.diag_fd, b"agentloop worker: handshake refused (protocol version?)\n")
+        os.write(diag_fd, b"agentloop worker: handshake refused (protocol version?)\n")
         return 4
+    return early
 
+
+def _serve(crew: Crew, fdcap: FdCapture) -> int:
+    restore_exit = _keep_last_words(fdcap, crew.router, crew.channel)
+    crew.serve_main(crew.early)
+    restore_exit()
+    return crew.exit_code or 0
+
+
+def serve(endpoint: str, token: str, fifos: Fifos | None = None, tty: str = "", curve: str = "") -> int:
+    """Handshake with the coordinator at ``endpoint``, then serve until ``shutdown``.  Must run
+    on the process's main thread, which runs blocks (see ``runtime``).  ``fifos``: the
+    coordinator's output pipes (``_outpipe.open_fifos``), where output goes instead of the
+    socket.  ``tty``: which of fds 1 and 2 are a terminal, and its size.  ``curve``: the
+    CurveZMQ keys of a TCP connection (see ``Channel``).  Returns the exit code; user code left
+    running in threads is the caller's to abandon."""
+    channel, router, fdcap = _link(endpoint, fifos, tty, curve)
+    inherit_block_in_threads()
+    hide_runtime_threads()
+    plain_streams_in_children()
+    early = _greet(channel, token, fdcap.diag_fd)
+    if isinstance(early, int):
+        return early
     baton = Baton()
     calls = HostCalls(channel, baton)
     displays = Displays(channel.send, router)
     displays.install()
     runtime = Runtime(router, fdcap, channel.send, calls.call, displays=displays, on_main_free=baton.main_free)
     runtime.install_interrupts()
-    crew = Crew(channel, router, runtime, calls, baton, fdcap.diag_fd)
-    restore_exit = _keep_last_words(fdcap, router, channel)
-    crew.serve_main(early)
-    restore_exit()
-    return crew.exit_code or 0
+    crew = Crew(channel, router, runtime, calls, baton, fdcap.diag_fd, early)
+    return _serve(crew, fdcap)

@@ -33,6 +33,7 @@ from engine.launch._process import (
     signal_quietly,
     spawn,
     watch_exit,
+    zombie_status,
 )
 from engine.launch._settings import WorkerSettings
 from engine.sandbox import LaunchPlan, runtime_argv
@@ -71,7 +72,7 @@ class ForkedProcess(Process):
 
     def _read_status(self, _: asyncio.Future) -> None:
         if self._status is None:
-            self._status = _zombie_status(self.worker_pid)
+            self._status = zombie_status(self.worker_pid)
 
     def _gone(self) -> bool:
         # The worker may be gone while its init still holds the namespace.
@@ -109,20 +110,6 @@ def _drain(fd: int) -> bytes:
 
 #: Pids ``ForkServer._host_pid`` keeps at most (inits whose exit went unreported are forgotten then).
 _FOUND_MAX = 4096
-
-
-def _zombie_status(pid: int) -> int:
-    """The exit status (as a shell's $?) of a process that has exited but is not reaped; a
-    process already gone was killed with its namespace: 128 + SIGKILL."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except OSError:
-        return 128 + 9
-    if fields[0] not in (b"Z", b"X") or len(fields) < 50:
-        return 128 + 9
-    status = int(fields[49])  # field 52, exit_code: as waitpid(2) reports it
-    return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
 class ForkServer:

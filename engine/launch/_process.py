@@ -170,6 +170,57 @@ class Process:
                 self.proc.stderr.close()
 
 
+class Descendant(Process):
+    """A process below one of ours that is not our child (a fork of a worker, see
+    ``Worker.fork``): its exit is watched through a pidfd, its status read from its zombie
+    (its parent reaps it a moment later), and a kill ends its tree as any tree without a PID
+    namespace of its own ends."""
+
+    def __init__(self, pid: int) -> None:
+        self.proc = None
+        self._status: int | None = None
+        self._init_watch(pid, False, None)
+        self._exited.add_done_callback(self._read_status)
+
+    def _read_status(self, _: asyncio.Future) -> None:
+        if self._status is None:
+            self._status = zombie_status(self.pid)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._status
+
+
+def zombie_status(pid: int) -> int:
+    """The exit status (as a shell's $?) of a process that has exited but is not reaped; a
+    process already gone was killed with its namespace (or reaped): 128 + SIGKILL."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return 128 + 9
+    if fields[0] not in (b"Z", b"X") or len(fields) < 50:
+        return 128 + 9
+    status = int(fields[49])  # field 52, exit_code: as waitpid(2) reports it
+    return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def find_below(root: int, nspid: int) -> int | None:
+    """The host pid of the process below ``root`` whose pid in its own PID namespace (the
+    innermost) is ``nspid``; None if there is none."""
+    for pid in descendants(root):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("NSpid:"):
+                        if int(line.split()[-1]) == nspid:
+                            return pid
+                        break
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def watch_exit(pid: int) -> asyncio.Future[None]:
     """A future that is done once process ``pid`` has exited (at once if it is gone), watched
     through a pidfd that is closed when the future is done, whoever completes it."""
@@ -212,7 +263,7 @@ def spawn(launch: Launch) -> Process:
     return Process(start(launch), launch.pid_namespace)
 
 
-def _stopped(pid: int) -> bool:
+def stopped(pid: int) -> bool:
     """Whether process ``pid`` is stopped, a zombie or gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -297,7 +348,7 @@ def _kill_steps(root: int, pid_namespace: bool, *, include_root: bool = True, ro
         # have armed its parent-death signal yet.
         signal_quietly(root, signal.SIGSTOP)
         for _ in range(patience):
-            if _stopped(root):
+            if stopped(root):
                 break
             yield
         for pid in [*descendants(root), *([root] if include_root else [])]:

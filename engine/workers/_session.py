@@ -100,6 +100,9 @@ class Session:
         self.dropped = 0
         self.sock: zmq.Socket | None = None
         self.sock_dir: Path | None = None
+        self.endpoint = ""  # where a fork's copy dials (``fork_of``)
+        #: The socket directory its process sees (its own; a fork's, its first ancestor's).
+        self.seen_dir: Path | None = None
         self.pipes: OutputPipes | None = None  # a local worker's output pipes
         self.guard: Guard | None = None  # over TCP: what lets this worker in and nobody else
         self._out_watched = False
@@ -138,12 +141,53 @@ class Session:
     async def _start(self) -> None:
         launcher = self.launcher
         endpoint, self.sock_dir = launcher.endpoint(self.number)
+        self.seen_dir = self.sock_dir
         try:
             self.pipes = launcher.output_pipes(self.sock_dir)
         except OSError as exc:
             await self.discard()
             raise WorkerStartError(f"could not make a worker's output pipes: {exc}") from exc
         self._watch_out(True)
+        endpoint = self._listen(endpoint)
+        launch = launcher.launch(endpoint, self.sock_dir, self.token, output=self.pipes is not None, guard=self.guard)
+        self.notes = launch.notes
+        try:
+            self.proc, self.cgroups, _ = await launcher.start_process(launch, self.number, self._hello, "worker")
+        except BaseException:
+            await asyncio.shield(self.discard())
+            raise
+        self._watcher = self._loop.create_task(self._watch())
+
+    @classmethod
+    def fork_of(cls, parent: Session) -> Session:
+        """A session for one fork of ``parent``'s process, listening where that process can
+        dial (a socket beside its own: the sandbox shows it that directory): ``endpoint`` and
+        ``token`` go into the ``fork`` request, then ``adopt`` takes the process.  Its output
+        comes over the socket (the copy cannot open output pipes: its sandbox is already up)."""
+        seen = parent.seen_dir
+        if seen is None or parent.proc is None or parent.launcher.settings.transport != "ipc":
+            raise WorkerStartError("only a local worker (the ipc transport) can be forked: a copy dials a "
+                                   "socket beside its parent's")
+        session = cls(parent.launcher)
+        session.seen_dir = seen
+        session.endpoint = session._listen(f"ipc://{seen}/f{session.number}")
+        parent.launcher.grant_socket(seen, session.endpoint)
+        return session
+
+    async def adopt(self, parent: Session, pid: int) -> None:
+        """Take the fork ``pid`` (as ``parent``'s process numbers it) once it was made, and
+        wait for its hello; WorkerStartError (its process killed) if it does not come."""
+        assert parent.proc is not None
+        try:
+            self.proc, self.cgroups, _ = await self.launcher.start_fork(parent.proc, pid, self.number, self._hello)
+        except BaseException:
+            await asyncio.shield(self.discard())
+            raise
+        self._watcher = self._loop.create_task(self._watch())
+
+    def _listen(self, endpoint: str) -> str:
+        """Bind the session's socket to ``endpoint`` and watch it; the address its process dials."""
+        launcher = self.launcher
         sock = self.sock = launcher.socket()
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
@@ -157,14 +201,7 @@ class Session:
         self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | (self.guard.EVENTS if self.guard else 0))
         self._loop.add_reader(self._monitor.getsockopt(zmq.FD), self._monitor_readable)
         self._monitor_readable()  # ZeroMQ signals only a reader that found the queue empty
-        launch = launcher.launch(endpoint, self.sock_dir, self.token, output=self.pipes is not None, guard=self.guard)
-        self.notes = launch.notes
-        try:
-            self.proc, self.cgroups, _ = await launcher.start_process(launch, self.number, self._hello, "worker")
-        except BaseException:
-            await asyncio.shield(self.discard())
-            raise
-        self._watcher = self._loop.create_task(self._watch())
+        return endpoint
 
     def send(self, msg: wire.Message) -> None:
         self.send_frame(encode(msg))

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from engine.durations import DEFAULT_BLOCK_TIMEOUT
-from engine.errors import AlreadyOwned, WorkerClosed, WorkerError, WorkerStartError
+from engine.errors import AlreadyOwned, ForkRefused, WorkerClosed, WorkerError, WorkerStartError
 from engine.results import BlockResult, OutputChunk, OutputSink, Shown, describe_exit
 from engine.workers._displays import BlockDisplays, DisplayRefused
 from engine.workers._running import RunningBlock
@@ -92,6 +92,9 @@ class Worker:
         self._lock = asyncio.Lock()
         self._block_ids = itertools.count(1)
         self._restarting: asyncio.Task | None = None
+        self._forks = itertools.count(1)  # the numbers of its copies' names
+        #: The worker this one is a fork of (``fork``), None for one started afresh.
+        self.parent: Worker | None = None
 
     def __repr__(self) -> str:
         pid = self.pid
@@ -126,6 +129,65 @@ class Worker:
             raise AlreadyOwned(f"worker {self.name!r} already has an owner for its host calls; "
                                "start another worker for a second one")
         self._on_call = on_call
+
+    # -- forks --------------------------------------------------------------------------------
+    async def fork(self, n: int = 1, *, caller: str | None = None, timeout: float = 30.0) -> list[Worker]:
+        """``n`` copies of this worker as it is now, each a ``Worker`` of its own (named
+        ``NAME/1``, ``NAME/2``, ... after this one, same launcher and host functions), holding
+        the whole namespace — every variable, function, import and loaded byte — copy-on-write,
+        not pickled.  From then on a copy's variables, output, deadlines and kill are its own;
+        what processes of one sandbox share it shares with its parent (see ``worker.forking``),
+        and it ends with its parent's process.
+
+        Between blocks: while a block of this worker runs (``caller`` aside: the block asking,
+        through ``self``) the fork is refused, not waited for, as it is while a thread, an
+        event-loop task or a process the code started lives; ForkRefused says which and what to
+        stop first, and nothing is left running.  A copy that is killed or crashes is replaced
+        by a fresh process (an empty namespace, bound as this worker's first), as any worker."""
+        if not 1 <= n <= wire.MAX_FORKS:
+            raise ValueError(f"fork: n must be between 1 and {wire.MAX_FORKS}, not {n!r}")
+        session = await self._ensure_ready()
+        busy = [b for b in self._blocks if b != caller]
+        if busy:
+            raise ForkRefused(f"worker {self.name!r} cannot fork now: block {', '.join(map(repr, busy[:5]))} is "
+                              "running; a worker forks between blocks: await it (or cancel it) and fork again")
+        try:
+            sessions = [Session.fork_of(session) for _ in range(n)]
+        except WorkerStartError as exc:
+            raise ForkRefused(f"worker {self.name!r} cannot be forked: {exc}") from None
+        try:
+            request = wire.Fork(tuple(wire.ForkChild(s.endpoint, s.token) for s in sessions), caller)
+            try:
+                reply = await self._ask(session, request, timeout)
+            except WorkerError as exc:
+                raise ForkRefused(f"worker {self.name!r}: {exc}") from None
+            if len(reply.pids) != n:
+                session.violation(f"it answered a fork of {n} with {len(reply.pids)} pids")
+                raise WorkerStartError(f"worker {self.name!r} did not fork as asked")
+            taken = await asyncio.gather(*(s.adopt(session, pid) for s, pid in zip(sessions, reply.pids, strict=True)),
+                                         return_exceptions=True)
+            failed = next((e for e in taken if isinstance(e, BaseException)), None)
+            if failed is not None:
+                raise failed
+        except BaseException:
+            await asyncio.shield(asyncio.gather(*(s.kill() for s in sessions), return_exceptions=True))
+            raise
+        return [self._copy(s) for s in sessions]
+
+    def _copy(self, session: Session) -> Worker:
+        """The ``Worker`` of a fork's copy that runs in ``session``: this one's namespace as far
+        as the coordinator knows it, bound as this one is (what replaces the copy's process is
+        bound the same), its host calls going to this one's owner."""
+        child = Worker(self.launcher, f"{self.name}/{next(self._forks)}", on_call=self._on_call)
+        child._bindings = list(self._bindings)
+        child._bound_names = set(self._bound_names)
+        child.vars, child.var_notes = list(self.vars), list(self.var_notes)
+        session.owner = Owner(child.name, child._dispatch, child._on_exit, child._on_broken)
+        child._session = session
+        child.notes = [*self.notes]
+        child.state = WorkerState.READY
+        child.parent = self
+        return child
 
     # -- lifecycle ------------------------------------------------------------------------
     async def start(self) -> Worker:

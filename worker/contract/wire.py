@@ -31,6 +31,11 @@ Coordinator -> worker (``TO_WORKER``)
                                            a host function by ``name`` (export's only)
     describe {names, rid}                  the namespace listing of these objects
     env      {rid}                         the machine as the worker sees it
+    fork     {children: [{endpoint, token}], caller?, rid}
+                                           fork the process once per child, each of which
+                                           dials its ``endpoint`` and says ``hello`` with its
+                                           ``token``; refused while a block other than
+                                           ``caller`` (the block asking, through ``self``) runs
 
 Worker -> coordinator (``TO_COORDINATOR``)
     hello    {v, token, pid}
@@ -47,6 +52,7 @@ Worker -> coordinator (``TO_COORDINATOR``)
     injected {rid, names}                  inject's: the names it defined
     described {rid, entries}               describe's: one listing entry per object found
     environment {rid, python, os, cpu?, ram, packages}  env's
+    forked   {rid, pids}                   fork's: each child's pid, as the worker numbers it
     refused  {rid, error}                  the request failed, in words
     display  {id, data}                    something the block showed (``display(obj)``, a figure):
                                            ``data`` a MIME bundle, {type: PNG bytes | text},
@@ -86,13 +92,13 @@ from .schema import (
     message,
 )
 
-__all__ = ["MAX_DOC", "MAX_ENTRY", "MAX_HANDED", "PLAIN_DEPTH", "PROTOCOL_VERSION", "REPLIES", "REQUESTS", "Message",
+__all__ = ["MAX_DOC", "MAX_ENTRY", "MAX_FORKS", "MAX_HANDED", "PLAIN_DEPTH", "PROTOCOL_VERSION", "REPLIES", "REQUESTS", "Message",
            "TO_COORDINATOR", "TO_WORKER", "Bind", "Bound", "Bye", "Call", "Cancel", "Describe", "Described", "Display", "Done", "Env",
-           "Environment", "Export", "Exported", "Hello", "HostFunction", "Inject", "Injected", "Item", "Out", "Refused",
+           "Environment", "Export", "Exported", "Fork", "ForkChild", "Forked", "Hello", "HostFunction", "Inject", "Injected", "Item", "Out", "Refused",
            "Reply", "Run", "ScriptSpec", "Shutdown", "Stdin", "Stopping", "Stuck", "Welcome", "decode_message", "described",
            "done", "encode", "environment", "exported", "handed_items", "host_function", "refused"]
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 _id = is_text(MAX_ID)
 _seq = is_int(0, 2**53)
@@ -247,9 +253,28 @@ class Env(Message):
     rid: int = field(_seq, 0)
 
 
+#: Children one ``fork`` may ask for.
+MAX_FORKS = 256
+
+
+@message("child")
+class ForkChild(Message):
+    """Where one child of a ``fork`` connects, and the token of its ``hello``."""
+
+    endpoint: str = field(is_text(4096))
+    token: str = field(is_text(MAX_NAME))
+
+
+@message("fork")
+class Fork(Message):
+    children: tuple[ForkChild, ...] = field(is_list(is_message(ForkChild), MAX_FORKS), ())
+    caller: str | None = field(is_optional(_id), None)
+    rid: int = field(_seq, 0)
+
+
 #: The control requests, each of which may run user code in the worker (a pickle's, a
 #: ``__repr__``), so a worker handles them as it handles a ``run``.
-REQUESTS = (Bind, Export, Inject, Describe, Env)
+REQUESTS = (Bind, Export, Inject, Describe, Env, Fork)
 
 TO_WORKER = Catalogue("coordinator to worker", (Welcome, Run, Stdin, Cancel, Reply, *REQUESTS, Shutdown))
 
@@ -375,6 +400,12 @@ class Environment(Message):
     packages: tuple[str, ...] = field(is_list(_name, 1024), ())
 
 
+@message("forked")
+class Forked(Message):
+    rid: int = field(_seq)
+    pids: tuple[int, ...] = field(is_list(is_int(1, 2**31), MAX_FORKS), ())
+
+
 def environment(rid: int, info: dict) -> Environment:
     """An ``Environment`` of what ``worker.environment.describe_environment`` found, cut to
     the bounds."""
@@ -394,7 +425,7 @@ def refused(rid: int, error: str) -> Refused:
 
 #: Which reply answers which request (any request may be answered by ``Refused``).
 REPLIES: dict[type[Message], type[Message]] = {Bind: Bound, Export: Exported, Inject: Injected, Describe: Described,
-                                               Env: Environment}
+                                               Env: Environment, Fork: Forked}
 
 
 def _cut(text: str, limit: int) -> str:
@@ -430,7 +461,7 @@ class Bye(Message):
 
 
 TO_COORDINATOR = Catalogue("worker to coordinator", (Hello, Out, Done, Call, Bound, Exported, Injected, Described,
-                                                     Environment, Refused, Display, Stuck, Stopping, Bye))
+                                                     Environment, Forked, Refused, Display, Stuck, Stopping, Bye))
 
 
 def decode_message(frame: bytes, catalogue: Catalogue, max_size: int = MAX_FRAME) -> Message:

@@ -1,0 +1,179 @@
+"""Forking a live worker (``Worker.fork``): real workers, forked in their real sandboxes, as
+root and (the last test) as a plain user."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import textwrap
+
+import pytest
+
+from engine.errors import ForkRefused
+from engine.launch import WorkerSettings
+from engine.sandbox import SandboxPolicy
+from engine.workers import Engine
+from tests.conftest import REPO, Unprivileged
+
+
+async def _out(worker, code: str, timeout: float = 20) -> str:
+    result = await worker.run(code, timeout=timeout)
+    assert result.status == "ok", (result.status, result.error, result.message)
+    return result.output.strip()
+
+
+async def test_copies_hold_the_namespace_and_nothing_flows_between_them_afterwards(worker):
+    await worker.run("import math\ndef area(r): return math.pi * r * r\nbig = bytes(50 * 2**20)\nn = 1")
+    a, b = await worker.fork(2)
+    assert (a.name, b.name) == ("test/1", "test/2")
+    assert await _out(a, "print(round(area(2), 3), len(big), n)") == "12.566 52428800 1"
+    await a.run("n = 'a'")
+    await worker.run("n = 'parent'")
+    assert await _out(b, "print(n)") == "1"
+    assert await _out(a, "print(n)") == "a"
+    assert await _out(worker, "print(n)") == "parent"
+    pids = {await _out(w, "import os; print(os.getpid())") for w in (worker, a, b)}
+    assert len(pids) == 3
+    assert "n:str" in a.var_notes or "n" in a.vars
+
+
+async def test_random_streams_differ_in_every_copy(worker):
+    await worker.run("import random, numpy\nrandom.seed(7)\nnumpy.random.seed(7)")
+    copies = await worker.fork(3)
+    draws = {await _out(w, "print(random.random(), numpy.random.random())") for w in [worker, *copies]}
+    assert len(draws) == 4, draws
+
+
+async def test_a_copy_of_a_copy(worker):
+    await worker.run("depth = 0")
+    (child,) = await worker.fork()
+    await child.run("depth += 1")
+    (grandchild,) = await child.fork()
+    assert grandchild.name == "test/1/1"
+    assert await _out(grandchild, "depth += 1; print(depth)") == "2"
+    assert await _out(child, "print(depth)") == "1"
+    assert await _out(worker, "print(depth)") == "0"
+
+
+async def test_a_running_thread_is_refused_in_words_and_joined_it_forks(worker):
+    await worker.run("import threading\nstop = threading.Event()\n"
+                     "t = threading.Thread(target=stop.wait, name='crawler'); t.start()")
+    with pytest.raises(ForkRefused, match="thread 'crawler'.*join it"):
+        await worker.fork()
+    await worker.run("stop.set(); t.join()")
+    assert len(await worker.fork()) == 1
+
+
+async def test_a_pending_task_and_a_live_process_are_refused_in_words(worker):
+    await worker.run("import asyncio\nparked = asyncio.ensure_future(asyncio.sleep(3600))\nawait asyncio.sleep(0)")
+    with pytest.raises(ForkRefused, match="task .*pending.*cancel it"):
+        await worker.fork()
+    await worker.run("parked.cancel()\nawait asyncio.sleep(0.05)")
+    await worker.run("import subprocess\np = subprocess.Popen(['sleep', '3600'])")
+    with pytest.raises(ForkRefused, match=r"process \d+ \(sleep 3600\).*kill it"):
+        await worker.fork()
+    await worker.run("p.kill(); p.wait()")
+    assert len(await worker.fork()) == 1
+
+
+async def test_a_fork_while_a_block_runs_is_refused_not_waited_for(worker):
+    slow = asyncio.ensure_future(worker.run("import time; time.sleep(30)", block_id="slow", timeout=60))
+    for _ in range(200):
+        if "slow" in worker.running:
+            break
+        await asyncio.sleep(0.01)
+    with pytest.raises(ForkRefused, match="block 'slow' is running"):
+        await worker.fork()
+    await worker.cancel("slow")
+    assert (await slow).status == "cancelled"
+
+
+async def test_killing_or_timing_out_one_copy_leaves_the_others_and_the_parent(worker):
+    await worker.run("x = 41")
+    a, b, c = await worker.fork(3)
+    stubborn = "import time\nwhile True:\n    try:\n        time.sleep(0.05)\n    except BaseException:\n        pass"
+    result = await a.run(stubborn, timeout=0.5)
+    assert result.status == "timeout" and result.worker_killed, result
+    await b.restart()
+    assert await _out(c, "x += 1; print(x)") == "42"
+    assert await _out(worker, "print(x)") == "41"
+    # A killed copy is replaced as any worker is: a fresh process, an empty namespace.
+    assert await _out(a, "print('x' in globals())") == "False"
+    assert await _out(b, "print('x' in globals())") == "False"
+
+
+async def test_a_copy_that_dies_says_so_and_the_others_go_on(worker):
+    await worker.run("x = 1")
+    a, b = await worker.fork(2)
+    died = await a.run("import os; os._exit(3)")
+    assert died.status == "died" and died.exit_code == 3, died
+    assert await _out(b, "print(x)") == "1"
+
+
+async def test_sixty_four_copies_of_one_worker_each_answer(worker):
+    await worker.run("import os\nmine = os.getpid()")
+    copies = await worker.fork(64)
+    answers = await asyncio.gather(*(_out(c, "print(os.getpid() != mine)", timeout=60) for c in copies))
+    assert answers == ["True"] * 64
+    assert len({c.name for c in copies}) == 64
+    await asyncio.gather(*(c.close() for c in copies))
+    assert await _out(worker, "print(os.getpid() == mine)") == "True"
+
+
+async def test_host_functions_of_a_copy_reach_its_owner(engine):
+    calls = []
+
+    async def on_call(name, args, kwargs, block):
+        calls.append((name, args))
+        return sum(args)
+
+    worker = await engine.start_worker("tools", on_call=on_call)
+    from worker.contract import wire
+
+    await worker.request(wire.Bind((wire.host_function("add", "(a, b)"),)), keep=True)
+    (copy,) = await worker.fork()
+    assert await _out(copy, "print(add(2, 3))") == "5"
+    assert calls == [("add", [2, 3])]
+
+
+async def test_a_tcp_worker_is_refused_in_one_line(tmp_path):
+    settings = WorkerSettings(transport="tcp", sandbox=SandboxPolicy(network=True))  # (loopback: the host's)
+    async with Engine(settings, cwd=tmp_path, state_dir=tmp_path / "state") as engine:
+        worker = await engine.start_worker("remote")
+        with pytest.raises(ForkRefused, match="only a local worker"):
+            await worker.fork()
+
+
+_AS_USER = """
+import asyncio, json, tempfile
+from pathlib import Path
+from engine import Engine
+
+async def main():
+    d = Path(tempfile.mkdtemp())
+    async with Engine(cwd=d, state_dir=d / "state") as engine:
+        worker = await engine.start_worker("main")
+        await worker.run("import random\\nx = [1, 2, 3]")
+        copies = await worker.fork(4)
+        seen = []
+        for c in copies:
+            r = await c.run("import os\\nx.append(os.getpid()); print(json.dumps([len(x), random.random()]))"
+                            .replace("json.dumps", "__import__('json').dumps"))
+            seen.append(json.loads(r.output))
+        parent = (await worker.run("print(len(x))")).output.strip()
+        print(json.dumps({"seen": seen, "parent": parent, "notes": worker.notes}))
+
+asyncio.run(main())
+"""
+
+
+def test_copies_as_a_plain_user(unprivileged: Unprivileged):
+    done = subprocess.run([*unprivileged.python, "-c", textwrap.dedent(_AS_USER)], cwd=unprivileged.home,
+                          env={**unprivileged.env, "PYTHONPATH": f"{REPO}:{unprivileged.env.get('PYTHONPATH', '')}"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [s[0] for s in got["seen"]] == [4, 4, 4, 4], got
+    assert len({s[1] for s in got["seen"]}) == 4, got
+    assert got["parent"] == "3", got
