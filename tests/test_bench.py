@@ -85,6 +85,11 @@ def test_quick_bench_prints_a_complete_report(tmp_path: Path) -> None:
         for side in ("without", "with"):  # a forked worker's start without and with an allowlist
             assert egress["worker_start_ms"][side]["n"] == 10 and egress["worker_start_ms"][side]["p50"] > 0
 
+    fork = report["fork"]  # a live worker forked into copies
+    for key in ("10mb_x1", "10mb_x4", "200mb_x1", "200mb_x4"):
+        assert fork["forks"][key]["answered_ms"] > 0 and fork["forks"][key]["child_private_mb"] > 0, fork
+    assert set(fork["met"]) == set(fork["targets"]) and fork["anchors"]["e2b_pause_s_per_gib"] > 0
+
     exec_file = report["exec_file"]  # agentloop exec FILE end to end, against python FILE
     for side in ("agentloop", "python"):
         assert exec_file["start_ms"][side]["n"] == 5 and exec_file["start_ms"][side]["p50"] > 0

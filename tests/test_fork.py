@@ -177,3 +177,57 @@ def test_copies_as_a_plain_user(unprivileged: Unprivileged):
     assert [s[0] for s in got["seen"]] == [4, 4, 4, 4], got
     assert len({s[1] for s in got["seen"]}) == 4, got
     assert got["parent"] == "3", got
+
+
+# -- the model's protocol: <run_agent fork> and self.run_agent(fork=True) ----------------------
+
+async def test_a_forked_sub_agent_sees_the_whole_namespace_and_keeps_its_changes(engine):
+    from tests.test_agent import Recorder, last_user, solve
+
+    script = {
+        "parent task": [
+            "<run_code>\nbasket = ['apple']\ndef weigh(xs):\n    return len(xs) * 10\n</run_code>",
+            '<run_agent name="try-a" fork>child task</run_agent>',
+            "<run_code>\nprint('parent sees', basket)\n</run_code>",
+            "Done."],
+        "child task": ["<run_code>\nbasket.append('pear'); print(weigh(basket), basket)\n</run_code>", "twenty"],
+    }
+    display = Recorder()
+    result, server = await solve(engine, script, "parent task", display=display)
+    assert result.status == "answered", result
+    child = server.conversation("child task")
+    assert "20 ['apple', 'pear']" in last_user(child[1])
+    assert "basket" in child[0]["messages"][0]["content"]  # its system prompt lists what it holds
+    parent = "".join(last_user(r) for r in server.conversation("parent task"))
+    assert "parent sees ['apple']" in parent and "<agent_result name=try-a" in parent
+    assert "fork" in server.conversation("parent task")[0]["messages"][0]["content"]
+    assert any(t == "agent_started" and f.get("forked") for t, f in display.events)
+
+
+async def test_self_run_agent_fork_copies_the_calling_block_as_far_as_it_ran(engine):
+    from tests.test_agent import last_user, solve
+
+    script = {
+        "fan out": [
+            "<run_code>\nseed = 41\nh = self.run_agent('grow it', name='g', fork=True)\nprint(await h)\n"
+            "print('parent', seed)\n</run_code>",
+            "waiting", "waiting", "all done"],
+        "grow it": ["<run_code>\nseed += 1; print(seed)\n</run_code>", "grown"],
+    }
+    result, server = await solve(engine, script, "fan out")
+    assert "42" in last_user(server.conversation("grow it")[1])
+    texts = "".join(last_user(r) for r in server.conversation("fan out"))
+    assert "grown" in texts and "parent 41" in texts
+
+
+async def test_a_fork_refused_reaches_the_model_in_words(engine):
+    from tests.test_agent import last_user, solve
+
+    script = {"busy": [
+        "<run_code>\nimport threading\nhold = threading.Event()\n"
+        "threading.Thread(target=hold.wait, name='poller', daemon=True).start()\n</run_code>",
+        '<run_agent name="f" fork>never</run_agent>',
+        "gave up"]}
+    result, server = await solve(engine, script, "busy")
+    text = last_user(server.requests[2])
+    assert text.startswith("<error name=f>") and "thread 'poller'" in text, text

@@ -182,17 +182,18 @@ class AgentSelf:
         self._host("cancel_subagents")
 
     def run_agent(self, task: str, name: str = "sub", context: str = "", namespace: dict | None = None,
-                  heartbeat: str = "", model: str = "") -> AgentHandle:
+                  heartbeat: str = "", model: str = "", fork: bool = False) -> AgentHandle:
         """Starts task in a fresh background sub-agent (its own context) and returns its handle instantly — never
         await it. Its final answer arrives by itself as <agent_result name=...>; heartbeat="30s" streams
         <agent_status> heartbeats while it works. namespace={...} gives it the tools/objects its code needs;
+        fork=True instead starts it in a copy of your worker, which holds your whole namespace as it is now;
         context="..." seeds it with what an earlier agent learned so it doesn't start from scratch;
         model="flash"/"gpt"/... runs it on a different model (default: your own)."""
-        items, errors = export(dict(namespace or {}), list(namespace or {}))
+        items, errors = export(dict(namespace or {}), list(namespace or {})) if not fork else ({}, {})
         if errors:
             raise ValueError("; ".join(errors.values()))
         actual = self._host("run_agent", str(task), name=str(name), context=str(context), items=items,
-                            heartbeat=str(heartbeat), model=str(model))
+                            heartbeat=str(heartbeat), model=str(model), fork=bool(fork))
         return AgentHandle(self._call, actual)
 
     def cost(self) -> dict:

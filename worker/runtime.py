@@ -85,6 +85,10 @@ _SENDING_FILES = frozenset(os.path.join(_WORKER_DIR, n) for n in (
     "contract/output.py"))
 
 
+#: The coroutines of the runtime's own tasks, one pair per awaiting block that runs.
+_BLOCK_TASKS = frozenset({"Runtime._spawn", "Runtime._run_async"})
+
+
 def _put_off(frame) -> bool:
     """Whether the main thread, interrupted in ``frame``, is sending, or in this module's own
     code (before the block's code starts or after it ended: the interrupt is for the code)."""
@@ -162,12 +166,14 @@ class Runtime:
         return [*self._threads, *self._tasks]
 
     def pending_tasks(self) -> list[str]:
-        """The tasks on the user loop that are not done (what a block left running there)."""
+        """The tasks on the user loop that are not done (what a block left running there), the
+        runtime's own tasks of the blocks that run left out (``running_blocks`` names those)."""
         loop = self._user_loop
         if loop is None:
             return []
-        return [f"{task.get_name()} ({getattr(task.get_coro(), '__qualname__', '?')})"
-                for task in asyncio.all_tasks(loop) if not task.done()]
+        found = [(task.get_name(), getattr(task.get_coro(), "__qualname__", "?"))
+                 for task in asyncio.all_tasks(loop) if not task.done()]
+        return [f"{name} ({what})" for name, what in found if what not in _BLOCK_TASKS]
 
     def rewire(self, router: Router, fdcap: FdCapture, send: Callable[[wire.Message], None], call: proxy.Call,
                on_main_free: Callable[[], None]) -> None:

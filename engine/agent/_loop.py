@@ -81,7 +81,7 @@ class Agent:
                  max_messages: int = 200, handed: Mapping[str, wire.Item] | None = None,
                  chat_factory: Callable[..., Chat] | None = None, protocol: str | None = None,
                  max_subagents: int | None = None, subagent_budget: SubagentBudget | None = None,
-                 agent_factory: Callable[..., Agent] | None = None) -> None:
+                 agent_factory: Callable[..., Agent] | None = None, forked_from: Agent | None = None) -> None:
         self.engine = engine
         self.models = models
         self.model = model if isinstance(model, ModelConfig) else models.get(model)
@@ -102,6 +102,8 @@ class Agent:
         self._protocol_override = protocol  # --protocol: applies to sub-agents too
         self.protocol = protocol or self.model.protocol
         self.worker: Worker | None = None
+        #: The agent whose worker this one's is a fork of (``<run_agent fork>``), if any.
+        self.forked_from = forked_from
         self.chat: Chat | None = None
         self.blocks: list[CodeTask] = []
         self.sub_agents: list[Agent] = []
@@ -140,14 +142,17 @@ class Agent:
         # cost tens of milliseconds that would otherwise delay the first request.
         endpoint = asyncio.ensure_future(connect(self.model))
         try:
-            self.worker = await self.engine.start_worker(self.name, on_call=self._on_call)
-            for note in self.worker.notes:
-                self._event("note", message=note)
-            await self.worker.request(wire.Bind(tuple(host_spec(n, f) for n, f in self.functions.items()),
-                                                agent=True), keep=True)
             names: tuple[str, ...] = ()
-            if self._handed:
-                names = (await self.worker.request(wire.Inject(self._handed), keep=True)).names
+            if self.worker is not None:  # a fork's copy: bound as its parent's, holding its namespace
+                names = tuple(self.worker.vars)
+            else:
+                self.worker = await self.engine.start_worker(self.name, on_call=self._on_call)
+                for note in self.worker.notes:
+                    self._event("note", message=note)
+                await self.worker.request(wire.Bind(tuple(host_spec(n, f) for n, f in self.functions.items()),
+                                                    agent=True), keep=True)
+                if self._handed:
+                    names = (await self.worker.request(wire.Inject(self._handed), keep=True)).names
             env = await self.worker.request(wire.Env())
             descriptions = [tags.describe_object(n, f) for n, f in self.functions.items()]
             if names:
@@ -228,16 +233,23 @@ class Agent:
         """Launch everything the reply asks for; queue words for what cannot run.  Never raises."""
         parsed = tags.parse_reply(reply)
         self.inbox.extend(parsed.errors)
+        # Forks first: they copy the namespace as the reply found it, before its blocks run.
+        for request in [r for r in parsed.agents if r.fork]:
+            await self._start_requested(request)
         for request in parsed.code:
             self.start_block(request)
-        for request in parsed.agents:
-            try:
-                await self.start_agent(request.task, name=request.name, context=request.context,
-                                       namespace_names=request.namespace, heartbeat=request.heartbeat,
-                                       model=request.model)
-            except Exception as error:  # noqa: BLE001 - the model reads why, the loop goes on
-                self._event("failed", message=f"sub-agent {request.name}: {error}")
-                self.inbox.append(tags.format_agent_start_failed(request.name, error))
+        for request in [r for r in parsed.agents if not r.fork]:
+            await self._start_requested(request)
+
+    async def _start_requested(self, request: tags.AgentRequest) -> None:
+        """Start the sub-agent of one ``<run_agent>``; words in the inbox if it cannot start."""
+        try:
+            await self.start_agent(request.task, name=request.name, context=request.context,
+                                   namespace_names=request.namespace, heartbeat=request.heartbeat,
+                                   model=request.model, fork=request.fork)
+        except Exception as error:  # noqa: BLE001 - the model reads why, the loop goes on
+            self._event("failed", message=f"sub-agent {request.name}: {error}")
+            self.inbox.append(tags.format_agent_start_failed(request.name, error))
 
     def start_block(self, request: tags.CodeRequest) -> None:
         block_id = request.id or f"b{next(self._block_ids)}"
@@ -377,8 +389,12 @@ class Agent:
 
     async def start_agent(self, task: str, *, name: str = "sub", context: str = "",
                           namespace_names: list[str] | None = None, items: Mapping[str, wire.Item] | None = None,
-                          heartbeat: float | None = None, model: str = "") -> Agent:
-        """Start a sub-agent in a fresh context and a worker of its own; returns at once."""
+                          heartbeat: float | None = None, model: str = "", fork: bool = False,
+                          caller: str | None = None) -> Agent:
+        """Start a sub-agent in a fresh context and a worker of its own; returns once its worker
+        exists.  ``fork``: that worker is a fork of this agent's (``Worker.fork``), holding the
+        whole namespace, instead of a new one handed ``namespace_names``/``items``; ``caller``: the
+        block asking, through ``self.run_agent``, which may be running."""
         if self.depth >= self.max_depth:
             raise AgentError(f"max delegation depth {self.max_depth} reached — do this part yourself "
                              "instead of delegating")
@@ -388,13 +404,15 @@ class Agent:
         self.subagent_budget.check()  # before any work for it; start_task takes the slot
         self.subagent_budget.count_start()
         await self.subagent_budget.make_room()
+        if fork:
+            namespace_names, items = None, None  # (the copy holds them all)
         if namespace_names:
             assert self.worker is not None
             exported = await self.worker.request(wire.Export(tuple(namespace_names)))
             if exported.errors:
                 raise AgentError("; ".join(exported.errors.values()))
             items = exported.items
-        functions: dict[str, Callable] = {}
+        functions: dict[str, Callable] = dict(self.functions) if fork else {}
         handed: dict[str, wire.Item] = {}
         for key, item in (items or {}).items():
             if item.kind == "host":
@@ -413,10 +431,14 @@ class Agent:
                            name=self._unique_name(name), context=context,
                            max_messages=self.max_messages, handed=handed, chat_factory=self._chat_factory,
                            protocol=self._protocol_override, subagent_budget=self.subagent_budget,
-                           agent_factory=self._agent_factory)
+                           agent_factory=self._agent_factory, forked_from=self if fork else None)
+        if fork:
+            assert self.worker is not None
+            (child.worker,) = await self.worker.fork(1, caller=caller, on_call=child._on_call)
         child.start_task(task, heartbeat, self.on_heartbeat, supervisor=self)
         self.children[child.name] = child
-        self.display.event("agent_started", name=child.name, parent=self.name, model=config.alias, task=task)
+        self.display.event("agent_started", name=child.name, parent=self.name, model=config.alias, task=task,
+                           **({"forked": True} if fork else {}))
         self.sub_agents.append(child)
         return child
 
@@ -535,7 +557,7 @@ class Agent:
     # -- calls from code in the worker -----------------------------------------------------------
     async def _on_call(self, name: str, args: list, kwargs: dict, block: str | None) -> Any:
         if name.startswith("self."):
-            return await self._self_call(name[5:], args, kwargs)
+            return await self._self_call(name[5:], args, kwargs, block)
         fn = self.functions.get(name)
         if fn is None:
             raise AgentError(f"no host function {name!r}; available: {', '.join(self.functions) or 'none'}")
@@ -549,7 +571,7 @@ class Agent:
             raise AgentError(f"no sub-agent named {name!r}")
         return child
 
-    async def _self_call(self, op: str, args: list, kwargs: dict) -> Any:
+    async def _self_call(self, op: str, args: list, kwargs: dict, block: str | None = None) -> Any:
         if op == "compact_knowledge":
             assert self.chat is not None
             self.chat.compact(str(args[0] if args else kwargs.get("summary", "")))
@@ -569,7 +591,8 @@ class Agent:
                 raise AgentError(f"the namespace handed over is malformed: {exc}") from None
             child = await self.start_agent(str(args[0]), name=kwargs.get("name") or "sub",
                                            context=kwargs.get("context", ""), items=items,
-                                           heartbeat=heartbeat, model=kwargs.get("model", ""))
+                                           heartbeat=heartbeat, model=kwargs.get("model", ""),
+                                           fork=kwargs.get("fork") is True, caller=block)
             return child.name
         child = self._child(args[0] if args else None)
         if op == "agent_done":

@@ -38,9 +38,21 @@ __all__ = [
 ATTR_RE = re.compile(r'(\w+)\s*=\s*(?:"([^"]*)"|([^\s>]+))')
 
 
+_FLAG_RE = re.compile(r"(?<![\w=\"'])([A-Za-z_]\w*)(?![\w=])")
+
+
 def parse_attrs(text: str) -> dict[str, str]:
-    """Attributes of a tag as a dict: ``name="quoted value"`` or ``name=bare``; anything else is skipped."""
-    return {name: quoted or bare for name, quoted, bare in ATTR_RE.findall(text)}
+    """Attributes of a tag as a dict: ``name="quoted value"`` or ``name=bare``, and a bare
+    ``name`` (a flag, as ``fork``) as ``""``; anything else is skipped."""
+    found = {name: quoted or bare for name, quoted, bare in ATTR_RE.findall(text)}
+    for flag in _FLAG_RE.findall(ATTR_RE.sub(" ", text)):
+        found.setdefault(flag, "")
+    return found
+
+
+def _is_set(attrs: dict[str, str], name: str) -> bool:
+    """Whether flag ``name`` is given (bare, or with a value other than false/no/0)."""
+    return name in attrs and attrs[name].strip().lower() not in ("false", "no", "0")
 
 
 def _find_blocks(message: str, tag: str) -> Iterator[tuple[dict[str, str], str, int, int]]:
@@ -140,6 +152,7 @@ class AgentRequest:
     heartbeat: float | None
     context: str
     attrs: dict[str, str]
+    fork: bool = False  # started in a fork of the calling agent's worker
 
 
 @dataclass
@@ -189,6 +202,7 @@ def parse_reply(reply: str, default_timeout: float = DEFAULT_BLOCK_TIMEOUT) -> P
                 heartbeat=_duration_attr(attrs, "heartbeat"),
                 context=attrs.get("context", ""),
                 attrs=attrs,
+                fork=_is_set(attrs, "fork"),
             ))
     except ConfigError as error:
         parsed.code, parsed.agents = [], []
@@ -296,6 +310,7 @@ Rules:
 - self.compact_knowledge("...") replaces your whole history with that text. Keep every fact, path, value and next step you still need. Drop the rest.
 - When the task is solved and nothing of yours is running, reply in plain text. That is your final answer.
 Sub-agents run in a fresh context. Start one with <run_agent name="sub" namespace="a,b" model="flash" heartbeat="30s">task</run_agent>. It returns instantly. Its answer arrives as <agent_result name=...>...</agent_result>, and heartbeat streams <agent_status name=...> while it works. namespace lists objects to pass from your namespace. model picks its model; send bulk or simple work to a fast one. Delegate any subtask whose main cost is reading a lot (pages, big files, logs): the sub-agent returns only the result and keeps your context small.
+Add fork (<run_agent name="try-a" fork>task</run_agent>, or self.run_agent(..., fork=True)) to start it in a copy of your worker instead: it sees your whole namespace at once (variables, imports, loaded data), in milliseconds, and what it changes stays its own. Fork only while none of your other blocks runs.
 """
 
 ENVIRONMENT = """You are running on the '{model_alias}' model ({model}). When you spawn a sub-agent you can give it a different model with the model="alias" attribute on <run_agent> (or the model= argument of self.run_agent): pick a cheap fast model for simple or bulk work and a stronger model for hard reasoning. Omit it to reuse your own model. Available models:

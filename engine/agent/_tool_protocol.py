@@ -37,7 +37,7 @@ from engine.agent import _tags as tags
 from engine.agent._code_task import CodeTask, task_text
 from engine.agent._loop import Agent
 from engine.durations import DEFAULT_BLOCK_TIMEOUT, parse_duration
-from engine.errors import AgentError, ConfigError
+from engine.errors import AgentError, ConfigError, WorkerError
 from engine.models import ServerInfo, strip_think
 from engine.tools import MAX_RESULT, execute_tool_call_async, parse_arguments, schema_for
 from worker.contract.bounded_json import loads as bounded_loads
@@ -47,7 +47,7 @@ __all__ = ["ENGINE_TOOLS", "GUIDE", "ToolAgent", "embedded_calls"]
 GUIDE = """You are an AI agent that solves tasks by running Python code and starting sub-agents through your tools.
 - run_code(code, id?, timeout?, heartbeat?) runs Python in your persistent namespace (variables, imports and functions persist). What you print comes back, and what you display: display(obj), plt.show() and figures still open at the end come back as images. Several run_code calls in one reply run concurrently. Top-level await works. timeout defaults to 10s; past it the code is killed.
 - A call still running when you are answered returns its status so far (<running id=...>); its final <run_code_result id=...> arrives later by itself. Call wait() to block until something finishes, or reply in plain text to let things keep going.
-- run_agent(task, name?, namespace?, model?, context?, heartbeat?) starts a sub-agent in a fresh context and returns at once; its answer arrives as <agent_result name=...>. namespace lists objects of yours to hand over ("a,b").
+- run_agent(task, name?, namespace?, model?, context?, heartbeat?, fork?) starts a sub-agent in a fresh context and returns at once; its answer arrives as <agent_result name=...>. namespace lists objects of yours to hand over ("a,b"); fork=true starts it in a copy of your worker instead, holding your whole namespace.
 - self.compact_knowledge("...") in code replaces your whole history with that text; self.run_agent(...) starts a sub-agent from code.
 - Prefer your provided tools over reimplementing them. Work in small steps.
 - When the task is solved and nothing of yours is running, reply in plain text without tool calls. That is your final answer."""
@@ -73,6 +73,8 @@ ENGINE_TOOLS = [
             "model": {"type": "string", "description": "model alias for it (default: yours)"},
             "context": {"type": "string", "description": "what you already know that it should use"},
             "heartbeat": {**_DURATION, "description": "send its status this often while it works"},
+            "fork": {"type": "boolean", "description": "start it in a copy of your worker, holding your whole "
+                                                       "namespace (only while none of your code runs)"},
         }, "required": ["task"]}}},
     {"type": "function", "function": {
         "name": "wait",
@@ -238,7 +240,7 @@ class ToolAgent(Agent):
                         pending.append(_Pending(call_id, await self._launch_agent(args)))
                     else:
                         waits.append((call_id, parse_duration(args.get("timeout") or None, 30.0)))
-                except (ConfigError, AgentError, KeyError, TypeError, ValueError) as exc:
+                except (ConfigError, AgentError, WorkerError, KeyError, TypeError, ValueError) as exc:
                     answers[call_id] = f"[agent] {name} failed: {exc}"
             elif name in self.functions:
                 answers[call_id] = await execute_tool_call_async(call, self.functions, MAX_RESULT)
@@ -272,7 +274,7 @@ class ToolAgent(Agent):
         return await self.start_agent(str(args["task"]), name=str(args.get("name") or "sub"),
                                       context=str(args.get("context") or ""), namespace_names=list(names),
                                       heartbeat=parse_duration(args.get("heartbeat") or None),
-                                      model=str(args.get("model") or ""))
+                                      model=str(args.get("model") or ""), fork=args.get("fork") is True)
 
     async def _first_event(self, works: list[Any]) -> None:
         tasks = [w.task for w in works if w.task is not None]

@@ -100,18 +100,27 @@ class Engine:
         model can act on, beyond ``max_workers`` live ones.  ``on_call``: its owner's host calls
         (code in the worker calling functions of the coordinator); without one, every call is
         refused in words until ``Worker.adopt`` gives it one."""
+        self.admit(1)
+        self.open()
+        worker = Worker(self.launcher, name, take_idle=self._pool_take, on_call=on_call, roster=self)
+        self.workers.append(worker)
+        await worker.start()
+        return worker
+
+    def admit(self, n: int) -> None:
+        """Raise, in words a model can act on, unless ``n`` more workers may start now (a new
+        one, or a fork's copies: ``Worker.fork`` asks here)."""
         if self._closed:
             raise ConfigError("this engine was shut down; create a new Engine")
         if self.max_workers is not None:
             live = sum(1 for w in self.workers if w.state is not WorkerState.CLOSED)
-            if live >= self.max_workers:
-                raise WorkerError(f"this run already holds {live} workers, its limit; wait for a sub-agent "
-                                  "to finish, or do the work yourself, before starting another")
-        self.open()
-        worker = Worker(self.launcher, name, take_idle=self._pool_take, on_call=on_call)
+            if live + n > self.max_workers:
+                raise WorkerError(f"this run already holds {live} workers, and may hold {self.max_workers}; wait "
+                                  "for a sub-agent to finish, or do the work yourself, before starting another")
+
+    def add(self, worker: Worker) -> None:
+        """Count ``worker`` (a fork's copy) among the engine's: it is closed with them."""
         self.workers.append(worker)
-        await worker.start()
-        return worker
 
     async def shutdown(self) -> None:
         """Close every worker (killing what does not stop) and remove the sockets."""

@@ -24,7 +24,7 @@ import enum
 import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.durations import DEFAULT_BLOCK_TIMEOUT
 from engine.errors import AlreadyOwned, ForkRefused, WorkerClosed, WorkerError, WorkerStartError
@@ -41,7 +41,7 @@ from worker.contract.schema import ContractError
 if TYPE_CHECKING:
     from engine.launch import Launcher
 
-__all__ = ["HostCall", "Worker", "WorkerState"]
+__all__ = ["HostCall", "Roster", "Worker", "WorkerState"]
 
 log = logging.getLogger("agentloop")
 
@@ -53,6 +53,14 @@ _MAX_CALLS = 64
 
 #: Runs a host call from code in the worker: (name, args, kwargs, block id) -> its value.
 HostCall = Callable[[str, list, dict, "str | None"], Awaitable[Any]]
+
+
+class Roster(Protocol):
+    """Who counts a run's workers (its ``Engine``): a fork asks it for room, then adds its copies."""
+
+    def admit(self, n: int) -> None: ...
+
+    def add(self, worker: Worker) -> None: ...
 
 
 class WorkerState(enum.Enum):
@@ -68,8 +76,10 @@ class Worker:
     _ids = itertools.count(1)
 
     def __init__(self, launcher: Launcher, name: str = "worker", *,
-                 take_idle: Callable[[], Session | None] | None = None, on_call: HostCall | None = None) -> None:
+                 take_idle: Callable[[], Session | None] | None = None, on_call: HostCall | None = None,
+                 roster: Roster | None = None) -> None:
         self.launcher = launcher
+        self._roster = roster
         self._take_idle = take_idle or (lambda: None)  # a started process from a warm pool
         self.name = name
         self.index = next(Worker._ids)
@@ -131,7 +141,8 @@ class Worker:
         self._on_call = on_call
 
     # -- forks --------------------------------------------------------------------------------
-    async def fork(self, n: int = 1, *, caller: str | None = None, timeout: float = 30.0) -> list[Worker]:
+    async def fork(self, n: int = 1, *, caller: str | None = None, on_call: HostCall | None = None,
+                   timeout: float = 30.0) -> list[Worker]:
         """``n`` copies of this worker as it is now, each a ``Worker`` of its own (named
         ``NAME/1``, ``NAME/2``, ... after this one, same launcher and host functions), holding
         the whole namespace — every variable, function, import and loaded byte — copy-on-write,
@@ -143,9 +154,13 @@ class Worker:
         through ``self``) the fork is refused, not waited for, as it is while a thread, an
         event-loop task or a process the code started lives; ForkRefused says which and what to
         stop first, and nothing is left running.  A copy that is killed or crashes is replaced
-        by a fresh process (an empty namespace, bound as this worker's first), as any worker."""
+        by a fresh process (an empty namespace, bound as this worker's first), as any worker.
+        ``on_call``: the copies' owner of host calls (default: this worker's); the engine counts
+        the copies among its workers (its ``max_workers``) and closes them with the rest."""
         if not 1 <= n <= wire.MAX_FORKS:
             raise ValueError(f"fork: n must be between 1 and {wire.MAX_FORKS}, not {n!r}")
+        if self._roster is not None:
+            self._roster.admit(n)
         session = await self._ensure_ready()
         busy = [b for b in self._blocks if b != caller]
         if busy:
@@ -172,13 +187,17 @@ class Worker:
         except BaseException:
             await asyncio.shield(asyncio.gather(*(s.kill() for s in sessions), return_exceptions=True))
             raise
-        return [self._copy(s) for s in sessions]
+        copies = [self._copy(s, self._on_call if on_call is None else on_call) for s in sessions]
+        if self._roster is not None:
+            for copy in copies:
+                self._roster.add(copy)
+        return copies
 
-    def _copy(self, session: Session) -> Worker:
+    def _copy(self, session: Session, on_call: HostCall | None) -> Worker:
         """The ``Worker`` of a fork's copy that runs in ``session``: this one's namespace as far
         as the coordinator knows it, bound as this one is (what replaces the copy's process is
-        bound the same), its host calls going to this one's owner."""
-        child = Worker(self.launcher, f"{self.name}/{next(self._forks)}", on_call=self._on_call)
+        bound the same), its host calls going to ``on_call``."""
+        child = Worker(self.launcher, f"{self.name}/{next(self._forks)}", on_call=on_call, roster=self._roster)
         child._bindings = list(self._bindings)
         child._bound_names = set(self._bound_names)
         child.vars, child.var_notes = list(self.vars), list(self.var_notes)
