@@ -231,3 +231,16 @@ async def test_a_fork_refused_reaches_the_model_in_words(engine):
     result, server = await solve(engine, script, "busy")
     text = last_user(server.requests[2])
     assert text.startswith("<error name=f>") and "thread 'poller'" in text, text
+
+
+def test_the_viewer_draws_a_forked_sub_agent_as_a_branch_of_its_parent(tmp_path):
+    from engine.view.timeline import build
+
+    records = [{"t": 1.0, "type": "run_started", "name": "main", "task": "t", "model": "m"},
+               {"t": 1.1, "type": "agent_started", "name": "try-a", "parent": "main", "model": "m", "task": "x",
+                "forked": True},
+               {"t": 1.2, "type": "agent_started", "name": "plain", "parent": "main", "model": "m", "task": "y"}]
+    data, _ = build(records, tmp_path / "run.jsonl")
+    lanes = {lane["name"]: lane for lane in data["lanes"]}
+    assert lanes["try-a"]["forked"] is True and lanes["try-a"]["parent"] == 0
+    assert "forked" not in lanes["plain"]

@@ -152,7 +152,7 @@ async def test_tools_listed_and_the_namespace_persists(tmp_path):
     async with serving(tmp_path) as server:
         with anyio.fail_after(CALL):
             tools = {t.name: t for t in (await server.client.list_tools()).tools}
-        assert sorted(tools) == ["list_sessions", "reset_session", "run_python"]
+        assert sorted(tools) == ["fork_session", "list_sessions", "reset_session", "run_python"]
         assert tools["run_python"].input_schema["required"] == ["code"]
 
         first = await server.run("import math\nr = 2\nprint('set')")
@@ -349,6 +349,24 @@ async def test_max_sessions_is_refused_in_words_and_reset_frees_one(tmp_path):
         assert [s["session"] for s in listed.structured_content["sessions"]] == ["b", "c"]
         again = await server.run("print('v' in globals())", session="a")  # a fresh start, refused now
         assert again.is_error and "yours: b, c." in text(again)
+
+
+async def test_a_forked_session_holds_a_copy_and_closes_with_its_source(tmp_path):
+    async with serving(tmp_path) as server:
+        assert not (await server.run("data = list(range(1000))\nname = 'first'", session="a")).is_error
+        forked = await server.call("fork_session", {"session": "a", "new_session": "b"})
+        assert not forked.is_error and "variables: data, name" in text(forked), text(forked)
+        assert forked.structured_content["forked_from"] == "a"
+        assert text(await server.run("name = 'second'; print(len(data), name)", session="b")).startswith("1000 second")
+        assert text(await server.run("print(name)", session="a")).startswith("first")
+        again = await server.call("fork_session", {"session": "a", "new_session": "b"})
+        assert again.is_error and "open already" in text(again)
+        missing = await server.call("fork_session", {"session": "nope", "new_session": "c"})
+        assert missing.is_error and "'nope' is not open" in text(missing)
+        reset = await server.call("reset_session", {"session": "a"})
+        assert not reset.is_error
+        listed = await server.call("list_sessions")
+        assert listed.structured_content["sessions"] == [], listed.structured_content
 
 
 async def test_idle_sessions_are_closed(tmp_path):

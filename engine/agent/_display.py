@@ -65,7 +65,9 @@ class AgentDisplay:
                                                    "refused" or "failed", why, bytes each way
         cancelled(name, label)                     something of `name` was cancelled, and why
         failed(name, message)                      something of `name` could not be done
-        agent_started(name, parent, model, task)   a sub-agent began; parent is None for the top agent
+        agent_started(name, parent, model, task, forked?)
+                                                   a sub-agent began; parent is None for the top agent;
+                                                   forked: its worker is a fork of its parent's
         agent_finished(name, status, duration, reason, error_type)
                                                    an agent ended: "answered", "failed", "cancelled";
                                                    reason: why it failed ("" otherwise), error_type: the

@@ -1,8 +1,9 @@
 """agentloop's workers as an MCP server: what ``agentloop mcp`` serves.
 
 Tools: ``run_python(code, session="default", timeout="30s")`` runs one block in the session's
-worker (started on first use, its namespace kept between calls), ``reset_session(session)``
-and ``list_sessions()``.  Resources: the files of each session's workspace, as
+worker (started on first use, its namespace kept between calls), ``reset_session(session)``,
+``fork_session(session, new_session)`` (a new session holding a copy of one, ``Worker.fork``:
+in its sandbox, sharing its files, closed with it) and ``list_sessions()``.  Resources: the files of each session's workspace, as
 ``agentloop://SESSION/PATH``.
 
 What it guarantees:
@@ -226,7 +227,7 @@ def _text(text: str, *, error: bool = False, data: dict | None = None,
 
 
 def tool_definitions(config: ServerConfig, where: str) -> list[types.Tool]:
-    """The three tools, described for the client's model; ``where`` says where a session's
+    """The tools, described for the client's model; ``where`` says where a session's
     files go."""
     allowed = config.settings.allow_net.texts()
     network = ("with the host's network" if config.settings.sandbox.network else
@@ -270,6 +271,19 @@ def tool_definitions(config: ServerConfig, where: str) -> list[types.Tool]:
                                                                        "default": DEFAULT_SESSION}}},
             annotations=types.ToolAnnotations(title="Reset a session", destructive_hint=True,
                                               idempotent_hint=True, open_world_hint=False),
+        ),
+        types.Tool(
+            name="fork_session",
+            description=("Copy a session into a new one: the new session holds everything the first holds now "
+                         "(variables, imports, loaded data), copied in milliseconds, and from then on each "
+                         "changes only itself. It shares the first's files and ends when the first does. Only "
+                         "between calls, with no thread or subprocess of the code left running."),
+            input_schema={"type": "object", "properties": {
+                "session": {"type": "string", "default": DEFAULT_SESSION, "description": "the session to copy"},
+                "new_session": {"type": "string", "description": "the new session's name"}},
+                "required": ["new_session"]},
+            annotations=types.ToolAnnotations(title="Fork a session", destructive_hint=False,
+                                              open_world_hint=False),
         ),
         types.Tool(
             name="list_sessions",
@@ -332,6 +346,8 @@ class AgentloopMCP:
                 return await self.run_python(client, args, ctx.session.report_progress)
             if params.name == "reset_session":
                 return await self.reset_session(client, args)
+            if params.name == "fork_session":
+                return await self.fork_session(client, args)
             if params.name == "list_sessions":
                 return self.list_sessions(client)
             names = ", ".join(t.name for t in self.tools)
@@ -386,6 +402,17 @@ class AgentloopMCP:
         gone = f" (variables lost: {', '.join(lost)})" if lost else ""
         return _text(f"session {name!r} was reset: its process was stopped{gone}; its files stay in "
                      f"{session.workspace}. The next run_python naming it starts afresh.")
+
+    async def fork_session(self, client: Client, args: dict) -> types.CallToolResult:
+        source = args.get("session", DEFAULT_SESSION) or DEFAULT_SESSION
+        name = args.get("new_session")
+        if not isinstance(name, str):
+            raise CallRefused("fork_session needs `new_session`, the new session's name, as a string")
+        session = await self.sessions.fork(client, source, name)
+        held = ", ".join(session.worker.vars) or "none"
+        return _text(f"session {name!r} is a fork of {source!r}: it holds what {source!r} held (variables: {held}) "
+                     f"and shares its files in {session.workspace}; it ends when {source!r} does.",
+                     data=session.describe())
 
     def list_sessions(self, client: Client) -> types.CallToolResult:
         sessions = self.sessions.describe(client)

@@ -45,12 +45,17 @@ class ServerConfig:
 class McpSession:
     """One named, persistent namespace: an engine of its own with one worker."""
 
-    def __init__(self, client: Client, name: str, engine: Engine, worker: Worker) -> None:
+    def __init__(self, client: Client, name: str, engine: Engine, worker: Worker,
+                 parent: McpSession | None = None) -> None:
         self.client = client
         self.name = name
         self.engine = engine
         self.worker = worker
         self.workspace = engine.workspace
+        #: The session this one is a fork of (``fork_session``): its engine, sandbox and files are
+        #: that one's, and it closes with it.  Its own forks, likewise.
+        self.parent = parent
+        self.forks: list[McpSession] = []
         self.started = time.monotonic()
         self.last_used = self.started
         self.running = 0  # tool calls using it now
@@ -66,7 +71,7 @@ class McpSession:
         return {"session": self.name, "workspace": str(self.workspace), "running": self.running,
                 "blocks_run": self.blocks, "variables": list(self.worker.vars),
                 "idle_s": 0.0 if self.running else round(time.monotonic() - self.last_used, 1),
-                "pid": self.worker.pid}
+                "pid": self.worker.pid, **({"forked_from": self.parent.name} if self.parent else {})}
 
 
 class Sessions:
@@ -185,6 +190,40 @@ class Sessions:
                 log.warning("%s", note)
         return session
 
+    async def fork(self, client: Client, source: str, name: str) -> McpSession:
+        """A new session ``name`` of ``client`` holding a copy of its session ``source`` as it is
+        now (``Worker.fork``): every variable, import and loaded byte, copied in milliseconds.  It
+        runs in ``source``'s sandbox, sharing its files, and closes when ``source`` does.
+        CallRefused in words when ``name`` is taken, the server is full, or ``source`` cannot
+        fork now (what to stop first)."""
+        check_name(name)
+        key = (client.id, name)
+        if key in self._open or key in self._starting:
+            raise CallRefused(f"session {name!r} is open already; fork into a new name, or reset it first")
+        if (client.id, source) not in self._open:
+            open_ = ", ".join(self.names(client)) or "none"
+            raise CallRefused(f"session {source!r} is not open (open: {open_}); run_python starts one")
+        if len(self._open) + len(self._starting) >= self.config.max_sessions:
+            raise CallRefused(f"{self.config.max_sessions} sessions are open on this server, the most it allows "
+                              f"(--max-sessions); yours: {', '.join(self.names(client))}. End one with "
+                              "reset_session first")
+        async with self.use(client, source) as (parent, _):
+            try:
+                (copy,) = await parent.worker.fork(1)
+            except AgentloopError as exc:
+                raise CallRefused(f"session {source!r} cannot be forked now: {exc}") from exc
+        if key in self._open or self._open.get(parent.key) is not parent:  # (changed while it forked)
+            await copy.close()
+            raise CallRefused(f"session {name!r} was opened, or {source!r} closed, while it forked")
+        session = McpSession(client, name, parent.engine, copy, parent=parent)
+        parent.forks.append(session)
+        self._open[key] = session
+        if not client.private:
+            self._seen.add(key)
+        self._arm_idle(session)
+        log.info("session %s of %s forked from %s", name, client.id, source)
+        return session
+
     def _arm_idle(self, session: McpSession) -> None:
         if session.idle_timer is not None:
             session.idle_timer.cancel()
@@ -205,7 +244,14 @@ class Sessions:
         if session.idle_timer is not None:
             session.idle_timer.cancel()
             session.idle_timer = None
-        key, task = session.key, asyncio.ensure_future(session.engine.shutdown())
+        for fork in list(session.forks):  # (their processes end with this one's)
+            if self._open.get(fork.key) is fork:
+                self._close_later(fork)
+        if session.parent is not None:
+            with contextlib.suppress(ValueError):
+                session.parent.forks.remove(session)
+        ending = session.worker.close() if session.parent is not None else session.engine.shutdown()
+        key, task = session.key, asyncio.ensure_future(ending)
         self._closing[key] = task
         task.add_done_callback(lambda done: self._closing.pop(key) if self._closing.get(key) is done else None)
         return task

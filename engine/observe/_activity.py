@@ -155,6 +155,8 @@ class Activity:
         if type in ("agent_started", "run_started"):
             parent = fields.get("parent") if type == "agent_started" else None
             facts = {k: fields[k] for k in ("model", "task") if fields.get(k) is not None}
+            if fields.get("forked") is True:  # its worker is a fork of its parent's (a branch of it)
+                facts["forked"] = True
             self._known[name] = {**self._known.get(name, {}), **facts}
             self.agent(name, at, parent=parent if isinstance(parent, str) else None).facts.update(facts)
             return

@@ -429,11 +429,14 @@ class ConsoleDisplay(DispatchDisplay):
 
     # ------------------------------------------------------------ agents and notices
 
-    def agent_started(self, name: str = "?", parent: str | None = None, model: Any = None, task: str = "") -> None:
+    def agent_started(self, name: str = "?", parent: str | None = None, model: Any = None, task: str = "",
+                      forked: Any = False) -> None:
         self._depth[name] = self._depth.get(parent, 0) + 1 if parent else 0
         lines = _clean(task).strip().split("\n")
         first = lines[0] if self.verbose or len(lines[0]) <= 100 else lines[0][:100] + "…"
-        self._line(name, ("▶ ", "bold"), (name, "bold cyan"), (f" ({model})" if model else "", "dim"), f" {first}")
+        fork = f" (fork of {_clean(str(parent))})" if forked is True and parent else ""
+        self._line(name, ("▶ ", "bold"), (name, "bold cyan"), (f" ({model})" if model else "", "dim"),
+                   (fork, "dim"), f" {first}")
         if self.verbose:
             for line in lines[1:]:
                 self._line(name, "  " + line)

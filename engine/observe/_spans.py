@@ -160,6 +160,8 @@ class SpanObserver(AgentDisplay):
                 attributes["gen_ai.request.model"] = config.model
             if piece.parent is None:
                 attributes.update(self.root)
+            if piece.facts.get("forked"):
+                attributes["agentloop.agent.forked"] = True  # its worker is a fork of its parent's
             return f"invoke_agent {piece.name}", SpanKind.INTERNAL, attributes
         if piece.kind == REQUEST:
             agent = self._agent_of(piece)

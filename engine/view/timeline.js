@@ -180,7 +180,7 @@ function render() {
       track.append(bar);
     }
     const label = el("div", {class: "label", style: `padding-left: ${8 + lane.depth * 14}px`, title: lane.task || lane.name},
-      lane.depth ? "↳ " : "", lane.name,
+      lane.depth ? (lane.forked ? "⑂ " : "↳ ") : "", lane.name,
       el("small", {}, [lane.model, lane.status || (lane.unfinished ? "unfinished" : null)].filter(Boolean).join(" · ")));
     chart.append(el("div", {class: "lane", "data-agent": lane.name, "data-depth": lane.depth}, label, track));
   }

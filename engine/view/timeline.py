@@ -143,7 +143,8 @@ class _Collect:
             self.lanes.append({"name": self.cut(piece.name, 200), "parent": parent,
                                "depth": 0 if parent is None else self.lanes[parent]["depth"] + 1,
                                "s": piece.start, "model": self.cut(piece.facts.get("model"), 200),
-                               "task": self.cut(piece.facts.get("task"))})
+                               "task": self.cut(piece.facts.get("task")),
+                               **({"forked": True} if piece.facts.get("forked") else {})})
         elif piece.kind == ATTEMPT:
             request = self._item.get(piece.parent)
             if request is not None and len(request["attempts"]) < MAX_ATTEMPTS:
