@@ -85,11 +85,11 @@ async def _one(engine: Engine, mb: int, n: int, rounds: int) -> dict:
             "beyond_written_mb": None if private is None else round(private - max(1, mb // 100), 1)}
 
 
-async def _measure(quick: bool) -> dict:
+async def _measure(quick: bool, base: Path | None) -> dict:
     sizes = (10, 200) if quick else (10, 100, 200, 1000)
     counts = (1, 4) if quick else (1, 4, 16)
     rounds = 1 if quick else 3
-    base = Path(tempfile.mkdtemp(prefix="agentloop-bench-fork-"))
+    base = Path(tempfile.mkdtemp(prefix="agentloop-bench-fork-", dir=base))
     results: dict[str, dict] = {}
     async with Engine(cwd=base, state_dir=base / "state") as engine:
         for mb in sizes:
@@ -102,8 +102,9 @@ async def _measure(quick: bool) -> dict:
                     "beyond_written_mb": bool(beyond) and max(beyond) <= TARGETS["beyond_written_mb"]}}
 
 
-def measure(quick: bool = False) -> dict:
-    return asyncio.run(_measure(quick))
+def measure(quick: bool = False, base: Path | None = None) -> dict:
+    """The section's figures (``quick``: two sizes, one round); its files under ``base``."""
+    return asyncio.run(_measure(quick, base))
 
 
 def table(section: dict) -> str:

@@ -137,6 +137,24 @@ async def test_host_functions_of_a_copy_reach_its_owner(engine):
     assert calls == [("add", [2, 3])]
 
 
+@pytest.mark.parametrize("mode", ["landlock", "none"])
+async def test_copies_in_the_other_sandbox_modes(tmp_path, mode):
+    settings = WorkerSettings(sandbox=SandboxPolicy(mode=mode))
+    async with Engine(settings, cwd=tmp_path, state_dir=tmp_path / "state") as engine:
+        worker = await engine.start_worker("w")
+        await worker.run("import threading\nx = [1]")
+        a, b = await worker.fork(2)
+        await a.run("x.append(2)")
+        assert await _out(b, "print(x)") == "[1]"
+        assert await _out(a, "print(x)") == "[1, 2]"
+        (grandchild,) = await a.fork()
+        assert await _out(grandchild, "print(x)") == "[1, 2]"
+        await worker.run("t = threading.Thread(target=threading.Event().wait, args=(60,), name='idler', daemon=True)\n"
+                         "t.start()")
+        with pytest.raises(ForkRefused, match="thread 'idler'"):
+            await worker.fork()
+
+
 async def test_a_tcp_worker_is_refused_in_one_line(tmp_path):
     settings = WorkerSettings(transport="tcp", sandbox=SandboxPolicy(network=True))  # (loopback: the host's)
     async with Engine(settings, cwd=tmp_path, state_dir=tmp_path / "state") as engine:

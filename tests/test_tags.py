@@ -86,7 +86,7 @@ def test_multiple_blocks_in_order():
 
 def test_parse_attrs_quoted_bare_and_spaced():
     attrs = parse_attrs(' id="x y" timeout=30s heartbeat = "5s" flag name=""')
-    assert attrs == {"id": "x y", "timeout": "30s", "heartbeat": "5s", "name": ""}
+    assert attrs == {"id": "x y", "timeout": "30s", "heartbeat": "5s", "name": "", "flag": ""}  # (a bare flag: fork)
 
 
 def test_wrap_plain_is_exact():

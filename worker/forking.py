@@ -37,14 +37,18 @@ __all__ = ["close_descriptors", "die_with_parent", "discard", "forget_forker", "
 
 _PR_SET_PDEATHSIG = 1
 _REAP_EVERY = 1.0  # seconds between looks for copies that ended
+_LOW_FDS = 1024  # descriptors looked at where /proc/self/fd cannot be read
 
 
 def own_descriptors() -> dict[int, tuple[int, int]]:
     """The descriptors open now (beyond 0, 1 and 2) and what each is (device, inode): taken
     before any user code runs, they are the runtime's own, which a copy closes."""
+    try:
+        numbers = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # (a sandbox that does not show /proc: the runtime's are opened early, low)
+        numbers = list(range(_LOW_FDS))
     found = {}
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
+    for fd in numbers:
         if fd > 2:
             with contextlib.suppress(OSError):
                 st = os.fstat(fd)

@@ -302,7 +302,8 @@ class Crew:
             # Stopped until the coordinator has put it in cgroups of its own: it is born in its
             # parent's, and its threads would count against the parent's limit.
             os.kill(os.getpid(), signal.SIGSTOP)
-            os.setsid()
+            with contextlib.suppress(OSError):  # (a sandbox whose filter refuses it: the parent's session)
+                os.setsid()
             forking.forget_forker()
             forking.reseed()
             os.dup2(self.diag_fd, 2)  # the worker's own stderr, for the copy's last words

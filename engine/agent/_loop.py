@@ -52,13 +52,12 @@ from engine.agent._code_task import (
 from engine.agent._display import AgentDisplay
 from engine.agent._pictures import Pictures
 from engine.agent._reply_guard import ReplyGuard
+from engine.agent._self_api import self_call
 from engine.agent._subagents import SubagentBudget, subagent_limit
-from engine.durations import parse_duration
 from engine.errors import AgentError, ConfigError
 from engine.models import Chat, ClientPool, ModelConfig, ModelRegistry, ServerInfo, connect
 from engine.workers import Engine, Worker
 from worker.contract import wire
-from worker.contract.schema import ContractError
 
 __all__ = ["Agent", "DEFAULT_REMIND_AT", "MAX_AGENT_NAME", "STOP_SEQUENCES"]
 
@@ -557,7 +556,7 @@ class Agent:
     # -- calls from code in the worker -----------------------------------------------------------
     async def _on_call(self, name: str, args: list, kwargs: dict, block: str | None) -> Any:
         if name.startswith("self."):
-            return await self._self_call(name[5:], args, kwargs, block)
+            return await self_call(self, name[5:], args, kwargs, block)
         fn = self.functions.get(name)
         if fn is None:
             raise AgentError(f"no host function {name!r}; available: {', '.join(self.functions) or 'none'}")
@@ -565,55 +564,9 @@ class Agent:
             return await fn(*args, **kwargs)
         return await asyncio.to_thread(fn, *args, **kwargs)
 
-    def _child(self, name: Any) -> Agent:
-        child = self.children.get(str(name))
-        if child is None:
+    def child(self, name: Any) -> Agent:
+        """The sub-agent this agent started as ``name``; AgentError, in words, if none."""
+        found = self.children.get(str(name))
+        if found is None:
             raise AgentError(f"no sub-agent named {name!r}")
-        return child
-
-    async def _self_call(self, op: str, args: list, kwargs: dict, block: str | None = None) -> Any:
-        if op == "compact_knowledge":
-            assert self.chat is not None
-            self.chat.compact(str(args[0] if args else kwargs.get("summary", "")))
-            return None
-        if op == "cancel_subagents":
-            self.cancel_subagents()
-            return None
-        if op == "cost":
-            return self.cost()
-        if op == "status":
-            return self.status()
-        if op == "run_agent":
-            heartbeat = parse_duration(kwargs.get("heartbeat") or None)
-            try:  # (what the worker's ``self.run_agent`` exported there: checked as an ``inject``'s)
-                items = wire.handed_items(kwargs.get("items") or {})
-            except ContractError as exc:
-                raise AgentError(f"the namespace handed over is malformed: {exc}") from None
-            child = await self.start_agent(str(args[0]), name=kwargs.get("name") or "sub",
-                                           context=kwargs.get("context", ""), items=items,
-                                           heartbeat=heartbeat, model=kwargs.get("model", ""),
-                                           fork=kwargs.get("fork") is True, caller=block)
-            return child.name
-        child = self._child(args[0] if args else None)
-        if op == "agent_done":
-            return child.done()
-        if op == "agent_result":
-            if not child.done():
-                raise AgentError(f"sub-agent '{child.name}' is still working; await the handle or wait for "
-                                 "its <agent_result>")
-            return child.result_value
-        if op == "agent_cancel":
-            child.cancel()
-            return None
-        if op == "agent_new_task":
-            child.new_task(str(args[1]))
-            return None
-        if op == "agent_cost":
-            return child.cost()
-        if op == "agent_status":
-            return child.status()
-        if op == "agent_wait":
-            if child.task is not None:
-                await asyncio.wait([child.task])
-            return child.result_value
-        raise AgentError(f"self has no method {op!r}")
+        return found

@@ -11,7 +11,7 @@ from engine.lazy import lazy_names
 #: Public name -> the private module that defines it (imported when first used, PEP 562).
 _WHERE = {
     "WorkerCgroups": "_cgroup", "report": "_doctor", "Launcher": "_launcher", "OutputPipes": "_outpipe",
-    "descendants": "_process", "kill_tree": "_process",
+    "descendants": "_process", "kill_tree": "_process", "grant_socket": "_fork_start", "start_fork": "_fork_start",
     "Launch": "_process", "Process": "_process", "start": "_process", "fork_server_refusal":
     "_provision", "missing_dirs": "_run_dirs", "WorkerSettings": "_settings", "SharedForkServer":
     "_shared_fork_server", "Guard": "_tcp"
@@ -20,6 +20,7 @@ _WHERE = {
 if TYPE_CHECKING:
     from ._cgroup import WorkerCgroups
     from ._doctor import report
+    from ._fork_start import grant_socket, start_fork
     from ._launcher import Launcher
     from ._outpipe import OutputPipes
     from ._process import Launch, Process, descendants, kill_tree, start
@@ -33,5 +34,6 @@ __getattr__, __dir__ = lazy_names(__name__, _WHERE)
 
 __all__ = [
     "Guard", "Launch", "Launcher", "OutputPipes", "Process", "SharedForkServer", "WorkerCgroups", "WorkerSettings",
-    "descendants", "fork_server_refusal", "kill_tree", "missing_dirs", "report", "start"
+    "descendants", "fork_server_refusal", "grant_socket", "kill_tree", "missing_dirs", "report", "start",
+    "start_fork"
 ]

@@ -25,7 +25,6 @@ import logging
 import os
 import secrets
 import shutil
-import signal
 import time
 from collections.abc import Awaitable
 from pathlib import Path
@@ -41,13 +40,9 @@ from engine.launch._egress import Gates, proxy_env
 from engine.launch._fork_server import ForkServer
 from engine.launch._outpipe import OutputPipes
 from engine.launch._process import (
-    Descendant,
     Launch,
     Process,
     descendants,
-    find_below,
-    signal_quietly,
-    stopped,
 )
 from engine.launch._provision import ColdStart, Provisioner, cold_note, fork_server_refusal, insisted
 from engine.launch._run_dirs import (
@@ -407,12 +402,6 @@ class Launcher:
         return Launch(plan.argv_prefix, command, endpoint, env, Path(plan.cwd) if plan.cwd else self.cwd,
                       plan.pid_namespace, [*plan.notes, note] if note else plan.notes, serves_blocks=entry == WORKER)
 
-    def grant_socket(self, sock_dir: Path, endpoint: str) -> None:
-        """Let the workers of ``sock_dir`` dial ``endpoint``, a socket bound there after they
-        started (a fork's: see ``Worker.fork``)."""
-        if endpoint.startswith("ipc://"):
-            self.plan(sock_dir).grant(Path(endpoint[len("ipc://"):]))
-
     def own_uid(self, name: str) -> int | None:
         """A uid of its own for one process of this run (a sample slot: samples that run at
         once then share no per-user kernel quota, terminal or file), claimed under ``name``
@@ -536,47 +525,6 @@ class Launcher:
                     await asyncio.shield(asyncio.gather(adopting, return_exceptions=True))
             if proc is not None:
                 await asyncio.shield(proc.kill())
-            self.release_groups(groups)
-            raise
-
-    async def start_fork(self, parent: Process, nspid: int, number: int,
-                         greeting: Awaitable[T]) -> tuple[Process, list[Path], T]:
-        """Take the fork ``nspid`` of a worker (numbered in the worker's PID namespace) as
-        process ``number`` of the run, as ``start_process`` takes a process it started: found
-        below ``parent`` (the worker's process, whose tree holds it), given cgroups of its own
-        and waited for until ``greeting`` comes, within ``start_timeout``.
-        On failure it is killed, its cgroups released, and WorkerStartError says why."""
-        greeted = asyncio.ensure_future(greeting)
-        host = find_below(parent.pid, nspid)
-        if host is None:
-            greeted.cancel()
-            raise WorkerStartError(f"the fork (pid {nspid} in its worker) is not to be found below its worker")
-        proc = Descendant(host)
-        groups: list[Path] = []
-        try:
-            # The copy stops itself at once, and is let go once it is in its own cgroups.
-            for _ in range(int(self.settings.start_timeout * 1000)):
-                if stopped(host) or proc.returncode is not None:
-                    break
-                await asyncio.sleep(0.001)
-            groups.extend(await asyncio.to_thread(self.worker_groups, number))
-            await asyncio.to_thread(self.adopt, groups, host, {})
-            signal_quietly(host, signal.SIGCONT)
-            exited = asyncio.ensure_future(proc.wait())
-            try:
-                done, _ = await asyncio.wait({greeted, exited}, timeout=self.settings.start_timeout,
-                                             return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                exited.cancel()
-            if greeted not in done or greeted.exception():
-                reason = str(greeted.exception()) if greeted.done() and greeted.exception() else \
-                    describe_exit(proc.returncode or 0)[0] if exited in done else \
-                    f"no handshake within {self.settings.start_timeout:g} s"
-                raise WorkerStartError(f"a fork of the worker failed to start: {reason}")
-            return proc, groups, greeted.result()
-        except BaseException:
-            greeted.cancel()
-            await asyncio.shield(proc.kill())
             self.release_groups(groups)
             raise
 

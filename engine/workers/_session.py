@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from engine.errors import OutputError, WorkerStartError
-from engine.launch import Guard, OutputPipes, Process
+from engine.launch import Guard, OutputPipes, Process, grant_socket, start_fork
 from engine.results import describe_exit
 from worker.contract import wire
 from worker.contract.framing import FrameError, encode
@@ -171,7 +171,7 @@ class Session:
         session = cls(parent.launcher)
         session.seen_dir = seen
         session.endpoint = session._listen(f"ipc://{seen}/f{session.number}")
-        parent.launcher.grant_socket(seen, session.endpoint)
+        grant_socket(parent.launcher, seen, session.endpoint)
         return session
 
     async def adopt(self, parent: Session, pid: int) -> None:
@@ -179,7 +179,7 @@ class Session:
         wait for its hello; WorkerStartError (its process killed) if it does not come."""
         assert parent.proc is not None
         try:
-            self.proc, self.cgroups, _ = await self.launcher.start_fork(parent.proc, pid, self.number, self._hello)
+            self.proc, self.cgroups, _ = await start_fork(self.launcher, parent.proc, pid, self.number, self._hello)
         except BaseException:
             await asyncio.shield(self.discard())
             raise

@@ -24,24 +24,25 @@ import enum
 import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from engine.durations import DEFAULT_BLOCK_TIMEOUT
 from engine.errors import AlreadyOwned, ForkRefused, WorkerClosed, WorkerError, WorkerStartError
 from engine.results import BlockResult, OutputChunk, OutputSink, Shown, describe_exit
 from engine.workers._displays import BlockDisplays, DisplayRefused
+from engine.workers._forks import Roster, fork_sessions
+from engine.workers._requests import PendingRequests
 from engine.workers._running import RunningBlock
 from engine.workers._script_run import ScriptRun, forward_stdin
 from engine.workers._session import Owner, Session
 from worker.contract import wire
-from worker.contract.framing import decode, encode
+from worker.contract.framing import encode
 from worker.contract.limits import MAX_CHUNK, STDERR, STDOUT
-from worker.contract.schema import ContractError
 
 if TYPE_CHECKING:
     from engine.launch import Launcher
 
-__all__ = ["HostCall", "Roster", "Worker", "WorkerState"]
+__all__ = ["HostCall", "Worker", "WorkerState"]
 
 log = logging.getLogger("agentloop")
 
@@ -53,14 +54,6 @@ _MAX_CALLS = 64
 
 #: Runs a host call from code in the worker: (name, args, kwargs, block id) -> its value.
 HostCall = Callable[[str, list, dict, "str | None"], Awaitable[Any]]
-
-
-class Roster(Protocol):
-    """Who counts a run's workers (its ``Engine``): a fork asks it for room, then adds its copies."""
-
-    def admit(self, n: int) -> None: ...
-
-    def add(self, worker: Worker) -> None: ...
 
 
 class WorkerState(enum.Enum):
@@ -90,8 +83,7 @@ class Worker:
         # Who runs the code's host calls: one owner, given here or once by ``adopt``.
         self._on_call = on_call
         #: Control requests waiting for their reply: rid -> (the reply's class, its future).
-        self._requests: dict[int, tuple[type[wire.Message], asyncio.Future]] = {}
-        self._request_ids = itertools.count(1)
+        self._requests = PendingRequests(name)  # control requests waiting for their replies
         # Requests that bind a process (host functions, ``self``, handed objects), made again
         # on every replacement before it runs a block; and the names they define.
         self._bindings: list[tuple[wire.Message, float]] = []
@@ -143,20 +135,15 @@ class Worker:
     # -- forks --------------------------------------------------------------------------------
     async def fork(self, n: int = 1, *, caller: str | None = None, on_call: HostCall | None = None,
                    timeout: float = 30.0) -> list[Worker]:
-        """``n`` copies of this worker as it is now, each a ``Worker`` of its own (named
-        ``NAME/1``, ``NAME/2``, ... after this one, same launcher and host functions), holding
-        the whole namespace — every variable, function, import and loaded byte — copy-on-write,
-        not pickled.  From then on a copy's variables, output, deadlines and kill are its own;
-        what processes of one sandbox share it shares with its parent (see ``worker.forking``),
-        and it ends with its parent's process.
-
-        Between blocks: while a block of this worker runs (``caller`` aside: the block asking,
-        through ``self``) the fork is refused, not waited for, as it is while a thread, an
-        event-loop task or a process the code started lives; ForkRefused says which and what to
-        stop first, and nothing is left running.  A copy that is killed or crashes is replaced
-        by a fresh process (an empty namespace, bound as this worker's first), as any worker.
-        ``on_call``: the copies' owner of host calls (default: this worker's); the engine counts
-        the copies among its workers (its ``max_workers``) and closes them with the rest."""
+        """``n`` copies of this worker as it is now, each a ``Worker`` of its own (``NAME/1``,
+        ``NAME/2``, ...), holding the whole namespace copy-on-write, not pickled.  From then on
+        a copy's variables, output, deadlines and kill are its own; what processes of one
+        sandbox share it shares with its parent (``worker.forking``), and it ends with its
+        parent's process.  Refused (ForkRefused, saying what to stop first), not waited for,
+        while a block runs (but ``caller``, the block asking through ``self``), or a thread, an
+        event-loop task or a process of the code.  A copy killed or crashed is replaced by a
+        fresh process, as any worker.  ``on_call``: the copies' owner of host calls (default:
+        this worker's); the engine counts them among its workers and closes them with the rest."""
         if not 1 <= n <= wire.MAX_FORKS:
             raise ValueError(f"fork: n must be between 1 and {wire.MAX_FORKS}, not {n!r}")
         if self._roster is not None:
@@ -166,27 +153,7 @@ class Worker:
         if busy:
             raise ForkRefused(f"worker {self.name!r} cannot fork now: block {', '.join(map(repr, busy[:5]))} is "
                               "running; a worker forks between blocks: await it (or cancel it) and fork again")
-        try:
-            sessions = [Session.fork_of(session) for _ in range(n)]
-        except WorkerStartError as exc:
-            raise ForkRefused(f"worker {self.name!r} cannot be forked: {exc}") from None
-        try:
-            request = wire.Fork(tuple(wire.ForkChild(s.endpoint, s.token) for s in sessions), caller)
-            try:
-                reply = await self._ask(session, request, timeout)
-            except WorkerError as exc:
-                raise ForkRefused(f"worker {self.name!r}: {exc}") from None
-            if len(reply.pids) != n:
-                session.violation(f"it answered a fork of {n} with {len(reply.pids)} pids")
-                raise WorkerStartError(f"worker {self.name!r} did not fork as asked")
-            taken = await asyncio.gather(*(s.adopt(session, pid) for s, pid in zip(sessions, reply.pids, strict=True)),
-                                         return_exceptions=True)
-            failed = next((e for e in taken if isinstance(e, BaseException)), None)
-            if failed is not None:
-                raise failed
-        except BaseException:
-            await asyncio.shield(asyncio.gather(*(s.kill() for s in sessions), return_exceptions=True))
-            raise
+        sessions = await fork_sessions(session, self._requests, n, caller, timeout)
         copies = [self._copy(s, self._on_call if on_call is None else on_call) for s in sessions]
         if self._roster is not None:
             for copy in copies:
@@ -286,9 +253,7 @@ class Worker:
         if self.state is not WorkerState.CLOSED:
             self.state = WorkerState.DEAD
         reset = _reset_words(lost)
-        for _, future in self._requests.values():  # nobody will answer them now
-            if not future.done():
-                future.set_exception(WorkerError(f"worker {self.name!r} was stopped: {why}"))
+        self._requests.fail_all(why)  # nobody will answer them now
         for block in list(self._blocks.values()):
             if block is cause:
                 block.finish("timeout" if block.timed_out else "cancelled",
@@ -398,7 +363,7 @@ class Worker:
                 else:
                     block.stopping_why = msg.why
         elif type(msg) in _REPLIES:
-            self._answered(session, msg)
+            self._requests.answered(session, msg)
         elif isinstance(msg, wire.Call):
             if self._on_call is None:
                 session.send(wire.Reply(msg.cid, False, error="this worker has no host functions"))
@@ -448,42 +413,7 @@ class Worker:
         return reply
 
     async def _ask(self, session: Session, request: wire.Message, timeout: float) -> wire.Message:
-        rid = next(self._request_ids)
-        request = request.replace(rid=rid)
-        frame = encode(request)
-        try:  # what the worker's parser would refuse is refused here, in words, not left to time out
-            wire.TO_WORKER.parse(decode(frame))
-        except ContractError as exc:
-            raise WorkerError(f"this {request.kind!r} request cannot be sent to a worker: {exc}") from None
-        future = asyncio.get_running_loop().create_future()
-        self._requests[rid] = (wire.REPLIES[type(request)], future)
-        try:
-            session.send_frame(frame)
-            return await asyncio.wait_for(future, timeout)
-        except TimeoutError as exc:
-            raise WorkerError(f"worker {self.name!r} did not answer {request.kind!r} within {timeout:g} s") from exc
-        finally:
-            self._requests.pop(rid, None)
-
-    def _answered(self, session: Session, msg: wire.Message) -> None:
-        """A reply to a control request: its future's value (``refused``: a WorkerError with
-        its words).  A reply whose request is gone is stale (it timed out: an honest race);
-        one of the wrong kind for its request breaks the protocol."""
-        rid = msg.rid  # type: ignore[attr-defined]
-        waiting = self._requests.get(rid)
-        if waiting is None or waiting[1].done():
-            session.drop("reply to no request")
-            return
-        expected, future = waiting
-        if type(msg) is not expected and not isinstance(msg, wire.Refused):
-            # (the request stays waiting: the kill ends it, saying why)
-            session.violation(f"it sent {msg.kind!r} where {expected.kind!r} answers the request")
-            return
-        del self._requests[rid]
-        if isinstance(msg, wire.Refused):
-            future.set_exception(WorkerError(msg.error or "the request failed"))
-        else:
-            future.set_result(msg)
+        return await self._requests.ask(session, request, timeout)
 
     def send(self, msg: wire.Message) -> None:
         """Send a protocol message to the current process (never waits)."""
