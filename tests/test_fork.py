@@ -262,3 +262,15 @@ def test_the_viewer_draws_a_forked_sub_agent_as_a_branch_of_its_parent(tmp_path)
     lanes = {lane["name"]: lane for lane in data["lanes"]}
     assert lanes["try-a"]["forked"] is True and lanes["try-a"]["parent"] == 0
     assert "forked" not in lanes["plain"]
+
+
+async def test_a_cold_started_worker_forks_and_its_copy_is_confined_as_it_is(tmp_path):
+    # Without the fork server (each worker in a bubblewrap of its own, where there is one): the
+    # copy lives in its parent's sandbox, and sees nothing of another worker's.
+    async with Engine(cwd=tmp_path, state_dir=tmp_path / "state", fork_server=False) as engine:
+        worker, other = await engine.start_worker("w"), await engine.start_worker("other")
+        await other.run("open('/tmp/theirs', 'w').write('x')")
+        await worker.run("open('/tmp/ours', 'w').write('x')\nv = 7")
+        (copy,) = await worker.fork()
+        assert await _out(copy, "import os\nprint(v, os.path.exists('/tmp/ours'), os.path.exists('/tmp/theirs'))") \
+            == f"7 True {not engine.launcher.plan(engine.launcher.sock_root).pid_namespace}"

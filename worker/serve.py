@@ -264,7 +264,6 @@ class Crew:
             frame = encode(wire.refused(rid, f"unsendable value: {exc}"))
         self.channel.send_frame(frame)
 
-
     def _fork(self, msg: wire.Fork) -> wire.Message:
         """Fork this process once per child of ``msg`` (see ``forking``); ``forked`` with their
         pids, or ``refused`` saying what to stop first."""
