@@ -65,6 +65,12 @@ async def test_a_running_thread_is_refused_in_words_and_joined_it_forks(worker):
     assert len(await worker.fork()) == 1
 
 
+async def test_the_event_loops_idle_executor_threads_do_not_stop_a_fork(worker):
+    await worker.run("import asyncio\nfirst = await asyncio.to_thread(sum, [1, 2])")  # leaves 'asyncio_0' idle
+    (copy,) = await worker.fork()
+    assert await _out(copy, "print(first, await asyncio.to_thread(sum, [3, 4]))") == "3 7"
+
+
 async def test_a_pending_task_and_a_live_process_are_refused_in_words(worker):
     await worker.run("import asyncio\nparked = asyncio.ensure_future(asyncio.sleep(3600))\nawait asyncio.sleep(0)")
     with pytest.raises(ForkRefused, match="task .*pending.*cancel it"):

@@ -94,15 +94,19 @@ def _command(pid: int) -> str:
     return "?"
 
 
-def refusal(running: list[str], caller: str | None, pending: list[str], own_children: set[int]) -> str | None:
+def refusal(running: list[str], caller: str | None, pending: list[str], own_children: set[int],
+            idle: frozenset[int] = frozenset()) -> str | None:
     """Why this process cannot be forked now, in words that say what to stop first; None when
     it can.  ``running``: the blocks that run (``caller``, the block asking, may); ``pending``:
-    the user loop's tasks that are not done; ``own_children``: the runtime's own processes."""
+    the user loop's tasks that are not done; ``own_children``: the runtime's own processes;
+    ``idle``: threads (idents) a copy does without (the user loop's default executor's, whose
+    loop a copy replaces)."""
     others = [b for b in running if b != caller]
     if others:
         return (f"block {', '.join(map(repr, others[:5]))} is still running: a worker forks between blocks; "
                 "wait for it (or cancel it) and fork again")
-    threads = [t for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
+    threads = [t for t in threading.enumerate()
+               if t is not threading.main_thread() and t.is_alive() and t.ident not in idle]
     if threads:
         names = ", ".join(repr(t.name) for t in threads[:5])
         return (f"thread {names} of the code is still running, and a fork copies only the thread that "

@@ -175,6 +175,13 @@ class Runtime:
                  for task in asyncio.all_tasks(loop) if not task.done()]
         return [f"{name} ({what})" for name, what in found if what not in _BLOCK_TASKS]
 
+    def loop_executor_threads(self) -> frozenset[int]:
+        """The threads of the user loop's default executor (``asyncio.to_thread``): idle ones
+        wait there for ever, and a fork's copy, which starts a loop of its own, needs none."""
+        executor = getattr(self._user_loop, "_default_executor", None)
+        threads = getattr(executor, "_threads", ())
+        return frozenset(t.ident for t in list(threads) if t.ident is not None)
+
     def rewire(self, router: Router, fdcap: FdCapture, send: Callable[[wire.Message], None], call: proxy.Call,
                on_main_free: Callable[[], None]) -> None:
         """In a fork's copy of this process (one thread, this one, the main thread now): the

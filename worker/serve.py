@@ -268,7 +268,8 @@ class Crew:
         """Fork this process once per child of ``msg`` (see ``forking``); ``forked`` with their
         pids, or ``refused`` saying what to stop first."""
         runtime = self.runtime
-        why = forking.refusal(runtime.running_blocks(), msg.caller, runtime.pending_tasks(), self.own_children)
+        why = forking.refusal(runtime.running_blocks(), msg.caller, runtime.pending_tasks(), self.own_children,
+                              runtime.loop_executor_threads())
         if why is not None:
             return wire.refused(msg.rid, f"cannot fork now: {why}")
         parent = os.getpid()
