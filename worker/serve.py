@@ -107,25 +107,22 @@ class Crew:
         self.exit_code: int | None = None
         self.exited = threading.Event()
         self.baton = baton
-        self._early: list[bytes] = []
+        self._early = early or []  # frames received with the welcome, handled first
         self._trim_at: float | None = None
         self._spin = 0.0
         #: Ends the process at once: ``shutdown`` heard by a thread other than the main one,
         #: which may be running a block, never waits for it.
         self.exit_now: Callable[[int], None] = os._exit
-        #: Frames received with the welcome, handled first.
-        self.early = early or []
         #: What the runtime holds before any user code runs: its descriptors and processes,
         #: which a fork's copy closes and does not count as the code's (see ``forking``).
         self.own_fds = forking.own_descriptors()
         self.own_children = forking.runtime_children()
 
-    def serve_main(self, early: list[bytes]) -> None:
+    def serve_main(self) -> None:
         """Listen and run blocks on the calling thread, the process's main thread, until
-        ``shutdown``; ``early`` are frames already received, handled first.  An exception
+        ``shutdown``; the frames received with the welcome are handled first.  An exception
         that reaches this loop (a signal's handler, such as SIGINT's or an alarm the code
         set, run while no block ran) is said and the serving goes on."""
-        self._early = early
         while not self.exited.is_set():
             try:
                 self._member()
@@ -400,7 +397,7 @@ def _greet(channel: Channel, token: str, diag_fd: int) -> list[bytes] | int:
 
 def _serve(crew: Crew, fdcap: FdCapture) -> int:
     restore_exit = _keep_last_words(fdcap, crew.router, crew.channel)
-    crew.serve_main(crew.early)
+    crew.serve_main()
     restore_exit()
     return crew.exit_code or 0
 
