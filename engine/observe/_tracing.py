@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import ConfigError
-from engine.extras import install_hint
 from engine.secrets import redact_url, redact_urls
 
 if TYPE_CHECKING:
@@ -221,6 +220,8 @@ def _provider(flag: bool, environ: Mapping[str, str]) -> tuple[Any, str]:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
     except ImportError as exc:
+        from engine.extras import install_hint  # (importlib.metadata: only when it is needed)
+
         raise ConfigError(f"tracing needs the OpenTelemetry SDK, which is not installed: {install_hint('otel')}") from exc
     names = _exporter_names(environ) - {"none"} or {"otlp"}
     unknown = names - {"otlp", "console"}
@@ -260,6 +261,8 @@ def _otlp_exporter(environ: Mapping[str, str]) -> Any:
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError as exc:
+            from engine.extras import install_hint
+
             raise ConfigError(f"OTLP over HTTP needs its exporter, which is not installed: {install_hint('otel')}") from exc
         return OTLPSpanExporter(session=collector.checked_session(environ))
     if protocol == "grpc":

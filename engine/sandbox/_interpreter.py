@@ -23,6 +23,7 @@ installed, and the error says how.  Which interpreter workers run is ``engine.sa
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -38,6 +39,7 @@ import worker.contract
 from engine import trust
 from engine.errors import ConfigError, SandboxError, UntrustedPython
 from engine.sandbox._bwrap import beneath, outermost
+from engine.sandbox._probe_cache import remembered
 
 __all__ = [
     "Interpreter", "RUNTIME_INSTALL", "RUNTIME_PACKAGES", "RUNTIME_ROOT", "TrustedPython", "check_workspace",
@@ -237,16 +239,35 @@ def _run(python: str, *args: str) -> bytes:
         raise SandboxError(f"cannot start the worker's python {python}: {exc}") from exc
 
 
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _strings(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _answer(value: object) -> bool:
+    """Whether ``value`` has the shape of the probe's answer."""
+    return (isinstance(value, dict) and all(isinstance(value.get(k), str) for k in ("version", "abi"))
+            and isinstance(value.get("executable"), str) and _strings(value.get("paths"))
+            and _strings(value.get("missing")))
+
+
 @lru_cache(maxsize=8)
 def _site_free_paths(python: str) -> tuple[str, ...]:
     """The prefixes, the paths, the site directories of ``python`` and the directories their
     ``.pth`` files add, asked with ``-S`` (the ``.pth`` files read as text): without ``-S``,
     ``site`` executes the ``.pth`` files' import lines and a ``sitecustomize`` from any of them."""
-    try:
-        paths = json.loads(_run(python, "-I", "-S", "-c", _SITE_FREE_PROBE))
-    except ValueError as exc:
-        raise SandboxError(f"cannot start the worker's python {python}: {exc}") from exc
-    return tuple(path for path in paths if isinstance(path, str))
+    def ask() -> list[str]:
+        try:
+            paths = json.loads(_run(python, "-I", "-S", "-c", _SITE_FREE_PROBE))
+        except ValueError as exc:
+            raise SandboxError(f"cannot start the worker's python {python}: {exc}") from exc
+        return [path for path in paths if isinstance(path, str)] if isinstance(paths, list) else []
+
+    paths = remembered("site-free " + _digest(_SITE_FREE_PROBE), python, ask, _strings, lambda answer: answer)
+    return tuple(paths)
 
 
 def _probe(python: str) -> Interpreter:
@@ -258,10 +279,17 @@ def _probe(python: str) -> Interpreter:
 
 @lru_cache(maxsize=8)
 def _probe_path(python: str) -> Interpreter:
-    try:
-        info = json.loads(_run(python, "-I", "-c", _PROBE, ",".join(RUNTIME_PACKAGES)))
-    except ValueError as exc:
-        raise SandboxError(f"cannot start the worker's python {python}: {exc}") from exc
+    def ask() -> dict:
+        try:
+            info = json.loads(_run(python, "-I", "-c", _PROBE, ",".join(RUNTIME_PACKAGES)))
+        except ValueError as exc:
+            raise SandboxError(f"cannot start the worker's python {python}: {exc}") from exc
+        if not _answer(info):
+            raise SandboxError(f"cannot start the worker's python {python}: it answered {str(info)[:200]}")
+        return info
+
+    question = f"probe {_digest(_PROBE)} {','.join(RUNTIME_PACKAGES)}"
+    info = remembered(question, python, ask, _answer, lambda answer: answer["paths"])
     return Interpreter(info["executable"] or python, info["version"], info["abi"], tuple(info["paths"]),
                        tuple(info["missing"]))
 
