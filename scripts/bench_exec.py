@@ -7,6 +7,9 @@ two sides alternate, so both see the same machine).
 - ``start_ms``: ``exec pass.py`` from the process's start to its exit (the CLI, the sandbox and
   its first process, the interpreter, the script), p50/p99, against ``python pass.py``;
   ``overhead_ms`` is the difference of the medians;
+- ``jsonl_start_ms``: ``exec --jsonl`` on a file of one sample (``pass``) from the process's
+  start to its exit, its results file removed before each (the CLI, the probes, the sandbox, the
+  fork server, the first slot, the sample, the summary), p50/p99; the target is 300 ms;
 - ``stream_mb_s``: a script printing ``stream_mb`` MB in 1 KiB lines, its stdout a pipe the
   bench reads to its end (median of three after one untimed run), against ``python``.
 
@@ -73,16 +76,21 @@ def _measure(rounds: int, mb: int, top: Path) -> dict:
     work = top / "project"
     work.mkdir()
     (work / "pass.py").write_text("pass\n")
+    (work / "one.jsonl").write_text('{"id": "pass", "code": "pass"}\n')
     lines = mb * 1_000_000 // LINE
     (work / "stream.py").write_text(STREAM.format(w=LINE - 1, n=lines))
     env = {**os.environ, "XDG_STATE_HOME": str(top / "state"), "PYTHONPATH": str(ROOT)}
     python = [sys.executable]
     ours = [sys.executable, "-P", "-m", "engine.cli", "exec", "--timeout", "300s"]
+    jsonl = ours + ["--jsonl", "one.jsonl", "-o", "one-results.jsonl", "--progress", "none"]
     _timed(ours + ["pass.py"], work, env)  # untimed: caches warm
     start: dict[str, list[float]] = {"agentloop": [], "python": []}
+    jsonl_start: list[float] = []
     for _ in range(rounds):
         start["agentloop"].append(_timed(ours + ["pass.py"], work, env))
         start["python"].append(_timed(python + ["pass.py"], work, env))
+        (work / "one-results.jsonl").unlink(missing_ok=True)  # (else it is done before)
+        jsonl_start.append(_timed(jsonl, work, env))
     size = lines * LINE
     stream: dict[str, list[float]] = {"agentloop": [], "python": []}
     for i in range(4):
@@ -94,6 +102,9 @@ def _measure(rounds: int, mb: int, top: Path) -> dict:
     return {
         "start_ms": starts,
         "overhead_ms": round(starts["agentloop"]["p50"] - starts["python"]["p50"], 1),
+        "jsonl_start_ms": _stats(jsonl_start),
+        "jsonl_start_target_ms": 300,
+        "jsonl_start_met": statistics.median(jsonl_start) < 300,
         "stream_mb_s": {side: round(statistics.median(v), 1) for side, v in stream.items()},
         "stream_mb": mb,
         "line_bytes": LINE,
@@ -104,7 +115,8 @@ def table(section: dict) -> str:
     a, p = section["start_ms"]["agentloop"], section["start_ms"]["python"]
     s = section["stream_mb_s"]
     return (f"exec FILE: start to exit p50 {a['p50']} ms (p99 {a['p99']}) against python's {p['p50']} ms "
-            f"({section['overhead_ms']} ms of sandbox); {section['stream_mb']} MB of print through a pipe: "
+            f"({section['overhead_ms']} ms of sandbox); exec --jsonl of one sample: p50 "
+            f"{section['jsonl_start_ms']['p50']} ms (target < 300); {section['stream_mb']} MB of print through a pipe: "
             f"{s['agentloop']} MB/s against python's {s['python']} MB/s")
 
 

@@ -94,6 +94,9 @@ def test_quick_bench_prints_a_complete_report(tmp_path: Path) -> None:
     for side in ("agentloop", "python"):
         assert exec_file["start_ms"][side]["n"] == 5 and exec_file["start_ms"][side]["p50"] > 0
         assert exec_file["stream_mb_s"][side] > 0
+    # exec --jsonl of a one-sample file, start to exit (the 300 ms: measured, not asserted)
+    assert exec_file["jsonl_start_ms"]["n"] == 5 and exec_file["jsonl_start_ms"]["p50"] > 0
+    assert exec_file["jsonl_start_met"] in (True, False)
 
     assert set(TARGETS) <= report["targets"].keys()
     for target in report["targets"].values():

@@ -28,9 +28,7 @@ import shutil
 import time
 from collections.abc import Awaitable
 from pathlib import Path
-from typing import TypeVar
-
-import zmq
+from typing import TYPE_CHECKING, TypeVar
 
 from engine import trust
 from engine.environment import ALLOWLIST, environment
@@ -56,7 +54,6 @@ from engine.launch._run_dirs import (
 )
 from engine.launch._settings import WorkerSettings
 from engine.launch._shared_fork_server import RunView, SharedForkServer
-from engine.launch._tcp import Gatekeeper, Guard
 from engine.results import OutputBudget, describe_exit
 from engine.sandbox import (
     LaunchPlan,
@@ -74,6 +71,11 @@ from engine.trees import remove_tree
 from engine.trust import state_home
 from worker.contract.sample import SlotSettings
 from worker.contract.start import WORKER, StartSpec
+
+if TYPE_CHECKING:  # (ZeroMQ is imported with the first worker's socket: a run of samples never needs it)
+    import zmq
+
+    from engine.launch._tcp import Gatekeeper, Guard
 
 __all__ = ["Launcher"]
 
@@ -122,6 +124,7 @@ class Launcher:
         self.sock_root: Path | None = None
         self.memory_cgroups: WorkerCgroups | None = None  # each worker's memory limit
         self.pids_cgroups: WorkerCgroups | None = None  # each worker's process limit
+        self._opened = False
         self._ctx: zmq.Context | None = None
         self._gatekeeper: Gatekeeper | None = None  # the ZAP handler of ``tcp`` workers' sockets
         self._guards: list[Guard] = []  # closed (again) before the context: see ``_tcp.Door``
@@ -138,11 +141,11 @@ class Launcher:
 
     @property
     def opened(self) -> bool:
-        return self._ctx is not None
+        return self._opened
 
     def open(self) -> None:
-        """Create the run's directories and the ZeroMQ context (idempotent)."""
-        if self._ctx is not None:
+        """Create the run's directories (idempotent); the ZeroMQ context comes with the first socket."""
+        if self._opened:
             return
         self.check_python()
         settings = self.settings
@@ -183,10 +186,7 @@ class Launcher:
         if self.shared is not None and self.sock_root.parent == self.shared.socket_root:
             self._shared_view = self.shared.for_run(self.workspace, self.output_dir, self.env(StartSpec(), None),
                                                     self.runtime_packages, self.protected, python=settings.python)
-        self._ctx = zmq.Context()
-        # Each worker costs three ZeroMQ sockets (its channel, a monitor and the monitor's peer);
-        # the default cap of 1023 would stop an engine at about 340 workers.
-        self._ctx.set(zmq.MAX_SOCKETS, 16384)
+        self._opened = True
         if self._shared_view is not None:  # its workers' cgroups lie beside the other runs' (see close)
             self.memory_cgroups, self.pids_cgroups = self.shared.cgroups()
         elif settings.sandbox.mode != "none":
@@ -261,10 +261,22 @@ class Launcher:
             self._hold = None
 
     # -- one worker -------------------------------------------------------------------------------
+    def _context(self) -> zmq.Context:
+        assert self._opened, "open() the launcher first"
+        if self._ctx is None:
+            import zmq
+
+            self._ctx = zmq.Context()
+            # Each worker costs three ZeroMQ sockets (its channel, a monitor and the monitor's
+            # peer); the default cap of 1023 would stop an engine at about 340 workers.
+            self._ctx.set(zmq.MAX_SOCKETS, 16384)
+        return self._ctx
+
     def socket(self) -> zmq.Socket:
         """A ROUTER socket of this run's context, for one worker."""
-        assert self._ctx is not None, "open() the launcher first"
-        return self._ctx.socket(zmq.ROUTER)
+        import zmq
+
+        return self._context().socket(zmq.ROUTER)
 
     def endpoint(self, number: int) -> tuple[str, Path]:
         """Where worker ``number`` connects: the endpoint to bind, and its own socket directory."""
@@ -279,13 +291,16 @@ class Launcher:
         """Bind worker ``number``'s socket to ``endpoint``; the address the worker dials, and
         for ``tcp`` the guard that lets that worker in and nobody else (``engine.launch``), which
         the session follows with the socket's connection events and closes when it ends."""
+        import zmq
+
+        from engine.launch._tcp import Gatekeeper, Guard
+
         settings = self.settings
         if settings.transport != "tcp":
             sock.bind(endpoint)
             return sock.getsockopt_string(zmq.LAST_ENDPOINT), None
         if self._gatekeeper is None:
-            assert self._ctx is not None, "open() the launcher first"
-            self._gatekeeper = Gatekeeper(self._ctx)
+            self._gatekeeper = Gatekeeper(self._context())
         guard = Guard(sock, settings.tcp_bind, self._gatekeeper, f"w{number}")
         self._guards = [g for g in self._guards if not g.closed] + [guard]
         endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)

@@ -20,7 +20,7 @@ import logging
 import os
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.durations import DEFAULT_BLOCK_TIMEOUT
 from engine.environment import ENV_ALLOWLIST
@@ -29,8 +29,10 @@ from engine.launch import Launch, Launcher, SharedForkServer, WorkerSettings
 from engine.results import OutputBudget
 from engine.samples import OUTPUT_BYTES, Sample, SampleResult, map_samples
 from engine.workers._samples import SampleRunner
-from engine.workers._session import Session
-from engine.workers._worker import HostCall, Worker, WorkerState
+
+if TYPE_CHECKING:  # (imported with the first worker: they bring ZeroMQ, which a run of samples never needs)
+    from engine.workers._session import Session
+    from engine.workers._worker import HostCall, Worker
 
 __all__ = ["ENV_ALLOWLIST", "Engine", "Launch"]
 
@@ -92,7 +94,7 @@ class Engine:
         await self.shutdown()
 
     def open(self) -> None:
-        """Create the run's directories and the ZeroMQ context (idempotent)."""
+        """Create the run's directories (idempotent)."""
         self.launcher.open()
 
     async def start_worker(self, name: str = "worker", *, on_call: HostCall | None = None) -> Worker:
@@ -102,6 +104,8 @@ class Engine:
         refused in words until ``Worker.adopt`` gives it one."""
         self.admit(1)
         self.open()
+        from engine.workers._worker import Worker
+
         worker = Worker(self.launcher, name, take_idle=self._pool_take, on_call=on_call, roster=self)
         self.workers.append(worker)
         await worker.start()
@@ -113,6 +117,8 @@ class Engine:
         if self._closed:
             raise ConfigError("this engine was shut down; create a new Engine")
         if self.max_workers is not None:
+            from engine.workers._worker import WorkerState
+
             live = sum(1 for w in self.workers if w.state is not WorkerState.CLOSED)
             if live + n > self.max_workers:
                 raise WorkerError(f"this run already holds {live} workers, and may hold {self.max_workers}; wait "
@@ -200,6 +206,8 @@ class Engine:
             self._pool_filling = loop.create_task(self._fill())
 
     async def _fill(self) -> None:
+        from engine.workers._session import Session
+
         while not self._closed and len(self._pool) < self.pool_size:
             try:
                 session = await Session.start(self.launcher, on_lost=self._pool_lost)

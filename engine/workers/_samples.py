@@ -18,8 +18,6 @@ from engine.launch import Launcher, descendants, fork_server_refusal
 from engine.results import BlockResult, OutputChunk
 from engine.samples import OUTPUT_BYTES, SCRIPT_NAME, Ending, Sample, SampleResult, SlotPool, classify
 from engine.trees import remove_tree
-from engine.workers._script_run import ScriptRun
-from engine.workers._worker import Worker
 from worker.contract.limits import HeadTail
 
 __all__ = ["SampleRunner", "exit_code", "run_sample"]
@@ -93,6 +91,9 @@ async def run_sample(launcher: Launcher, sample: Sample, *, timeout: float = DEF
     sample's own) and kill it after.  Never raises for what the code did (files that do not fit
     its workspace are its ``error``, exit code 125); a worker that cannot start raises
     ``WorkerStartError``, which ends ``map_samples`` too (the machine cannot run samples)."""
+    from engine.workers._script_run import ScriptRun  # (with ZeroMQ: samples in slots never need them)
+    from engine.workers._worker import Worker
+
     started = time.monotonic()
     streams = {"stdout": HeadTail(output_bytes), "stderr": HeadTail(output_bytes)}
 
