@@ -31,7 +31,7 @@ from engine.cli.options import (
 )
 
 __all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OWN", "EXIT_TIMEOUT", "Duration", "Size",
-           "WorkerSettings", "agent_options", "fail", "main", "worker_options", "worker_settings"]
+           "WorkerSettings", "agent_options", "fail", "main", "run", "worker_options", "worker_settings"]
 
 
 class _LazyGroup(click.Group):
@@ -104,3 +104,38 @@ def main(ctx: click.Context, verbose: bool, trace: bool) -> None:
     # (A SIGTERM inherited as ignored stays so: ``exec`` passes that on to the script.)
     if signal.getsignal(signal.SIGTERM) != signal.SIG_IGN:
         signal.signal(signal.SIGTERM, terminated)
+
+
+def run() -> None:
+    """The ``agentloop`` command as a process runs it: ``main``, then the process ends as soon as
+    the command has (``_leave``)."""
+    try:
+        main(prog_name="agentloop")
+    except SystemExit as exc:
+        _leave(exc.code)
+    _leave(0)
+
+
+def _leave(code: object) -> None:
+    """End the process with ``code``, skipping the interpreter's teardown of every module and
+    object (a tenth of a short command's time) once nothing is left that it would finish: no
+    thread of the command's still running, the ``atexit`` handlers run (traces, logs), stdout
+    and stderr flushed.  Otherwise, and when a flush fails (a closed pipe: Python's own exit then
+    says so and exits 120), it exits as the interpreter does.  Files are written through
+    descriptors and synced as they are, never left for a finaliser to flush."""
+    import atexit
+    import os
+    import sys
+    import threading
+
+    if code is None:
+        code = 0
+    if not isinstance(code, int) or threading.active_count() > 1:
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+    except (OSError, ValueError):
+        sys.exit(code)
+    os._exit(code % 256)  # (what the interpreter makes of any int)

@@ -1,5 +1,5 @@
 """``python -m engine.cli``: the ``agentloop`` command."""
 
-from engine.cli import main
+from engine.cli import run
 
-main(prog_name="agentloop")
+run()

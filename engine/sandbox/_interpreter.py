@@ -106,13 +106,18 @@ def trusted_python(python: str, workspace: Path | None = None, *, source: str = 
        read and those its ``.pth`` files add, each judged the same way;
     3. the full probe (``site`` runs), whose paths are judged again.
 
+    A TrustedPython (it passed all three in this process) is judged again only against
+    ``workspace``, the one fact a new run adds.
+
     The result is ``python`` as given, or with ``resolve`` the interpreter as it names itself (a
     launcher script such as pyenv's shim becomes the program it runs, which is checked too:
     trusted as the script that chose it is)."""
-    if isinstance(python, TrustedPython) and workspace is None:
+    said = f"the workers' Python {python}" + (f", {source}," if source else "")
+    if isinstance(python, TrustedPython):  # judged already: only where this run's workers write is new
+        if workspace is not None:
+            _refuse_in_workspace(python, workspace, said)
         return python
     named = os.path.abspath(python)
-    said = f"the workers' Python {python}" + (f", {source}," if source else "")
     _refuse_start(named, workspace, said)
     _refuse_any(said, _site_free_paths(named))
     info = _probe(named)
@@ -153,21 +158,33 @@ def _venv_home(venv: str) -> str | None:
     return None
 
 
-def _refuse_start(named: str, workspace: Path | None, said: str) -> None:
-    """Step 1 of ``trusted_python``: what the interpreter's start reads, judged before it runs."""
+def _installation(named: str) -> tuple[str, str | None, list[str]]:
+    """The interpreter's real file, its virtual environment (if any) and the directories its
+    installation lies in (its prefix lies at or above the last)."""
     real = os.path.realpath(named)
     venv = _venv_of(named, real)
     home = _venv_home(venv) if venv else None
     base = home or os.path.dirname(real)  # the directory the installation is searched from
+    return real, venv, [*([venv] if venv else []), base, os.path.dirname(base)]
+
+
+def _refuse_in_workspace(named: str, workspace: Path, said: str) -> None:
+    """UntrustedPython when the interpreter or its installation lies in ``workspace``."""
+    real, _, trees = _installation(named)
+    ws = os.path.realpath(workspace)
+    for path in (named, real, *trees):
+        if beneath(os.path.realpath(path), ws) or beneath(path, ws):
+            raise UntrustedPython(f"{said} lies in the workspace {ws}, which workers write: choose another "
+                                  "--workspace or an interpreter elsewhere")
+
+
+def _refuse_start(named: str, workspace: Path | None, said: str) -> None:
+    """Step 1 of ``trusted_python``: what the interpreter's start reads, judged before it runs."""
+    real, venv, trees = _installation(named)
     files = [named, *(os.path.splitext(p)[0] + "._pth" for p in dict.fromkeys((named, real)))]
     files += [os.path.join(venv, "pyvenv.cfg")] if venv else []
-    trees = [*([venv] if venv else []), base, os.path.dirname(base)]  # (its prefix lies at or above it)
     if workspace is not None:
-        ws = os.path.realpath(workspace)
-        for path in (named, real, *trees):
-            if beneath(os.path.realpath(path), ws) or beneath(path, ws):
-                raise UntrustedPython(f"{said} lies in the workspace {ws}, which workers write: choose another "
-                                      "--workspace or an interpreter elsewhere")
+        _refuse_in_workspace(named, workspace, said)
     why = trust.owner_refusal(os.path.dirname(named))
     why = why or trust.refusal(named, tree=venv)
     for file in files[1:]:

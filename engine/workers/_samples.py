@@ -165,6 +165,8 @@ class SampleRunner:
         self._slot_launcher: Launcher | None = None
 
     def _launcher(self, where: Path, **own: Any) -> Launcher:
+        if self.base.opened:  # (its Python judged: only the new workspace is judged again)
+            own.setdefault("python", self.base.settings.python)
         launcher = Launcher(self.settings.replace(state_dir=where / "state", **own), cwd=self.base.cwd,
                             workspace=where / "workspace", own_workspaces=self.forked)
         launcher.open()
