@@ -240,22 +240,20 @@ def print_summary(tally: Tally, results: Path, runs_dir: Path | None, stopped: s
     if stopped:
         rows.append(("stopped", inert(stopped)))
     title = "batch summary" if tally.kind == "runs" else "samples summary"
-    sys.stderr.write(box_table(title, rows, styled=sys.stderr.isatty()))
+    sys.stderr.write(box_table(title, rows))
     sys.stderr.flush()
 
 
-def box_table(title: str, rows: list[tuple[str, str]], *, styled: bool = False) -> str:
-    """Two columns in a box, labels left and bold, values right, the title above, as text.
+def box_table(title: str, rows: list[tuple[str, str]]) -> str:
+    """Two columns in a box, labels left and values right, the title above, as plain text.
 
     Drawn here rather than by rich: the table is printed once as a command ends, and importing
-    rich to draw it cost ``exec --jsonl`` a tenth of its start.  Cells are never wrapped (a
-    path stays one line, to copy), and must be inert already."""
+    rich to draw it cost ``exec --jsonl`` a tenth of its start.  No style either: nothing but
+    printable text reaches the terminal.  Cells are never wrapped (a path stays one line, to
+    copy), and must be inert already."""
     left = max(len(label) for label, _ in rows)
     right = max(len(value) for _, value in rows)
-    bold, italic, plain = ("\x1b[1m", "\x1b[3m", "\x1b[0m") if styled else ("", "", "")
-    width = left + right + 7
-    lines = [f"{italic}{title}{plain}".ljust(width + len(italic) + len(plain)),
-             f"┌{'─' * (left + 2)}┬{'─' * (right + 2)}┐"]
-    lines += [f"│ {bold}{label.ljust(left)}{plain} │ {value.rjust(right)} │" for label, value in rows]
+    lines = [title.ljust(left + right + 7), f"┌{'─' * (left + 2)}┬{'─' * (right + 2)}┐"]
+    lines += [f"│ {label.ljust(left)} │ {value.rjust(right)} │" for label, value in rows]
     lines.append(f"└{'─' * (left + 2)}┴{'─' * (right + 2)}┘")
     return "\n".join(lines) + "\n"
