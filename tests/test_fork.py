@@ -182,8 +182,7 @@ async def main():
         copies = await worker.fork(4)
         seen = []
         for c in copies:
-            r = await c.run("import os\\nx.append(os.getpid()); print(json.dumps([len(x), random.random()]))"
-                            .replace("json.dumps", "__import__('json').dumps"))
+            r = await c.run("import json, os\\nx.append(os.getpid()); print(json.dumps([len(x), random.random()]))")
             seen.append(json.loads(r.output))
         parent = (await worker.run("print(len(x))")).output.strip()
         print(json.dumps({"seen": seen, "parent": parent, "notes": worker.notes}))

@@ -29,6 +29,7 @@ from engine.launch._process import (
     Launch,
     Process,
     descendants,
+    find_below,
     pipes,
     signal_quietly,
     spawn,
@@ -311,20 +312,12 @@ class ForkServer:
         kept = self._found.get(zpid)
         if kept is not None and started_at(kept[0]) == kept[1] is not None:
             return kept[0]
-        for pid in descendants(self._proc.pid):
-            try:
-                with open(f"/proc/{pid}/status") as f:
-                    for line in f:
-                        if line.startswith("NSpid:"):
-                            ids = line.split()[1:]
-                            if len(ids) >= 2 and int(ids[1]) == zpid:
-                                if len(self._found) >= _FOUND_MAX:
-                                    self._found.clear()
-                                self._found[zpid] = (pid, started_at(pid))
-                                return pid
-                            break
-            except OSError:
-                continue
+        pid = find_below(self._proc.pid, zpid, level=1)  # (the sandbox's namespace is the second)
+        if pid is not None:
+            if len(self._found) >= _FOUND_MAX:
+                self._found.clear()
+            self._found[zpid] = (pid, started_at(pid))
+            return pid
         raise WorkerStartError(f"forked worker {zpid} is not visible from the host")
 
     async def close(self) -> None:

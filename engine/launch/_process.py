@@ -205,19 +205,26 @@ def zombie_status(pid: int) -> int:
     return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def find_below(root: int, nspid: int) -> int | None:
-    """The host pid of the process below ``root`` whose pid in its own PID namespace (the
-    innermost) is ``nspid``; None if there is none."""
+def nspids(pid: int) -> tuple[int, ...]:
+    """Process ``pid``'s pid in each PID namespace it is in, outermost first (``NSpid`` of
+    ``/proc/PID/status``); empty when it is gone or the kernel does not say."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return tuple(int(n) for n in line.split()[1:])
+    except (OSError, ValueError):
+        pass
+    return ()
+
+
+def find_below(root: int, nspid: int, level: int = -1) -> int | None:
+    """The host pid of the process below ``root`` whose pid at ``level`` of its PID namespaces
+    (``nspids``; default the innermost) is ``nspid``; None if there is none."""
     for pid in descendants(root):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    if line.startswith("NSpid:"):
-                        if int(line.split()[-1]) == nspid:
-                            return pid
-                        break
-        except (OSError, ValueError):
-            continue
+        ids = nspids(pid)
+        if len(ids) > (level if level >= 0 else -level - 1) and ids[level] == nspid:
+            return pid
     return None
 
 
