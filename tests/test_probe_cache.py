@@ -22,7 +22,7 @@ def install(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     (tmp_path / "bin").mkdir()
     python = tmp_path / "bin" / "python"
-    python.write_text("")
+    python.write_bytes(b"\x7fELF" + bytes(60))  # (an interpreter itself, as far as the kept answers go)
     site, lib = tmp_path / "site-packages", tmp_path / "lib"
     site.mkdir()
     lib.mkdir()
@@ -67,7 +67,17 @@ def test_any_change_to_what_it_was_made_from_asks_again(install, change):
         (lib / "zmq").mkdir()
         os.utime(lib, ns=(0, 0))  # (its ctime moves all the same: no process can set that back)
     else:
-        python.write_text("#!")
+        python.write_bytes(b"\x7fELF" + bytes(61))
+    recall(python, ask)
+    assert len(asked) == 2
+
+
+def test_a_launcher_script_is_asked_every_time(install):
+    """pyenv's shim picks its interpreter by a file and a variable of its own."""
+    python, site, _ = install
+    python.write_text("#!/bin/sh\nexec python3.11 \"$@\"\n")
+    ask, asked = asker([str(site)])
+    recall(python, ask)
     recall(python, ask)
     assert len(asked) == 2
 

@@ -6,7 +6,9 @@ interpreter, the ``pyvenv.cfg`` and ``._pth`` files its start reads, and the dir
 imports from (their entries, and the ``.pth`` and ``*customize`` files that ``site`` runs).
 So each answer is kept with the identity of each of those (device, inode, mode, owner, size,
 mtime and ctime, which no process can set back) and given again only while every one of them
-is the same; any change, a package installed or removed among them, asks again.
+is the same; any change, a package installed or removed among them, asks again.  Only an
+interpreter's own answers are kept: a launcher script (pyenv's shim) picks its interpreter by
+files and variables of its own, and is asked every time.
 
 A kept answer only stands in for running the probe: every judgement ``trusted_python`` makes
 of the paths it names is made again on each use.  The file is the user's (mode 0600 in a
@@ -66,6 +68,17 @@ def _fingerprint(python: str, paths: Iterable[str]) -> list:
     return found
 
 
+def _compiled(python: str) -> bool:
+    """Whether ``python`` is the interpreter itself (an ELF file), not a launcher script such as
+    pyenv's shim, whose choice of interpreter follows files and variables of its own that no
+    fingerprint here covers: what a script answers is never kept."""
+    try:
+        with open(os.path.realpath(python), "rb") as f:
+            return f.read(4) == b"\x7fELF"
+    except OSError:
+        return False
+
+
 def _file(kind: str, python: str) -> str:
     key = hashlib.sha256(f"{_FORMAT}\0{kind}\0{os.path.abspath(python)}\0{os.geteuid()}".encode()).hexdigest()
     return str(trust.state_home() / "probes" / f"{key[:32]}.json")
@@ -115,6 +128,8 @@ def remembered(kind: str, python: str, ask: Callable[[], Any], valid: Callable[[
     depends on — ``python``'s files and the directories ``paths(answer)`` names — is unchanged.
     ``valid``: whether a kept answer has the shape ``ask`` returns (a kept one that has not
     is asked again).  ``settle_ns``: see ``SETTLE_NS``."""
+    if not _compiled(python):
+        return ask()
     file = _file(kind, python)
     record = _read(file)
     if (record is not None and record.get("kind") == kind and record.get("python") == os.path.abspath(python)
