@@ -1,19 +1,15 @@
 """The launcher: everything that touches the operating system to start a run's processes.
 
-``Engine`` decides (the pool, shutdown, how many workers); the launcher acts: from the run's
-``WorkerSettings`` it owns the run's directories, the ZeroMQ context and the endpoints, the
-sandbox plan, the processes' environment, the cgroups, and the provisioner that starts them
-(``engine.launch``: cold, the run's fork server, or a batch's), chosen once, here.
-Sessions, workers and slots are handed a launcher and call only its public methods; nothing
-here calls back up.
-
-A run owns a private socket directory (mode 0700, one sub-directory per worker process, with
-its socket and its output pipes, so a sandbox can expose exactly one worker's) and an output
-directory for block outputs too large to keep in memory.  A run of a batch may be handed the
-batch's fork server (``engine.launch``): its socket directory then lies beneath that
-server's socket root, and its workers are forked there, each shown its own run's directories
-only.  Workers get an environment built from an allowlist, never a copy of the coordinator's:
-API keys set for the coordinator do not reach model code.
+``Engine`` decides (the pool, shutdown, how many workers); the launcher acts: from the run's ``WorkerSettings``
+it owns the run's directories, the ZeroMQ context and the endpoints, the sandbox plan, the processes'
+environment, the cgroups, and the provisioner that starts them (``engine.launch``: cold, the run's fork server,
+or a batch's), chosen once, here.  Sessions, workers and slots are handed a launcher and call only its public
+methods; nothing here calls back up.  A run owns a private socket directory (mode 0700, one sub-directory per worker process, with its socket and
+its output pipes, so a sandbox can expose exactly one worker's) and an output directory for block outputs too
+large to keep in memory.  A run of a batch may be handed the batch's fork server (``engine.launch``): its
+socket directory then lies beneath that server's socket root, and its workers are forked there, each shown
+its own run's directories only.  Workers get an environment built from an allowlist, never a copy of the
+coordinator's: API keys set for the coordinator do not reach model code.
 """
 
 from __future__ import annotations
@@ -78,7 +74,6 @@ if TYPE_CHECKING:  # (ZeroMQ is imported with the first worker's socket: a run o
     from engine.launch._tcp import Gatekeeper, Guard
 
 __all__ = ["Launcher"]
-
 T = TypeVar("T")
 
 
@@ -260,23 +255,18 @@ class Launcher:
             os.close(self._hold)  # (the lock goes with it)
             self._hold = None
 
-    # -- one worker -------------------------------------------------------------------------------
     def _context(self) -> zmq.Context:
         assert self._opened, "open() the launcher first"
-        if self._ctx is None:
-            import zmq
-
-            self._ctx = zmq.Context()
-            # Each worker costs three ZeroMQ sockets (its channel, a monitor and the monitor's
-            # peer); the default cap of 1023 would stop an engine at about 340 workers.
-            self._ctx.set(zmq.MAX_SOCKETS, 16384)
+        if self._ctx is None:  # (three sockets a worker: the default cap, 1023, stops at ~340)
+            from zmq import MAX_SOCKETS, Context
+            self._ctx = Context()
+            self._ctx.set(MAX_SOCKETS, 16384)
         return self._ctx
 
     def socket(self) -> zmq.Socket:
         """A ROUTER socket of this run's context, for one worker."""
-        import zmq
-
-        return self._context().socket(zmq.ROUTER)
+        from zmq import ROUTER
+        return self._context().socket(ROUTER)
 
     def endpoint(self, number: int) -> tuple[str, Path]:
         """Where worker ``number`` connects: the endpoint to bind, and its own socket directory."""
@@ -294,7 +284,6 @@ class Launcher:
         import zmq
 
         from engine.launch._tcp import Gatekeeper, Guard
-
         settings = self.settings
         if settings.transport != "tcp":
             sock.bind(endpoint)
@@ -543,7 +532,6 @@ class Launcher:
             self.release_groups(groups)
             raise
 
-    # -- cgroups ----------------------------------------------------------------------------------
     def group_limits(self) -> list[tuple[WorkerCgroups, int]]:
         """The run's cgroup parents, each with the limit a worker gets there."""
         sandbox = self.settings.sandbox

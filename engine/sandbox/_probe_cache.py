@@ -73,10 +73,15 @@ def _compiled(python: str) -> bool:
     pyenv's shim, whose choice of interpreter follows files and variables of its own that no
     fingerprint here covers: what a script answers is never kept."""
     try:
-        with open(os.path.realpath(python), "rb") as f:
-            return f.read(4) == b"\x7fELF"
+        fd = os.open(os.path.realpath(python), os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return False
+    try:
+        return os.pread(fd, 4, 0) == b"\x7fELF"
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _file(kind: str, python: str) -> str:
