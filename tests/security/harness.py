@@ -134,6 +134,21 @@ def in_pid_namespace(ns: str) -> list[int]:
     return found
 
 
+def described(pids: list[int]) -> str:
+    """What each of ``pids`` is (name, state, parent) as /proc says, for a failure's message."""
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            out.append(f"{pid}: gone")
+            continue
+        out.append(f"{pid}: {fields.get('Name', '?').strip()} {fields.get('State', '?').strip()} "
+                   f"ppid {fields.get('PPid', '?').strip()} NSpid {fields.get('NSpid', '?').strip()}")
+    return "; ".join(out) or "none"
+
+
 #: Attack code that prints the worker's PID namespace as ``pidns: pid:[inode]``.
 PRINT_PID_NAMESPACE = 'print("pidns:", _os.readlink("/proc/self/ns/pid"), flush=True)\n'
 
