@@ -10,11 +10,12 @@ import textwrap
 
 import pytest
 
-from engine.errors import ForkRefused
+from engine.errors import ForkRefused, WorkerStartError
 from engine.launch import WorkerSettings
 from engine.sandbox import SandboxPolicy
 from engine.workers import Engine
 from tests.conftest import REPO, Unprivileged
+from worker.contract.confinement import landlock_abi
 
 
 async def _out(worker, code: str, timeout: float = 20) -> str:
@@ -127,6 +128,67 @@ async def test_sixty_four_copies_of_one_worker_each_answer(worker):
     assert await _out(worker, "print(os.getpid() == mine)") == "True"
 
 
+#: The parent listens on an abstract unix socket; a copy told its sibling's pid tries to reach
+#: each of them and prints what the kernel answered (errno names).
+_LISTEN = ("import os, socket\nparent = os.getpid()\nname = '\\0agentloop-apart-%d' % parent\n"
+           "server = socket.socket(socket.AF_UNIX)\nserver.bind(name)\nserver.listen()")
+_APART = """
+import errno, json, os, socket, subprocess, sys
+def tried(attempt):
+    try:
+        attempt()
+        return "ok"
+    except OSError as exc:
+        return errno.errorcode.get(exc.errno, str(exc.errno))
+def reach(where):
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(5)
+        s.connect(where)
+def own_child():
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    p.kill()
+    p.wait()
+print(json.dumps({"signal parent": tried(lambda: os.kill(parent, 0)),
+                  "signal sibling": tried(lambda: os.kill(sibling, 0)),
+                  "parent environ": tried(lambda: open(f"/proc/{parent}/environ", "rb").read()),
+                  "parent socket": tried(lambda: reach(name)),
+                  "own child": tried(own_child), "itself": tried(lambda: os.kill(os.getpid(), 0))}))
+"""
+#: What a copy gets: nothing of its parent's or its sibling's (a /proc entry hidden or refused).
+_APART_SEEN = {"signal parent": {"EPERM"}, "signal sibling": {"EPERM"}, "parent environ": {"EACCES", "ENOENT"},
+               "parent socket": {"EPERM"}, "own child": {"ok"}, "itself": {"ok"}}
+
+
+def _apart(seen: dict) -> bool:
+    return seen.keys() == _APART_SEEN.keys() and all(seen[k] in _APART_SEEN[k] for k in seen)
+
+
+async def test_a_copy_cannot_signal_trace_or_reach_its_parent_or_siblings(worker):
+    if landlock_abi() < 6:
+        pytest.skip("this kernel's Landlock does not scope signals and sockets (ABI < 6)")
+    await worker.run(_LISTEN)
+    a, b = await worker.fork(2)
+    await a.run(f"sibling = {await _out(b, 'print(os.getpid())')}")
+    seen = json.loads(await _out(a, _APART))
+    assert _apart(seen), seen
+    # The parent's own socket and signals are untouched, and the copies still serve blocks.
+    assert await _out(worker, "with socket.socket(socket.AF_UNIX) as s: s.connect(name)\nprint('reached')") == "reached"
+    assert await _out(b, "print(parent != os.getpid())") == "True"
+
+
+async def test_copies_of_copies_end_in_words_where_the_kernel_stacks_no_more_domains(worker):
+    if landlock_abi() < 6:
+        pytest.skip("this kernel's Landlock does not scope signals and sockets (ABI < 6)")
+    await worker.run("x = 1")
+    current, depth = worker, 0
+    with pytest.raises(WorkerStartError, match="at most 16, and each copy of a copy adds one"):
+        while depth < 20:
+            (current,) = await current.fork()
+            depth += 1
+    assert 10 <= depth < 16, depth
+    assert await _out(current, "print(x)") == "1"  # (the deepest copy made still serves)
+
+
 async def test_host_functions_of_a_copy_reach_its_owner(engine):
     calls = []
 
@@ -185,21 +247,27 @@ async def main():
             r = await c.run("import json, os\\nx.append(os.getpid()); print(json.dumps([len(x), random.random()]))")
             seen.append(json.loads(r.output))
         parent = (await worker.run("print(len(x))")).output.strip()
-        print(json.dumps({"seen": seen, "parent": parent, "notes": worker.notes}))
+        await worker.run(LISTEN)
+        a, b = await worker.fork(2)
+        await a.run("sibling = " + (await b.run("print(os.getpid())")).output)
+        apart = json.loads((await a.run(APART)).output)
+        print(json.dumps({"seen": seen, "parent": parent, "apart": apart, "notes": worker.notes}))
 
 asyncio.run(main())
 """
 
 
 def test_copies_as_a_plain_user(unprivileged: Unprivileged):
-    done = subprocess.run([*unprivileged.python, "-c", textwrap.dedent(_AS_USER)], cwd=unprivileged.home,
+    script = f"LISTEN, APART = {_LISTEN!r}, {_APART!r}\n" + textwrap.dedent(_AS_USER)
+    done = subprocess.run([*unprivileged.python, "-c", script], cwd=unprivileged.home,
                           env={**unprivileged.env, "PYTHONPATH": f"{REPO}:{unprivileged.env.get('PYTHONPATH', '')}"},
                           capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert [s[0] for s in got["seen"]] == [4, 4, 4, 4], got
     assert len({s[1] for s in got["seen"]}) == 4, got
     assert got["parent"] == "3", got
+    assert landlock_abi() < 6 or _apart(got["apart"]), got
 
 
 # -- the model's protocol: <run_agent fork> and self.run_agent(fork=True) ----------------------

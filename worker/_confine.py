@@ -21,7 +21,7 @@ import struct
 
 from .contract.confinement import Confinement, Landlock, Seccomp, landlock_abi, seccomp_supported
 
-__all__ = ["ConfinementError", "apply", "landlock_abi", "prepare", "seccomp_supported"]
+__all__ = ["ConfinementError", "apply", "landlock_abi", "prepare", "seccomp_supported", "separate"]
 
 
 class ConfinementError(RuntimeError):
@@ -317,6 +317,31 @@ def _landlock(rules: Landlock) -> int:
     finally:
         os.close(ruleset)
     return abi
+
+
+def separate() -> bool:
+    """Give this process a Landlock domain of its own, nested in the one it has, that scopes
+    signals and abstract unix sockets (ABI 6): from then on it cannot signal, ptrace (nor so read
+    /proc/PID/mem, environ or fd of) or reach the abstract sockets of any process outside it — for
+    a fork's copy, its parent worker and the other copies (what a copy starts stays inside).
+    Only for a process confined already (no_new_privs set): returns False, applying nothing,
+    where it is not or the kernel does not scope.  Raises ConfinementError when it cannot be
+    applied (the kernel's 16 layers used up by copies of copies): the copy must not run then."""
+    if _prctl(39) != 1 or landlock_abi() < 6:  # PR_GET_NO_NEW_PRIVS
+        return False
+    _single_threaded()
+    attr = struct.pack("QQQ", 0, 0, _SCOPE_SIGNAL | _SCOPE_ABSTRACT_UNIX)
+    try:
+        ruleset = _syscall(_nr("landlock_create_ruleset"), attr, len(attr), 0)
+        try:
+            _syscall(_nr("landlock_restrict_self"), ruleset, 0)
+        finally:
+            os.close(ruleset)
+    except OSError as exc:
+        deep = " (a copy this many forks deep: the kernel stacks at most 16 Landlock layers)" \
+            if exc.errno == errno.E2BIG else ""
+        raise ConfinementError(f"Landlock scope of its own: {exc}{deep}") from exc
+    return True
 
 
 def _landlock_rule(ruleset: int, path: str, access: int, handled: int, required: bool) -> None:

@@ -7,7 +7,9 @@ endpoint the coordinator made for it, says hello with its own token, and serves 
 sandbox, with its uid, Landlock rules and seccomp filter (the request gives it nothing the
 code could not have made with ``os.fork()`` itself), so copies share with their parent and
 with each other what processes of one sandbox share: its /tmp, its workspace, its network
-namespace (ports) and its /proc.  Variables, output, deadlines and kills are their own.
+namespace (ports) and its /proc.  Variables, output, deadlines and kills are their own, and
+so is a Landlock domain (``_confine.separate``) that keeps a copy's signals, ptrace and
+abstract sockets from its parent and its siblings.
 
 ``fork()`` copies only the thread that calls it, so what runs in another thread cannot be
 copied: a fork is refused, in words that say what to stop, while a thread the code started

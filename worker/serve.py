@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from . import _memory, _running, forking
+from . import _confine, _memory, _running, forking
 from ._baton import Baton
 from ._outpipe import Fifos, PipeWriter
 from .capture import (
@@ -40,7 +40,7 @@ from .capture import (
 from .channel import Channel
 from .contract import wire
 from .contract.framing import FrameError, encode
-from .contract.limits import INTERRUPT_SIGNAL, MAX_NOTE, STDERR, STDOUT
+from .contract.limits import COPY_NOT_APART, INTERRUPT_SIGNAL, MAX_NOTE, STDERR, STDOUT
 from .contract.schema import ContractError
 from .display import Displays
 from .runtime import Runtime
@@ -299,6 +299,12 @@ class Crew:
             # Stopped until the coordinator has put it in cgroups of its own: it is born in its
             # parent's, and its threads would count against the parent's limit.
             os.kill(os.getpid(), signal.SIGSTOP)
+            # Apart from its parent and its siblings from here on: no signals, ptrace or
+            # abstract sockets between them (``_confine.separate``); still one thread.
+            try:
+                _confine.separate()
+            except _confine.ConfinementError:
+                os._exit(COPY_NOT_APART)
             with contextlib.suppress(OSError):  # (a sandbox whose filter refuses it: the parent's session)
                 os.setsid()
             forking.forget_forker()

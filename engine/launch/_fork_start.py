@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, TypeVar
 from engine.errors import WorkerStartError
 from engine.launch._process import Descendant, Process, find_below, signal_quietly, stopped
 from engine.results import describe_exit
+from worker.contract.limits import COPY_NOT_APART
 
 if TYPE_CHECKING:
     from engine.launch._launcher import Launcher
@@ -24,6 +25,10 @@ if TYPE_CHECKING:
 __all__ = ["grant_socket", "start_fork"]
 
 T = TypeVar("T")
+
+_NOT_APART = ("the copy could not be given a Landlock domain of its own, which keeps it apart from its parent "
+              "and siblings: the kernel stacks at most 16, and each copy of a copy adds one; fork from a worker "
+              "fewer forks deep")
 
 
 def grant_socket(launcher: Launcher, sock_dir: Path, endpoint: str) -> None:
@@ -63,6 +68,7 @@ async def start_fork(launcher: Launcher, parent: Process, nspid: int, number: in
             exited.cancel()
         if greeted not in done or greeted.exception():
             reason = str(greeted.exception()) if greeted.done() and greeted.exception() else \
+                _NOT_APART if exited in done and proc.returncode == COPY_NOT_APART else \
                 describe_exit(proc.returncode or 0, via_namespace=False)[0] if exited in done else \
                 f"no handshake within {settings.start_timeout:g} s"
             raise WorkerStartError(f"a fork of the worker failed to start: {reason}")

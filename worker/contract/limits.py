@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import signal
 
-__all__ = ["HeadTail", "INTERRUPT_SIGNAL", "MAX_CHUNK", "MAX_DISPLAYS", "MAX_DISPLAY_TEXT", "MAX_ERROR", "MAX_FRAME",
+__all__ = ["COPY_NOT_APART", "HeadTail", "INTERRUPT_SIGNAL", "MAX_CHUNK", "MAX_DISPLAYS", "MAX_DISPLAY_TEXT", "MAX_ERROR", "MAX_FRAME",
            "MAX_ID", "MAX_IMAGE", "MAX_NAME", "MAX_NOTE", "MAX_VARS", "MAX_VAR_NAME", "STDERR", "STDOUT"]
+
+#: The exit status of a fork's copy that could not be given a Landlock domain of its own
+#: (``worker._confine.separate``: the kernel stacks 16 layers, and each copy of a copy adds
+#: one): it ends before it serves, and the coordinator says why in words.
+COPY_NOT_APART = 73
 
 #: Largest frame either side accepts on any channel (a channel may hold to less).  Big enough
 #: for a batch of output or a pickled object handed to a sub-agent (half of it); anything
