@@ -152,11 +152,14 @@ print(json.dumps({"signal parent": tried(lambda: os.kill(parent, 0)),
                   "signal sibling": tried(lambda: os.kill(sibling, 0)),
                   "parent environ": tried(lambda: open(f"/proc/{parent}/environ", "rb").read()),
                   "parent socket": tried(lambda: reach(name)),
+                  "parent in /proc": "yes" if os.path.exists(f"/proc/{parent}") else "no",
+                  "sibling in /proc": "yes" if os.path.exists(f"/proc/{sibling}") else "no",
                   "own child": tried(own_child), "itself": tried(lambda: os.kill(os.getpid(), 0))}))
 """
 #: What a copy gets: nothing of its parent's or its sibling's (a /proc entry hidden or refused).
 _APART_SEEN = {"signal parent": {"EPERM"}, "signal sibling": {"EPERM"}, "parent environ": {"EACCES", "ENOENT"},
-               "parent socket": {"EPERM"}, "own child": {"ok"}, "itself": {"ok"}}
+               "parent socket": {"EPERM"}, "own child": {"ok"}, "itself": {"ok"},
+               "parent in /proc": {"no"}, "sibling in /proc": {"no"}}
 
 
 def _apart(seen: dict) -> bool:

@@ -337,10 +337,8 @@ def separate() -> bool:
             _syscall(_nr("landlock_restrict_self"), ruleset, 0)
         finally:
             os.close(ruleset)
-    except OSError as exc:
-        deep = " (a copy this many forks deep: the kernel stacks at most 16 Landlock layers)" \
-            if exc.errno == errno.E2BIG else ""
-        raise ConfinementError(f"Landlock scope of its own: {exc}{deep}") from exc
+    except OSError as exc:  # (E2BIG: every layer used)
+        raise ConfinementError(f"Landlock scope of its own: {exc}") from exc
     return True
 
 

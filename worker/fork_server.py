@@ -236,10 +236,11 @@ def _child(private_net: bool, control: tuple[int, ...], report: int, requests: i
         # No parent-death signal for C: it would fire as B leaves.  C lives in the sandbox's
         # PID namespace too, which ends with the server and with the coordinator.
         check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "private mounts")
-        # Unprivileged, the worker has C's uid: its /proc shows only what it may trace (hidepid,
-        # which asks Landlock too), so C, and a slot's own process to its samples, are not there.
-        check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                         b"hidepid=invisible" if userns else None), "/proc")
+        # The worker's /proc shows only what it may trace (hidepid, which asks Landlock too): not
+        # C (unprivileged, the worker has C's uid), not a slot's own process to its samples, and
+        # to a fork's copy neither its parent nor its siblings (each in a domain of its own).
+        check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, b"hidepid=invisible"),
+              "/proc")
         if userns:
             no_user_namespaces()
         if private_net:
