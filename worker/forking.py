@@ -27,6 +27,7 @@ import contextlib
 import ctypes
 import os
 import queue
+import resource
 import signal
 import stat
 import sys
@@ -97,12 +98,12 @@ def _command(pid: int) -> str:
 
 
 def refusal(running: list[str], caller: str | None, pending: list[str], own_children: set[int],
-            idle: frozenset[int] = frozenset()) -> str | None:
-    """Why this process cannot be forked now, in words that say what to stop first; None when
-    it can.  ``running``: the blocks that run (``caller``, the block asking, may); ``pending``:
-    the user loop's tasks that are not done; ``own_children``: the runtime's own processes;
-    ``idle``: threads (idents) a copy does without (the user loop's default executor's, whose
-    loop a copy replaces)."""
+            idle: frozenset[int] = frozenset(), n: int = 1) -> str | None:
+    """Why this process cannot be forked into ``n`` copies now, in words that say what to stop
+    first; None when it can.  ``running``: the blocks that run (``caller``, the block asking,
+    may); ``pending``: the user loop's tasks that are not done; ``own_children``: the runtime's
+    own processes; ``idle``: threads (idents) a copy does without (the user loop's default
+    executor's, whose loop a copy replaces)."""
     others = [b for b in running if b != caller]
     if others:
         return (f"block {', '.join(map(repr, others[:5]))} is still running: a worker forks between blocks; "
@@ -121,7 +122,28 @@ def refusal(running: list[str], caller: str | None, pending: list[str], own_chil
         named = ", ".join(f"{pid} ({_command(pid)})" for pid in alive[:5])
         return (f"process {named} started by the code is still alive, and would be shared by the copies: "
                 "wait for it (or kill it) and fork again")
-    return None
+    return _over_limit(n)
+
+
+def _over_limit(n: int) -> str | None:
+    """Where a process limit (RLIMIT_NPROC, threads included) is shared by this worker and its
+    copies — a plain user's worker, which has no pids cgroup of its own — whether ``n`` more
+    copies would pass it: each starts about as many threads as this process runs now.  A copy
+    that could not start its threads would die at birth; this says it first."""
+    soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        each = len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
+    copies = len(_forker_children())
+    room = max(0, (soft - each - 2) // each - copies)  # (this process, its forking thread, the init)
+    if n <= room:
+        return None
+    return (f"{n} {'copy' if n == 1 else 'copies'} would pass the worker's process limit ({soft} processes and threads, shared with "
+            f"its copies: RLIMIT_NPROC, there being no pids cgroup of its own), each running about {each} "
+            f"threads beside its {copies} live copies: fork at most {room} now, or close copies first")
 
 
 def reseed() -> None:

@@ -266,7 +266,7 @@ class Crew:
         pids, or ``refused`` saying what to stop first."""
         runtime = self.runtime
         why = forking.refusal(runtime.running_blocks(), msg.caller, runtime.pending_tasks(), self.own_children,
-                              runtime.loop_executor_threads())
+                              runtime.loop_executor_threads(), len(msg.children))
         if why is not None:
             return wire.refused(msg.rid, f"cannot fork now: {why}")
         parent = os.getpid()
