@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine.sandbox._probe_cache import remembered
+from tests.conftest import Unprivileged
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -142,3 +143,53 @@ def test_the_workers_python_is_asked_once_across_commands(tmp_path):
             file.write_text(json.dumps(record))
     refused = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert refused.returncode != 0 and "planted" in refused.stderr and "writable by every user" in refused.stderr
+
+
+def test_an_answer_is_given_again_only_in_the_context_it_was_made_in(install):
+    python, site, _ = install
+    ask, asked = asker([str(site)])
+
+    def in_context(context):
+        return remembered("test", str(python), ask, lambda a: isinstance(a, list), lambda a: a, settle_ns=0,
+                          context=context)
+
+    in_context(["boot-1", "96362"])
+    in_context(["boot-1", "96362"])
+    assert len(asked) == 1
+    in_context(["boot-2", "96362"])  # (rebooted, or a setting changed: asked again)
+    assert len(asked) == 2
+
+
+def test_an_answer_valid_rejects_is_asked_every_time(install):
+    python, _, _ = install
+    ask, asked = asker("refused")
+    for _ in range(2):
+        assert remembered("test", str(python), ask, lambda a: a is None, lambda a: [], settle_ns=0) == "refused"
+    assert len(asked) == 2
+
+
+_FORK_PROBE = """
+import json, sys
+from engine.sandbox import _host
+if sys.argv[1] == "watched":  # (a probe run now would say so)
+    _host._fork_server_probe = lambda bwrap: "probed again"
+print(json.dumps(_host.fork_server_problem()))
+"""
+
+
+def test_a_plain_users_fork_server_probe_is_run_once_across_commands(unprivileged: Unprivileged):
+    """Its answer (that a user namespace below bubblewrap's is allowed) is kept: the next
+    command does not start the probe's interpreter again."""
+    env = {**unprivileged.env, "PYTHONPATH": f"{ROOT}:{unprivileged.env.get('PYTHONPATH', '')}",
+           "XDG_STATE_HOME": str(unprivileged.home / "state")}
+
+    def command(mode: str):
+        done = subprocess.run([*unprivileged.python, "-c", _FORK_PROBE, mode], cwd=unprivileged.home, env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout)
+
+    first = command("first")
+    if first is not None:
+        pytest.skip(f"no fork server for a plain user here: {first}")
+    assert command("watched") is None

@@ -126,7 +126,7 @@ def report(policy: SandboxPolicy) -> list[Layer]:
     sc_why = f"BPF filter for {arch}" if host.seccomp else f"unavailable (kernel or architecture {arch})"
     layers.append(Layer("seccomp", host.seccomp, on and host.seccomp, sc_why))
     # Not a layer: how each worker's layers are made (forked, or started cold).
-    problem = fork_server_problem()
+    problem = fork_server_problem(fresh=True)
     if problem is not None:
         fs_why = f"{problem}: workers and code samples start cold (~100 ms each)"
     elif not bw:

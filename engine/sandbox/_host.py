@@ -1,8 +1,11 @@
 """What this machine's sandbox can do for the current user: bubblewrap and its namespaces,
-Landlock, seccomp, a fork server below bubblewrap's user namespace; probed once per process."""
+Landlock, seccomp, a fork server below bubblewrap's user namespace; probed once per process
+(the fork server's probe, once across commands while nothing it depends on changed)."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import shutil
 import subprocess
@@ -14,6 +17,7 @@ from pathlib import Path
 from engine.environment import ALLOWLIST, environment
 from engine.sandbox._bwrap import beneath, probe_argv
 from engine.sandbox._interpreter import python_paths, runtime_argv
+from engine.sandbox._probe_cache import remembered
 from worker.contract.confinement import landlock_abi, seccomp_supported
 from worker.contract.start import FORK_PROBE
 
@@ -55,22 +59,55 @@ def host_support() -> HostSupport:
 
 
 
-@lru_cache(maxsize=1)
-def fork_server_problem() -> str | None:
+@lru_cache(maxsize=2)
+def fork_server_problem(fresh: bool = False) -> str | None:
     """Why a fork server cannot run here for this user (None: it can), in a few words.
 
     Root's needs bubblewrap only.  An unprivileged user's runs in bubblewrap's user namespace
     and gives each process it forks a user namespace of its own: a kernel or policy that allows
     bubblewrap its namespace may still refuse one below it (AppArmor's restriction of
     unprivileged user namespaces, a low ``user.max_user_namespaces``).  So that much is made
-    once, as the server makes it (``worker.fork_server.probe``): an interpreter started once
-    per process, in a sandbox of its own."""
+    once, as the server makes it (``worker.fork_server.probe``): an interpreter started in a
+    sandbox of its own, once per process — and once across commands while it worked and
+    bubblewrap, this interpreter, the worker's code and the kernel's settings for user
+    namespaces stay the same (``_probe_cache``); a refusal is asked again each time, so that
+    a fix shows at once.  ``fresh``: probe whatever was kept (``doctor``, which diagnoses)."""
     host = host_support()
     if host.bwrap is None:
         return host.bwrap_problem
     if host.root:
         return None
-    argv = probe_argv(host.bwrap, False, server="fork") + runtime_argv(sys.executable, FORK_PROBE)
+    bwrap = host.bwrap
+    if fresh:
+        return _fork_server_probe(bwrap)
+    return remembered("fork server probe", sys.executable, lambda: _fork_server_probe(bwrap),
+                      lambda answer: answer is None, lambda _: [bwrap, *_worker_code()], context=_userns_settings())
+
+
+def _worker_code() -> list[str]:
+    """The worker's modules, which the probe runs (their identities are part of a kept answer)."""
+    top = Path(__file__).resolve().parents[2] / "worker"
+    return sorted(str(p) for p in [*top.glob("*.py"), *top.glob("contract/*.py")])
+
+
+#: The kernel's settings that decide whether a user namespace is allowed below bubblewrap's:
+#: the boot (a kernel updated, or set up again), the limits, and AppArmor's restriction.
+_USERNS_SETTINGS = ("kernel/random/boot_id", "user/max_user_namespaces", "kernel/unprivileged_userns_clone",
+                    "kernel/apparmor_restrict_unprivileged_userns", "kernel/apparmor_restrict_unprivileged_unconfined")
+_APPARMOR_PROFILES = "/sys/kernel/security/apparmor/profiles"
+
+
+def _userns_settings() -> list:
+    """The values of ``_USERNS_SETTINGS`` and a digest of AppArmor's loaded profiles (a profile
+    for bubblewrap added or removed), where they can be read."""
+    profiles = None
+    with contextlib.suppress(OSError), open(_APPARMOR_PROFILES, "rb") as f:
+        profiles = hashlib.sha256(f.read(1 << 20)).hexdigest()
+    return [*(_read_sysctl(name) for name in _USERNS_SETTINGS), profiles]
+
+
+def _fork_server_probe(bwrap: str) -> str | None:
+    argv = probe_argv(bwrap, False, server="fork") + runtime_argv(sys.executable, FORK_PROBE)
     try:
         done = subprocess.run(argv, capture_output=True, timeout=30, stdin=subprocess.DEVNULL, cwd="/",
                               env=environment(ALLOWLIST))

@@ -127,23 +127,25 @@ def _write(path: str, record: dict) -> None:
 
 
 def remembered(kind: str, python: str, ask: Callable[[], Any], valid: Callable[[Any], bool],
-               paths: Callable[[Any], Iterable[str]], *, settle_ns: int = SETTLE_NS) -> Any:
+               paths: Callable[[Any], Iterable[str]], *, settle_ns: int = SETTLE_NS, context: Any = None) -> Any:
     """The answer ``ask()`` gives about ``python`` (``kind`` names the question, and must change
     when the question does), taken from the last time it was asked while what the answer
     depends on — ``python``'s files and the directories ``paths(answer)`` names — is unchanged.
-    ``valid``: whether a kept answer has the shape ``ask`` returns (a kept one that has not
-    is asked again).  ``settle_ns``: see ``SETTLE_NS``."""
+    ``valid``: whether a kept answer is one to give (a kept one that is not is asked again).
+    ``context``: what else the answer depends on that no file's identity shows (the kernel's
+    settings, as JSON values), given again only while equal.  ``settle_ns``: see ``SETTLE_NS``."""
     if not _compiled(python):
         return ask()
     file = _file(kind, python)
     record = _read(file)
     if (record is not None and record.get("kind") == kind and record.get("python") == os.path.abspath(python)
-            and valid(record.get("answer"))):
+            and record.get("context") == context and valid(record.get("answer"))):
         with contextlib.suppress(TypeError, ValueError):
             if record.get("fingerprint") == _fingerprint(python, paths(record["answer"])):
                 return record["answer"]
     answer = ask()
     fingerprint = _fingerprint(python, paths(answer))
     if max((entry[-1] for entry in fingerprint if len(entry) > 1), default=0) < time.time_ns() - settle_ns:
-        _write(file, {"kind": kind, "python": os.path.abspath(python), "answer": answer, "fingerprint": fingerprint})
+        _write(file, {"kind": kind, "python": os.path.abspath(python), "answer": answer, "fingerprint": fingerprint,
+                      "context": context})
     return answer
