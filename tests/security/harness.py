@@ -135,7 +135,8 @@ def in_pid_namespace(ns: str) -> list[int]:
 
 
 def described(pids: list[int]) -> str:
-    """What each of ``pids`` is (name, state, parent) as /proc says, for a failure's message."""
+    """What each of ``pids`` is (name, state, parent, where it waits) as /proc says, for a
+    failure's message."""
     out = []
     for pid in pids:
         try:
@@ -144,8 +145,13 @@ def described(pids: list[int]) -> str:
         except OSError:
             out.append(f"{pid}: gone")
             continue
+        try:  # (where in the kernel it waits, root only: zap_pid_ns_processes, say, for an init still ending)
+            with open(f"/proc/{pid}/stack") as f:
+                wchan = "|".join(line.split()[-1].split("+")[0] for line in f.read(2000).splitlines()[:3])
+        except (OSError, IndexError):
+            wchan = "?"
         out.append(f"{pid}: {fields.get('Name', '?').strip()} {fields.get('State', '?').strip()} "
-                   f"ppid {fields.get('PPid', '?').strip()} NSpid {fields.get('NSpid', '?').strip()}")
+                   f"ppid {fields.get('PPid', '?').strip()} NSpid {fields.get('NSpid', '?').strip()} in {wchan}")
     return "; ".join(out) or "none"
 
 
