@@ -181,7 +181,7 @@ class CodeTask:
             body += f"[{excess}]"
         duration = time.monotonic() - self.started
         taken = getattr(host.worker, "connections", None)  # (--allow-net: what the block's code reached)
-        for connection in taken() if callable(taken) else ():
+        for connection in (await taken()) if callable(taken) else ():
             host.emit("connection", id=self.id, **{k: connection[k] for k in _CONNECTION if k in connection})
         host.emit("finished", id=self.id, duration=duration, cancelled=status != "ok" and status != "error",
                   output=body, status=status, **facts)

@@ -384,7 +384,7 @@ class AgentloopMCP:
             session.blocks += 1
             # (--allow-net) what the block reached, from the gate outside its sandbox: ended since
             # the session's last block (one still open is told with a later one)
-            network = session.worker.connections() if self.config.settings.allow_net else None
+            network = await session.worker.connections() if self.config.settings.allow_net else None
         if result.refused_write():
             notes.append(writable_note(session.workspace))
         if network:

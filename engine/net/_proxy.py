@@ -133,6 +133,13 @@ class EgressGate:
         self._accepting = asyncio.get_running_loop().create_task(self._accept())
         return self
 
+    async def settled(self, timeout: float) -> None:
+        """Wait until the connections open now have ended, for at most ``timeout`` s: one whose
+        client has just closed it ends a moment later, once the close has come through the
+        sandbox's forwarder; one the client keeps open stays so (it is told when it ends)."""
+        if self._open:
+            await asyncio.wait(set(self._open), timeout=timeout)
+
     async def close(self) -> None:
         """Stop accepting, end every open connection, remove the socket."""
         if self._accepting is not None:

@@ -113,11 +113,18 @@ class Worker:
         for inspection; None while none runs.  A kill replaces it."""
         return self._session
 
-    def connections(self) -> list[dict]:
+    async def connections(self, settle: float = 1.0) -> list[dict]:
         """The connections its sandbox made through its way out (``--allow-net``) that ended
-        since the last call (``engine.net.ConnectionRecord``'s fields); [] without an allowlist."""
+        since the last call (``engine.net.ConnectionRecord``'s fields); [] without an allowlist.
+        Those still open are given up to ``settle`` s to end first (a block's last request may
+        still be closing when its result comes); one still open after that is told later."""
         gates, s = self.launcher.gates, self._session
-        return [] if gates is None or s is None else gates.take(s.sock_dir)
+        if gates is None or s is None:
+            return []
+        gate = gates.gate(s.sock_dir)
+        if gate is not None:
+            await gate.settled(settle)
+        return gates.take(s.sock_dir)
 
     @property
     def running(self) -> list[str]:
