@@ -83,6 +83,13 @@ class Gates:
         taken.update(id(r) for r in fresh)
         return [{**r.to_dict(), "process": sock_dir.name} for r in fresh]
 
+    async def settled_take(self, sock_dir: Path | None, settle: float) -> list[dict]:
+        """``take``, once the gate's connections open now have ended or ``settle`` s passed."""
+        gate = self.gate(sock_dir)
+        if gate is not None:
+            await gate.settled(settle)
+        return self.take(sock_dir)
+
     async def close(self, sock_dir: Path | None) -> list[dict]:
         """Close the gate of ``sock_dir`` (its sandbox has ended): its connections end, and are
         recorded; returns them."""

@@ -115,16 +115,11 @@ class Worker:
 
     async def connections(self, settle: float = 1.0) -> list[dict]:
         """The connections its sandbox made through its way out (``--allow-net``) that ended
-        since the last call (``engine.net.ConnectionRecord``'s fields); [] without an allowlist.
-        Those still open are given up to ``settle`` s to end first (a block's last request may
-        still be closing when its result comes); one still open after that is told later."""
+        since the last call (``engine.net.ConnectionRecord``'s fields), those open now given up
+        to ``settle`` s to end first (a block's last request may still be closing as its result
+        comes; one open after that is told later); [] without an allowlist."""
         gates, s = self.launcher.gates, self._session
-        if gates is None or s is None:
-            return []
-        gate = gates.gate(s.sock_dir)
-        if gate is not None:
-            await gate.settled(settle)
-        return gates.take(s.sock_dir)
+        return [] if gates is None or s is None else await gates.settled_take(s.sock_dir, settle)
 
     @property
     def running(self) -> list[str]:
